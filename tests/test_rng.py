@@ -1,0 +1,46 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from randomgen import ChaCha
+
+from shuffledp.rng import InsecureSeedError, make_rng, secure_permutation
+
+
+def test_generator_is_chacha20():
+    rng = make_rng()
+    assert isinstance(rng.bit_generator, ChaCha)
+
+
+def test_unseeded_streams_differ():
+    assert not np.array_equal(make_rng().integers(0, 2**62, 8), make_rng().integers(0, 2**62, 8))
+
+
+def test_test_seed_reproducible():
+    assert np.array_equal(make_rng(7).integers(0, 2**62, 8), make_rng(7).integers(0, 2**62, 8))
+
+
+def test_seed_refused_without_switch():
+    code = "from shuffledp.rng import make_rng\nmake_rng(1)"
+    env = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert InsecureSeedError.__name__ in out.stderr
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3"])
+def test_bad_seed(bad):
+    with pytest.raises(ValueError):
+        make_rng(bad)
+
+
+def test_permutation_uniform_chi_square():
+    # Position of element 0 over many permutations of 10 items: uniform. Fixed seed; chi-square with
+    # 9 dof, 99.99% quantile 33.7, so a correct shuffle fails this with probability 1e-4.
+    rng = make_rng(123)
+    counts = np.zeros(10)
+    for _ in range(20000):
+        counts[int(np.argmax(secure_permutation(10, rng) == 0))] += 1
+    chi2 = ((counts - 2000) ** 2 / 2000).sum()
+    assert chi2 < 33.7
