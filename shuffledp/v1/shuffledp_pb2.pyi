@@ -1,0 +1,398 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Schedule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEDULE_UNSPECIFIED: _ClassVar[Schedule]
+    SEQUENTIAL: _ClassVar[Schedule]
+    FULLY_INTERACTIVE: _ClassVar[Schedule]
+    SUBSAMPLED: _ClassVar[Schedule]
+    STREAM: _ClassVar[Schedule]
+
+class TrustModel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRUST_MODEL_UNSPECIFIED: _ClassVar[TrustModel]
+    SHUFFLE: _ClassVar[TrustModel]
+    LOCAL: _ClassVar[TrustModel]
+    CENTRAL: _ClassVar[TrustModel]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    COUNTS: _ClassVar[Transport]
+    BITS: _ClassVar[Transport]
+    SEALED: _ClassVar[Transport]
+
+class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_STATE_UNSPECIFIED: _ClassVar[RunState]
+    CREATED: _ClassVar[RunState]
+    RUNNING: _ClassVar[RunState]
+    COMPLETED: _ClassVar[RunState]
+    FAILED: _ClassVar[RunState]
+    CANCELLED: _ClassVar[RunState]
+    BUDGET_EXHAUSTED: _ClassVar[RunState]
+SCHEDULE_UNSPECIFIED: Schedule
+SEQUENTIAL: Schedule
+FULLY_INTERACTIVE: Schedule
+SUBSAMPLED: Schedule
+STREAM: Schedule
+TRUST_MODEL_UNSPECIFIED: TrustModel
+SHUFFLE: TrustModel
+LOCAL: TrustModel
+CENTRAL: TrustModel
+TRANSPORT_UNSPECIFIED: Transport
+COUNTS: Transport
+BITS: Transport
+SEALED: Transport
+RUN_STATE_UNSPECIFIED: RunState
+CREATED: RunState
+RUNNING: RunState
+COMPLETED: RunState
+FAILED: RunState
+CANCELLED: RunState
+BUDGET_EXHAUSTED: RunState
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "f64")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    F64_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    f64: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., f64: _Optional[bytes] = ...) -> None: ...
+
+class RandomizerSpec(_message.Message):
+    __slots__ = ("protocol", "clip_norm", "dim", "g", "m", "p", "eps0", "sigma", "messages_per_user", "message_bytes", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    G_FIELD_NUMBER: _ClassVar[int]
+    M_FIELD_NUMBER: _ClassVar[int]
+    P_FIELD_NUMBER: _ClassVar[int]
+    EPS0_FIELD_NUMBER: _ClassVar[int]
+    SIGMA_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_PER_USER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    protocol: str
+    clip_norm: float
+    dim: int
+    g: int
+    m: int
+    p: float
+    eps0: float
+    sigma: float
+    messages_per_user: int
+    message_bytes: int
+    extra: _containers.ScalarMap[str, float]
+    def __init__(self, protocol: _Optional[str] = ..., clip_norm: _Optional[float] = ..., dim: _Optional[int] = ..., g: _Optional[int] = ..., m: _Optional[int] = ..., p: _Optional[float] = ..., eps0: _Optional[float] = ..., sigma: _Optional[float] = ..., messages_per_user: _Optional[int] = ..., message_bytes: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class PrivacyCost(_message.Message):
+    __slots__ = ("eps", "delta", "accountant", "trust_model")
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
+    TRUST_MODEL_FIELD_NUMBER: _ClassVar[int]
+    eps: float
+    delta: float
+    accountant: str
+    trust_model: TrustModel
+    def __init__(self, eps: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ...) -> None: ...
+
+class RoundSpec(_message.Message):
+    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    TRUST_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    RANDOMIZER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    COHORT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PER_USER_COST_FIELD_NUMBER: _ClassVar[int]
+    ANALYZER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    schedule: Schedule
+    trust_model: TrustModel
+    transport: Transport
+    randomizer: RandomizerSpec
+    model: Tensor
+    task: str
+    num_classes: int
+    cohort_size: int
+    min_contributors: int
+    deadline_seconds: float
+    per_user_cost: PrivacyCost
+    analyzer_public_key: bytes
+    local_batch: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ...) -> None: ...
+
+class Invitation(_message.Message):
+    __slots__ = ("spec", "user_ids")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    USER_IDS_FIELD_NUMBER: _ClassVar[int]
+    spec: RoundSpec
+    user_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, spec: _Optional[_Union[RoundSpec, _Mapping]] = ..., user_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CountVector(_message.Message):
+    __slots__ = ("counts",)
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, counts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SealedMessages(_message.Message):
+    __slots__ = ("ciphertexts",)
+    CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
+    ciphertexts: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, ciphertexts: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class UserMessage(_message.Message):
+    __slots__ = ("user_id", "nonce", "counts", "sealed")
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    user_id: str
+    nonce: bytes
+    counts: CountVector
+    sealed: SealedMessages
+    def __init__(self, user_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., counts: _Optional[_Union[CountVector, _Mapping]] = ..., sealed: _Optional[_Union[SealedMessages, _Mapping]] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("user_id", "reason")
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    user_id: str
+    reason: str
+    def __init__(self, user_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Contribution(_message.Message):
+    __slots__ = ("run_id", "round", "node_id", "messages", "refusals")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    node_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[UserMessage]
+    refusals: _containers.RepeatedCompositeFieldContainer[Refusal]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., node_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[UserMessage, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ...) -> None: ...
+
+class ContributionAck(_message.Message):
+    __slots__ = ("accepted", "rejected")
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    rejected: _containers.ScalarMap[str, int]
+    def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class BatchReport(_message.Message):
+    __slots__ = ("invited", "contributors", "rejected", "refused", "below_threshold")
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    INVITED_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    BELOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    invited: int
+    contributors: int
+    rejected: _containers.ScalarMap[str, int]
+    refused: int
+    below_threshold: bool
+    def __init__(self, invited: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., below_threshold: _Optional[bool] = ...) -> None: ...
+
+class ShuffledBatch(_message.Message):
+    __slots__ = ("run_id", "round", "released", "label_totals", "ciphertexts", "report")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    LABEL_TOTALS_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    released: bool
+    label_totals: _containers.RepeatedScalarFieldContainer[int]
+    ciphertexts: _containers.RepeatedScalarFieldContainer[bytes]
+    report: BatchReport
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., released: _Optional[bool] = ..., label_totals: _Optional[_Iterable[int]] = ..., ciphertexts: _Optional[_Iterable[bytes]] = ..., report: _Optional[_Union[BatchReport, _Mapping]] = ...) -> None: ...
+
+class RegisterUsersRequest(_message.Message):
+    __slots__ = ("node_id", "user_ids")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_IDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    user_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., user_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterUsersResponse(_message.Message):
+    __slots__ = ("admitted", "total_users")
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_USERS_FIELD_NUMBER: _ClassVar[int]
+    admitted: int
+    total_users: int
+    def __init__(self, admitted: _Optional[int] = ..., total_users: _Optional[int] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class PopulationRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class PopulationStatus(_message.Message):
+    __slots__ = ("admitted_users", "unused_users", "connected_nodes")
+    ADMITTED_USERS_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_USERS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    admitted_users: int
+    unused_users: int
+    connected_nodes: int
+    def __init__(self, admitted_users: _Optional[int] = ..., unused_users: _Optional[int] = ..., connected_nodes: _Optional[int] = ...) -> None: ...
+
+class CreateRunRequest(_message.Message):
+    __slots__ = ("config_toml",)
+    CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
+    config_toml: str
+    def __init__(self, config_toml: _Optional[str] = ...) -> None: ...
+
+class RunRef(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class BudgetStatus(_message.Message):
+    __slots__ = ("eps_spent", "delta_spent", "eps_reserved", "delta_reserved", "eps_limit", "delta_limit", "accountant", "trust_model", "rounds_committed")
+    EPS_SPENT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_SPENT_FIELD_NUMBER: _ClassVar[int]
+    EPS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    EPS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
+    TRUST_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    eps_spent: float
+    delta_spent: float
+    eps_reserved: float
+    delta_reserved: float
+    eps_limit: float
+    delta_limit: float
+    accountant: str
+    trust_model: TrustModel
+    rounds_committed: int
+    def __init__(self, eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., eps_reserved: _Optional[float] = ..., delta_reserved: _Optional[float] = ..., eps_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., rounds_committed: _Optional[int] = ...) -> None: ...
+
+class RoundMetrics(_message.Message):
+    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    EPS_SPENT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_SPENT_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    contributors: int
+    loss: float
+    accuracy: float
+    eps_spent: float
+    delta_spent: float
+    released: bool
+    seconds: float
+    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class RunStatus(_message.Message):
+    __slots__ = ("run_id", "state", "rounds_done", "rounds_planned", "budget", "metrics", "message")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_PLANNED_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: RunState
+    rounds_done: int
+    rounds_planned: int
+    budget: BudgetStatus
+    metrics: _containers.RepeatedCompositeFieldContainer[RoundMetrics]
+    message: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., rounds_done: _Optional[int] = ..., rounds_planned: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., metrics: _Optional[_Iterable[_Union[RoundMetrics, _Mapping]]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RunResult(_message.Message):
+    __slots__ = ("status", "model", "ledger_json", "config_toml")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
+    status: RunStatus
+    model: Tensor
+    ledger_json: str
+    config_toml: str
+    def __init__(self, status: _Optional[_Union[RunStatus, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., ledger_json: _Optional[str] = ..., config_toml: _Optional[str] = ...) -> None: ...
+
+class NodeStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_id", "users", "rounds_joined", "refusals")
+    class RefusalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    USERS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_JOINED_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    users: int
+    rounds_joined: int
+    refusals: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., users: _Optional[int] = ..., rounds_joined: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ...) -> None: ...
