@@ -1,0 +1,9 @@
+# Sourced by scripts/test and scripts/run-default: creates .venv and installs the project on first use.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ ! -x .venv/bin/shuffledp ] || [ pyproject.toml -nt .venv/.installed ]; then
+  echo "setting up .venv (first run only)..." >&2
+  python3 -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  touch .venv/.installed
+fi

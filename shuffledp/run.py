@@ -1,0 +1,256 @@
+"""`shuffledp run [CONFIG.toml]`: a whole experiment as separate OS processes on loopback.
+
+Starts the shuffler, the analyzer and the configured number of client nodes (each `shuffledp serve ...`), creates and
+starts the run through the analyzer's operator API, prints progress per round, and writes a results directory:
+config.toml, metrics.csv, metrics.json, ledger.json, model.npz, plot.png, logs/. Everything is stopped on success,
+failure and Ctrl-C. With no CONFIG the embedded default (digits, one example per user) runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+STARTUP_TIMEOUT_S = 60.0
+POLL_S = 0.5
+TERMINAL = {pb.COMPLETED, pb.FAILED, pb.CANCELLED, pb.BUDGET_EXHAUSTED}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("run", help="run an experiment: analyzer, shuffler and client nodes on loopback")
+    parser.add_argument("config", nargs="?", type=Path, help="run configuration TOML (default: embedded digits run)")
+    parser.add_argument("--out", type=Path, help="results directory (default: results/<name>-<time>)")
+    parser.add_argument("--quiet", action="store_true", help="only the final summary")
+    parser.set_defaults(func=_run_command)
+
+
+@dataclass
+class Cluster:
+    """The service processes of one local run; stop() always terminates all of them."""
+
+    workdir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    logs: list = field(default_factory=list)
+
+    def spawn(self, name: str, argv: list[str]) -> Path:
+        port_file = self.workdir / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        log = open(self.workdir / "logs" / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
+        self.logs.append(log)
+        cmd = [sys.executable, "-m", "shuffledp.cli", "serve", *argv, "--port-file", str(port_file)]
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        return port_file
+
+    def wait_port(self, name: str, port_file: Path) -> int:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if port_file.exists():
+                return int(port_file.read_text())
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited during start-up:\n{self.log_tail(name)}")
+            time.sleep(0.05)
+        raise RuntimeError(f"{name} did not start within {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail(name)}")
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.workdir / "logs" / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited unexpectedly (status {proc.returncode}):\n{self.log_tail(name)}")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self.logs:
+            log.close()
+
+
+def start_local_cluster(config_path: Path, workdir: Path, client_nodes: int) -> tuple[Cluster, str]:
+    """Start shuffler, analyzer and client nodes as processes; returns the cluster and the analyzer address."""
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(workdir)
+    try:
+        sec = ["--insecure"]
+        pf = cluster.spawn("shuffler", ["shuffler", *sec, "--state-dir", str(workdir / "state")])
+        shuffler = f"127.0.0.1:{cluster.wait_port('shuffler', pf)}"
+        pf = cluster.spawn(
+            "analyzer", ["analyzer", *sec, "--shuffler", shuffler, "--state-dir", str(workdir / "state")]
+        )
+        analyzer = f"127.0.0.1:{cluster.wait_port('analyzer', pf)}"
+        node_files = {
+            f"client-{i}": cluster.spawn(
+                f"client-{i}",
+                [
+                    "client",
+                    *sec,
+                    "--shuffler",
+                    shuffler,
+                    "--config",
+                    str(config_path),
+                    "--node-index",
+                    str(i),
+                    "--num-nodes",
+                    str(client_nodes),
+                ],
+            )
+            for i in range(client_nodes)
+        }
+        for name, pf in node_files.items():
+            cluster.wait_port(name, pf)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster, analyzer
+
+
+def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
+    if not m.released:
+        return f"round {m.round + 1:>4}/{planned}  NOT RELEASED (below threshold: {m.contributors} contributors)"
+    return (
+        f"round {m.round + 1:>4}/{planned}  contributors {m.contributors:>6}  loss {m.loss:8.4f}  "
+        f"accuracy {m.accuracy:6.3f}  eps spent {m.eps_spent:7.4f}  ({m.seconds:5.2f} s)"
+    )
+
+
+def drive_run(analyzer: str, config_toml: str, cluster: Cluster | None = None, echo=print) -> pb.RunResult:
+    """Create and start a run on the analyzer, report progress until it ends, return its result."""
+    with grpc.insecure_channel(analyzer) as channel:
+        stub = pbg.AnalyzerStub(channel)
+        status = stub.CreateRun(pb.CreateRunRequest(config_toml=config_toml), timeout=60)
+        ref = pb.RunRef(run_id=status.run_id)
+        stub.StartRun(ref, timeout=30)
+        shown = 0
+        try:
+            while True:
+                status = stub.GetRunStatus(ref, timeout=30)
+                for m in status.metrics[shown:]:
+                    echo(_progress_line(m, status.rounds_planned))
+                shown = len(status.metrics)
+                if status.state in TERMINAL:
+                    break
+                if cluster is not None:
+                    cluster.check_alive()
+                time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            echo("interrupted: cancelling the run")
+            with contextlib.suppress(grpc.RpcError):
+                stub.CancelRun(ref, timeout=10)
+            raise
+        return stub.GetRunResult(ref, timeout=60)
+
+
+def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
+    """Write everything a run produced; never raises half-way silently (a missing plot is reported, not fatal)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(config_toml)
+    rows = [
+        {
+            "round": m.round + 1,
+            "contributors": m.contributors,
+            "released": m.released,
+            "loss": m.loss,
+            "accuracy": m.accuracy,
+            "eps_spent": m.eps_spent,
+            "delta_spent": m.delta_spent,
+            "seconds": m.seconds,
+        }
+        for m in result.status.metrics
+    ]
+    (out / "metrics.json").write_text(json.dumps(rows, indent=2))
+    with open(out / "metrics.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["round"])
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "ledger.json").write_text(result.ledger_json)
+    model = np.frombuffer(result.model.f64, dtype="<f8").reshape(tuple(result.model.shape) or (-1,))
+    np.savez(out / "model.npz", params=model)
+    try:
+        _plot(out / "plot.png", rows)
+    except Exception as exc:  # the data files above are written already; a plotting failure must not lose them
+        print(f"warning: plot not written: {exc}", file=sys.stderr)
+
+
+def _plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = [r["round"] for r in rows if r["released"]]
+    fig, ax1 = plt.subplots(figsize=(7, 4))
+    ax1.plot(rounds, [r["accuracy"] for r in rows if r["released"]], "o-", color="tab:blue")
+    ax1.set_xlabel("round")
+    ax1.set_ylabel("held-out accuracy", color="tab:blue")
+    ax2 = ax1.twinx()
+    ax2.step([r["round"] for r in rows], [r["eps_spent"] for r in rows], where="post", color="tab:red")
+    ax2.set_ylabel("eps spent", color="tab:red")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    from shuffledp.config import ConfigError, default_config_toml, parse_config
+
+    try:
+        config_toml = args.config.read_text() if args.config else default_config_toml()
+    except OSError as exc:
+        print(f"shuffledp run: cannot read {args.config}: {exc.strerror}", file=sys.stderr)
+        return 2
+    try:
+        config = parse_config(config_toml)
+    except ConfigError as exc:
+        print(f"shuffledp run: {args.config or 'default config'}: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or Path("results") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.toml"
+    config_path.write_text(config_toml)
+    echo = (lambda *_: None) if args.quiet else print
+    print(f"shuffledp run: {config.name}: {config.deployment.client_nodes} client node(s); results in {out}")
+    started = time.monotonic()
+    cluster, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes)
+    try:
+        result = drive_run(analyzer, config_toml, cluster, echo)
+    except KeyboardInterrupt:
+        print("stopped by Ctrl-C; services shut down; partial logs in", out / "logs", file=sys.stderr)
+        return 130
+    finally:
+        cluster.stop()
+    write_results(out, config_toml, result)
+    status = result.status
+    final = next((m for m in reversed(status.metrics) if m.released), None)
+    budget = status.budget
+    print(f"state: {pb.RunState.Name(status.state)}  {status.message}".rstrip())
+    if final is not None:
+        print(f"test accuracy: {final.accuracy:.4f}  test loss: {final.loss:.4f}")
+    print(
+        f"privacy spent: eps = {budget.eps_spent:.4f}, delta = {budget.delta_spent:.3g}  "
+        f"(limit eps = {budget.eps_limit:g}, delta = {budget.delta_limit:.3g}; accountant: {budget.accountant}; "
+        f"trust model: {pb.TrustModel.Name(budget.trust_model)})"
+    )
+    print(f"wall time: {time.monotonic() - started:.1f} s; results: {out}")
+    return 0 if status.state == pb.COMPLETED else 1

@@ -1,0 +1,117 @@
+"""`shuffledp serve analyzer|shuffler|client`: run one party as a long-lived gRPC service.
+
+Used by `shuffledp run` (three kinds of OS processes on loopback), by docker compose (one container each) and on
+real hosts. Every connection is mutually authenticated TLS from `--pki DIR`; plain text needs `--insecure`, which is
+meant for loopback experiments only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+log = logging.getLogger("shuffledp.serve")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run one service (analyzer, shuffler or client node)")
+    parser.add_argument("service", choices=["analyzer", "shuffler", "client"])
+    parser.add_argument("--listen", default="127.0.0.1:0", help="host:port to bind (port 0 = any free port)")
+    parser.add_argument("--port-file", type=Path, help="write the bound port here once serving")
+    sec = parser.add_mutually_exclusive_group()
+    sec.add_argument("--pki", type=Path, help="PKI directory made by `shuffledp pki init` (mTLS)")
+    sec.add_argument("--insecure", action="store_true", help="plain text, for loopback experiments only")
+    parser.add_argument("--name", help="certificate name of this party (default: the service name, client-<i>)")
+    parser.add_argument(
+        "--shuffler",
+        default=os.environ.get("SHUFFLEDP_SHUFFLER", "127.0.0.1:50052"),
+        help="shuffler address (analyzer and client)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("state"),
+        help="analyzer: ledger and checkpoints; shuffler: participation record",
+    )
+    parser.add_argument("--config", type=Path, help="client: run configuration TOML (its [data] section)")
+    parser.add_argument("--node-index", type=int, default=0, help="client: index of this node")
+    parser.add_argument("--num-nodes", type=int, default=1, help="client: number of client nodes")
+    parser.set_defaults(func=_serve)
+
+
+def _security(args: argparse.Namespace, role: str):
+    """(server_credentials, channel_credentials, interceptors) for this party; Nones in insecure mode."""
+    if args.insecure:
+        log.warning("serving %s WITHOUT TLS (--insecure): use only on loopback", role)
+        return None, None, ()
+    if args.pki is None:
+        raise SystemExit(f"shuffledp serve {role}: give --pki DIR (mTLS) or --insecure (loopback experiments only)")
+    from shuffledp import tls
+
+    name = args.name or (f"client-{args.node_index}" if role == "client-node" else role)
+    return (
+        tls.server_credentials(args.pki, role, name),
+        tls.channel_credentials(args.pki, role, name),
+        (tls.RoleInterceptor(tls.DEFAULT_POLICY),),
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    if args.service == "analyzer":
+        from shuffledp.services.analyzer import start_analyzer
+
+        server_creds, channel_creds, interceptors = _security(args, "analyzer")
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+        server, port = start_analyzer(
+            args.listen, args.shuffler, args.state_dir, server_creds, channel_creds, interceptors
+        )
+        stopper = lambda: server.stop(grace=5).wait()  # noqa: E731
+    elif args.service == "shuffler":
+        from shuffledp.services.shuffler import start_shuffler
+
+        server_creds, _, interceptors = _security(args, "shuffler")
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+        server, port = start_shuffler(args.listen, args.state_dir / "shuffler.sqlite", server_creds, interceptors)
+        stopper = lambda: server.stop(grace=5).wait()  # noqa: E731
+    else:
+        from shuffledp.clients.node import start_node
+        from shuffledp.config import load_config
+
+        if args.num_nodes < 1 or not 0 <= args.node_index < args.num_nodes:
+            raise SystemExit(
+                f"--node-index must be in [0, --num-nodes) and --num-nodes >= 1, "
+                f"got {args.node_index} of {args.num_nodes}"
+            )
+        server_creds, channel_creds, _ = _security(args, "client-node")
+        config = load_config(args.config)
+        handle = start_node(
+            f"node-{args.node_index}",
+            config,
+            args.node_index,
+            args.num_nodes,
+            args.shuffler,
+            args.listen,
+            channel_creds,
+            server_creds,
+        )
+        port = handle.port
+        stopper = handle.stop
+
+    if args.port_file:
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)  # atomic: readers never see a partial file
+    log.info("%s serving on port %d", args.service, port)
+    stop.wait()
+    log.info("%s stopping", args.service)
+    stopper()
+    return 0
