@@ -1,0 +1,300 @@
+"""mTLS for every shuffledp gRPC hop, and authorization by the role written into each certificate.
+
+Every service requires a client certificate signed by the project CA (shuffledp.pki) and then checks, per
+method, that the caller's role may call it (RoleInterceptor). Plain text exists only when a caller asks for
+it explicitly (insecure=True, used by `shuffledp run` on loopback) and always logs a warning.
+
+Typical server:
+
+    sec = ServerSecurity(pki_dir, "shuffler", "shuffler")          # or ServerSecurity.insecure_loopback()
+    server = grpc.server(pool, interceptors=sec.interceptors({"/shuffledp.v1.Shuffler/": {"client-node"}}))
+    port = sec.add_port(server, "0.0.0.0:50052")
+
+Typical client:
+
+    chan = ChannelSecurity(pki_dir, "client-node", "client-0").channel("shuffler:50052", server_name="shuffler")
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+
+from shuffledp import pki
+from shuffledp.pki import Identity
+
+log = logging.getLogger(__name__)
+
+ANY_ROLE = "*"  # in an allow-list: any role that pki issues (still requires a valid certificate)
+_LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
+
+# Who may call what (proto/shuffledp/v1/shuffledp.proto). Design section 1: the operator drives the analyzer,
+# the analyzer drives rounds at the shuffler, client nodes only talk to the shuffler; nothing else is allowed
+# (unlisted methods are denied). Health checks are open to every authenticated party (compose healthchecks).
+DEFAULT_POLICY: dict[str, frozenset[str]] = {
+    "/shuffledp.v1.Analyzer/": frozenset({pki.ROLE_OPERATOR}),
+    "/shuffledp.v1.Shuffler/ExecuteRound": frozenset({pki.ROLE_ANALYZER}),
+    "/shuffledp.v1.Shuffler/GetPopulation": frozenset({pki.ROLE_ANALYZER}),
+    "/shuffledp.v1.Shuffler/RegisterUsers": frozenset({pki.ROLE_CLIENT_NODE}),
+    "/shuffledp.v1.Shuffler/Subscribe": frozenset({pki.ROLE_CLIENT_NODE}),
+    "/shuffledp.v1.Shuffler/Submit": frozenset({pki.ROLE_CLIENT_NODE}),
+    "/shuffledp.v1.ClientNode/": frozenset({pki.ROLE_OPERATOR}),
+    "/grpc.health.v1.Health/": frozenset({ANY_ROLE}),
+}
+
+
+@dataclass(frozen=True)
+class _Material:
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
+def _load(pki_dir: str | os.PathLike[str], role: str, name: str) -> _Material:
+    """Read CA, certificate and key of party `name`, checking the certificate really is that role."""
+    if role not in pki.ROLES:
+        raise ValueError(f"role={role!r} is not a shuffledp role; allowed: {', '.join(pki.ROLES)}")
+    ca_path = Path(pki_dir) / pki.CA_CERT_FILE
+    cert_path, key_path = pki.party_paths(pki_dir, name)
+    for p in (ca_path, cert_path, key_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"{p} not found: create the PKI with `shuffledp pki init --out {pki_dir}`")
+    if key_path.stat().st_mode & 0o077:
+        # a readable private key is a leaked identity; refuse instead of serving with it
+        raise PermissionError(
+            f"{key_path} is readable by group/others (mode {key_path.stat().st_mode & 0o777:o}); chmod 600"
+        )
+    cert = cert_path.read_bytes()
+    ident = pki.identity_of(x509.load_pem_x509_certificate(cert))
+    if ident != Identity(role, name):
+        raise ValueError(f"{cert_path} names {ident}, not role={role!r} name={name!r}")
+    return _Material(ca=ca_path.read_bytes(), cert=cert, key=key_path.read_bytes())
+
+
+def server_credentials(pki_dir: str | os.PathLike[str], role: str, name: str) -> grpc.ServerCredentials:
+    """TLS server credentials of party `name` that require and verify a client certificate from the CA."""
+    m = _load(pki_dir, role, name)
+    return grpc.ssl_server_credentials([(m.key, m.cert)], root_certificates=m.ca, require_client_auth=True)
+
+
+def channel_credentials(pki_dir: str | os.PathLike[str], role: str, name: str) -> grpc.ChannelCredentials:
+    """TLS channel credentials that trust only the project CA and present party `name`'s certificate."""
+    m = _load(pki_dir, role, name)
+    return grpc.ssl_channel_credentials(root_certificates=m.ca, private_key=m.key, certificate_chain=m.cert)
+
+
+@functools.lru_cache(maxsize=1024)
+def _identity_from_pem(pem: bytes) -> Identity | None:
+    try:
+        return pki.identity_of(x509.load_pem_x509_certificate(pem))
+    except ValueError:
+        return None
+
+
+def peer_identity(context: grpc.ServicerContext) -> Identity | None:
+    """Role and name of the authenticated peer (from its verified certificate), or None if there is none."""
+    pems = context.auth_context().get("x509_pem_cert") or []
+    if len(pems) != 1:
+        return None
+    return _identity_from_pem(bytes(pems[0]))
+
+
+def peer_role(context: grpc.ServicerContext) -> str | None:
+    """Role of the authenticated peer, or None (no certificate, or one without a valid shuffledp role)."""
+    ident = peer_identity(context)
+    return ident.role if ident else None
+
+
+def _service_of(method: str) -> str:
+    # "/pkg.Service/Method" -> "pkg.Service"
+    return method.lstrip("/").split("/", 1)[0]
+
+
+class RoleInterceptor(grpc.ServerInterceptor):
+    """Allow a method only to peers whose certificate role is listed for it; deny everything unlisted.
+
+    `allowed` maps a full method name ("/pkg.Service/Method"), or a service ("/pkg.Service/",
+    "pkg.Service"), to the set of roles (or {ANY_ROLE}). An exact method entry wins over its service entry.
+    """
+
+    def __init__(self, allowed: Mapping[str, Iterable[str]]):
+        self._methods: dict[str, frozenset[str]] = {}
+        self._services: dict[str, frozenset[str]] = {}
+        for key, roles in allowed.items():
+            roles = frozenset(roles)
+            bad = roles - set(pki.ROLES) - {ANY_ROLE}
+            if bad:
+                raise ValueError(f"allowed[{key!r}] has unknown roles {sorted(bad)}; allowed: {pki.ROLES} or '*'")
+            stripped = key.strip("/")
+            if "/" in stripped:
+                self._methods["/" + stripped] = roles
+            elif stripped:
+                self._services[stripped] = roles
+            else:
+                raise ValueError(f"allowed key {key!r} names no method or service")
+
+    def roles_for(self, method: str) -> frozenset[str]:
+        """Roles allowed to call full method name `method` (empty: nobody)."""
+        if method in self._methods:
+            return self._methods[method]
+        return self._services.get(_service_of(method), frozenset())
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:
+            return None  # unknown method: gRPC answers UNIMPLEMENTED
+        method = details.method
+        roles = self.roles_for(method)
+
+        def check(context: grpc.ServicerContext) -> None:
+            ident = peer_identity(context)
+            if ident is None:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method}: no shuffledp client certificate role")
+            if ANY_ROLE not in roles and ident.role not in roles:
+                who = "nobody" if not roles else ", ".join(sorted(roles))
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method}: role {ident.role!r} ({ident.name}) may not call this method; allowed: {who}",
+                )
+
+        return _wrap_handler(handler, check)
+
+
+def _wrap_handler(
+    handler: grpc.RpcMethodHandler, check: Callable[[grpc.ServicerContext], None]
+) -> grpc.RpcMethodHandler:
+    """The same handler with `check(context)` run before the behaviour (for all four call kinds)."""
+
+    def guard(behaviour: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+        def guarded(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+            check(context)
+            return behaviour(request_or_iterator, context)
+
+        return guarded
+
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(guard(handler.unary_unary), **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(guard(handler.unary_stream), **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(guard(handler.stream_unary), **kw)
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(guard(handler.stream_stream), **kw)
+    raise ValueError("RPC method handler has no behaviour")
+
+
+def _is_loopback(address: str) -> bool:
+    """True for 'host:port' whose host is a loopback address or localhost, or a unix socket (local only)."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    host = host.strip("[]")
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ServerSecurity:
+    """How a service listens: mTLS with role checks (default) or, only if asked, plain text on loopback."""
+
+    def __init__(
+        self,
+        pki_dir: str | os.PathLike[str] | None,
+        role: str,
+        name: str,
+        insecure: bool = False,
+    ):
+        if insecure and pki_dir is not None:
+            raise ValueError("insecure=True and pki_dir given: choose one")
+        if not insecure and pki_dir is None:
+            raise ValueError("pki_dir is required unless insecure=True (plain text must be asked for explicitly)")
+        self.pki_dir = None if pki_dir is None else Path(pki_dir)
+        self.role = role
+        self.name = name
+        self.insecure = insecure
+        # load now: a missing or wrong certificate should fail at start-up, not at the first call
+        self._credentials = None if insecure else server_credentials(self.pki_dir, role, name)
+
+    @classmethod
+    def insecure_loopback(cls, role: str, name: str) -> ServerSecurity:
+        return cls(None, role, name, insecure=True)
+
+    def interceptors(self, allowed: Mapping[str, Iterable[str]]) -> list[grpc.ServerInterceptor]:
+        """Interceptors to pass to grpc.server(): the role check, or none in insecure mode (no identities)."""
+        if self.insecure:
+            log.warning("%s %s: INSECURE mode, no authentication or role checks on any RPC", self.role, self.name)
+            return []
+        return [RoleInterceptor(allowed)]
+
+    def add_port(self, server: grpc.Server, address: str) -> int:
+        """Bind `address` ('host:port', port 0 = any free) with TLS, or plain text on loopback only."""
+        if not self.insecure:
+            port = server.add_secure_port(address, self._credentials)
+        else:
+            if not _is_loopback(address):
+                raise ValueError(
+                    f"address={address!r}: insecure mode may only listen on loopback (127.0.0.1, ::1, localhost); "
+                    "use a PKI (`shuffledp pki init`) for anything reachable from other hosts"
+                )
+            log.warning("%s %s: listening WITHOUT TLS on %s (insecure mode)", self.role, self.name, address)
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"could not bind {address}")
+        return port
+
+
+class ChannelSecurity:
+    """How a party connects: mTLS presenting its certificate (default) or, only if asked, plain text."""
+
+    def __init__(
+        self,
+        pki_dir: str | os.PathLike[str] | None,
+        role: str,
+        name: str,
+        insecure: bool = False,
+    ):
+        if insecure and pki_dir is not None:
+            raise ValueError("insecure=True and pki_dir given: choose one")
+        if not insecure and pki_dir is None:
+            raise ValueError("pki_dir is required unless insecure=True (plain text must be asked for explicitly)")
+        self.pki_dir = None if pki_dir is None else Path(pki_dir)
+        self.role = role
+        self.name = name
+        self.insecure = insecure
+        self._credentials = None if insecure else channel_credentials(self.pki_dir, role, name)
+
+    @classmethod
+    def insecure_loopback(cls, role: str, name: str) -> ChannelSecurity:
+        return cls(None, role, name, insecure=True)
+
+    def channel(
+        self, target: str, server_name: str | None = None, options: Sequence[tuple[str, Any]] = ()
+    ) -> grpc.Channel:
+        """A channel to `target`. `server_name` (e.g. "shuffler") is the name the server's certificate must
+        carry; give it whenever the target is an IP or localhost, which every certificate lists."""
+        opts = list(options)
+        if self.insecure:
+            if not _is_loopback(target):
+                raise ValueError(f"target={target!r}: insecure mode may only connect to loopback")
+            log.warning("%s %s: connecting WITHOUT TLS to %s (insecure mode)", self.role, self.name, target)
+            return grpc.insecure_channel(target, options=opts)
+        if server_name is not None:
+            opts.append(("grpc.ssl_target_name_override", server_name))
+        return grpc.secure_channel(target, self._credentials, options=opts)
