@@ -45,12 +45,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _security(args: argparse.Namespace, role: str):
     """(server_credentials, channel_credentials, interceptors) for this party; Nones in insecure mode."""
+    from shuffledp import tls
+
     if args.insecure:
-        log.warning("serving %s WITHOUT TLS (--insecure): use only on loopback", role)
+        if not tls.is_loopback(args.listen):
+            raise SystemExit(
+                f"shuffledp serve {role}: --insecure may only listen on loopback, not {args.listen}; "
+                "use --pki DIR (made by `shuffledp pki init`)"
+            )
+        log.warning("serving %s WITHOUT TLS (--insecure): loopback only, no authentication", role)
         return None, None, ()
     if args.pki is None:
         raise SystemExit(f"shuffledp serve {role}: give --pki DIR (mTLS) or --insecure (loopback experiments only)")
-    from shuffledp import tls
 
     name = args.name or (f"client-{args.node_index}" if role == "client-node" else role)
     return (

@@ -197,7 +197,7 @@ def _wrap_handler(
     raise ValueError("RPC method handler has no behaviour")
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
     """True for 'host:port' whose host is a loopback address or localhost, or a unix socket (local only)."""
     if address.startswith(("unix:", "unix-abstract:")):
         return True
@@ -248,7 +248,7 @@ class ServerSecurity:
         if not self.insecure:
             port = server.add_secure_port(address, self._credentials)
         else:
-            if not _is_loopback(address):
+            if not is_loopback(address):
                 raise ValueError(
                     f"address={address!r}: insecure mode may only listen on loopback (127.0.0.1, ::1, localhost); "
                     "use a PKI (`shuffledp pki init`) for anything reachable from other hosts"
@@ -291,7 +291,7 @@ class ChannelSecurity:
         carry; give it whenever the target is an IP or localhost, which every certificate lists."""
         opts = list(options)
         if self.insecure:
-            if not _is_loopback(target):
+            if not is_loopback(target):
                 raise ValueError(f"target={target!r}: insecure mode may only connect to loopback")
             log.warning("%s %s: connecting WITHOUT TLS to %s (insecure mode)", self.role, self.name, target)
             return grpc.insecure_channel(target, options=opts)
