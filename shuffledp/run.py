@@ -35,6 +35,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("config", nargs="?", type=Path, help="run configuration TOML (default: embedded digits run)")
     parser.add_argument("--out", type=Path, help="results directory (default: results/<name>-<time>)")
     parser.add_argument("--quiet", action="store_true", help="only the final summary")
+    parser.add_argument(
+        "--analyzer",
+        help="drive an already running deployment at HOST:PORT (e.g. docker compose) instead of starting processes",
+    )
+    parser.add_argument(
+        "--pki", type=Path, help="with --analyzer: PKI directory; connects with the operator certificate"
+    )
+    parser.add_argument(
+        "--server-name", default="analyzer", help="with --pki: name expected in the analyzer certificate"
+    )
     parser.set_defaults(func=_run_command)
 
 
@@ -135,9 +145,25 @@ def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
     )
 
 
-def drive_run(analyzer: str, config_toml: str, cluster: Cluster | None = None, echo=print) -> pb.RunResult:
+def operator_channel(analyzer: str, pki: Path | None = None, server_name: str = "analyzer") -> grpc.Channel:
+    """Channel of the operator to the analyzer: mTLS with the operator certificate, or plain text on loopback."""
+    from shuffledp import tls
+
+    if pki is None:
+        return tls.ChannelSecurity.insecure_loopback("operator", "operator").channel(analyzer)
+    return tls.ChannelSecurity(pki, "operator", "operator").channel(analyzer, server_name=server_name)
+
+
+def drive_run(
+    analyzer: str,
+    config_toml: str,
+    cluster: Cluster | None = None,
+    echo=print,
+    pki: Path | None = None,
+    server_name: str = "analyzer",
+) -> pb.RunResult:
     """Create and start a run on the analyzer, report progress until it ends, return its result."""
-    with grpc.insecure_channel(analyzer) as channel:
+    with operator_channel(analyzer, pki, server_name) as channel:
         stub = pbg.AnalyzerStub(channel)
         status = stub.CreateRun(pb.CreateRunRequest(config_toml=config_toml), timeout=60)
         ref = pb.RunRef(run_id=status.run_id)
@@ -230,16 +256,24 @@ def _run_command(args: argparse.Namespace) -> int:
     config_path = out / "config.toml"
     config_path.write_text(config_toml)
     echo = (lambda *_: None) if args.quiet else print
-    print(f"shuffledp run: {config.name}: {config.deployment.client_nodes} client node(s); results in {out}")
     started = time.monotonic()
-    cluster, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes)
-    try:
-        result = drive_run(analyzer, config_toml, cluster, echo)
-    except KeyboardInterrupt:
-        print("stopped by Ctrl-C; services shut down; partial logs in", out / "logs", file=sys.stderr)
-        return 130
-    finally:
-        cluster.stop()
+    if args.analyzer:
+        print(f"shuffledp run: {config.name}: on the deployment at {args.analyzer}; results in {out}")
+        try:
+            result = drive_run(args.analyzer, config_toml, None, echo, args.pki, args.server_name)
+        except KeyboardInterrupt:
+            print("stopped by Ctrl-C; the run was cancelled", file=sys.stderr)
+            return 130
+    else:
+        print(f"shuffledp run: {config.name}: {config.deployment.client_nodes} client node(s); results in {out}")
+        cluster, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes)
+        try:
+            result = drive_run(analyzer, config_toml, cluster, echo)
+        except KeyboardInterrupt:
+            print("stopped by Ctrl-C; services shut down; partial logs in", out / "logs", file=sys.stderr)
+            return 130
+        finally:
+            cluster.stop()
     write_results(out, config_toml, result)
     status = result.status
     final = next((m for m in reversed(status.metrics) if m.released), None)
