@@ -33,7 +33,7 @@ TERMINAL = {pb.COMPLETED, pb.FAILED, pb.CANCELLED, pb.BUDGET_EXHAUSTED}
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="run an experiment: analyzer, shuffler and client nodes on loopback")
     parser.add_argument("config", nargs="?", type=Path, help="run configuration TOML (default: embedded digits run)")
-    parser.add_argument("--out", type=Path, help="results directory (default: results/<name>-<time>)")
+    parser.add_argument("--out", type=Path, help="results directory (default: results/<config name>-<time>)")
     parser.add_argument("--quiet", action="store_true", help="only the final summary")
     parser.add_argument(
         "--analyzer",
@@ -239,10 +239,10 @@ def _plot(path: Path, rows: list[dict]) -> None:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from shuffledp.config import ConfigError, default_config_toml, parse_config
+    from shuffledp.config import DEFAULT_TOML, ConfigError, parse_config
 
     try:
-        config_toml = args.config.read_text() if args.config else default_config_toml()
+        config_toml = args.config.read_text() if args.config else DEFAULT_TOML
     except OSError as exc:
         print(f"shuffledp run: cannot read {args.config}: {exc.strerror}", file=sys.stderr)
         return 2
@@ -251,21 +251,22 @@ def _run_command(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"shuffledp run: {args.config or 'default config'}: {exc}", file=sys.stderr)
         return 2
-    out = args.out or Path("results") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    label = args.config.stem if args.config else "default"
+    out = args.out or Path("results") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.toml"
     config_path.write_text(config_toml)
     echo = (lambda *_: None) if args.quiet else print
     started = time.monotonic()
     if args.analyzer:
-        print(f"shuffledp run: {config.name}: on the deployment at {args.analyzer}; results in {out}")
+        print(f"shuffledp run: {label}: on the deployment at {args.analyzer}; results in {out}")
         try:
             result = drive_run(args.analyzer, config_toml, None, echo, args.pki, args.server_name)
         except KeyboardInterrupt:
             print("stopped by Ctrl-C; the run was cancelled", file=sys.stderr)
             return 130
     else:
-        print(f"shuffledp run: {config.name}: {config.deployment.client_nodes} client node(s); results in {out}")
+        print(f"shuffledp run: {label}: {config.deployment.client_nodes} client node(s); results in {out}")
         cluster, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes)
         try:
             result = drive_run(analyzer, config_toml, cluster, echo)
