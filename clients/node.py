@@ -1,0 +1,352 @@
+"""Client node: hosts N logical users, each with its own data shard, policy and budget (design 1; issue 4 item 5).
+
+The node dials the shuffler (RegisterUsers, then a long-lived Subscribe stream of Invitations) and answers each
+invitation with one Submit holding one message per joining user plus the refusals. It reconnects with
+exponential backoff when the stream drops. For the invited users it computes, vectorized over users:
+gradient of the round's loss at the broadcast iterate (shuffledp.models) -> l2 clipping to clip_norm ->
+the local randomizer (PVEC count mode, or bit mode with one HPKE seal per labelled bit, info binding run and
+round). Each user's noise is its own independent draws from the node's CSPRNG (a (k, d) array of iid draws is
+k independent randomizers). The node serves GetNodeStatus and the standard gRPC health service.
+
+Layering: NodeCore is the transport-independent logic (spec -> Contribution); NodeRunner owns the connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from shuffledp.clients.policy import PolicyTable, UserPolicy, pvec_params_from_spec
+
+from shuffledp.models import make_model
+from shuffledp.protocols import pvec
+from shuffledp.rng import make_rng
+from shuffledp.sealing import BIT_MESSAGE_BYTES, pack_labelled_bits, round_info, seal_many
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+__all__ = ["UserShard", "NodeCore", "ClientNodeHandle", "start_node", "start_node_with_shard", "CHANNEL_OPTIONS"]
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 2**20),
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.keepalive_time_ms", 20_000),  # detect a dead shuffler on the idle Subscribe stream
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+NONCE_BYTES = 16
+
+
+@dataclass(frozen=True)
+class UserShard:
+    """The node's users: ids (n,), X (n, k, features), y (n, k) with k examples per user."""
+
+    user_ids: list[str]
+    X: np.ndarray
+    y: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = len(self.user_ids)
+        if self.X.ndim != 3 or self.X.shape[0] != n or self.y.shape != self.X.shape[:2]:
+            raise ValueError(f"shard shapes disagree: {n} ids, X {self.X.shape}, y {self.y.shape}")
+        if len(set(self.user_ids)) != n:
+            raise ValueError("user_ids must be distinct")
+
+
+def tensor_to_array(t: pb.Tensor) -> np.ndarray:
+    """Decode a wire Tensor (float64 little-endian, row-major)."""
+    shape = tuple(int(s) for s in t.shape)
+    a = np.frombuffer(t.f64, dtype="<f8")
+    if a.size != int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(f"tensor has {a.size} values but shape {shape}")
+    return a.reshape(shape).astype(np.float64)
+
+
+class NodeCore:
+    """Turns an Invitation into a Contribution for the node's users; tracks per-user spend and refusals."""
+
+    def __init__(
+        self,
+        node_id: str,
+        shard: UserShard,
+        policy: UserPolicy | Sequence[UserPolicy] | None = None,
+        rng: np.random.Generator | None = None,
+        verifier=None,
+    ) -> None:
+        self.node_id = node_id
+        self.shard = shard
+        self._index = {u: i for i, u in enumerate(shard.user_ids)}
+        kw = {} if verifier is None else {"verifier": verifier}
+        self.policy = PolicyTable(policy if policy is not None else UserPolicy(), len(shard.user_ids), **kw)
+        self._rng = rng if rng is not None else make_rng()
+        self._lock = threading.Lock()
+        self.rounds_joined = 0
+        self.refusals: Counter = Counter()
+
+    # ----- gradients -------------------------------------------------------------------------------------------
+    def _gradients(self, spec: pb.RoundSpec, idx: np.ndarray) -> np.ndarray:
+        """Mean loss gradient of each user's local batch at the broadcast iterate, shape (len(idx), dim)."""
+        X, y = self.shard.X[idx], self.shard.y[idx]
+        n, k, f = X.shape
+        model = make_model(spec.task, f, spec.num_classes)
+        params = tensor_to_array(spec.model).ravel()
+        if params.shape != (model.dim,) or spec.randomizer.dim != model.dim:
+            raise ValueError(
+                f"model of {params.size} values / randomizer.dim={spec.randomizer.dim} do not match "
+                f"task {spec.task!r} with {f} features and {spec.num_classes} classes (dim {model.dim})"
+            )
+        b = min(max(int(spec.local_batch), 1), k)
+        if b < k:
+            # each user draws its own b of its k examples (independent random keys per user, vectorized)
+            pick = np.argsort(self._rng.random((n, k)), axis=1)[:, :b]
+            X = np.take_along_axis(X, pick[:, :, None], axis=1)
+            y = np.take_along_axis(y, pick, axis=1)
+        g = model.per_example_gradients(params, X.reshape(n * b, f), y.reshape(n * b))
+        return g.reshape(n, b, model.dim).mean(axis=1)
+
+    # ----- one round -------------------------------------------------------------------------------------------
+    def handle(self, inv: pb.Invitation) -> pb.Contribution:
+        """Decide, compute and randomize for the invited users of this node; returns the Contribution."""
+        spec = inv.spec
+        out = pb.Contribution(run_id=spec.run_id, round=spec.round, node_id=self.node_id)
+        ids = [u for u in inv.user_ids if u in self._index]
+        idx = np.fromiter((self._index[u] for u in ids), dtype=np.int64, count=len(ids))
+        supported = spec.randomizer.protocol == "pvec" and spec.transport in (pb.COUNTS, pb.BITS)
+        with self._lock:
+            reasons = self.policy.decide(spec, idx, supported)
+            join = reasons == ""
+            if np.any(join):
+                try:
+                    messages = self._randomize(spec, idx[join])
+                except ValueError as exc:
+                    log.warning("node %s: round %d of %s is malformed: %s", self.node_id, spec.round, spec.run_id, exc)
+                    reasons[join] = "invalid_round_spec"
+                    join[:] = False
+                else:
+                    # charged before sending: a message that may have arrived is spent
+                    self.policy.charge(idx[join], float(spec.per_user_cost.eps), float(spec.per_user_cost.delta))
+                    out.messages.extend(messages)
+                    self.rounds_joined += 1
+            for u, why in zip(np.asarray(ids)[~join], reasons[~join], strict=True):
+                out.refusals.append(pb.Refusal(user_id=str(u), reason=str(why)))
+                self.refusals[str(why)] += 1
+        return out
+
+    def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray) -> list[pb.UserMessage]:
+        params = pvec_params_from_spec(spec)
+        # clip to ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7; Alg 2 of paper 000)
+        G = pvec.clip_rows(self._gradients(spec, idx), params.delta2)
+        ids = [self.shard.user_ids[i] for i in idx]
+        if spec.transport == pb.COUNTS:
+            counts = pvec.encode_counts(G, params, self._rng)  # (k, d) int64 in [0, g+m]
+            return [
+                pb.UserMessage(user_id=u, nonce=secrets.token_bytes(NONCE_BYTES), counts=pb.CountVector(counts=c))
+                for u, c in zip(ids, counts.astype(np.uint64).tolist(), strict=True)
+            ]
+        if spec.randomizer.message_bytes not in (0, BIT_MESSAGE_BYTES):
+            raise ValueError(
+                f"BITS needs randomizer.message_bytes = {BIT_MESSAGE_BYTES}, got {spec.randomizer.message_bytes}"
+            )
+        info = round_info(spec.run_id, spec.round)
+        msgs = []
+        for u, row in zip(ids, G, strict=True):  # one HPKE seal per labelled bit: inherently per message
+            labels, bits = pvec.encode_bits(row, params, self._rng)
+            cts = seal_many(spec.analyzer_public_key, pack_labelled_bits(labels, bits), info)
+            msgs.append(
+                pb.UserMessage(
+                    user_id=u, nonce=secrets.token_bytes(NONCE_BYTES), sealed=pb.SealedMessages(ciphertexts=cts)
+                )
+            )
+        return msgs
+
+    def status(self) -> pb.NodeStatus:
+        with self._lock:
+            return pb.NodeStatus(
+                node_id=self.node_id,
+                users=len(self.shard.user_ids),
+                rounds_joined=self.rounds_joined,
+                refusals=dict(self.refusals),
+            )
+
+    def spent(self, user_id: str) -> tuple[float, float]:
+        """(eps, delta) charged to this user so far (basic composition)."""
+        i = self._index[user_id]
+        with self._lock:
+            return float(self.policy.eps_spent[i]), float(self.policy.delta_spent[i])
+
+
+class _NodeServicer(pbg.ClientNodeServicer):
+    def __init__(self, core: NodeCore) -> None:
+        self._core = core
+
+    def GetNodeStatus(self, request: pb.NodeStatusRequest, context: grpc.ServicerContext) -> pb.NodeStatus:
+        return self._core.status()
+
+
+class ClientNodeHandle:
+    """A running node: its gRPC server (status + health) and the thread connected to the shuffler."""
+
+    def __init__(
+        self,
+        core: NodeCore,
+        shuffler_address: str,
+        listen: str,
+        channel_credentials: grpc.ChannelCredentials | None,
+        server_credentials: grpc.ServerCredentials | None,
+        backoff: tuple[float, float] = (0.1, 5.0),
+    ) -> None:
+        self.core = core
+        self._stop = threading.Event()
+        self._backoff = backoff
+        self._call = None
+        self.connected = threading.Event()
+        if channel_credentials is None:
+            self._channel = grpc.insecure_channel(shuffler_address, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(shuffler_address, channel_credentials, options=CHANNEL_OPTIONS)
+        self._stub = pbg.ShufflerStub(self._channel)
+        self._worker = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{core.node_id}-round")
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{core.node_id}-rpc"))
+        pbg.add_ClientNodeServicer_to_server(_NodeServicer(core), self._server)
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = (
+            self._server.add_insecure_port(listen)
+            if server_credentials is None
+            else self._server.add_secure_port(listen, server_credentials)
+        )
+        if self.port == 0:
+            raise OSError(f"could not bind the client node to {listen!r}")
+        self._server.start()
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._thread = threading.Thread(target=self._loop, name=f"{core.node_id}-stream", daemon=True)
+        self._thread.start()
+
+    def _set_health(self, status: int) -> None:
+        # "" = the whole server; the named service reports whether the node is connected to the shuffler
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._health.set("shuffledp.v1.ClientNode", status)
+
+    def _loop(self) -> None:
+        delay = self._backoff[0]
+        core = self.core
+        while not self._stop.is_set():
+            try:
+                self._stub.RegisterUsers(
+                    pb.RegisterUsersRequest(node_id=core.node_id, user_ids=core.shard.user_ids), timeout=30
+                )
+                self._call = self._stub.Subscribe(pb.SubscribeRequest(node_id=core.node_id))
+                self.connected.set()
+                self._set_health(health_pb2.HealthCheckResponse.SERVING)
+                delay = self._backoff[0]
+                for inv in self._call:
+                    self._worker.submit(self._answer, inv)
+            except grpc.RpcError as exc:
+                if not self._stop.is_set():
+                    log.warning(
+                        "node %s: shuffler stream failed (%s); reconnecting in %.1fs", core.node_id, exc.code(), delay
+                    )
+            finally:
+                self.connected.clear()
+                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            # jittered exponential backoff (the jitter comes from the OS CSPRNG; it carries no privacy)
+            self._stop.wait(delay * (0.5 + secrets.randbelow(1000) / 1000))
+            delay = min(delay * 2, self._backoff[1])
+
+    def _answer(self, inv: pb.Invitation) -> None:
+        try:
+            contribution = self.core.handle(inv)
+        except Exception:  # a bug for one round must not kill the node
+            log.exception("node %s: failed to compute round %d", self.core.node_id, inv.spec.round)
+            return
+        for attempt in range(3):
+            try:
+                ack = self._stub.Submit(contribution, timeout=60)
+                if ack.rejected:
+                    log.warning(
+                        "node %s: round %d: shuffler rejected %s", self.core.node_id, inv.spec.round, dict(ack.rejected)
+                    )
+                return
+            except grpc.RpcError as exc:
+                # same nonces on retry: a copy that did arrive is caught as a replay, never counted twice
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or self._stop.is_set():
+                    log.warning(
+                        "node %s: round %d submit failed: %s %s",
+                        self.core.node_id,
+                        inv.spec.round,
+                        exc.code(),
+                        exc.details(),
+                    )
+                    return
+                self._stop.wait(0.2 * (attempt + 1))
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop the stream thread, the round worker and the server."""
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=5)
+        self._worker.shutdown(wait=True, cancel_futures=True)
+        self._server.stop(grace).wait()
+        self._channel.close()
+
+    def wait(self) -> None:
+        """Block until the node's server terminates (after stop())."""
+        self._server.wait_for_termination()
+
+
+def start_node_with_shard(
+    node_id: str,
+    shard: UserShard,
+    shuffler_address: str,
+    listen: str = "127.0.0.1:0",
+    channel_credentials: grpc.ChannelCredentials | None = None,
+    server_credentials: grpc.ServerCredentials | None = None,
+    policy: UserPolicy | Sequence[UserPolicy] | None = None,
+    *,
+    rng: np.random.Generator | None = None,
+    verifier=None,
+) -> ClientNodeHandle:
+    """Start a node for an explicit shard (tests, benchmarks); start_node loads the shard from the config."""
+    core = NodeCore(node_id, shard, policy, rng, verifier)
+    return ClientNodeHandle(core, shuffler_address, listen, channel_credentials, server_credentials)
+
+
+def start_node(
+    node_id: str,
+    config,
+    node_index: int,
+    num_nodes: int,
+    shuffler_address: str,
+    listen: str = "127.0.0.1:0",
+    channel_credentials: grpc.ChannelCredentials | None = None,
+    server_credentials: grpc.ServerCredentials | None = None,
+    policy: UserPolicy | Sequence[UserPolicy] | None = None,
+    *,
+    rng: np.random.Generator | None = None,
+) -> ClientNodeHandle:
+    """The client-node entry point (issue 4 contract): users = shuffledp.data.user_shard of config.data."""
+    from shuffledp.data import load_dataset, user_shard
+
+    ds = load_dataset(config.data, config.model.task)
+    ids, X, y = user_shard(ds, node_index, num_nodes, config.data.examples_per_user, config.data.max_users)
+    return start_node_with_shard(
+        node_id,
+        UserShard(ids, X, y),
+        shuffler_address,
+        listen,
+        channel_credentials,
+        server_credentials,
+        policy,
+        rng=rng,
+    )

@@ -1,0 +1,192 @@
+"""Per-user privacy policy, enforced on the client (design 6 "defence in depth"; issue 4 item 5).
+
+Every logical user decides for itself whether to join a round, from the RoundSpec alone:
+- the trust model and transport must be ones the user accepts (COUNTS shows the user's noisy counts to the
+  shuffler, design 5.2, so a user may refuse it);
+- the round's claimed per-user cost (PrivacyCost) must be within the user's per-round limits;
+- the randomizer itself must be no weaker than the user's per-round eps: for PVEC the user recomputes the
+  round's eps from (g, m, p) with the numerical accountant at n' = min_contributors, the fewest contributors
+  the shuffler will ever release (the worst case for the shuffle amplification), instead of trusting the claim;
+- the user's total spend after the round must stay within its limits. Totals add up per-round (eps, delta):
+  basic composition (Dwork-Roth Thm 3.16), an upper bound that is valid whatever the analyzer's accountant.
+
+Decisions are vectorized over the node's invited users (one numpy pass, no per-user Python loop).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from shuffledp.protocols.pvec import PvecParams
+from shuffledp.v1 import shuffledp_pb2 as pb
+
+__all__ = [
+    "UserPolicy",
+    "PolicyTable",
+    "Refusal",
+    "pvec_params_from_spec",
+    "verify_round_epsilon",
+    "TRUST_NAMES",
+    "TRANSPORT_NAMES",
+]
+
+TRUST_NAMES = {pb.SHUFFLE: "shuffle", pb.LOCAL: "local", pb.CENTRAL: "central"}
+TRANSPORT_NAMES = {pb.COUNTS: "counts", pb.BITS: "bits", pb.SEALED: "sealed"}
+
+
+class Refusal:
+    """Refusal reasons (Contribution.refusals[].reason, NodeStatus.refusals keys)."""
+
+    TRUST_MODEL = "trust_model_not_allowed"
+    TRANSPORT = "transport_not_allowed"
+    PROTOCOL = "protocol_not_supported"
+    INVALID_SPEC = "invalid_round_spec"
+    ROUND_COST = "round_cost_exceeds_policy"
+    WEAK_RANDOMIZER = "randomizer_weaker_than_policy"
+    UNVERIFIABLE = "randomizer_unverifiable"
+    TOTAL_BUDGET = "total_budget_exceeds_policy"
+
+
+@dataclass(frozen=True)
+class UserPolicy:
+    """One user's limits. Defaults accept the embedded default run (eps = 8 in total over PVEC count mode) and
+    refuse what no practitioner would accept (eps > 8 in one round)."""
+
+    max_eps_per_round: float = 8.0
+    max_delta_per_round: float = 1e-3
+    max_total_eps: float = 64.0  # basic composition of per-round costs (an upper bound on the true spend)
+    max_total_delta: float = 1e-2
+    allowed_trust_models: frozenset[str] = frozenset({"shuffle", "local", "central"})
+    allowed_transports: frozenset[str] = frozenset({"counts", "bits", "sealed"})  # drop "counts" to refuse it
+    verify_randomizer: bool = True  # recompute the randomizer's eps rather than trust PrivacyCost
+
+    def __post_init__(self) -> None:
+        for name in ("max_eps_per_round", "max_total_eps"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and v >= 0 and not math.isnan(v)):
+                raise ValueError(f"{name} must be a number >= 0 (inf allowed), got {v!r}")
+        for name in ("max_delta_per_round", "max_total_delta"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and 0.0 <= v <= 1.0):
+                raise ValueError(f"{name} must lie in [0, 1], got {v!r}")
+        bad = set(self.allowed_trust_models) - set(TRUST_NAMES.values())
+        if bad:
+            raise ValueError(
+                f"allowed_trust_models has unknown names {sorted(bad)}; allowed: {sorted(TRUST_NAMES.values())}"
+            )
+        bad = set(self.allowed_transports) - set(TRANSPORT_NAMES.values())
+        if bad:
+            raise ValueError(
+                f"allowed_transports has unknown names {sorted(bad)}; allowed: {sorted(TRANSPORT_NAMES.values())}"
+            )
+
+
+def pvec_params_from_spec(spec: pb.RoundSpec) -> PvecParams:
+    """The round's PVEC parameters as the analyzer derived them (randomizer fields; eps/delta/n from
+    randomizer.extra when given, else per_user_cost and the cohort). method="calibrated" makes it a plain
+    container for (g, m, p): what privacy they give is recomputed by verify_round_epsilon, never assumed."""
+    r = spec.randomizer
+    extra = dict(r.extra)
+    n = int(extra.get("n", 0)) or max(int(spec.cohort_size), int(spec.min_contributors), 1)
+    return PvecParams(
+        d=int(r.dim),
+        n=n,
+        delta2=float(r.clip_norm),
+        g=int(r.g),
+        m=int(r.m),
+        p=float(r.p),
+        eps=float(extra.get("eps", 0.0)) or float(spec.per_user_cost.eps),
+        delta=float(extra.get("delta", 0.0)) or float(spec.per_user_cost.delta),
+        method="calibrated",
+    )
+
+
+def verify_round_epsilon(spec: pb.RoundSpec) -> float:
+    """The eps of this round's randomizer for one user, recomputed from its parameters (not the claim).
+
+    PVEC: the calibrated numerical accountant (shuffledp.accountants.calibrated_pvec.pvec_round_epsilon) on
+    (d, g, m, p) at n' = min_contributors, the fewest contributors the shuffler will release (the worst case
+    of the shuffle amplification), and the claimed delta. Raises LookupError when the protocol has no verifier
+    here, ValueError when the parameters are invalid, ImportError when the accountant is missing.
+    """
+    if spec.randomizer.protocol != "pvec":
+        raise LookupError(f"no randomizer verifier for protocol {spec.randomizer.protocol!r}")
+    from shuffledp.accountants.calibrated_pvec import pvec_round_epsilon  # H3 (issue 4 contract)
+
+    n_release = max(int(spec.min_contributors), 1)
+    return float(pvec_round_epsilon(pvec_params_from_spec(spec), n_release, float(spec.per_user_cost.delta)))
+
+
+class PolicyTable:
+    """The policies of a node's users as arrays, for vectorized decisions, plus each user's running spend."""
+
+    def __init__(
+        self,
+        policies: UserPolicy | Sequence[UserPolicy],
+        num_users: int,
+        verifier: Callable[[pb.RoundSpec], float] = verify_round_epsilon,
+    ) -> None:
+        if isinstance(policies, UserPolicy):
+            policies = [policies] * num_users
+        if len(policies) != num_users:
+            raise ValueError(f"policies must be one UserPolicy or one per user ({num_users}), got {len(policies)}")
+        self._verifier = verifier
+        self.policies = list(policies)
+        for f in fields(UserPolicy):
+            if f.name in ("max_eps_per_round", "max_delta_per_round", "max_total_eps", "max_total_delta"):
+                setattr(self, f.name, np.array([getattr(p, f.name) for p in self.policies], dtype=np.float64))
+        self.verify = np.array([p.verify_randomizer for p in self.policies], dtype=bool)
+        self.trust_ok = {
+            t: np.array([name in p.allowed_trust_models for p in self.policies], dtype=bool)
+            for t, name in TRUST_NAMES.items()
+        }
+        self.transport_ok = {
+            t: np.array([name in p.allowed_transports for p in self.policies], dtype=bool)
+            for t, name in TRANSPORT_NAMES.items()
+        }
+        self.eps_spent = np.zeros(num_users)
+        self.delta_spent = np.zeros(num_users)
+
+    def decide(self, spec: pb.RoundSpec, idx: np.ndarray, supported: bool) -> np.ndarray:
+        """Refusal reason per invited user (object array, "" = join). idx: the users' indices on this node."""
+        idx = np.asarray(idx, dtype=np.int64)
+        out = np.full(idx.size, "", dtype=object)
+
+        def refuse(mask: np.ndarray, reason: str) -> None:
+            out[(out == "") & mask] = reason
+
+        none = np.zeros(idx.size, dtype=bool)
+        refuse(~self.trust_ok.get(spec.trust_model, none)[idx], Refusal.TRUST_MODEL)
+        refuse(~self.transport_ok.get(spec.transport, none)[idx], Refusal.TRANSPORT)
+        if not supported:
+            refuse(~none, Refusal.PROTOCOL)
+        eps, delta = float(spec.per_user_cost.eps), float(spec.per_user_cost.delta)
+        if not (math.isfinite(eps) and eps >= 0.0 and 0.0 <= delta <= 1.0):
+            refuse(~none, Refusal.INVALID_SPEC)  # a missing or negative cost is never "free"
+            return out
+        refuse((eps > self.max_eps_per_round[idx]) | (delta > self.max_delta_per_round[idx]), Refusal.ROUND_COST)
+        need = self.verify[idx] & (out == "")
+        if np.any(need):
+            try:
+                verified = float(self._verifier(spec))
+            except (LookupError, ValueError, ImportError):
+                refuse(need, Refusal.UNVERIFIABLE)  # what cannot be checked is not trusted
+            else:
+                if not verified >= 0.0:  # nan or negative: not a privacy guarantee
+                    refuse(need, Refusal.UNVERIFIABLE)
+                refuse(need & (verified > self.max_eps_per_round[idx]), Refusal.WEAK_RANDOMIZER)
+        refuse(
+            (self.eps_spent[idx] + eps > self.max_total_eps[idx])
+            | (self.delta_spent[idx] + delta > self.max_total_delta[idx]),
+            Refusal.TOTAL_BUDGET,
+        )
+        return out
+
+    def charge(self, idx: np.ndarray, eps: float, delta: float) -> None:
+        """Add a round's cost to the users who sent a message (basic composition, Dwork-Roth Thm 3.16)."""
+        np.add.at(self.eps_spent, idx, eps)
+        np.add.at(self.delta_spent, idx, delta)

@@ -1,0 +1,222 @@
+"""Shuffler gRPC service: a thin proto <-> domain layer over services/shuffler_state.py (design 1, 5).
+
+Domain errors map to status codes from one table (_STATUS). Whole-contribution rejections (wrong or expired
+round) end the Submit call with FAILED_PRECONDITION, details "<reason>: ..." and trailing metadata
+``shuffledp-reason``; per-message rejections come back in ContributionAck.rejected (reason -> count).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+from shuffledp.services.shuffler_state import (
+    BatchResult,
+    CohortUnavailable,
+    RoundExistsError,
+    RoundRejected,
+    RoundRequest,
+    Schedule,
+    ShufflerState,
+    SqliteParticipationStore,
+    Submission,
+    Transport,
+    UserMessage,
+)
+
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+__all__ = ["ShufflerServicer", "serve_shuffler", "start_shuffler", "SERVER_OPTIONS", "REASON_METADATA_KEY"]
+
+log = logging.getLogger(__name__)
+
+REASON_METADATA_KEY = "shuffledp-reason"
+# Large enough for BITS batches of small settings; keepalive pings from nodes' long-lived Subscribe streams.
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 256 * 2**20),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+]
+
+# one table: domain exception -> status code (first match wins, subclasses first)
+_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (RoundRejected, grpc.StatusCode.FAILED_PRECONDITION),
+    (RoundExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (CohortUnavailable, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            if isinstance(exc, RoundRejected):
+                context.set_trailing_metadata(((REASON_METADATA_KEY, exc.reason.value),))
+            context.abort(code, str(exc))
+    raise exc
+
+
+def _request(spec: pb.RoundSpec) -> RoundRequest:
+    r = spec.randomizer
+    try:
+        schedule, transport = Schedule(spec.schedule), Transport(spec.transport)
+    except ValueError as exc:
+        raise ValueError(f"unknown schedule/transport value: {exc}") from exc
+    return RoundRequest(
+        run_id=spec.run_id,
+        round=spec.round,
+        schedule=schedule,
+        transport=transport,
+        dim=r.dim,
+        g=r.g,
+        m=r.m,
+        messages_per_user=r.messages_per_user,
+        message_bytes=r.message_bytes,
+        cohort_size=spec.cohort_size,
+        min_contributors=spec.min_contributors,
+        deadline_seconds=spec.deadline_seconds,
+        analyzer_public_key=spec.analyzer_public_key,
+        relay=spec,
+    )
+
+
+def _submission(c: pb.Contribution) -> Submission:
+    msgs = []
+    for m in c.messages:
+        kind = m.WhichOneof("payload")
+        msgs.append(
+            UserMessage(
+                user_id=m.user_id,
+                nonce=m.nonce,
+                counts=np.fromiter(m.counts.counts, dtype=np.uint64, count=len(m.counts.counts))
+                if kind == "counts"
+                else None,
+                ciphertexts=list(m.sealed.ciphertexts) if kind == "sealed" else None,
+            )
+        )
+    return Submission(
+        run_id=c.run_id,
+        round=c.round,
+        node_id=c.node_id,
+        messages=msgs,
+        refusals=[(r.user_id, r.reason) for r in c.refusals],
+    )
+
+
+def _batch(b: BatchResult) -> pb.ShuffledBatch:
+    report = pb.BatchReport(
+        invited=b.invited,
+        contributors=b.contributors,
+        rejected=b.rejected,
+        refused=b.refused,
+        below_threshold=b.below_threshold,
+    )
+    out = pb.ShuffledBatch(run_id=b.run_id, round=b.round, released=b.released, report=report)
+    if b.released:
+        if b.label_totals is not None:
+            out.label_totals.extend(int(t) for t in b.label_totals)
+        out.ciphertexts.extend(b.ciphertexts)
+    return out
+
+
+class ShufflerServicer(pbg.ShufflerServicer):
+    def __init__(self, state: ShufflerState, stream_poll_seconds: float = 0.5) -> None:
+        self.state = state
+        self._poll = stream_poll_seconds
+
+    def ExecuteRound(self, request: pb.RoundSpec, context: grpc.ServicerContext) -> pb.ShuffledBatch:
+        try:
+            return _batch(self.state.execute_round(_request(request), is_active=context.is_active))
+        except (ValueError, NotImplementedError, RoundExistsError, CohortUnavailable) as exc:
+            _abort(context, exc)
+
+    def GetPopulation(self, request: pb.PopulationRequest, context: grpc.ServicerContext) -> pb.PopulationStatus:
+        p = self.state.population(request.run_id)
+        return pb.PopulationStatus(
+            admitted_users=p.admitted_users, unused_users=p.unused_users, connected_nodes=p.connected_nodes
+        )
+
+    def RegisterUsers(
+        self, request: pb.RegisterUsersRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterUsersResponse:
+        try:
+            admitted, total = self.state.register_users(request.node_id, list(request.user_ids))
+        except ValueError as exc:
+            _abort(context, exc)
+        return pb.RegisterUsersResponse(admitted=admitted, total_users=total)
+
+    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext):
+        try:
+            sub = self.state.subscribe(request.node_id)
+        except ValueError as exc:
+            _abort(context, exc)
+        context.add_callback(sub.close)  # wake the loop as soon as the node goes away
+        try:
+            while context.is_active():
+                try:
+                    invite = sub.get(timeout=self._poll)
+                except EOFError:
+                    return
+                if invite is not None:
+                    yield pb.Invitation(spec=invite.relay, user_ids=invite.user_ids)
+        finally:
+            self.state.unsubscribe(sub)
+
+    def Submit(self, request: pb.Contribution, context: grpc.ServicerContext) -> pb.ContributionAck:
+        try:
+            ack = self.state.submit(_submission(request))
+        except (RoundRejected, ValueError) as exc:
+            _abort(context, exc)
+        return pb.ContributionAck(accepted=ack.accepted, rejected=ack.rejected)
+
+
+def serve_shuffler(
+    state: ShufflerState,
+    listen: str,
+    server_credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    max_workers: int = 64,
+) -> tuple[grpc.Server, int]:
+    """Start a Shuffler server over an existing state; returns (started server, bound port).
+
+    Every subscribed node holds one worker thread (its Subscribe stream), so max_workers bounds the number of
+    client nodes plus concurrent rounds and submissions.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shuffler"),
+        interceptors=list(interceptors),
+        options=SERVER_OPTIONS,
+    )
+    pbg.add_ShufflerServicer_to_server(ShufflerServicer(state), server)
+    if server_credentials is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, server_credentials)
+    if port == 0:
+        raise OSError(f"could not bind the shuffler to {listen!r}")
+    server.start()
+    return server, port
+
+
+def start_shuffler(
+    listen: str,
+    state_path: Path | None = None,
+    server_credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[grpc.Server, int]:
+    """The shuffler entry point (issue 4 contract): participation record in SQLite at state_path if given."""
+    store = SqliteParticipationStore(state_path) if state_path is not None else None
+    state = ShufflerState(store, clock=clock)
+    server, port = serve_shuffler(state, listen, server_credentials, interceptors)
+    server.shuffler_state = state  # for in-process inspection (tests, benchmarks); not on the wire
+    log.info("shuffler listening on port %d (participation record: %s)", port, state_path or "memory")
+    return server, port

@@ -1,0 +1,658 @@
+"""The shuffler's domain logic, transport-independent (design sections 1 and 5; issue 4 item 4).
+
+The shuffler is the anonymizer between client nodes and the analyzer. It knows user ids (admission, cohort
+selection, participation limits, replay protection) but forwards to the analyzer only what the protocol's
+view allows: per-label totals and the number of contributors (COUNTS, design 5.2; spec 000 sec 8 "count mode":
+the multiset of per-user counts would reveal more than the sum, so per-user counts are never kept, they are
+added into a running total on arrival), or ciphertexts only in a CSPRNG-permuted order (SEALED / BITS, design
+5.1). Ids, node names, nonces, arrival times and arrival order never leave this class.
+
+Everything that arrives is validated (design 5.3) and counted per reason; nothing invalid is aggregated.
+Randomness (cohorts, permutation) comes from an injected CSPRNG Generator (shuffledp.rng), time from an
+injected clock, participation records from an injected store (in-memory or SQLite, same interface).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from shuffledp.rng import make_rng
+from shuffledp.sealing import BIT_MESSAGE_BYTES, PUBLIC_KEY_BYTES, sealed_length
+
+__all__ = [
+    "Schedule",
+    "Transport",
+    "Reason",
+    "ShufflerError",
+    "RoundRejected",
+    "RoundExistsError",
+    "CohortUnavailable",
+    "RoundRequest",
+    "UserMessage",
+    "Submission",
+    "Ack",
+    "BatchResult",
+    "Population",
+    "Subscription",
+    "ParticipationStore",
+    "MemoryParticipationStore",
+    "SqliteParticipationStore",
+    "ShufflerState",
+]
+
+# Same numbering as the proto enums (shuffledp.v1.Schedule / Transport), so the servicer converts by value.
+
+
+class Schedule(IntEnum):
+    UNSPECIFIED = 0
+    SEQUENTIAL = 1
+    FULLY_INTERACTIVE = 2
+    SUBSAMPLED = 3
+    STREAM = 4
+
+
+class Transport(IntEnum):
+    UNSPECIFIED = 0
+    COUNTS = 1
+    BITS = 2
+    SEALED = 3
+
+
+class Reason(StrEnum):
+    """Rejection reasons (design 5.3); the keys of ContributionAck.rejected and BatchReport.rejected."""
+
+    WRONG_ROUND = "wrong_round"  # no such open round (other run, future or unknown round)
+    EXPIRED_ROUND = "expired_round"  # the round closed (deadline passed or all invitees answered)
+    BAD_NONCE = "bad_nonce"  # nonce missing or not 16..64 bytes
+    REPLAYED_NONCE = "replayed_nonce"  # nonce already seen in this run (replayed message)
+    DUPLICATE_USER = "duplicate_user"  # a second message or refusal from one user in one round
+    UNKNOWN_USER = "unknown_user"  # never registered (admitted) at this shuffler
+    NOT_INVITED = "not_invited"  # registered, but not invited to this round via this node
+    WRONG_PAYLOAD = "wrong_payload"  # payload type does not match the round's transport
+    WRONG_COUNT_LENGTH = "wrong_count_length"  # COUNTS: not exactly d counts
+    COUNT_OUT_OF_RANGE = "count_out_of_range"  # COUNTS: a count outside [0, g+m]
+    WRONG_MESSAGE_COUNT = "wrong_message_count"  # SEALED/BITS: not the round's number of messages per user
+    WRONG_CIPHERTEXT_LENGTH = "wrong_ciphertext_length"  # SEALED/BITS: not the round's fixed length
+
+
+_PAYLOAD_REASONS = frozenset(
+    {
+        Reason.WRONG_PAYLOAD,
+        Reason.WRONG_COUNT_LENGTH,
+        Reason.COUNT_OUT_OF_RANGE,
+        Reason.WRONG_MESSAGE_COUNT,
+        Reason.WRONG_CIPHERTEXT_LENGTH,
+    }
+)
+
+
+class ShufflerError(Exception):
+    """Base of the domain errors the servicer maps to gRPC status codes."""
+
+
+class RoundRejected(ShufflerError):
+    """A whole contribution refers to a round that is not open (wrong or expired)."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(f"{reason.value}: {message}")
+        self.reason = reason
+
+
+class RoundExistsError(ShufflerError):
+    """(run_id, round) was already executed: a round runs at most once (fresh round numbers after restarts)."""
+
+
+class CohortUnavailable(ShufflerError):
+    """Not enough eligible users for the requested cohort (e.g. sequential users exhausted)."""
+
+
+NONCE_MIN_BYTES = 16
+NONCE_MAX_BYTES = 64
+MAX_ID_CHARS = 128
+MAX_BIT_MESSAGES_PER_USER = 2**20  # bit mode is for small settings only (spec 000 sec 8)
+_U64 = 2**64
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """What the shuffler needs from a RoundSpec; `relay` is the spec itself, forwarded to the invited nodes."""
+
+    run_id: str
+    round: int
+    schedule: Schedule
+    transport: Transport
+    dim: int = 0
+    g: int = 0
+    m: int = 0
+    messages_per_user: int = 0
+    message_bytes: int = 0
+    cohort_size: int = 0
+    min_contributors: int = 1
+    deadline_seconds: float = 30.0
+    analyzer_public_key: bytes = b""
+    relay: Any = None
+
+
+@dataclass(frozen=True)
+class UserMessage:
+    user_id: str
+    nonce: bytes
+    counts: np.ndarray | None = None  # COUNTS payload (uint64), or None
+    ciphertexts: Sequence[bytes] | None = None  # SEALED / BITS payload, or None
+
+
+@dataclass(frozen=True)
+class Submission:
+    run_id: str
+    round: int
+    node_id: str
+    messages: Sequence[UserMessage] = ()
+    refusals: Sequence[tuple[str, str]] = ()  # (user_id, reason)
+
+
+@dataclass(frozen=True)
+class Ack:
+    accepted: int
+    rejected: dict[str, int]
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """Everything the analyzer learns about a round: no ids, no order, no timing."""
+
+    run_id: str
+    round: int
+    released: bool
+    label_totals: np.ndarray | None  # COUNTS, released only
+    ciphertexts: list[bytes]  # SEALED / BITS, released only, CSPRNG-permuted
+    invited: int
+    contributors: int
+    rejected: dict[str, int]
+    refused: int
+    below_threshold: bool
+
+
+@dataclass(frozen=True)
+class Population:
+    admitted_users: int
+    unused_users: int
+    connected_nodes: int
+
+
+@dataclass(frozen=True)
+class Invite:
+    relay: Any
+    user_ids: list[str]
+
+
+_CLOSED = object()
+
+
+class Subscription:
+    """One node's invitation stream (a queue); closed when the node reconnects or the stream ends."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self._q: queue.Queue[Any] = queue.Queue()
+        self.closed = False
+
+    def put(self, invite: Invite) -> None:
+        self._q.put(invite)
+
+    def close(self) -> None:
+        self.closed = True
+        self._q.put(_CLOSED)
+
+    def get(self, timeout: float) -> Invite | None:
+        """Next invitation, None on timeout; raises EOFError once closed."""
+        try:
+            item = self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is _CLOSED:
+            raise EOFError(f"subscription of node {self.node_id!r} closed")
+        return item
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# participation record (who was in which round of which run): in-memory and SQLite behind one interface
+# ---------------------------------------------------------------------------------------------------------------
+class ParticipationStore(Protocol):
+    def used_users(self, run_id: str) -> set[str]: ...
+
+    def round_exists(self, run_id: str, round_index: int) -> bool: ...
+
+    def record_round(self, run_id: str, round_index: int, schedule: int, sequential_users: Iterable[str]) -> None:
+        """Atomically record that the round ran and which users it consumed; RoundExistsError if it ran."""
+        ...
+
+
+class MemoryParticipationStore:
+    def __init__(self) -> None:
+        self._rounds: set[tuple[str, int]] = set()
+        self._used: dict[str, set[str]] = {}
+
+    def used_users(self, run_id: str) -> set[str]:
+        return set(self._used.get(run_id, ()))
+
+    def round_exists(self, run_id: str, round_index: int) -> bool:
+        return (run_id, round_index) in self._rounds
+
+    def record_round(self, run_id: str, round_index: int, schedule: int, sequential_users: Iterable[str]) -> None:
+        if (run_id, round_index) in self._rounds:
+            raise RoundExistsError(f"round {round_index} of run {run_id!r} was already executed")
+        self._rounds.add((run_id, round_index))
+        self._used.setdefault(run_id, set()).update(sequential_users)
+
+
+class SqliteParticipationStore:
+    """Durable participation record (WAL): after a shuffler restart no sequential user is invited again."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a consumed user must survive a crash
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS rounds (run_id TEXT NOT NULL, round INTEGER NOT NULL, "
+                "schedule INTEGER NOT NULL, started REAL NOT NULL, PRIMARY KEY (run_id, round))"
+            )
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS participation (run_id TEXT NOT NULL, user_id TEXT NOT NULL, "
+                "round INTEGER NOT NULL, PRIMARY KEY (run_id, user_id))"
+            )
+
+    def used_users(self, run_id: str) -> set[str]:
+        with self._lock:
+            rows = self._db.execute("SELECT user_id FROM participation WHERE run_id = ?", (run_id,)).fetchall()
+        return {r[0] for r in rows}
+
+    def round_exists(self, run_id: str, round_index: int) -> bool:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM rounds WHERE run_id = ? AND round = ?", (run_id, int(round_index))
+            ).fetchone()
+        return row is not None
+
+    def record_round(self, run_id: str, round_index: int, schedule: int, sequential_users: Iterable[str]) -> None:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute(
+                    "INSERT INTO rounds (run_id, round, schedule, started) VALUES (?, ?, ?, ?)",
+                    (run_id, int(round_index), int(schedule), time.time()),
+                )
+                self._db.executemany(
+                    "INSERT INTO participation (run_id, user_id, round) VALUES (?, ?, ?)",
+                    [(run_id, u, int(round_index)) for u in sequential_users],
+                )
+                self._db.execute("COMMIT")
+            except sqlite3.IntegrityError as exc:
+                self._db.execute("ROLLBACK")
+                raise RoundExistsError(
+                    f"round {round_index} of run {run_id!r} was already executed (or a user was reused): {exc}"
+                ) from exc
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the shuffler
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class _OpenRound:
+    req: RoundRequest
+    deadline: float
+    invited: dict[str, str]  # user_id -> node_id
+    expected_messages: int
+    expected_ct_len: int
+    bound: int  # g + m
+    answered: set[str] = field(default_factory=set)
+    totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
+    ciphertexts: list[bytes] = field(default_factory=list)
+    contributors: int = 0
+    refused: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    closed: bool = False
+
+
+def _check_id(name: str, value: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise ValueError(f"{name} must be a printable string of 1..{MAX_ID_CHARS} characters, got {value!r}")
+    return value
+
+
+class ShufflerState:
+    """Thread-safe shuffler: admission, cohorts, invitations, collection, validation, threshold, shuffle."""
+
+    def __init__(
+        self,
+        store: ParticipationStore | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: np.random.Generator | None = None,
+        max_deadline_seconds: float = 3600.0,
+        poll_seconds: float = 0.05,
+    ) -> None:
+        self._store = store if store is not None else MemoryParticipationStore()
+        self._clock = clock
+        self._rng = rng if rng is not None else make_rng()
+        self._max_deadline = float(max_deadline_seconds)
+        self._poll = float(poll_seconds)
+        self._lock = threading.Condition()
+        self._user_node: dict[str, str] = {}  # admitted user -> hosting node
+        self._node_users: dict[str, list[str]] = {}
+        self._subs: dict[str, Subscription] = {}
+        self._open: dict[tuple[str, int], _OpenRound] = {}
+        self._closed: set[tuple[str, int]] = set()
+        self._nonces: dict[str, set[bytes]] = {}  # run_id -> nonces seen (replay protection, design 5.3)
+        self._counters: Counter = Counter()
+
+    # ----- nodes -----------------------------------------------------------------------------------------------
+    def register_users(self, node_id: str, user_ids: Sequence[str]) -> tuple[int, int]:
+        """Admit the node's users; a user already hosted by another node is not admitted. Idempotent.
+
+        Returns (users of this request now admitted for this node, total admitted users).
+        """
+        _check_id("node_id", node_id)
+        ids = list(user_ids)
+        for u in ids:
+            _check_id("user_id", u)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"user_ids of node {node_id!r} contain duplicates")
+        with self._lock:
+            admitted = 0
+            mine = self._node_users.setdefault(node_id, [])
+            for u in ids:
+                owner = self._user_node.get(u)
+                if owner is None:
+                    self._user_node[u] = node_id
+                    mine.append(u)
+                    admitted += 1
+                elif owner == node_id:
+                    admitted += 1
+                else:
+                    self._counters["registration_conflict"] += 1
+            return admitted, len(self._user_node)
+
+    def subscribe(self, node_id: str) -> Subscription:
+        """Open the node's invitation stream; a previous stream of the same node is closed."""
+        _check_id("node_id", node_id)
+        sub = Subscription(node_id)
+        with self._lock:
+            old = self._subs.get(node_id)
+            self._subs[node_id] = sub
+        if old is not None:
+            old.close()
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        sub.close()
+        with self._lock:
+            if self._subs.get(sub.node_id) is sub:
+                del self._subs[sub.node_id]
+
+    def _eligible_users(self) -> list[str]:
+        """Admitted users on nodes with a live subscription, sorted (deterministic order for the CSPRNG draw)."""
+        users: list[str] = []
+        for node in self._subs:
+            users.extend(self._node_users.get(node, ()))
+        users.sort()
+        return users
+
+    def population(self, run_id: str) -> Population:
+        with self._lock:
+            eligible = self._eligible_users()
+            used = self._store.used_users(run_id) if run_id else set()
+            unused = sum(1 for u in eligible if u not in used)
+            return Population(len(eligible), unused, len(self._subs))
+
+    def counters(self) -> dict[str, int]:
+        """Totals since start: rejections per reason, plus accepted / refused / registration_conflict."""
+        with self._lock:
+            return dict(self._counters)
+
+    # ----- rounds ----------------------------------------------------------------------------------------------
+    def _validate(self, req: RoundRequest) -> tuple[int, int, int]:
+        """Check a round request; returns (messages per user, ciphertext length, g+m)."""
+        _check_id("run_id", req.run_id)
+        if req.schedule == Schedule.STREAM:
+            raise NotImplementedError("schedule STREAM is not implemented by this shuffler yet")
+        if req.schedule not in (Schedule.SEQUENTIAL, Schedule.FULLY_INTERACTIVE, Schedule.SUBSAMPLED):
+            raise ValueError(f"schedule must be SEQUENTIAL, FULLY_INTERACTIVE or SUBSAMPLED, got {req.schedule}")
+        if req.transport not in (Transport.COUNTS, Transport.BITS, Transport.SEALED):
+            raise ValueError(f"transport must be COUNTS, BITS or SEALED, got {req.transport}")
+        if not (0.0 < req.deadline_seconds <= self._max_deadline) or not math.isfinite(req.deadline_seconds):
+            raise ValueError(f"deadline_seconds must lie in (0, {self._max_deadline}], got {req.deadline_seconds}")
+        if req.min_contributors < 0:
+            raise ValueError(f"min_contributors must be >= 0, got {req.min_contributors}")
+        bound = int(req.g) + int(req.m)
+        if req.transport in (Transport.COUNTS, Transport.BITS):
+            if req.dim < 1:
+                raise ValueError(f"randomizer.dim must be >= 1 for {req.transport.name}, got {req.dim}")
+            if req.g < 1 or req.m < 0:
+                raise ValueError(f"randomizer g must be >= 1 and m >= 0, got g={req.g}, m={req.m}")
+        if req.transport == Transport.COUNTS:
+            # every total is a sum of <= cohort counts in [0, g+m]; it must fit the uint64 wire type
+            if max(req.cohort_size, len(self._user_node), 1) * bound >= _U64:
+                raise ValueError(f"g+m = {bound} is too large: per-label totals would overflow uint64")
+            return req.dim, 0, bound
+        if len(req.analyzer_public_key) != PUBLIC_KEY_BYTES:
+            raise ValueError(
+                f"analyzer_public_key must be a raw {PUBLIC_KEY_BYTES}-byte X25519 key for {req.transport.name}, "
+                f"got {len(req.analyzer_public_key)} bytes"
+            )
+        if req.transport == Transport.BITS:
+            per_user = req.dim * bound  # Alg 2 of paper 000: d (g+m) labelled bits per user
+            if per_user > MAX_BIT_MESSAGES_PER_USER:
+                raise ValueError(
+                    f"BITS would need d*(g+m) = {per_user} messages per user (> {MAX_BIT_MESSAGES_PER_USER}); "
+                    "use COUNTS"
+                )
+            if req.message_bytes not in (0, BIT_MESSAGE_BYTES):
+                raise ValueError(
+                    f"randomizer.message_bytes must be {BIT_MESSAGE_BYTES} for BITS, got {req.message_bytes}"
+                )
+            return per_user, sealed_length(BIT_MESSAGE_BYTES), bound
+        per_user = req.messages_per_user or 1
+        if req.message_bytes < 1:
+            raise ValueError(f"randomizer.message_bytes must be >= 1 for SEALED, got {req.message_bytes}")
+        return per_user, sealed_length(req.message_bytes), bound
+
+    def _select(self, req: RoundRequest) -> tuple[list[str], list[str]]:
+        """(invited users, sequential users consumed). Caller holds the lock."""
+        eligible = self._eligible_users()
+        k = req.cohort_size
+        if req.schedule == Schedule.FULLY_INTERACTIVE:
+            # every admitted user in every round (PGD, Alg 5); a nonzero cohort_size must match the population,
+            # otherwise the analyzer's accounting (n users per round) would not describe what ran
+            if not eligible:
+                raise CohortUnavailable("no admitted users on connected nodes")
+            if k not in (0, len(eligible)):
+                raise CohortUnavailable(
+                    f"FULLY_INTERACTIVE cohort_size={k} but {len(eligible)} admitted users are connected"
+                )
+            return eligible, []
+        if k < 1:
+            raise ValueError(f"cohort_size must be >= 1 for {req.schedule.name}, got {k}")
+        if req.schedule == Schedule.SEQUENTIAL:
+            used = self._store.used_users(req.run_id)
+            pool = [u for u in eligible if u not in used]  # fresh users only: disjoint cohorts
+        else:
+            pool = eligible  # SUBSAMPLED: uniform k of n, secret (seed 001)
+        if len(pool) < k:
+            raise CohortUnavailable(
+                f"{req.schedule.name} round needs cohort_size={k} users but only {len(pool)} are eligible"
+            )
+        idx = self._rng.choice(len(pool), size=k, replace=False)  # uniform k-subset from the CSPRNG
+        chosen = [pool[i] for i in np.sort(idx)]
+        return chosen, (chosen if req.schedule == Schedule.SEQUENTIAL else [])
+
+    def execute_round(self, req: RoundRequest, is_active: Callable[[], bool] = lambda: True) -> BatchResult:
+        """Select, invite, collect until the deadline or all invitees answered, then threshold and shuffle."""
+        per_user, ct_len, bound = self._validate(req)
+        key = (req.run_id, int(req.round))
+        with self._lock:
+            if key in self._open or key in self._closed or self._store.round_exists(*key):
+                raise RoundExistsError(f"round {req.round} of run {req.run_id!r} was already executed")
+            invited, consumed = self._select(req)
+            # record before anyone is invited: a sequential user counts as used once asked (even if silent)
+            self._store.record_round(req.run_id, int(req.round), int(req.schedule), consumed)
+            rnd = _OpenRound(
+                req=req,
+                deadline=self._clock() + req.deadline_seconds,
+                invited={u: self._user_node[u] for u in invited},
+                expected_messages=per_user,
+                expected_ct_len=ct_len,
+                bound=bound,
+            )
+            if req.transport == Transport.COUNTS:
+                rnd.totals = np.zeros(req.dim, dtype=np.uint64)
+            self._open[key] = rnd
+            by_node: dict[str, list[str]] = {}
+            for u, node in rnd.invited.items():
+                by_node.setdefault(node, []).append(u)
+            for node, users in by_node.items():
+                self._subs[node].put(Invite(req.relay, users))
+            try:
+                while len(rnd.answered) < len(rnd.invited) and is_active():
+                    remaining = rnd.deadline - self._clock()
+                    if remaining <= 0:
+                        break
+                    self._lock.wait(min(remaining, self._poll))
+            finally:
+                rnd.closed = True
+                del self._open[key]
+                self._closed.add(key)
+            return self._finish(rnd, released_ok=is_active())
+
+    def _finish(self, rnd: _OpenRound, released_ok: bool) -> BatchResult:
+        """Threshold, then strip everything but totals / permuted ciphertexts. Caller holds the lock."""
+        req = rnd.req
+        threshold = max(1, req.min_contributors)  # never release an empty batch
+        below = rnd.contributors < threshold
+        released = released_ok and not below
+        totals = None
+        cts: list[bytes] = []
+        if released:
+            if req.transport == Transport.COUNTS:
+                totals = rnd.totals.copy()
+            else:
+                perm = self._rng.permutation(len(rnd.ciphertexts))  # CSPRNG shuffle (design 1, spec 000 7.5)
+                cts = [rnd.ciphertexts[i] for i in perm]
+        rnd.ciphertexts = []
+        rnd.totals = None
+        return BatchResult(
+            run_id=req.run_id,
+            round=int(req.round),
+            released=released,
+            label_totals=totals,
+            ciphertexts=cts,
+            invited=len(rnd.invited),
+            contributors=rnd.contributors,
+            rejected=dict(rnd.rejected),
+            refused=rnd.refused,
+            below_threshold=below,
+        )
+
+    # ----- collection ------------------------------------------------------------------------------------------
+    def _reject(self, rnd: _OpenRound | None, reason: Reason, rejected: Counter, n: int = 1) -> None:
+        rejected[reason.value] += n
+        self._counters[reason.value] += n
+        if rnd is not None:
+            rnd.rejected[reason.value] += n
+
+    def submit(self, sub: Submission) -> Ack:
+        """Validate and aggregate one node's contribution (design 5.3). Whole-contribution errors raise
+        RoundRejected (counted once per message/refusal); per-message errors are counted and acknowledged."""
+        rejected: Counter = Counter()
+        with self._lock:
+            key = (sub.run_id, int(sub.round))
+            rnd = self._open.get(key)
+            n_items = max(1, len(sub.messages) + len(sub.refusals))
+            if rnd is None or rnd.closed or self._clock() >= rnd.deadline:
+                reason = Reason.EXPIRED_ROUND if (key in self._closed or rnd is not None) else Reason.WRONG_ROUND
+                self._reject(None, reason, rejected, n_items)
+                if reason == Reason.EXPIRED_ROUND:
+                    raise RoundRejected(reason, f"round {sub.round} of run {sub.run_id!r} is closed")
+                raise RoundRejected(reason, f"no open round {sub.round} of run {sub.run_id!r}")
+            seen = self._nonces.setdefault(sub.run_id, set())
+            accepted = 0
+            for msg in sub.messages:
+                reason = self._check_message(rnd, sub.node_id, msg, seen)
+                if reason is not None:
+                    self._reject(rnd, reason, rejected)
+                    if reason in _PAYLOAD_REASONS:
+                        # an identified invitee sent a malformed payload: its one answer is used up (no probing
+                        # of the validator, and the round need not wait for it until the deadline)
+                        rnd.answered.add(msg.user_id)
+                    continue
+                rnd.answered.add(msg.user_id)
+                if msg.counts is not None:
+                    rnd.totals += msg.counts  # running total only (spec 000 sec 8)
+                else:
+                    rnd.ciphertexts.extend(bytes(c) for c in msg.ciphertexts)
+                rnd.contributors += 1
+                accepted += 1
+            for user_id, _why in sub.refusals:
+                if rnd.invited.get(user_id) != sub.node_id:
+                    self._reject(
+                        rnd, Reason.NOT_INVITED if user_id in self._user_node else Reason.UNKNOWN_USER, rejected
+                    )
+                elif user_id in rnd.answered:
+                    self._reject(rnd, Reason.DUPLICATE_USER, rejected)
+                else:
+                    rnd.answered.add(user_id)
+                    rnd.refused += 1
+                    self._counters["refused"] += 1
+            self._counters["accepted"] += accepted
+            self._lock.notify_all()
+            return Ack(accepted, dict(rejected))
+
+    def _check_message(self, rnd: _OpenRound, node_id: str, msg: UserMessage, seen: set[bytes]) -> Reason | None:
+        """First failing check of design 5.3 for one user message, or None if valid. Caller holds the lock."""
+        nonce = bytes(msg.nonce)
+        if not NONCE_MIN_BYTES <= len(nonce) <= NONCE_MAX_BYTES:
+            return Reason.BAD_NONCE
+        if nonce in seen:
+            return Reason.REPLAYED_NONCE
+        seen.add(nonce)  # a re-sent copy of this message (accepted or not) is a replay
+        if msg.user_id not in self._user_node:
+            return Reason.UNKNOWN_USER
+        if rnd.invited.get(msg.user_id) != node_id:
+            return Reason.NOT_INVITED
+        if msg.user_id in rnd.answered:
+            return Reason.DUPLICATE_USER
+        if rnd.req.transport == Transport.COUNTS:
+            if msg.counts is None or msg.ciphertexts is not None:
+                return Reason.WRONG_PAYLOAD
+            if msg.counts.shape != (rnd.req.dim,):
+                return Reason.WRONG_COUNT_LENGTH
+            if msg.counts.size and int(msg.counts.max()) > rnd.bound:  # uint64: never negative
+                return Reason.COUNT_OUT_OF_RANGE
+            return None
+        if msg.ciphertexts is None or msg.counts is not None:
+            return Reason.WRONG_PAYLOAD
+        if len(msg.ciphertexts) != rnd.expected_messages:
+            return Reason.WRONG_MESSAGE_COUNT
+        if any(len(c) != rnd.expected_ct_len for c in msg.ciphertexts):
+            return Reason.WRONG_CIPHERTEXT_LENGTH
+        return None

@@ -1,0 +1,216 @@
+"""Client node: gradients, clipping and randomizing for its logical users; per-user policy; gRPC status/health."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from shuffledp.clients.node import NodeCore, UserShard, start_node
+from shuffledp.clients.policy import Refusal, UserPolicy
+from shuffledp.services.shuffler import start_shuffler
+
+from shuffledp.config import parse_config
+from shuffledp.protocols import pvec
+from shuffledp.rng import make_rng
+from shuffledp.sealing import (
+    BIT_MESSAGE_BYTES,
+    SealingError,
+    generate_keypair,
+    open_sealed,
+    round_info,
+    sealed_length,
+    unpack_labelled_bits,
+)
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+F, N = 3, 40
+D = F + 1
+NO_VERIFY = UserPolicy(verify_randomizer=False)
+
+
+def make_shard(n: int = N, seed: int = 1) -> UserShard:
+    rng = make_rng(seed)
+    # large features: most gradients have norm > clip_norm, so clipping is active
+    return UserShard([f"u{j}" for j in range(n)], rng.normal(size=(n, 1, F)) * 4, rng.normal(size=(n, 1)))
+
+
+def make_spec(round_=1, transport=pb.COUNTS, g=16, m=8, p=0.5, eps=1.0, delta=1e-6, **kw) -> pb.RoundSpec:
+    s = pb.RoundSpec(
+        run_id="run",
+        round=round_,
+        schedule=pb.FULLY_INTERACTIVE,
+        trust_model=pb.SHUFFLE,
+        transport=transport,
+        randomizer=pb.RandomizerSpec(protocol="pvec", dim=D, g=g, m=m, p=p, clip_norm=1.0),
+        model=pb.Tensor(shape=[D], f64=np.array([0.3, -0.2, 0.1, 0.05]).tobytes()),
+        task="leastsq",
+        min_contributors=1,
+        deadline_seconds=10,
+        per_user_cost=pb.PrivacyCost(eps=eps, delta=delta, trust_model=pb.SHUFFLE),
+        local_batch=1,
+    )
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return s
+
+
+def clipped_gradients(shard: UserShard, w: np.ndarray, clip: float) -> np.ndarray:
+    """Independent reference: least-squares gradient (w.[x;1] - y)[x;1], then l2 clipping."""
+    Z = np.concatenate([shard.X[:, 0, :], np.ones((len(shard.user_ids), 1))], axis=1)
+    g = (Z @ w - shard.y[:, 0])[:, None] * Z
+    norms = np.linalg.norm(g, axis=1, keepdims=True)
+    return g * np.minimum(1.0, clip / norms)
+
+
+def invite(spec, shard) -> pb.Invitation:
+    return pb.Invitation(spec=spec, user_ids=shard.user_ids)
+
+
+def test_counts_pipeline_is_unbiased_for_clipped_gradient_sum():
+    """Mean over R rounds of the decoded aggregate equals the sum of clipped gradients within 4 standard errors
+    (standard error from PVEC's exact variance, spec 000 sec 2)."""
+    shard = make_shard()
+    core = NodeCore(
+        "node", shard, UserPolicy(max_total_eps=np.inf, max_total_delta=1.0, verify_randomizer=False), rng=make_rng(2)
+    )
+    spec = make_spec()
+    params = pvec.PvecParams(d=D, n=N, delta2=1.0, g=16, m=8, p=0.5, eps=1.0, delta=1e-6, method="calibrated")
+    ref = clipped_gradients(shard, np.frombuffer(spec.model.f64), 1.0)
+    assert np.all(np.linalg.norm(ref, axis=1) <= 1.0 + 1e-12) and np.mean(np.linalg.norm(ref, axis=1) > 0.999) > 0.5
+    R, est = 300, []
+    for r in range(R):
+        con = core.handle(invite(make_spec(round_=r), shard))
+        assert not con.refusals and len(con.messages) == N
+        counts = np.array([m.counts.counts for m in con.messages], dtype=np.int64)
+        assert counts.shape == (N, D) and counts.min() >= 0 and counts.max() <= 16 + 8
+        assert len({m.nonce for m in con.messages}) == N and all(len(m.nonce) == 16 for m in con.messages)
+        est.append(pvec.decode_counts(counts.sum(axis=0), N, params))
+    se = np.sqrt(pvec.pvec_variance(ref, params) / R)
+    assert np.all(np.abs(np.mean(est, axis=0) - ref.sum(axis=0)) <= 4 * se), (np.mean(est, axis=0), ref.sum(0), se)
+    # each user's spend is the sum of its round costs
+    assert core.spent("u0") == pytest.approx((R * 1.0, R * 1e-6))
+    assert core.status().rounds_joined == R
+
+
+def test_bits_mode_sealed_per_labelled_bit():
+    shard = make_shard(n=5)
+    core = NodeCore("node", shard, NO_VERIFY, rng=make_rng(3))
+    priv, pub = generate_keypair()
+    spec = make_spec(round_=7, transport=pb.BITS, g=4, m=3, p=0.5, analyzer_public_key=pub)
+    spec.randomizer.message_bytes = BIT_MESSAGE_BYTES
+    con = core.handle(invite(spec, shard))
+    assert len(con.messages) == 5
+    info = round_info("run", 7)
+    for msg in con.messages:
+        cts = list(msg.sealed.ciphertexts)
+        assert len(cts) == D * (4 + 3)  # d (g+m) messages per user (Alg 2, spec 000 sec 7 item 1)
+        assert {len(c) for c in cts} == {sealed_length(BIT_MESSAGE_BYTES)}
+        labels, bits = unpack_labelled_bits([open_sealed(priv, c, info) for c in cts])
+        assert np.array_equal(np.bincount(labels, minlength=D), np.full(D, 7))
+        assert set(np.unique(bits)) <= {0, 1}
+        with pytest.raises(SealingError):  # bound to run and round
+            open_sealed(priv, cts[0], round_info("run", 8))
+
+
+def test_policy_refusals_with_reasons():
+    shard = make_shard(n=4)
+    policies = [
+        UserPolicy(max_eps_per_round=0.5, verify_randomizer=False),  # u0: round too expensive
+        UserPolicy(allowed_transports=frozenset({"bits", "sealed"}), verify_randomizer=False),  # u1: no COUNTS
+        UserPolicy(max_total_eps=1.5, verify_randomizer=False),  # u2: budget for one round only
+        UserPolicy(allowed_trust_models=frozenset({"shuffle"}), verify_randomizer=False),  # u3
+    ]
+    core = NodeCore("node", shard, policies, rng=make_rng(4))
+    con = core.handle(invite(make_spec(1), shard))
+    assert [m.user_id for m in con.messages] == ["u2", "u3"]
+    assert {r.user_id: r.reason for r in con.refusals} == {"u0": Refusal.ROUND_COST, "u1": Refusal.TRANSPORT}
+    con = core.handle(invite(make_spec(2, trust_model=pb.CENTRAL), shard))
+    assert {r.user_id: r.reason for r in con.refusals} == {
+        "u0": Refusal.ROUND_COST,  # u0 allows every trust model; its round cost is still too high
+        "u1": Refusal.TRANSPORT,
+        "u2": Refusal.TOTAL_BUDGET,
+        "u3": Refusal.TRUST_MODEL,
+    }
+    assert core.spent("u2") == (1.0, 1e-6) and core.spent("u0") == (0.0, 0.0)
+    assert dict(core.status().refusals) == {
+        Refusal.ROUND_COST: 2,
+        Refusal.TRANSPORT: 2,
+        Refusal.TOTAL_BUDGET: 1,
+        Refusal.TRUST_MODEL: 1,
+    }
+
+
+def test_invalid_or_unsupported_specs_are_refused():
+    shard = make_shard(n=2)
+    core = NodeCore("node", shard, NO_VERIFY, rng=make_rng(5))
+    for s, reason in (
+        (make_spec(1, eps=-1.0), Refusal.INVALID_SPEC),
+        (make_spec(2, delta=float("nan")), Refusal.INVALID_SPEC),
+        (make_spec(3, transport=pb.SEALED), Refusal.PROTOCOL),
+    ):
+        con = core.handle(invite(s, shard))
+        assert not con.messages and {r.reason for r in con.refusals} == {reason}
+    bad_model = make_spec(4)
+    bad_model.randomizer.dim = D + 1  # model and randomizer disagree: nothing computed, nothing charged
+    con = core.handle(invite(bad_model, shard))
+    assert not con.messages and {r.reason for r in con.refusals} == {Refusal.INVALID_SPEC}
+    assert core.spent("u0") == (0.0, 0.0)
+
+
+def test_randomizer_is_verified_not_trusted():
+    """With verify_randomizer on, each user recomputes the round's eps from (d, g, m, p) with the calibrated
+    accountant at n' = min_contributors, whatever per_user_cost claims."""
+    from shuffledp.accountants.calibrated_pvec import calibrate_pvec, pvec_round_epsilon
+
+    shard = make_shard(n=2)
+    core = NodeCore("node", shard, UserPolicy(max_eps_per_round=2.0), rng=make_rng(6))
+    n = 50
+    good = calibrate_pvec(1.0, 1e-6, n, D, 1.0)
+    assert pvec_round_epsilon(good, n, 1e-6) <= 1.0
+    spec = make_spec(1, g=good.g, m=good.m, p=good.p, eps=1.0, delta=1e-6, min_contributors=n, cohort_size=n)
+    assert len(core.handle(invite(spec, shard)).messages) == 2  # honest round: joined
+    # the same randomizer with a threshold of 1 contributor: far less noise in the released sum -> weaker
+    weak = make_spec(2, g=good.g, m=good.m, p=good.p, eps=1.0, delta=1e-6, min_contributors=1, cohort_size=n)
+    assert pvec_round_epsilon(good, 1, 1e-6) > 2.0
+    con = core.handle(invite(weak, shard))
+    assert not con.messages and {r.reason for r in con.refusals} == {Refusal.WEAK_RANDOMIZER}
+    # parameters the accountant cannot evaluate (m n' < g) are not trusted either
+    odd = make_spec(3, g=16, m=1, p=0.01, eps=0.5, delta=1e-6, min_contributors=1)
+    con = core.handle(invite(odd, shard))
+    assert not con.messages and {r.reason for r in con.refusals} == {Refusal.UNVERIFIABLE}
+
+
+def test_node_service_status_health_and_registration():
+    server, port = start_shuffler("127.0.0.1:0")
+    cfg = parse_config('[data]\ndataset = "digits"\nmax_users = 30\n')
+    handles = [
+        start_node(f"node-{i}", cfg, i, 2, f"127.0.0.1:{port}", policy=NO_VERIFY, rng=make_rng(10 + i))
+        for i in range(2)
+    ]
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pbg.ShufflerStub(ch)
+        end = time.monotonic() + 10
+        while stub.GetPopulation(pb.PopulationRequest()).admitted_users < 30:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        assert server.shuffler_state.population("").connected_nodes == 2
+        for i, h in enumerate(handles):
+            nch = grpc.insecure_channel(f"127.0.0.1:{h.port}")
+            st = pbg.ClientNodeStub(nch).GetNodeStatus(pb.NodeStatusRequest(), timeout=5)
+            assert st.node_id == f"node-{i}" and st.users == 15
+            hs = health_pb2_grpc.HealthStub(nch)
+            for service in ("", "shuffledp.v1.ClientNode"):
+                resp = hs.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            nch.close()
+        assert handles[0].core.shard.user_ids[:2] == ["n0-u0", "n0-u2"]
+        ch.close()
+    finally:
+        for h in handles:
+            h.stop()
+        server.stop(0).wait()

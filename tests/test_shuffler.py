@@ -1,0 +1,345 @@
+"""Shuffler trust boundary and schedules, with real gRPC servers on 127.0.0.1:0 and real client nodes.
+
+The test plays the analyzer (ExecuteRound through a real stub). What the shuffler received is captured at its
+service boundary by a server interceptor (not by trusting the code); what the analyzer received is the
+ShuffledBatch the stub returned.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+from scipy import stats
+from shuffledp.clients.node import UserShard, start_node_with_shard
+from shuffledp.clients.policy import UserPolicy
+from shuffledp.services.shuffler import serve_shuffler
+from shuffledp.services.shuffler_state import (
+    RoundRequest,
+    Schedule,
+    ShufflerState,
+    SqliteParticipationStore,
+    Transport,
+)
+
+from shuffledp.rng import make_rng
+from shuffledp.sealing import (
+    BIT_MESSAGE_BYTES,
+    SealingError,
+    generate_keypair,
+    open_sealed,
+    private_key_from_bytes,
+    round_info,
+    seal,
+    sealed_length,
+    unpack_labelled_bits,
+)
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+NO_VERIFY = UserPolicy(verify_randomizer=False)  # the accountant is tested with the analyzer; here transport
+F = 3  # features of the synthetic least-squares shards -> d = F + 1
+
+
+class Recorder(grpc.ServerInterceptor):
+    """Records every Contribution the shuffler receives (capture at the service boundary)."""
+
+    def __init__(self) -> None:
+        self.contributions: list[pb.Contribution] = []
+        self._lock = threading.Lock()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.endswith("/Submit"):
+            return handler
+        inner = handler.unary_unary
+
+        def submit(request, context):
+            with self._lock:
+                self.contributions.append(request)
+            return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            submit, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+    def for_round(self, round_: int) -> list[pb.Contribution]:
+        with self._lock:
+            return [c for c in self.contributions if c.round == round_]
+
+
+class Shuffler:
+    def __init__(self, state_path=None, listen="127.0.0.1:0", seed=11) -> None:
+        self.store = SqliteParticipationStore(state_path) if state_path else None
+        self.state = ShufflerState(self.store, rng=make_rng(seed))
+        self.recorder = Recorder()
+        self.server, self.port = serve_shuffler(self.state, listen, interceptors=[self.recorder])
+        self.address = f"127.0.0.1:{self.port}"
+        self.channel = grpc.insecure_channel(self.address, options=[("grpc.max_receive_message_length", 2**26)])
+        self.stub = pbg.ShufflerStub(self.channel)
+
+    def wait_nodes(self, n: int, users: int | None = None, timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        while True:
+            p = self.stub.GetPopulation(pb.PopulationRequest(run_id="r"), timeout=5)
+            if p.connected_nodes >= n and (users is None or p.admitted_users >= users):
+                return
+            assert time.monotonic() < end, f"nodes did not connect: {p}"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.server.stop(0).wait()
+        if self.store is not None:
+            self.store.close()
+
+
+@pytest.fixture
+def shuffler():
+    s = Shuffler()
+    yield s
+    s.stop()
+
+
+def shard(prefix: str, n: int, seed: int) -> UserShard:
+    rng = make_rng(seed)
+    return UserShard([f"{prefix}-u{j}" for j in range(n)], rng.normal(size=(n, 1, F)) * 3, rng.normal(size=(n, 1)))
+
+
+def spec(round_, transport=pb.COUNTS, schedule=pb.FULLY_INTERACTIVE, cohort=0, g=4, m=6, p=0.3, **kw) -> pb.RoundSpec:
+    d = F + 1
+    s = pb.RoundSpec(
+        run_id="r",
+        round=round_,
+        schedule=schedule,
+        trust_model=pb.SHUFFLE,
+        transport=transport,
+        randomizer=pb.RandomizerSpec(protocol="pvec", dim=d, g=g, m=m, p=p, clip_norm=1.0),
+        model=pb.Tensor(shape=[d], f64=np.linspace(-0.5, 0.5, d).tobytes()),
+        task="leastsq",
+        cohort_size=cohort,
+        min_contributors=1,
+        deadline_seconds=20.0,
+        per_user_cost=pb.PrivacyCost(eps=1.0, delta=1e-6),
+        local_batch=1,
+    )
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return s
+
+
+@pytest.fixture
+def nodes(shuffler):
+    handles = [
+        start_node_with_shard(
+            f"node-{i}", shard(f"n{i}", 5 + i, seed=i), shuffler.address, policy=NO_VERIFY, rng=make_rng(100 + i)
+        )
+        for i in range(2)
+    ]
+    shuffler.wait_nodes(2, users=11)
+    yield handles
+    for h in handles:
+        h.stop()
+
+
+def test_count_mode_batch_holds_only_label_totals(shuffler, nodes):
+    batch = shuffler.stub.ExecuteRound(spec(1), timeout=30)
+    received = shuffler.recorder.for_round(1)
+    assert len(received) == 2  # one Submit per node per round
+    per_user = [np.array(m.counts.counts, dtype=np.int64) for c in received for m in c.messages]
+    assert len(per_user) == 11
+    assert batch.released and batch.report.contributors == 11 and batch.report.invited == 11
+    # only the d per-label totals, equal to the sum of what the nodes sent; no ciphertexts
+    assert len(batch.label_totals) == F + 1 and not batch.ciphertexts
+    np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(per_user, axis=0))
+    # nothing else: no ids, nonces, node names or per-user counts anywhere in what the analyzer received
+    assert {f.name for f, _ in batch.ListFields()} <= {"run_id", "round", "released", "label_totals", "report"}
+    assert {f.name for f, _ in batch.report.ListFields()} <= {"invited", "contributors", "rejected", "refused"}
+    wire = batch.SerializeToString()
+    for c in received:
+        assert c.node_id.encode() not in wire
+        for m in c.messages:
+            assert m.user_id.encode() not in wire and m.nonce not in wire
+    # population is sizes only
+    pop = shuffler.stub.GetPopulation(pb.PopulationRequest(run_id="r"))
+    assert (pop.admitted_users, pop.unused_users, pop.connected_nodes) == (11, 11, 2)
+
+
+def test_bits_mode_only_ciphertexts_shuffler_cannot_open(shuffler, nodes):
+    priv, pub = generate_keypair()
+    s = spec(1, transport=pb.BITS, g=2, m=3, p=0.4, analyzer_public_key=pub)
+    s.randomizer.message_bytes = BIT_MESSAGE_BYTES
+    batch = shuffler.stub.ExecuteRound(s, timeout=30)
+    d, per_user = F + 1, (F + 1) * (2 + 3)
+    assert batch.released and batch.report.contributors == 11 and not batch.label_totals
+    assert len(batch.ciphertexts) == 11 * per_user
+    assert {len(c) for c in batch.ciphertexts} == {sealed_length(BIT_MESSAGE_BYTES)}  # one length only
+    received = [c for con in shuffler.recorder.for_round(1) for m in con.messages for c in m.sealed.ciphertexts]
+    assert sorted(received) == sorted(batch.ciphertexts)  # exactly the received multiset ...
+    assert list(received) != list(batch.ciphertexts)  # ... in another order
+    info = round_info("r", 1)
+    # the shuffler holds no private key: the only key material it ever saw (the public key, as bytes), a key it
+    # could generate, and the right key with another round's info all fail; the analyzer's key opens everything
+    for key in (private_key_from_bytes(pub), generate_keypair()[0]):
+        with pytest.raises(SealingError):
+            open_sealed(key, batch.ciphertexts[0], info)
+    with pytest.raises(SealingError):
+        open_sealed(priv, batch.ciphertexts[0], round_info("r", 2))
+    labels, bits = unpack_labelled_bits([open_sealed(priv, c, info) for c in batch.ciphertexts])
+    assert np.array_equal(np.bincount(labels, minlength=d), np.full(d, 11 * 5))  # n'(g+m) messages per label
+    assert set(np.unique(bits)) <= {0, 1}
+    assert not any(hasattr(v, "private_bytes") for v in vars(shuffler.state).values())
+
+
+class SealedFakeNode:
+    """The test as a client node sending SEALED messages whose ciphertexts it knows (to find them again)."""
+
+    def __init__(self, stub, node_id: str, users: list[str]) -> None:
+        self.stub, self.node_id, self.users = stub, node_id, users
+        stub.RegisterUsers(pb.RegisterUsersRequest(node_id=node_id, user_ids=users), timeout=5)
+        self.q: queue.Queue = queue.Queue()
+        self.call = stub.Subscribe(pb.SubscribeRequest(node_id=node_id))
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for inv in self.call:
+                self.q.put(inv)
+        except grpc.RpcError:
+            pass  # cancelled at the end of the test
+
+
+def test_permutation_uniform_chi_square(shuffler):
+    """Position of a marked user's message over repeated rounds (spec 000 sec 7 item 5): uniform.
+
+    The marked user's message always arrives first; without the CSPRNG permutation it would sit at position 0.
+    Chi-square goodness of fit over n positions, R rounds, fixed seeds; fail below p = 0.001.
+    """
+    n, rounds = 8, 240
+    priv, pub = generate_keypair()
+    node = SealedFakeNode(shuffler.stub, "fake", [f"m{i}" for i in range(n)])
+    shuffler.wait_nodes(1, users=n)
+    pool = futures.ThreadPoolExecutor(1)
+    positions = []
+    try:
+        for r in range(rounds):
+            s = spec(r, transport=pb.SEALED, analyzer_public_key=pub)
+            s.randomizer.messages_per_user, s.randomizer.message_bytes = 1, 4
+            fut = pool.submit(shuffler.stub.ExecuteRound, s, timeout=30)
+            inv = node.q.get(timeout=10)
+            info = round_info("r", r)
+            msgs = [
+                pb.UserMessage(
+                    user_id=u,
+                    nonce=secrets.token_bytes(16),
+                    sealed=pb.SealedMessages(ciphertexts=[seal(pub, bytes([i]) * 4, info)]),
+                )
+                for i, u in enumerate(inv.user_ids)
+            ]
+            marked = msgs[0].sealed.ciphertexts[0]
+            shuffler.stub.Submit(pb.Contribution(run_id="r", round=r, node_id="fake", messages=msgs))
+            batch = fut.result(timeout=30)
+            positions.append(list(batch.ciphertexts).index(marked))
+    finally:
+        node.call.cancel()
+        pool.shutdown()
+    assert open_sealed(priv, marked, info) == b"\x00" * 4
+    hist = np.bincount(positions, minlength=n)
+    chi2 = stats.chisquare(hist)
+    assert chi2.pvalue > 1e-3, (hist, chi2)
+
+
+def test_sequential_never_reuses_a_user_across_restart(tmp_path):
+    """SEQUENTIAL cohorts are disjoint, also after the shuffler restarts on its SQLite state; the real node
+    reconnects by itself (backoff) to the restarted shuffler on the same port."""
+    db = tmp_path / "shuffler.sqlite"
+    s1 = Shuffler(db, seed=1)
+    node = start_node_with_shard("node-0", shard("n0", 10, seed=3), s1.address, policy=NO_VERIFY, rng=make_rng(9))
+    seen: list[set[str]] = []
+    try:
+        s1.wait_nodes(1, users=10)
+        for r in (1, 2):
+            batch = s1.stub.ExecuteRound(spec(r, schedule=pb.SEQUENTIAL, cohort=3), timeout=30)
+            assert batch.released and batch.report.contributors == 3
+            seen.append({m.user_id for c in s1.recorder.for_round(r) for m in c.messages})
+        assert s1.stub.GetPopulation(pb.PopulationRequest(run_id="r")).unused_users == 4
+        port = s1.port
+        s1.stop()
+        s2 = Shuffler(db, listen=f"127.0.0.1:{port}", seed=1)  # same seed: the same draw would repeat users
+        try:
+            s2.wait_nodes(1, users=10, timeout=20)
+            assert s2.stub.GetPopulation(pb.PopulationRequest(run_id="r")).unused_users == 4
+            with pytest.raises(grpc.RpcError) as err:  # a round runs at most once
+                s2.stub.ExecuteRound(spec(2, schedule=pb.SEQUENTIAL, cohort=3), timeout=10)
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            batch = s2.stub.ExecuteRound(spec(3, schedule=pb.SEQUENTIAL, cohort=4), timeout=30)
+            assert batch.report.contributors == 4
+            seen.append({m.user_id for c in s2.recorder.for_round(3) for m in c.messages})
+            with pytest.raises(grpc.RpcError) as err:  # every user used once: nobody left
+                s2.stub.ExecuteRound(spec(4, schedule=pb.SEQUENTIAL, cohort=1), timeout=10)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # another run has its own participation record
+            assert s2.stub.GetPopulation(pb.PopulationRequest(run_id="other")).unused_users == 10
+        finally:
+            s2.stop()
+    finally:
+        node.stop()
+    assert [len(x) for x in seen] == [3, 3, 4]
+    assert len(set.union(*seen)) == 10  # pairwise disjoint and together all users
+
+
+def test_deadline_ends_round_with_contributors_received(shuffler, nodes):
+    """A node that never answers: the round ends at its deadline with the contributions actually received."""
+    silent = SealedFakeNode(shuffler.stub, "silent", ["s0", "s1"])
+    try:
+        shuffler.wait_nodes(3, users=13)
+        t0 = time.monotonic()
+        batch = shuffler.stub.ExecuteRound(spec(1, deadline_seconds=1.5), timeout=30)
+        elapsed = time.monotonic() - t0
+        assert 1.4 <= elapsed < 6.0
+        assert batch.released and batch.report.invited == 13 and batch.report.contributors == 11
+        received = [np.array(m.counts.counts) for c in shuffler.recorder.for_round(1) for m in c.messages]
+        np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(received, axis=0))
+        # threshold above what arrives: released = false, no data at all
+        batch = shuffler.stub.ExecuteRound(spec(2, deadline_seconds=1.0, min_contributors=12), timeout=30)
+        assert not batch.released and batch.report.below_threshold and batch.report.contributors == 11
+        assert not batch.label_totals and not batch.ciphertexts
+    finally:
+        silent.call.cancel()
+
+
+def test_subsampled_cohorts_are_uniform():
+    """SUBSAMPLED: k of n uniformly, secretly (seed 001). Domain level with a CSPRNG seed; each user's selection
+    count over R rounds is Bin(R, k/n); chi-square goodness of fit, fail below p = 0.001."""
+    state = ShufflerState(rng=make_rng(21), poll_seconds=0.001)
+    users = [f"u{i}" for i in range(9)]
+    state.register_users("node", users)
+    sub = state.subscribe("node")
+    k, rounds = 3, 600
+    hits = np.zeros(len(users))
+    for r in range(rounds):
+        req = RoundRequest(
+            "run", r, Schedule.SUBSAMPLED, Transport.COUNTS, dim=2, g=1, m=1, cohort_size=k, deadline_seconds=1e-4
+        )
+        res = state.execute_round(req)
+        assert res.invited == k and not res.released
+        inv = sub.get(timeout=1)
+        assert len(set(inv.user_ids)) == k
+        hits[[users.index(u) for u in inv.user_ids]] += 1
+    assert stats.chisquare(hits).pvalue > 1e-3, hits
+    assert state.population("run").unused_users == 9  # subsampling consumes nobody
+
+
+def test_fully_interactive_cohort_must_match_population(shuffler, nodes):
+    with pytest.raises(grpc.RpcError) as err:
+        shuffler.stub.ExecuteRound(spec(1, cohort=5), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "11 admitted users" in err.value.details()
+    batch = shuffler.stub.ExecuteRound(spec(2, cohort=11), timeout=30)
+    assert batch.report.contributors == 11
