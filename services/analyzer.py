@@ -1,0 +1,186 @@
+"""The analyzer service: a thin gRPC servicer over services.run_manager.RunManager.
+
+The analyzer is the untrusted party of the shuffle model (design section 1): it dials only the shuffler
+(GetPopulation, ExecuteRound) and never a client; what it learns about a round is the ShuffledBatch (per-label
+totals or permuted ciphertexts plus the batch report). Operators dial it (CreateRun, StartRun, GetRunStatus,
+GetRunResult, CancelRun, GetBudget). State (the privacy ledger with checkpoints) lives in state_dir/ledger.sqlite;
+starting on an existing state_dir resumes RUNNING runs (in-flight rounds are charged as spent).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from shuffledp.services.ledger import BudgetTotals, Ledger, LedgerError
+from shuffledp.services.run_manager import PlanError, RunManager, RunNotFound, RunStateError, RunView
+
+from shuffledp.config import ConfigError
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AnalyzerServicer", "start_analyzer", "LEDGER_FILE"]
+
+LEDGER_FILE = "ledger.sqlite"
+
+# domain exception -> status code (one table; the first matching class wins)
+_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (RunNotFound, grpc.StatusCode.NOT_FOUND),
+    (RunStateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PlanError, grpc.StatusCode.FAILED_PRECONDITION),
+    (LedgerError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+_STATES = {
+    "CREATED": pb.CREATED,
+    "RUNNING": pb.RUNNING,
+    "COMPLETED": pb.COMPLETED,
+    "FAILED": pb.FAILED,
+    "CANCELLED": pb.CANCELLED,
+    "BUDGET_EXHAUSTED": pb.BUDGET_EXHAUSTED,
+}
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException):
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            context.abort(code, str(exc))
+    raise exc
+
+
+def _budget(b: BudgetTotals | None) -> pb.BudgetStatus:
+    if b is None:
+        return pb.BudgetStatus()
+    return pb.BudgetStatus(
+        eps_spent=b.eps_spent,
+        delta_spent=b.delta_spent,
+        eps_reserved=b.eps_reserved,
+        delta_reserved=b.delta_reserved,
+        eps_limit=b.eps_limit,
+        delta_limit=b.delta_limit,
+        accountant=b.accountant,
+        trust_model=pb.SHUFFLE,
+        rounds_committed=b.rounds_committed,
+    )
+
+
+def _status(v: RunView, output: str = "mean") -> pb.RunStatus:
+    metrics = [
+        pb.RoundMetrics(
+            round=m["round"],
+            contributors=m.get("contributors", 0),
+            loss=m[f"loss_{output}"],
+            accuracy=m[f"accuracy_{output}"],
+            eps_spent=m.get("eps_spent", 0.0),
+            delta_spent=m.get("delta_spent", 0.0),
+            released=m.get("released", False),
+            seconds=m.get("seconds", 0.0),
+        )
+        for m in v.metrics
+    ]
+    return pb.RunStatus(
+        run_id=v.run_id,
+        state=_STATES[v.state],
+        rounds_done=v.rounds_done,
+        rounds_planned=v.rounds_planned,
+        budget=_budget(v.budget),
+        metrics=metrics,
+        message=v.message,
+    )
+
+
+class AnalyzerServicer(pbg.AnalyzerServicer):
+    """Operator API: converts messages, calls the run manager, maps domain errors to status codes."""
+
+    def __init__(self, manager: RunManager):
+        self.manager = manager
+
+    def _view(self, run_id: str, with_result: bool = False) -> tuple[RunView, str]:
+        v = self.manager.view(run_id, with_result)
+        plan = self.manager.ledger.run(run_id)["plan"] or {}
+        return v, plan.get("output", "mean")
+
+    def CreateRun(self, request: pb.CreateRunRequest, context: grpc.ServicerContext) -> pb.RunStatus:
+        try:
+            run_id = self.manager.create_run(request.config_toml)
+            return _status(*self._view(run_id))
+        except Exception as exc:
+            _abort(context, exc)
+
+    def StartRun(self, request: pb.RunRef, context: grpc.ServicerContext) -> pb.RunStatus:
+        try:
+            self.manager.start_run(request.run_id)
+            return _status(*self._view(request.run_id))
+        except Exception as exc:
+            _abort(context, exc)
+
+    def GetRunStatus(self, request: pb.RunRef, context: grpc.ServicerContext) -> pb.RunStatus:
+        try:
+            return _status(*self._view(request.run_id))
+        except Exception as exc:
+            _abort(context, exc)
+
+    def GetRunResult(self, request: pb.RunRef, context: grpc.ServicerContext) -> pb.RunResult:
+        try:
+            v, output = self._view(request.run_id, with_result=True)
+            result = pb.RunResult(status=_status(v, output), ledger_json=v.ledger_json, config_toml=v.config_toml)
+            if v.model is not None:
+                result.model.CopyFrom(pb.Tensor(shape=[v.model.size], f64=v.model.astype("<f8").tobytes()))
+            return result
+        except Exception as exc:
+            _abort(context, exc)
+
+    def CancelRun(self, request: pb.RunRef, context: grpc.ServicerContext) -> pb.RunStatus:
+        try:
+            self.manager.cancel_run(request.run_id)
+            return _status(*self._view(request.run_id))
+        except Exception as exc:
+            _abort(context, exc)
+
+    def GetBudget(self, request: pb.RunRef, context: grpc.ServicerContext) -> pb.BudgetStatus:
+        try:
+            return _budget(self.manager.budget(request.run_id))
+        except Exception as exc:
+            _abort(context, exc)
+
+
+def start_analyzer(
+    listen: str,
+    shuffler_address: str,
+    state_dir: Path,
+    server_credentials: grpc.ServerCredentials | None = None,
+    channel_credentials: grpc.ChannelCredentials | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+) -> tuple[grpc.Server, int]:
+    """Start the analyzer on `listen` (port 0 = any); returns (started server, bound port).
+
+    None credentials mean plain text (loopback only, the explicit insecure mode). Resumes RUNNING runs found in
+    state_dir's ledger.
+    """
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if channel_credentials is None:
+        channel = grpc.insecure_channel(shuffler_address)
+    else:
+        channel = grpc.secure_channel(shuffler_address, channel_credentials)
+    manager = RunManager(Ledger(state_dir / LEDGER_FILE), pbg.ShufflerStub(channel))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=list(interceptors))
+    pbg.add_AnalyzerServicer_to_server(AnalyzerServicer(manager), server)
+    if server_credentials is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, server_credentials)
+    if port == 0:
+        raise OSError(f"analyzer could not bind {listen!r}")
+    server.start()
+    server.manager = manager  # type: ignore[attr-defined]  (tests and serve.py may inspect it)
+    server.shuffler_channel = channel  # type: ignore[attr-defined]
+    manager.resume()
+    log.info("analyzer listening on port %d, shuffler at %s", port, shuffler_address)
+    return server, port

@@ -1,0 +1,454 @@
+"""The analyzer's durable privacy ledger (design section 6): SQLite in WAL mode, one row per round.
+
+Life of a round:
+
+    reserve(run, r, event)   BEFORE the round spec leaves the analyzer. The event is charged at its worst case
+                             (contributors = the threshold min_contributors, the fewest a released batch can
+                             have), so a later commit can never cost more. Refused with BudgetExceeded(spent,
+                             requested, limit) if the projected run total would exceed the run's (eps, delta).
+    commit(run, r, n')       when the batch is used; the cost is recomputed with the n' actually aggregated.
+    release(run, r, reason)  only when no batch was delivered (the shuffler answered "below threshold" or refused
+                             the spec): the round costs nothing.
+    recover()                at start-up: every round still "reserved" has an unknown outcome (the analyzer died
+                             between reserve and commit/release) and becomes "spent_unknown", charged at its
+                             reserved (worst-case) cost forever.
+
+Totals (spec 000 sec 5): sequential rounds use disjoint cohorts, so they compose in PARALLEL (run total = the
+worst single round); fully interactive rounds compose sequentially: calibrated -> RDP composition of the exact
+PVEC rounds (composed_epsilon of shuffledp.accountants.calibrated_pvec), paper -> advanced composition
+(Dwork-Roth Thm 3.20 with slack delta' = delta/(T+1), spec 000 sec 4).
+
+Events are stored as JSON data (mechanism, parameters, contributors, schedule, trust model), in the manner of
+dp_accounting's DpEvent: the description is kept apart from the arithmetic (`compose_events`), so an auditor can
+recompute every total from the export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from shuffledp.protocols.pvec import PvecParams
+
+__all__ = [
+    "BudgetExceeded",
+    "LedgerError",
+    "PrivacyEvent",
+    "BudgetLimit",
+    "BudgetTotals",
+    "Ledger",
+    "compose_events",
+    "round_cost",
+    "COMPOSITIONS",
+]
+
+# parallel: disjoint cohorts (max); rdp: RDP composition of calibrated PVEC rounds; advanced: Dwork-Roth 3.20
+COMPOSITIONS = ("parallel", "rdp", "advanced")
+ROUND_STATES = ("reserved", "committed", "released", "spent_unknown")
+_COUNTED = ("reserved", "committed", "spent_unknown")
+
+
+class LedgerError(RuntimeError):
+    """A ledger operation that violates the round life cycle (unknown run/round, wrong state, duplicate)."""
+
+
+class BudgetExceeded(Exception):
+    """Reserving the round would take the run above its (eps, delta) limit; nothing was reserved."""
+
+    def __init__(self, spent: tuple[float, float], requested: tuple[float, float], limit: tuple[float, float]):
+        self.spent = spent
+        self.requested = requested  # projected run total if the round were admitted
+        self.limit = limit
+        super().__init__(
+            f"privacy budget exceeded: spent (eps={spent[0]:.6g}, delta={spent[1]:.3g}), with the next round "
+            f"(eps={requested[0]:.6g}, delta={requested[1]:.3g}), limit (eps={limit[0]:.6g}, delta={limit[1]:.3g})"
+        )
+
+
+@dataclass(frozen=True)
+class PrivacyEvent:
+    """One round as data: mechanism, its parameters, contributors accounted, participation schedule."""
+
+    mechanism: str  # "pvec"
+    params: dict[str, Any]  # PvecParams fields (d, n, delta2, g, m, p, eps, delta, method)
+    contributors: int  # n' the cost is computed for (worst case at reserve, actual at commit)
+    schedule: str  # "sequential" | "fully_interactive"
+    trust_model: str = "shuffle"
+
+    @classmethod
+    def pvec(cls, params: PvecParams, contributors: int, schedule: str) -> PrivacyEvent:
+        return cls("pvec", asdict(params), int(contributors), schedule)
+
+    def pvec_params(self) -> PvecParams:
+        if self.mechanism != "pvec":
+            raise LedgerError(f"unsupported mechanism {self.mechanism!r}")
+        return PvecParams(**self.params)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PrivacyEvent:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class BudgetLimit:
+    eps: float
+    delta: float
+    composition: str  # one of COMPOSITIONS
+    advanced_slack: float = 0.0  # delta' of advanced composition (paper PGD: delta/(T+1))
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"eps limit must be a finite number > 0, got {self.eps}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta limit must lie in (0, 1), got {self.delta}")
+        if self.composition not in COMPOSITIONS:
+            raise ValueError(f"composition must be one of {COMPOSITIONS}, got {self.composition!r}")
+        if self.composition == "advanced" and not 0 < self.advanced_slack < self.delta:
+            raise ValueError(f"advanced_slack must lie in (0, delta={self.delta}), got {self.advanced_slack}")
+
+
+@dataclass(frozen=True)
+class BudgetTotals:
+    eps_spent: float  # committed + spent_unknown rounds
+    delta_spent: float
+    eps_reserved: float  # the same plus rounds reserved now (in flight)
+    delta_reserved: float
+    eps_limit: float
+    delta_limit: float
+    accountant: str
+    rounds_committed: int
+
+
+# --------------------------------------------------------------------------------------------- arithmetic
+def accountant_name(event: PrivacyEvent, composition: str) -> str:
+    method = event.params.get("method", "?")
+    per_round = "pvec-calibrated" if method == "calibrated" else "pvec-lemma-3.1+3.3"
+    across = {"parallel": "parallel", "rdp": "rdp-composition", "advanced": "advanced-composition"}[composition]
+    return f"{per_round}/{across}"
+
+
+def round_cost(event: PrivacyEvent) -> tuple[float, float]:
+    """(eps, delta) of one round on its own, for the contributors recorded in the event.
+
+    calibrated: the exact accountant of calibrated_pvec at the params' delta for n' contributors (its noise is
+    Bin(n' m, p), so fewer contributors cost more). paper: the params' (eps, delta) (Thm 3.2 / Lemma 3.1 of paper
+    000), valid for every n' >= the n the parameters were sized for, which reserve/commit guarantee.
+    """
+    params = event.pvec_params()
+    if params.method == "calibrated":
+        from shuffledp.accountants.calibrated_pvec import pvec_round_epsilon
+
+        return float(pvec_round_epsilon(params, event.contributors, params.delta)), params.delta
+    return params.eps, params.delta
+
+
+def _advanced(costs: Sequence[tuple[float, float]], slack: float) -> tuple[float, float]:
+    """Advanced composition (Dwork-Roth Thm 3.20, heterogeneous form, spec 000 sec 4 / sec 5):
+    eps = sqrt(2 ln(1/delta') sum eps_i^2) + sum eps_i (e^{eps_i} - 1), delta = sum delta_i + delta'.
+    For k equal rounds this is eps_r sqrt(2k ln(1/delta')) + k eps_r (e^{eps_r} - 1)."""
+    e = [c[0] for c in costs]
+    eps = math.sqrt(2.0 * math.log(1.0 / slack) * math.fsum(x * x for x in e)) + math.fsum(x * math.expm1(x) for x in e)
+    return eps, math.fsum(c[1] for c in costs) + slack
+
+
+def compose_events(events: Sequence[PrivacyEvent], limit: BudgetLimit) -> tuple[float, float]:
+    """Run total (eps, delta) of the counted rounds under the run's composition rule (module docstring)."""
+    if not events:
+        return 0.0, 0.0
+    if limit.composition == "parallel":
+        # disjoint cohorts: each user's data is in one round only (spec 000 sec 5, adaptive parallel composition)
+        costs = [round_cost(e) for e in events]
+        return max(c[0] for c in costs), max(c[1] for c in costs)
+    if limit.composition == "rdp":
+        from shuffledp.accountants.calibrated_pvec import composed_epsilon
+
+        rounds = [(e.pvec_params(), e.contributors) for e in events]
+        return float(composed_epsilon(rounds, limit.delta)), limit.delta
+    return _advanced([round_cost(e) for e in events], limit.advanced_slack)
+
+
+# ------------------------------------------------------------------------------------------------ storage
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+  run_id TEXT PRIMARY KEY,
+  config_toml TEXT NOT NULL,
+  state TEXT NOT NULL,
+  message TEXT NOT NULL DEFAULT '',
+  plan_json TEXT,
+  limit_json TEXT,
+  created_at REAL NOT NULL,
+  updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rounds (
+  run_id TEXT NOT NULL REFERENCES runs(run_id),
+  round INTEGER NOT NULL,
+  state TEXT NOT NULL,
+  event_json TEXT NOT NULL,
+  reserved_eps REAL NOT NULL,
+  reserved_delta REAL NOT NULL,
+  contributors INTEGER,
+  reason TEXT NOT NULL DEFAULT '',
+  reserved_at REAL NOT NULL,
+  closed_at REAL,
+  PRIMARY KEY (run_id, round)
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+  run_id TEXT NOT NULL REFERENCES runs(run_id),
+  round INTEGER NOT NULL,
+  blob BLOB NOT NULL,
+  metrics_json TEXT NOT NULL,
+  PRIMARY KEY (run_id, round)
+);
+"""
+
+
+class Ledger:
+    """Thread-safe SQLite ledger (one connection behind a lock; WAL; synchronous=FULL for durability)."""
+
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss before the next round leaves
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ----------------------------------------------------------------------------------------- helpers
+    def _tx(self):
+        ledger = self
+
+        class _Tx:
+            def __enter__(self_inner):
+                ledger._lock.acquire()
+                ledger._db.execute("BEGIN IMMEDIATE")
+                return ledger._db
+
+            def __exit__(self_inner, exc_type, exc, tb):
+                try:
+                    ledger._db.execute("ROLLBACK" if exc_type else "COMMIT")
+                finally:
+                    ledger._lock.release()
+                return False
+
+        return _Tx()
+
+    def _run_row(self, db: sqlite3.Connection, run_id: str) -> sqlite3.Row | tuple:
+        row = db.execute("SELECT state, limit_json FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        if row is None:
+            raise LedgerError(f"unknown run {run_id!r}")
+        return row
+
+    def _limit(self, db: sqlite3.Connection, run_id: str) -> BudgetLimit:
+        _, limit_json = self._run_row(db, run_id)
+        if not limit_json:
+            raise LedgerError(f"run {run_id!r} has no budget yet (set_budget is called when the run starts)")
+        return BudgetLimit(**json.loads(limit_json))
+
+    @staticmethod
+    def _events(db: sqlite3.Connection, run_id: str, states: Sequence[str]) -> list[PrivacyEvent]:
+        q = f"SELECT event_json FROM rounds WHERE run_id=? AND state IN ({','.join('?' * len(states))}) ORDER BY round"
+        return [PrivacyEvent.from_json(r[0]) for r in db.execute(q, (run_id, *states))]
+
+    # ------------------------------------------------------------------------------------------- runs
+    def create_run(self, run_id: str, config_toml: str, state: str = "CREATED") -> None:
+        now = self._clock()
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM runs WHERE run_id=?", (run_id,)).fetchone():
+                raise LedgerError(f"run {run_id!r} already exists")
+            db.execute(
+                "INSERT INTO runs(run_id, config_toml, state, created_at, updated_at) VALUES (?,?,?,?,?)",
+                (run_id, config_toml, state, now, now),
+            )
+
+    def set_budget(self, run_id: str, limit: BudgetLimit, plan: dict[str, Any]) -> None:
+        """Fix the run's (eps, delta) limit, composition rule and round plan (once, when the run starts)."""
+        with self._tx() as db:
+            _, existing = self._run_row(db, run_id)
+            if existing:
+                raise LedgerError(f"run {run_id!r} already has a budget; it is fixed once")
+            db.execute(
+                "UPDATE runs SET limit_json=?, plan_json=?, updated_at=? WHERE run_id=?",
+                (json.dumps(asdict(limit)), json.dumps(plan, sort_keys=True), self._clock(), run_id),
+            )
+
+    def set_state(self, run_id: str, state: str, message: str = "") -> None:
+        with self._tx() as db:
+            self._run_row(db, run_id)
+            db.execute(
+                "UPDATE runs SET state=?, message=?, updated_at=? WHERE run_id=?",
+                (state, message, self._clock(), run_id),
+            )
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT run_id, config_toml, state, message, plan_json, limit_json, created_at "
+                "FROM runs WHERE run_id=?",
+                (run_id,),
+            ).fetchone()
+        if row is None:
+            raise LedgerError(f"unknown run {run_id!r}")
+        keys = ("run_id", "config_toml", "state", "message", "plan", "limit", "created_at")
+        out = dict(zip(keys, row, strict=True))
+        out["plan"] = json.loads(out["plan"]) if out["plan"] else None
+        out["limit"] = json.loads(out["limit"]) if out["limit"] else None
+        return out
+
+    def runs_in_state(self, state: str) -> list[str]:
+        with self._lock:
+            return [
+                r[0] for r in self._db.execute("SELECT run_id FROM runs WHERE state=? ORDER BY created_at", (state,))
+            ]
+
+    # ----------------------------------------------------------------------------------------- rounds
+    def reserve(self, run_id: str, round_index: int, event: PrivacyEvent) -> tuple[float, float]:
+        """Charge the round at its worst case before it starts; returns the projected run total.
+
+        Raises BudgetExceeded (nothing stored) if the projected total exceeds the limit in eps or delta.
+        """
+        with self._tx() as db:
+            limit = self._limit(db, run_id)
+            if db.execute("SELECT 1 FROM rounds WHERE run_id=? AND round=?", (run_id, round_index)).fetchone():
+                raise LedgerError(f"round {round_index} of run {run_id!r} was already reserved")
+            counted = self._events(db, run_id, _COUNTED)
+            projected = compose_events([*counted, event], limit)
+            if projected[0] > limit.eps or projected[1] > limit.delta:
+                raise BudgetExceeded(compose_events(counted, limit), projected, (limit.eps, limit.delta))
+            eps_r, delta_r = round_cost(event)
+            db.execute(
+                "INSERT INTO rounds(run_id, round, state, event_json, reserved_eps, reserved_delta, reserved_at)"
+                " VALUES (?,?,?,?,?,?,?)",
+                (run_id, round_index, "reserved", event.to_json(), eps_r, delta_r, self._clock()),
+            )
+            return projected
+
+    def _close(self, run_id: str, round_index: int, state: str, event: PrivacyEvent | None, n: int | None, reason: str):
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM rounds WHERE run_id=? AND round=?", (run_id, round_index)).fetchone()
+            if row is None:
+                raise LedgerError(f"round {round_index} of run {run_id!r} was never reserved")
+            if row[0] != "reserved":
+                raise LedgerError(f"round {round_index} of run {run_id!r} is {row[0]}, not reserved")
+            sets = "state=?, contributors=?, reason=?, closed_at=?"
+            args: list[Any] = [state, n, reason, self._clock()]
+            if event is not None:
+                sets += ", event_json=?"
+                args.append(event.to_json())
+            db.execute(f"UPDATE rounds SET {sets} WHERE run_id=? AND round=?", (*args, run_id, round_index))
+
+    def event(self, run_id: str, round_index: int) -> PrivacyEvent:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT event_json FROM rounds WHERE run_id=? AND round=?", (run_id, round_index)
+            ).fetchone()
+        if row is None:
+            raise LedgerError(f"round {round_index} of run {run_id!r} was never reserved")
+        return PrivacyEvent.from_json(row[0])
+
+    def commit(self, run_id: str, round_index: int, contributors: int) -> PrivacyEvent:
+        """The batch of the round is being used: record the actual contributors n' (cost recomputed with n')."""
+        if isinstance(contributors, bool) or not isinstance(contributors, int) or contributors < 1:
+            raise ValueError(f"contributors must be an integer >= 1, got {contributors!r}")
+        ev = replace(self.event(run_id, round_index), contributors=contributors)
+        self._close(run_id, round_index, "committed", ev, contributors, "")
+        return ev
+
+    def release(self, run_id: str, round_index: int, reason: str) -> None:
+        """No batch was delivered for the round (below threshold / spec refused): it costs nothing."""
+        self._close(run_id, round_index, "released", None, None, reason)
+
+    def mark_spent(self, run_id: str, round_index: int, reason: str) -> None:
+        """The round's outcome is unknown (e.g. the shuffler call failed mid-round): charge it at its reservation."""
+        self._close(run_id, round_index, "spent_unknown", None, None, reason)
+
+    def recover(self) -> list[tuple[str, int]]:
+        """At start-up: rounds left 'reserved' by a crash have an unknown outcome and count as spent."""
+        with self._tx() as db:
+            rows = db.execute("SELECT run_id, round FROM rounds WHERE state='reserved'").fetchall()
+            db.execute(
+                "UPDATE rounds SET state='spent_unknown', reason='analyzer restarted with the round in flight', "
+                "closed_at=? WHERE state='reserved'",
+                (self._clock(),),
+            )
+        return [(r[0], int(r[1])) for r in rows]
+
+    def rounds(self, run_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT round, state, event_json, reserved_eps, reserved_delta, contributors, reason "
+                "FROM rounds WHERE run_id=? ORDER BY round",
+                (run_id,),
+            ).fetchall()
+        keys = ("round", "state", "event", "reserved_eps", "reserved_delta", "contributors", "reason")
+        out = [dict(zip(keys, r, strict=True)) for r in rows]
+        for r in out:
+            r["event"] = json.loads(r["event"])
+        return out
+
+    def next_round(self, run_id: str) -> int:
+        """First round index never reserved (rounds are never reused, whatever their outcome)."""
+        with self._lock:
+            row = self._db.execute("SELECT MAX(round) FROM rounds WHERE run_id=?", (run_id,)).fetchone()
+        return 0 if row[0] is None else int(row[0]) + 1
+
+    def totals(self, run_id: str) -> BudgetTotals:
+        with self._lock:
+            limit = self._limit(self._db, run_id)
+            spent_ev = self._events(self._db, run_id, ("committed", "spent_unknown"))
+            all_ev = self._events(self._db, run_id, _COUNTED)
+            n_committed = self._db.execute(
+                "SELECT COUNT(*) FROM rounds WHERE run_id=? AND state='committed'", (run_id,)
+            ).fetchone()[0]
+        spent = compose_events(spent_ev, limit)
+        reserved = compose_events(all_ev, limit)
+        name = accountant_name(all_ev[0], limit.composition) if all_ev else limit.composition
+        return BudgetTotals(spent[0], spent[1], reserved[0], reserved[1], limit.eps, limit.delta, name, n_committed)
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, run_id: str, round_index: int, blob: bytes, metrics: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO checkpoints(run_id, round, blob, metrics_json) VALUES (?,?,?,?)",
+                (run_id, round_index, blob, json.dumps(metrics, sort_keys=True)),
+            )
+
+    def last_checkpoint(self, run_id: str) -> tuple[int, bytes] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT round, blob FROM checkpoints WHERE run_id=? ORDER BY round DESC LIMIT 1", (run_id,)
+            ).fetchone()
+        return None if row is None else (int(row[0]), bytes(row[1]))
+
+    def metrics(self, run_id: str) -> list[dict[str, Any]]:
+        """Per-round metrics in round order (round -1 is the initial model)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT metrics_json FROM checkpoints WHERE run_id=? ORDER BY round", (run_id,)
+            ).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def export_json(self, run_id: str) -> str:
+        """Everything an auditor needs to recompute the run's privacy: limit, plan, each round's event/state, totals."""
+        run = self.run(run_id)
+        run.pop("config_toml")
+        out: dict[str, Any] = {"run": run, "rounds": self.rounds(run_id)}
+        if run["limit"]:
+            out["totals"] = asdict(self.totals(run_id))
+        return json.dumps(out, indent=1, sort_keys=True)

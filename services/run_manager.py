@@ -1,0 +1,543 @@
+"""The analyzer's run manager: run lifecycle, round planning, budget reservation, decoding, optimizer, checkpoints.
+
+Transport-independent (the gRPC servicer in services/analyzer.py only converts messages). Each started run executes
+in its own background thread:
+
+    plan (once)    population from the shuffler (sizes only) -> T, cohort B, threshold n_min, delta, PVEC params,
+                   composition rule, step size; stored in the ledger with the (eps, delta) limit.
+    each round r   reserve the worst-case cost in the ledger (BudgetExceeded -> the run stops BUDGET_EXHAUSTED and
+                   no spec leaves) -> ExecuteRound at the shuffler (blocks until the deadline) -> released batch:
+                   commit with the actual contributors n', decode (decode_counts / open + decode_bits), optimizer
+                   step, evaluate on the public test split, checkpoint; not released: release the reservation.
+    restart        Ledger.recover() turns rounds left "reserved" into "spent_unknown"; RUNNING runs resume after the
+                   last round ever reserved, from the last checkpoint (no round index is ever reused).
+
+Planning (spec 000 sec 4): sequential = PSGD, T = floor(unused users / B) fresh cohorts, parameters sized for one
+round at (eps, delta) (parallel composition); fully interactive = PGD, all n users for T rounds, per-round
+parameters from calibrate_pvec(eps, delta, ..., rounds=T) (calibrated) or the paper's (eps_r, delta_r).
+The PVEC noise is sized for the threshold n_min = ceil(min_contributors_fraction * cohort) contributors: a
+released batch has n' >= n_min, and fewer contributors means less binomial noise, so sizing at n_min makes the
+reserved (worst-case) cost an upper bound on every committed cost (the robust variant of spec 000 sec 3 / A.3).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import grpc
+import numpy as np
+from shuffledp.services.ledger import (
+    BudgetExceeded,
+    BudgetLimit,
+    BudgetTotals,
+    Ledger,
+    LedgerError,
+    PrivacyEvent,
+    round_cost,
+)
+
+from shuffledp import sealing
+from shuffledp.config import ConfigError, RunConfig, parse_config
+from shuffledp.data import load_dataset
+from shuffledp.models import Model, make_model
+from shuffledp.optimizers.pgd import pgd, pgd_round_privacy
+from shuffledp.optimizers.pgd import theory_learning_rate as pgd_lr
+from shuffledp.optimizers.psgd import AveragingState, psgd
+from shuffledp.optimizers.psgd import theory_learning_rate as psgd_lr
+from shuffledp.protocols.pvec import PvecParams, decode_bits, decode_counts, pvec_params, pvec_variance_bound
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "RunManager",
+    "RunNotFound",
+    "RunStateError",
+    "PlanError",
+    "RunView",
+    "plan_run",
+    "TERMINAL_STATES",
+]
+
+TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "BUDGET_EXHAUSTED")
+# gRPC codes with which the shuffler refuses a spec before collecting anything: no batch exists, so the
+# reservation is released. Every other failure (deadline, connection loss, internal error) has an unknown outcome
+# and the round stays charged.
+_REFUSED_BEFORE_COLLECTION = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+}
+_RPC_GRACE_SECONDS = 30.0  # ExecuteRound returns at the deadline; allow this much for transfer and aggregation
+_MAX_CONSECUTIVE_FAILURES = 3
+_POPULATION_WAIT_SECONDS = 60.0
+
+
+class RunNotFound(LookupError):
+    """No run with this id."""
+
+
+class RunStateError(RuntimeError):
+    """The operation does not fit the run's state (e.g. StartRun on a completed run)."""
+
+
+class PlanError(ValueError):
+    """The run cannot be planned (too few users, parameters out of the protocol's range)."""
+
+
+# ------------------------------------------------------------------------------------------------- planning
+def _pvec_sized(method: str, eps: float, delta: float, n_min: int, n_max: int, d: int, clip: float, rounds: int):
+    """PVEC parameters whose noise is sized for n_min contributors, valid for up to n_max (module docstring)."""
+    if method == "calibrated":
+        # extension beyond the paper (spec 000 sec 8): exact numerical accountant for the binomial view
+        from shuffledp.accountants.calibrated_pvec import calibrate_pvec
+
+        params = calibrate_pvec(eps, delta, n_min, d, clip, rounds=rounds)
+    else:
+        params = pvec_params(eps, delta, n_min, d, clip)  # proof of Thm 3.2, paper 000
+    return replace(params, n=n_max)
+
+
+def plan_run(cfg: RunConfig, admitted: int, unused: int, model: Model) -> dict[str, Any]:
+    """The round plan of a run from the population sizes (JSON-able dict, stored in the ledger)."""
+    p, s = cfg.privacy, cfg.schedule
+    d = model.dim
+    if admitted < 1:
+        raise PlanError("no users are admitted at the shuffler")
+    # delta default 1/n (issue 4: practitioner-acceptable delta <= 1/n)
+    delta = p.delta if p.delta is not None else 1.0 / admitted
+    sequential = s.kind == "sequential"
+    if sequential:
+        n_pool = unused
+        if s.cohort_size:
+            B = s.cohort_size
+        else:
+            # Thm 4.1 of paper 000: B = sqrt(d) ln(d/delta) / eps
+            B = math.ceil(math.sqrt(d) * math.log(d / delta) / p.eps)
+        B = min(B, n_pool)
+        if B < 1:
+            raise PlanError(f"no unused users left for a sequential run (unused={unused})")
+        T = n_pool // B
+    else:
+        B, T = admitted, s.rounds
+    n_min = max(1, math.ceil(p.min_contributors_fraction * B))
+    slack = 0.0
+    if sequential:
+        composition = "parallel"  # disjoint cohorts (spec 000 sec 5)
+        eps_r, delta_r, rounds_for_calibration = (p.round_eps or p.eps), delta, 1
+    elif p.calibration == "calibrated":
+        composition = "rdp"
+        if p.round_eps is not None:
+            eps_r, delta_r, rounds_for_calibration = p.round_eps, delta, 1
+        else:
+            eps_r, delta_r, rounds_for_calibration = p.eps, delta, T
+    else:
+        composition = "advanced"
+        slack = delta / (T + 1)  # delta' of advanced composition (spec 000 sec 4)
+        eps_r, delta_r = pgd_round_privacy(p.eps, delta, T)  # Alg 5 per-round budget
+        if p.round_eps is not None:
+            eps_r = p.round_eps
+        rounds_for_calibration = 1
+    try:
+        params = _pvec_sized(p.calibration, eps_r, delta_r, n_min, B, d, p.clip_norm, rounds_for_calibration)
+    except ValueError as exc:
+        raise PlanError(f"cannot size PVEC for eps={eps_r}, delta={delta_r}, n={n_min}, d={d}: {exc}") from exc
+    if s.learning_rate is not None:
+        lr = s.learning_rate
+    else:
+        noise_sq = d * pvec_variance_bound(params, n_min)  # E||decoded sum - sum||^2 (spec 000 sec 2, exact bound)
+        rule = psgd_lr if sequential else pgd_lr
+        lr = rule(2.0 * cfg.model.radius, p.clip_norm, T, noise_sq, n_min)
+    return {
+        "kind": s.kind,
+        "admitted": admitted,
+        "cohort": B,
+        "rounds": T,
+        "min_contributors": n_min,
+        "eps": p.eps,
+        "delta": delta,
+        "composition": composition,
+        "advanced_slack": slack,
+        "params": asdict(params),
+        "learning_rate": lr,
+        "radius": cfg.model.radius,
+        "dim": d,
+        "task": model.task,
+        "num_features": model.num_features,
+        "num_classes": model.num_classes,
+        "transport": cfg.transport.mode,
+        "deadline": cfg.deployment.round_deadline_seconds,
+        "output": s.output,
+    }
+
+
+def _per_user_claim(plan: dict[str, Any], params: PvecParams, event: PrivacyEvent) -> tuple[float, float]:
+    """What one round costs a participating user on its own (RoundSpec.per_user_cost; clients check it).
+
+    Sequential and paper rounds: the round's own (eps, delta). Fully interactive calibrated rounds are composed in
+    RDP by the ledger; for the clients' per-round policy (which adds deltas over rounds) we state the round's eps
+    at delta/T, so T such claims add up to at most the run's delta. Clients can recompute the eps from (g, m, p).
+    """
+    if plan["kind"] == "sequential" or params.method != "calibrated":
+        return round_cost(event)
+    from shuffledp.accountants.calibrated_pvec import pvec_round_epsilon
+
+    delta_claim = plan["delta"] / plan["rounds"]
+    return float(pvec_round_epsilon(params, event.contributors, delta_claim)), delta_claim
+
+
+# ---------------------------------------------------------------------------------------------------- views
+@dataclass
+class RunView:
+    run_id: str
+    state: str
+    rounds_done: int
+    rounds_planned: int
+    budget: BudgetTotals | None
+    metrics: list[dict[str, Any]]
+    message: str
+    config_toml: str = ""
+    model: np.ndarray | None = None
+    ledger_json: str = ""
+
+
+@dataclass
+class _Live:
+    thread: threading.Thread | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    private_key: Any = None
+    public_key: bytes = b""
+
+
+def _encode_state(state: AveragingState) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **state.to_arrays())
+    return buf.getvalue()
+
+
+def _decode_state(blob: bytes) -> AveragingState:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+        return AveragingState.from_arrays({k: z[k] for k in z.files})
+
+
+def _tensor(x: np.ndarray) -> pb.Tensor:
+    x = np.ascontiguousarray(x, dtype="<f8")
+    return pb.Tensor(shape=list(x.shape), f64=x.tobytes())
+
+
+class RunManager:
+    """Owns the ledger and the runs' threads; talks to the shuffler through an injected stub."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        shuffler: pbg.ShufflerStub,
+        clock: Callable[[], float] = time.monotonic,
+        new_id: Callable[[], str] = lambda: uuid.uuid4().hex[:16],
+        population_wait_seconds: float = _POPULATION_WAIT_SECONDS,
+    ):
+        self.ledger = ledger
+        self.shuffler = shuffler
+        self._clock = clock
+        self._new_id = new_id
+        self._population_wait = population_wait_seconds
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._test_data: dict[str, tuple[Model, np.ndarray, np.ndarray]] = {}
+
+    # -------------------------------------------------------------------------------------- lifecycle
+    def create_run(self, config_toml: str) -> str:
+        cfg = parse_config(config_toml)  # ConfigError -> INVALID_ARGUMENT
+        self._evaluation_data(cfg)  # fail now, not in the thread, if the data cannot be loaded
+        run_id = self._new_id()
+        self.ledger.create_run(run_id, config_toml)
+        return run_id
+
+    def _run(self, run_id: str) -> dict[str, Any]:
+        try:
+            return self.ledger.run(run_id)
+        except LedgerError as exc:
+            raise RunNotFound(f"unknown run {run_id!r}") from exc
+
+    def start_run(self, run_id: str) -> None:
+        run = self._run(run_id)
+        if run["state"] != "CREATED":
+            raise RunStateError(f"run {run_id} is {run['state']}; only a CREATED run can be started")
+        self.ledger.set_state(run_id, "RUNNING", "waiting for the population")
+        self._spawn(run_id)
+
+    def cancel_run(self, run_id: str) -> None:
+        run = self._run(run_id)
+        if run["state"] in TERMINAL_STATES:
+            raise RunStateError(f"run {run_id} already ended ({run['state']})")
+        with self._lock:
+            live = self._live.get(run_id)
+        if live is not None and live.thread is not None and live.thread.is_alive():
+            live.cancel.set()  # the thread stops before reserving its next round
+            live.thread.join(timeout=0.1)
+        if self._run(run_id)["state"] not in TERMINAL_STATES:
+            self.ledger.set_state(run_id, "CANCELLED", "cancelled by the operator")
+
+    def resume(self) -> list[str]:
+        """At start-up: charge in-flight rounds of a crashed process and resume RUNNING runs."""
+        lost = self.ledger.recover()
+        for run_id, r in lost:
+            log.warning("run %s round %d had an unknown outcome: counted as spent", run_id, r)
+        running = self.ledger.runs_in_state("RUNNING")
+        for run_id in running:
+            self._spawn(run_id)
+        return running
+
+    def wait(self, run_id: str, timeout: float | None = None) -> None:
+        with self._lock:
+            live = self._live.get(run_id)
+        if live is not None and live.thread is not None:
+            live.thread.join(timeout)
+
+    def _spawn(self, run_id: str) -> None:
+        live = _Live()
+        with self._lock:
+            self._live[run_id] = live
+        live.thread = threading.Thread(target=self._thread_main, args=(run_id, live), name=f"run-{run_id}", daemon=True)
+        live.thread.start()
+
+    # -------------------------------------------------------------------------------------------- views
+    def view(self, run_id: str, with_result: bool = False) -> RunView:
+        run = self._run(run_id)
+        plan = run["plan"] or {}
+        metrics = [m for m in self.ledger.metrics(run_id) if m.get("round", -1) >= 0]
+        budget = self.ledger.totals(run_id) if run["limit"] else None
+        view = RunView(
+            run_id=run_id,
+            state=run["state"],
+            rounds_done=sum(1 for r in self.ledger.rounds(run_id) if r["state"] != "reserved"),
+            rounds_planned=int(plan.get("rounds", 0)),
+            budget=budget,
+            metrics=metrics,
+            message=run["message"],
+            config_toml=run["config_toml"],
+        )
+        if with_result:
+            ck = self.ledger.last_checkpoint(run_id)
+            if ck is not None:
+                st = _decode_state(ck[1])
+                view.model = st.last if plan.get("output") == "last" else st.mean()
+            view.ledger_json = self.ledger.export_json(run_id)
+        return view
+
+    def budget(self, run_id: str) -> BudgetTotals | None:
+        run = self._run(run_id)
+        return self.ledger.totals(run_id) if run["limit"] else None
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _evaluation_data(self, cfg: RunConfig) -> tuple[Model, np.ndarray, np.ndarray]:
+        """Model and the public held-out split (the analyzer never uses the training split)."""
+        key = cfg.toml_text
+        if key not in self._test_data:
+            try:
+                ds = load_dataset(cfg.data, cfg.model.task)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"data: {exc}") from exc
+            model = make_model(cfg.model.task, ds.num_features, ds.num_classes)
+            self._test_data[key] = (model, ds.X_test, ds.y_test)
+        return self._test_data[key]
+
+    def _population(self, run_id: str, want_nodes: int, cancel: threading.Event) -> pb.PopulationStatus:
+        """Wait (bounded) until the configured client nodes are connected and the admitted count is stable."""
+        deadline = self._clock() + self._population_wait
+        last = None
+        while True:
+            pop = self.shuffler.GetPopulation(pb.PopulationRequest(run_id=run_id), timeout=10)
+            stable = last is not None and pop.admitted_users == last.admitted_users
+            if pop.connected_nodes >= want_nodes and pop.admitted_users > 0 and stable:
+                return pop
+            if self._clock() > deadline or cancel.is_set():
+                if pop.admitted_users > 0:
+                    return pop
+                raise PlanError(f"no users admitted at the shuffler after {self._population_wait:.0f} s")
+            last = pop
+            time.sleep(0.2)
+
+    def _plan(self, run_id: str, cfg: RunConfig, live: _Live) -> dict[str, Any]:
+        run = self._run(run_id)
+        if run["plan"]:
+            return run["plan"]
+        model, _, _ = self._evaluation_data(cfg)
+        pop = self._population(run_id, cfg.deployment.client_nodes, live.cancel)
+        plan = plan_run(cfg, pop.admitted_users, pop.unused_users, model)
+        limit = BudgetLimit(plan["eps"], plan["delta"], plan["composition"], plan["advanced_slack"])
+        self.ledger.set_budget(run_id, limit, plan)
+        state = psgd(plan["learning_rate"], plan["radius"]).init(model.init_params())
+        self.ledger.save_checkpoint(run_id, -1, _encode_state(state), self._evaluate(model, cfg, state, -1))
+        return plan
+
+    def _evaluate(self, model: Model, cfg: RunConfig, state: AveragingState, r: int) -> dict[str, Any]:
+        _, X, y = self._evaluation_data(cfg)
+        mean, last = state.mean(), state.last
+        return {
+            "round": r,
+            "loss_mean": model.loss(mean, X, y),
+            "accuracy_mean": model.accuracy(mean, X, y),
+            "loss_last": model.loss(last, X, y),
+            "accuracy_last": model.accuracy(last, X, y),
+        }
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def _thread_main(self, run_id: str, live: _Live) -> None:
+        try:
+            self._execute(run_id, live)
+        except BudgetExceeded as exc:
+            self.ledger.set_state(run_id, "BUDGET_EXHAUSTED", str(exc))
+        except (PlanError, ConfigError) as exc:
+            self.ledger.set_state(run_id, "FAILED", f"planning failed: {exc}")
+        except Exception as exc:  # the run must end in a terminal state, never hang in RUNNING
+            log.exception("run %s failed", run_id)
+            self.ledger.set_state(run_id, "FAILED", f"{type(exc).__name__}: {exc}")
+
+    def _execute(self, run_id: str, live: _Live) -> None:
+        cfg = parse_config(self._run(run_id)["config_toml"])
+        plan = self._plan(run_id, cfg, live)
+        model, _, _ = self._evaluation_data(cfg)
+        params = PvecParams(**plan["params"])
+        step_fn = (psgd if plan["kind"] == "sequential" else pgd)(plan["learning_rate"], plan["radius"]).step
+        ck = self.ledger.last_checkpoint(run_id)
+        assert ck is not None  # _plan always writes the initial checkpoint
+        state = _decode_state(ck[1])
+        if plan["transport"] == "bits":
+            # a fresh key per analyzer process: a round in flight during a crash is charged anyway
+            live.private_key, live.public_key = sealing.generate_keypair()
+        self.ledger.set_state(run_id, "RUNNING", "")
+        failures = 0
+        r = self.ledger.next_round(run_id)
+        while r < plan["rounds"]:
+            if live.cancel.is_set():
+                self.ledger.set_state(run_id, "CANCELLED", "cancelled by the operator")
+                return
+            event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])
+            self.ledger.reserve(run_id, r, event)  # BudgetExceeded propagates: no spec leaves
+            t0 = self._clock()
+            outcome, state = self._round(run_id, r, cfg, plan, params, model, state, step_fn, event, live)
+            failures = 0 if outcome == "ok" else failures + 1
+            if outcome == "exhausted":
+                self.ledger.set_state(run_id, "COMPLETED", f"stopped after round {r}: no fresh cohort left")
+                return
+            if failures >= _MAX_CONSECUTIVE_FAILURES:
+                self.ledger.set_state(run_id, "FAILED", f"{failures} consecutive rounds failed (last: round {r})")
+                return
+            log.info("run %s round %d: %s (%.2f s)", run_id, r, outcome, self._clock() - t0)
+            r += 1
+        self.ledger.set_state(run_id, "COMPLETED", "")
+
+    def _spec(
+        self,
+        run_id: str,
+        r: int,
+        plan: dict[str, Any],
+        params: PvecParams,
+        event: PrivacyEvent,
+        live: _Live,
+        state: AveragingState,
+    ) -> pb.RoundSpec:
+        eps_r, delta_r = _per_user_claim(plan, params, event)
+        bits = plan["transport"] == "bits"
+        return pb.RoundSpec(
+            run_id=run_id,
+            round=r,
+            schedule=pb.SEQUENTIAL if plan["kind"] == "sequential" else pb.FULLY_INTERACTIVE,
+            trust_model=pb.SHUFFLE,
+            transport=pb.BITS if bits else pb.COUNTS,
+            randomizer=pb.RandomizerSpec(
+                protocol="pvec",
+                clip_norm=params.delta2,
+                dim=params.d,
+                g=params.g,
+                m=params.m,
+                p=params.p,
+                messages_per_user=params.messages_per_user if bits else params.d,
+                message_bytes=sealing.BIT_MESSAGE_BYTES if bits else 0,
+                extra={"eps": params.eps, "delta": params.delta, "n": float(params.n)},
+            ),
+            model=_tensor(state.last),
+            task=plan["task"],
+            num_classes=plan["num_classes"] if plan["task"] == "logreg" else 0,
+            cohort_size=plan["cohort"] if plan["kind"] == "sequential" else 0,
+            min_contributors=plan["min_contributors"],
+            deadline_seconds=plan["deadline"],
+            per_user_cost=pb.PrivacyCost(
+                eps=eps_r, delta=delta_r, accountant=f"pvec-{params.method}", trust_model=pb.SHUFFLE
+            ),
+            analyzer_public_key=live.public_key if bits else b"",
+            local_batch=1,
+        )
+
+    def _round(self, run_id, r, cfg, plan, params, model, state, step_fn, event, live):
+        """One round after its reservation. Returns (outcome, state)."""
+        spec = self._spec(run_id, r, plan, params, event, live, state)
+        t0 = self._clock()
+        try:
+            batch = self.shuffler.ExecuteRound(spec, timeout=plan["deadline"] + _RPC_GRACE_SECONDS)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code in _REFUSED_BEFORE_COLLECTION:
+                # the shuffler refused the spec: no batch exists -> nothing to charge
+                self.ledger.release(run_id, r, f"shuffler refused the round: {code.name}: {exc.details()}")
+                self._metrics(run_id, r, model, cfg, state, released=False, n=0, seconds=self._clock() - t0)
+                exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED and plan["kind"] == "sequential"
+                return ("exhausted" if exhausted else "refused"), state
+            # unknown outcome: the round stays reserved until the ledger marks it spent (never released)
+            self.ledger.mark_spent(run_id, r, f"shuffler call failed ({code}): outcome unknown, counted as spent")
+            self._metrics(run_id, r, model, cfg, state, released=False, n=0, seconds=self._clock() - t0)
+            return "error", state
+        rep = batch.report
+        if not batch.released:
+            if batch.label_totals or batch.ciphertexts:
+                raise RuntimeError("the shuffler sent data in a batch marked not released")
+            self.ledger.release(run_id, r, f"below threshold: {rep.contributors} contributors")
+            self._metrics(run_id, r, model, cfg, state, released=False, n=rep.contributors, seconds=self._clock() - t0)
+            return "below_threshold", state
+        n = int(rep.contributors)
+        if batch.run_id != run_id or batch.round != r:
+            raise RuntimeError(f"batch for run {batch.run_id!r} round {batch.round} answered round {r}")
+        if not plan["min_contributors"] <= n <= plan["cohort"]:
+            # the threshold is what bounds the cost; a batch outside it is charged honestly and the run stops
+            self.ledger.commit(run_id, r, max(n, 1))
+            raise RuntimeError(f"batch has {n} contributors, outside [{plan['min_contributors']}, {plan['cohort']}]")
+        self.ledger.commit(run_id, r, n)  # the batch is used from here on
+        if plan["transport"] == "bits":
+            info = sealing.round_info(run_id, r)
+            plain = [sealing.open_sealed(live.private_key, c, info) for c in batch.ciphertexts]
+            labels, bits = sealing.unpack_labelled_bits(plain)
+            total = decode_bits(labels, bits, params)
+            if labels.size != n * params.messages_per_user:
+                raise RuntimeError(f"{labels.size} bit messages do not match {n} contributors")
+        else:
+            total = decode_counts(np.asarray(batch.label_totals, dtype=np.int64), n, params)
+        grad = total / n  # paper divides by B; n' keeps the estimate unbiased under dropouts (spec 000 sec 3)
+        _, state = step_fn(grad, state, state.last)
+        self._metrics(run_id, r, model, cfg, state, released=True, n=n, seconds=self._clock() - t0)
+        return "ok", state
+
+    def _metrics(self, run_id, r, model, cfg, state, released: bool, n: int, seconds: float) -> None:
+        m = self._evaluate(model, cfg, state, r)
+        totals = self.ledger.totals(run_id)
+        m.update(
+            released=released,
+            contributors=n,
+            seconds=seconds,
+            eps_spent=totals.eps_spent,
+            delta_spent=totals.delta_spent,
+        )
+        self.ledger.save_checkpoint(run_id, r, _encode_state(state), m)

@@ -1,0 +1,109 @@
+"""Run configuration: strict TOML validation, embedded default."""
+
+import pytest
+
+from shuffledp.config import DEFAULT_TOML, ConfigError, load_config, parse_config
+
+
+def test_embedded_default_parses_and_is_practitioner_grade():
+    cfg = load_config(None)
+    assert cfg.toml_text == DEFAULT_TOML
+    assert cfg.data.dataset == "digits" and cfg.data.examples_per_user == 1
+    assert cfg.privacy.eps <= 8 and cfg.privacy.delta is None  # None -> 1/n at StartRun
+    assert cfg.privacy.calibration == "calibrated" and cfg.transport.mode == "counts"
+
+
+def test_minimal_config_takes_defaults():
+    cfg = parse_config("")
+    assert cfg.model.task == "logreg" and cfg.schedule.kind == "fully_interactive"
+    assert cfg.schedule.learning_rate is None and cfg.privacy.round_eps is None
+
+
+def test_full_config_round_trip(tmp_path):
+    text = """
+[data]
+dataset = "path"
+path = "x.npz"
+format = "npz"
+test_fraction = 0.2
+examples_per_user = 2
+classes = [3, 8]
+max_users = 100
+[model]
+task = "leastsq"
+radius = 2.5
+[privacy]
+eps = 1.5
+delta = 1e-6
+calibration = "paper"
+clip_norm = 0.5
+min_contributors_fraction = 0.5
+round_eps = 0.7
+[schedule]
+kind = "sequential"
+cohort_size = 50
+learning_rate = 0.1
+output = "last"
+[transport]
+mode = "bits"
+[deployment]
+client_nodes = 3
+round_deadline_seconds = 5
+insecure = false
+pki_dir = "/tmp/pki"
+"""
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    cfg = load_config(p)
+    assert cfg.data.classes == (3, 8) and cfg.data.examples_per_user == 2
+    assert cfg.model.radius == 2.5 and cfg.privacy.delta == 1e-6 and cfg.privacy.round_eps == 0.7
+    assert cfg.schedule.cohort_size == 50 and cfg.schedule.output == "last"
+    assert cfg.transport.mode == "bits" and cfg.deployment.round_deadline_seconds == 5.0
+    assert not cfg.deployment.insecure and cfg.deployment.pki_dir == "/tmp/pki"
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("[privacy]\nepsilon = 1.0", "privacy.epsilon"),  # unknown key
+        ("[privcy]\neps = 1.0", "privcy"),  # unknown section
+        ('[privacy]\neps = "8"', "privacy.eps"),  # wrong type
+        ("[privacy]\neps = 0", "privacy.eps"),  # out of range
+        ("[privacy]\neps = -1.0", "privacy.eps"),
+        ("[privacy]\ndelta = 0.7", "privacy.delta"),
+        ("[privacy]\nclip_norm = 0", "privacy.clip_norm"),
+        ("[privacy]\nmin_contributors_fraction = 1.5", "privacy.min_contributors_fraction"),
+        ('[privacy]\ncalibration = "tight"', "privacy.calibration"),
+        ('[privacy]\nprotocol = "rr"', "privacy.protocol"),
+        ("[schedule]\nrounds = 0", "schedule.rounds"),
+        ("[schedule]\nrounds = 2.5", "schedule.rounds"),
+        ("[schedule]\ncohort_size = true", "schedule.cohort_size"),
+        ('[schedule]\nkind = "random"', "schedule.kind"),
+        ("[schedule]\nlearning_rate = -0.1", "schedule.learning_rate"),
+        ('[transport]\nmode = "sealed"', "transport.mode"),
+        ("[model]\nradius = 0", "model.radius"),
+        ('[model]\ntask = "svm"', "model.task"),
+        ("[data]\ntest_fraction = 1.0", "data.test_fraction"),
+        ("[data]\nexamples_per_user = 0", "data.examples_per_user"),
+        ("[data]\nclasses = [1]", "data.classes"),
+        ('[data]\ndataset = "path"', "data.path"),
+        ('[data]\npath = "x.csv"', "data.path"),
+        ('[data]\ndataset = "path"\npath = "x"\nformat = "xls"', "data.format"),
+        ('[deployment]\ninsecure = "yes"', "deployment.insecure"),
+        ("[deployment]\ninsecure = false", "deployment.pki_dir"),
+        ("[deployment]\nclient_nodes = 0", "deployment.client_nodes"),
+        ("privacy = 3", "privacy"),
+    ],
+)
+def test_bad_values_raise_config_error_naming_the_key(text, key):
+    with pytest.raises(ConfigError) as err:
+        parse_config(text)
+    assert key in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_not_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse_config("[privacy\neps=1")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")

@@ -1,0 +1,158 @@
+"""Privacy ledger: reserve/commit/release life cycle, composition totals, refusal, durability and recovery."""
+
+import json
+import math
+import sqlite3
+
+import pytest
+from shuffledp.services.ledger import (
+    BudgetExceeded,
+    BudgetLimit,
+    Ledger,
+    LedgerError,
+    PrivacyEvent,
+    compose_events,
+)
+
+from shuffledp.optimizers.pgd import pgd_round_privacy
+from shuffledp.protocols.pvec import pvec_params
+
+
+def _event(eps=1.0, delta=1e-6, n=100, schedule="sequential"):
+    return PrivacyEvent.pvec(pvec_params(eps, delta, n, 2, 1.0), n, schedule)
+
+
+def _ledger(tmp_path, limit, name="l.sqlite"):
+    led = Ledger(tmp_path / name)
+    led.create_run("r1", "# toml")
+    led.set_budget("r1", limit, {"rounds": 3})
+    return led
+
+
+def test_wal_mode_and_lifecycle(tmp_path):
+    led = _ledger(tmp_path, BudgetLimit(1.0, 1e-6, "parallel"))
+    assert led._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    led.reserve("r1", 0, _event())
+    t = led.totals("r1")
+    assert (t.eps_spent, t.eps_reserved) == (0.0, 1.0)  # reserved, not yet spent
+    led.commit("r1", 0, 97)
+    t = led.totals("r1")
+    assert t.eps_spent == 1.0 and t.rounds_committed == 1
+    assert led.rounds("r1")[0]["contributors"] == 97 and led.rounds("r1")[0]["event"]["contributors"] == 97
+    led.reserve("r1", 1, _event())
+    led.release("r1", 1, "below threshold")
+    assert led.totals("r1").eps_reserved == 1.0  # a released round costs nothing
+    with pytest.raises(LedgerError, match="released, not reserved"):
+        led.commit("r1", 1, 5)
+    with pytest.raises(LedgerError, match="already reserved"):
+        led.reserve("r1", 1, _event())
+    with pytest.raises(LedgerError, match="never reserved"):
+        led.release("r1", 7, "x")
+    with pytest.raises(LedgerError, match="unknown run"):
+        led.reserve("nope", 0, _event())
+    assert led.next_round("r1") == 2
+
+
+def test_sequential_rounds_compose_in_parallel(tmp_path):
+    led = _ledger(tmp_path, BudgetLimit(1.0, 1e-6, "parallel"))
+    for r in range(5):  # five disjoint cohorts at (1, 1e-6) each: the run is (1, 1e-6), not (5, 5e-6)
+        led.reserve("r1", r, _event())
+        led.commit("r1", r, 100)
+    t = led.totals("r1")
+    assert (t.eps_spent, t.delta_spent) == (1.0, 1e-6)
+    assert "parallel" in t.accountant
+
+
+def test_advanced_composition_matches_spec_reference(tmp_path):
+    # spec 000 sec 5: eps = 1, T = 15, delta = 1e-6 -> PGD total eps about 0.557, delta_tot = delta
+    eps, delta, T = 1.0, 1e-6, 15
+    eps_r, delta_r = pgd_round_privacy(eps, delta, T)
+    led = _ledger(tmp_path, BudgetLimit(eps, delta, "advanced", delta / (T + 1)))
+    for r in range(T):
+        led.reserve("r1", r, _event(eps_r, delta_r, 1000, "fully_interactive"))
+        led.commit("r1", r, 1000)
+    t = led.totals("r1")
+    expected = eps_r * math.sqrt(2 * T * math.log((T + 1) / delta)) + T * eps_r * math.expm1(eps_r)
+    assert math.isclose(t.eps_spent, expected, rel_tol=1e-12)
+    assert abs(t.eps_spent - 0.557) < 0.001
+    assert math.isclose(t.delta_spent, delta, rel_tol=1e-12) and t.delta_spent <= delta * (1 + 1e-12)
+
+
+def test_refusal_names_spent_requested_limit_and_stores_nothing(tmp_path):
+    eps_r, delta_r = 0.1, 1e-7  # advanced composition: 0.58, 0.82, then 1.01 > 1
+    led = _ledger(tmp_path, BudgetLimit(1.0, 1e-6, "advanced", 1e-7))
+    r = 0
+    with pytest.raises(BudgetExceeded) as err:
+        while True:
+            led.reserve("r1", r, _event(eps_r, delta_r, 1000, "fully_interactive"))
+            led.commit("r1", r, 1000)
+            r += 1
+    exc = err.value
+    assert r == 2  # two rounds fit
+    assert exc.limit == (1.0, 1e-6)
+    assert exc.spent[0] <= 1.0 < exc.requested[0]
+    assert "spent" in str(exc) and "limit" in str(exc)
+    # the refused round left no trace; the spent total is exactly that of the r committed rounds
+    assert led.next_round("r1") == r
+    events = [_event(eps_r, delta_r, 1000, "fully_interactive")] * r
+    assert led.totals("r1").eps_spent == compose_events(events, BudgetLimit(1.0, 1e-6, "advanced", 1e-7))[0]
+
+
+def test_first_round_over_limit_is_refused(tmp_path):
+    led = _ledger(tmp_path, BudgetLimit(0.5, 1e-6, "parallel"))
+    with pytest.raises(BudgetExceeded):
+        led.reserve("r1", 0, _event(1.0))
+    assert led.rounds("r1") == []
+
+
+def test_crash_between_reserve_and_commit_counts_as_spent(tmp_path):
+    led = _ledger(tmp_path, BudgetLimit(2.0, 1e-6, "parallel"))
+    led.reserve("r1", 0, _event(1.0))
+    led.commit("r1", 0, 100)
+    led.reserve("r1", 1, _event(1.5))
+    led.close()  # the process dies: round 1 is in flight
+    led2 = Ledger(tmp_path / "l.sqlite")  # restart on the same file
+    assert led2.recover() == [("r1", 1)]
+    rows = {r["round"]: r["state"] for r in led2.rounds("r1")}
+    assert rows == {0: "committed", 1: "spent_unknown"}
+    t = led2.totals("r1")
+    assert t.eps_spent == 1.5  # the unknown round is charged at its reservation
+    with pytest.raises(LedgerError):
+        led2.release("r1", 1, "too late: the outcome is unknown, never released")
+    assert led2.recover() == []  # idempotent
+    assert led2.next_round("r1") == 2  # no round index is reused
+
+
+def test_mark_spent_and_checkpoints_and_export(tmp_path):
+    led = _ledger(tmp_path, BudgetLimit(2.0, 1e-6, "parallel"))
+    led.reserve("r1", 0, _event(1.0))
+    led.mark_spent("r1", 0, "shuffler call failed")
+    assert led.totals("r1").eps_spent == 1.0
+    led.save_checkpoint("r1", -1, b"init", {"round": -1})
+    led.save_checkpoint("r1", 0, b"after0", {"round": 0, "loss": 1.0})
+    assert led.last_checkpoint("r1") == (0, b"after0")
+    assert [m["round"] for m in led.metrics("r1")] == [-1, 0]
+    exported = json.loads(led.export_json("r1"))
+    assert exported["rounds"][0]["state"] == "spent_unknown"
+    assert exported["run"]["limit"]["eps"] == 2.0 and exported["totals"]["eps_spent"] == 1.0
+    with pytest.raises(LedgerError, match="fixed once"):
+        led.set_budget("r1", BudgetLimit(9.0, 1e-6, "parallel"), {})
+
+
+def test_committed_rows_survive_a_reopen(tmp_path):
+    led = _ledger(tmp_path, BudgetLimit(2.0, 1e-6, "parallel"))
+    led.reserve("r1", 0, _event(1.0))
+    led.commit("r1", 0, 100)
+    led.close()
+    # an independent reader sees the committed row (durable, not just in a cache)
+    con = sqlite3.connect(tmp_path / "l.sqlite")
+    assert con.execute("SELECT state, contributors FROM rounds").fetchall() == [("committed", 100)]
+
+
+def test_limit_validation():
+    with pytest.raises(ValueError, match="eps limit"):
+        BudgetLimit(0.0, 1e-6, "parallel")
+    with pytest.raises(ValueError, match="composition"):
+        BudgetLimit(1.0, 1e-6, "basic")
+    with pytest.raises(ValueError, match="advanced_slack"):
+        BudgetLimit(1.0, 1e-6, "advanced", 0.0)
