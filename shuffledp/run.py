@@ -96,6 +96,8 @@ class Cluster:
                 proc.wait()
         for log in self.logs:
             log.close()
+        for name in self.procs:
+            (self.workdir / f"{name}.port").unlink(missing_ok=True)
 
 
 def start_local_cluster(config_path: Path, workdir: Path, client_nodes: int) -> tuple[Cluster, str]:
