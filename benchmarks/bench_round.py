@@ -1,0 +1,400 @@
+"""Benchmark (issue 4): one PVEC count-mode training round, d = 100, 10^3 users, end to end vs in one process.
+
+Run: python benchmarks/bench_round.py [--rounds 8] [--mode both|analyzer|direct] [--profile]
+
+Problem: synthetic least squares with 99 features + bias (d = 100 parameters), 1000 training users with one
+example each (an NPZ file in a temporary directory, read by every party through the run config's [data]).
+Each round is fully interactive (all 1000 users), PVEC count mode, calibrated accounting.
+
+End to end, the services run as separate OS processes on loopback (`python -m shuffledp.cli serve ... --insecure`):
+  analyzer mode  shuffler + 2 client nodes (500 users each) + the real analyzer; a run of 1 + R rounds is driven
+                 through the operator API and the round time is RoundMetrics.seconds (the analyzer's clock from
+                 sending the RoundSpec through ExecuteRound, ledger commit, decode_counts and the optimizer step).
+  direct mode    shuffler + 2 client nodes; this process plays the analyzer: builds the RoundSpec from the same
+                 plan (services.run_manager.plan_run), calls ExecuteRound, decode_counts, PGD step. No ledger, no
+                 evaluation: the pure cost of the distributed round.
+In one process: gradients of the 1000 users at the same model, clipping, encode_counts for all users, sum per
+label, decode_counts, PGD step (the same modules the services call).
+Printed: median round times over R rounds after one warm-up round, their ratio (target <= 3) and the peak
+resident memory (VmHWM of /proc/<pid>/status) of every service process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+from shuffledp.clients.node import NodeCore, UserShard
+from shuffledp.services.ledger import PrivacyEvent
+from shuffledp.services.run_manager import _per_user_claim, _tensor, plan_run
+from shuffledp.services.shuffler import _request, _submission
+from shuffledp.services.shuffler_state import ShufflerState
+
+from shuffledp.config import RunConfig, parse_config
+from shuffledp.data import load_dataset, user_shard
+from shuffledp.models import Model, make_model
+from shuffledp.optimizers.pgd import pgd
+from shuffledp.protocols.pvec import PvecParams, clip_rows, decode_counts, encode_counts
+from shuffledp.rng import make_rng
+from shuffledp.run import Cluster, drive_run, start_local_cluster
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+FEATURES = 99  # + bias = d = 100 (shuffledp.models: leastsq parameter vector of length num_features + 1)
+USERS = 1000
+NODES = 2
+TEST_FRACTION = 0.2  # 1250 examples -> 1000 training users + 250 public test examples
+TARGET_RATIO = 3.0
+
+
+# ------------------------------------------------------------------------------------------------ set-up
+def write_problem(workdir: Path, rng: np.random.Generator) -> Path:
+    """Synthetic least squares: rows of norm ~1, y = <w*, x> + b* + noise."""
+    k = int(round(USERS / (1.0 - TEST_FRACTION)))
+    X = rng.normal(size=(k, FEATURES)) / np.sqrt(FEATURES)
+    w = rng.normal(size=FEATURES)
+    w /= np.linalg.norm(w)
+    y = X @ w + 0.5 + 0.1 * rng.normal(size=k)
+    path = workdir / "lsq_d100.npz"
+    np.savez(path, X=X, y=y)
+    return path
+
+
+def config_toml(data_path: Path, rounds: int) -> str:
+    return f"""\
+[data]
+dataset = "path"
+path = "{data_path.as_posix()}"
+test_fraction = {TEST_FRACTION}
+max_users = {USERS}
+
+[model]
+task = "leastsq"
+radius = 10.0
+
+[privacy]
+eps = 8.0
+delta = 1e-4
+calibration = "calibrated"
+clip_norm = 1.0
+min_contributors_fraction = 0.9
+
+[schedule]
+kind = "fully_interactive"
+rounds = {rounds}
+learning_rate = 0.5
+
+[transport]
+mode = "counts"
+
+[deployment]
+client_nodes = {NODES}
+round_deadline_seconds = 60.0
+insecure = true
+"""
+
+
+def vm_hwm_mib(pid: int) -> float:
+    """Peak resident set size of a process (VmHWM), MiB; nan when unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
+
+
+def peak_memory(cluster: Cluster) -> dict[str, float]:
+    return {name: vm_hwm_mib(proc.pid) for name, proc in cluster.procs.items()}
+
+
+# ------------------------------------------------------------------------------------------ in one process
+class InProcessRound:
+    """The same round without services: all users' gradients, clip, encode, sum, decode, PGD step."""
+
+    def __init__(self, cfg: RunConfig, model: Model, plan: dict, params: PvecParams):
+        ds = load_dataset(cfg.data, cfg.model.task)
+        parts = [user_shard(ds, i, NODES, 1, cfg.data.max_users) for i in range(NODES)]
+        self.X = np.concatenate([p[1][:, 0, :] for p in parts])
+        self.y = np.concatenate([p[2][:, 0] for p in parts])
+        self.model, self.params = model, params
+        self.opt = pgd(plan["learning_rate"], plan["radius"])
+        self.state = self.opt.init(model.init_params())
+        self.rng = make_rng()
+
+    def __call__(self) -> None:
+        theta = self.state.last
+        G = clip_rows(self.model.per_example_gradients(theta, self.X, self.y), self.params.delta2)
+        totals = encode_counts(G, self.params, self.rng).sum(axis=0)  # what the shuffler forwards: per-label totals
+        n = self.X.shape[0]
+        grad = decode_counts(totals, n, self.params) / n
+        _, self.state = self.opt.step(grad, self.state, theta)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ analyzer
+def bench_analyzer(cfg_path: Path, workdir: Path, toml: str) -> tuple[list[float], dict[str, float], str]:
+    """Real analyzer run: RoundMetrics.seconds of every released round after the first."""
+    cluster, analyzer = start_local_cluster(cfg_path, workdir, NODES)
+    try:
+        result = drive_run(analyzer, toml, cluster, echo=lambda *_: None)
+        mem = peak_memory(cluster)
+    finally:
+        cluster.stop()
+    st = result.status
+    if st.state != pb.COMPLETED:
+        raise RuntimeError(f"analyzer run ended {pb.RunState.Name(st.state)}: {st.message}")
+    released = [m for m in st.metrics if m.released]
+    if len(released) != len(st.metrics) or any(m.contributors != USERS for m in released):
+        raise RuntimeError(f"not every round was released with {USERS} contributors: {list(st.metrics)}")
+    info = (
+        f"eps spent {st.budget.eps_spent:.3f} (limit {st.budget.eps_limit:g}), "
+        f"test loss {released[0].loss:.4f} -> {released[-1].loss:.4f}"
+    )
+    return [m.seconds for m in released[1:]], mem, info
+
+
+# -------------------------------------------------------------------------------------------------- direct
+def start_shuffler_and_nodes(cfg_path: Path, workdir: Path) -> tuple[Cluster, str]:
+    """Like shuffledp.run.start_local_cluster without the analyzer (this process plays it)."""
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(workdir)
+    try:
+        pf = cluster.spawn("shuffler", ["shuffler", "--insecure", "--state-dir", str(workdir / "state")])
+        shuffler = f"127.0.0.1:{cluster.wait_port('shuffler', pf)}"
+        files = {
+            f"client-{i}": cluster.spawn(
+                f"client-{i}",
+                ["client", "--insecure", "--shuffler", shuffler, "--config", str(cfg_path)]
+                + ["--node-index", str(i), "--num-nodes", str(NODES)],
+            )
+            for i in range(NODES)
+        }
+        for name, pf in files.items():
+            cluster.wait_port(name, pf)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster, shuffler
+
+
+def wait_population(stub: pbg.ShufflerStub, cluster: Cluster, timeout: float = 60.0) -> pb.PopulationStatus:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pop = stub.GetPopulation(pb.PopulationRequest(run_id="bench"), timeout=10)
+        if pop.connected_nodes >= NODES and pop.admitted_users >= USERS:
+            return pop
+        cluster.check_alive()
+        time.sleep(0.1)
+    raise RuntimeError(f"population incomplete after {timeout:.0f} s: {pop}")
+
+
+def round_spec(run_id: str, r: int, plan: dict, params: PvecParams, theta: np.ndarray) -> pb.RoundSpec:
+    """The RoundSpec the analyzer sends for a fully interactive count-mode round (services/run_manager._spec)."""
+    event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])
+    eps_r, delta_r = _per_user_claim(plan, params, event)  # the same claim the analyzer states
+    return pb.RoundSpec(
+        run_id=run_id,
+        round=r,
+        schedule=pb.FULLY_INTERACTIVE,
+        trust_model=pb.SHUFFLE,
+        transport=pb.COUNTS,
+        randomizer=pb.RandomizerSpec(
+            protocol="pvec",
+            clip_norm=params.delta2,
+            dim=params.d,
+            g=params.g,
+            m=params.m,
+            p=params.p,
+            messages_per_user=params.d,
+            extra={"eps": params.eps, "delta": params.delta, "n": float(params.n)},
+        ),
+        model=_tensor(theta),
+        task=plan["task"],
+        cohort_size=0,
+        min_contributors=plan["min_contributors"],
+        deadline_seconds=plan["deadline"],
+        per_user_cost=pb.PrivacyCost(
+            eps=eps_r, delta=delta_r, accountant=f"pvec-{params.method}", trust_model=pb.SHUFFLE
+        ),
+        local_batch=1,
+    )
+
+
+def bench_direct(
+    cfg_path: Path, workdir: Path, plan: dict, params: PvecParams, model: Model, rounds: int
+) -> tuple[list[float], dict[str, float], dict[str, float]]:
+    """This process calls ExecuteRound exactly as the analyzer does; returns round times, memory, phase split."""
+    cluster, shuffler = start_shuffler_and_nodes(cfg_path, workdir)
+    opt = pgd(plan["learning_rate"], plan["radius"])
+    state = opt.init(model.init_params())
+    times: list[float] = []
+    phases = {"execute_round": 0.0, "decode+step": 0.0}
+    try:
+        with grpc.insecure_channel(shuffler) as channel:
+            stub = pbg.ShufflerStub(channel)
+            wait_population(stub, cluster)
+            for r in range(rounds + 1):
+                t0 = time.perf_counter()
+                spec = round_spec("bench", r, plan, params, state.last)
+                batch = stub.ExecuteRound(spec, timeout=plan["deadline"] + 30)
+                t1 = time.perf_counter()
+                n = int(batch.report.contributors)
+                if not batch.released or n != USERS:
+                    raise RuntimeError(f"round {r} not released with {USERS} contributors: {batch.report}")
+                grad = decode_counts(np.asarray(batch.label_totals, dtype=np.int64), n, params) / n
+                _, state = opt.step(grad, state, state.last)
+                t2 = time.perf_counter()
+                if r > 0:  # round 0 is the warm-up
+                    times.append(t2 - t0)
+                    phases["execute_round"] += (t1 - t0) / rounds
+                    phases["decode+step"] += (t2 - t1) / rounds
+        mem = peak_memory(cluster)
+    finally:
+        cluster.stop()
+    return times, mem, phases
+
+
+# ----------------------------------------------------------------------------------------------- breakdown
+def component_breakdown(cfg: RunConfig, plan: dict, params: PvecParams, model: Model, rounds: int) -> None:
+    """Where an end-to-end round spends its time: the services' own logic run in this process, no gRPC.
+
+    Per round: each node's NodeCore.handle (policy, gradients, clip, encode_counts, building 500 UserMessage
+    protos), Contribution serialize + parse + conversion to the shuffler's domain objects, and the shuffler's
+    ShufflerState.submit (per-message validation, design 5.3, and the running total). The nodes run one after
+    the other here; in the real deployment they run in parallel on their own processes.
+    """
+    ds = load_dataset(cfg.data, cfg.model.task)
+    state = ShufflerState()
+    cores, subs = [], []
+    for i in range(NODES):
+        ids, X, y = user_shard(ds, i, NODES, 1, cfg.data.max_users)
+        cores.append(NodeCore(f"node-{i}", UserShard(ids, X, y)))
+        state.register_users(f"node-{i}", ids)
+        subs.append(state.subscribe(f"node-{i}"))
+    t: dict[str, list[float]] = defaultdict(list)
+    theta = model.init_params()
+    rng = make_rng()
+    for r in range(rounds + 1):
+        spec = round_spec("profile", r, plan, params, theta)
+        box: dict = {}
+        runner = threading.Thread(target=lambda s=spec, b=box: b.update(batch=state.execute_round(_request(s))))
+        runner.start()
+        for core, sub in zip(cores, subs, strict=True):
+            invite = sub.get(timeout=10)
+            t0 = time.perf_counter()
+            contribution = core.handle(pb.Invitation(spec=invite.relay, user_ids=invite.user_ids))
+            t1 = time.perf_counter()
+            submission = _submission(pb.Contribution.FromString(contribution.SerializeToString()))
+            t2 = time.perf_counter()
+            ack = state.submit(submission)
+            t3 = time.perf_counter()
+            if ack.accepted != len(invite.user_ids):
+                raise RuntimeError(f"in-process shuffler accepted {ack.accepted} of {len(invite.user_ids)}")
+            if r > 0:
+                t["node handle (500 users)"].append(t1 - t0)
+                t["serialize+parse+to-domain"].append(t2 - t1)
+                t["shuffler submit (500 msgs)"].append(t3 - t2)
+        runner.join()
+        # the in-process work of the same 500 users without protos or policy, for comparison
+        ids, X, y = cores[0].shard.user_ids, cores[0].shard.X[:, 0, :], cores[0].shard.y[:, 0]
+        t0 = time.perf_counter()
+        encode_counts(clip_rows(model.per_example_gradients(theta, X, y), params.delta2), params, rng)
+        if r > 0:
+            t["grad+clip+encode alone (500)"].append(time.perf_counter() - t0)
+        if box["batch"].contributors != USERS:
+            raise RuntimeError(f"in-process round released {box['batch'].contributors} contributors")
+    print("\nbreakdown (services' logic in this process, no gRPC; median per node contribution):")
+    for name, xs in t.items():
+        print(f"  {name:30s} {statistics.median(xs) * 1e3:6.1f} ms")
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def fmt_ms(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1e3:7.1f} ms (min {min(xs) * 1e3:.1f}, max {max(xs) * 1e3:.1f}, n={len(xs)})"
+
+
+def fmt_mem(mem: dict[str, float]) -> str:
+    return ", ".join(f"{name} {mib:.0f} MiB" for name, mib in mem.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=8, help="measured rounds after one warm-up round (default 8)")
+    ap.add_argument("--mode", choices=["both", "analyzer", "direct"], default="both")
+    ap.add_argument("--profile", action="store_true", help="also time the services' parts in one process")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench_round_") as tmp:
+        workdir = Path(tmp)
+        data_path = write_problem(workdir, make_rng())
+        toml = config_toml(data_path, args.rounds + 1)
+        cfg_path = workdir / "config.toml"
+        cfg_path.write_text(toml)
+        cfg = parse_config(toml)
+        ds = load_dataset(cfg.data, cfg.model.task)
+        model = make_model(cfg.model.task, ds.num_features, ds.num_classes)
+        plan = plan_run(cfg, USERS, USERS, model)  # the analyzer's own planning (calibrate_pvec, rounds = 1 + R)
+        params = PvecParams(**plan["params"])
+        print(
+            f"round: d={model.dim}, {USERS} users ({NODES} client nodes x {USERS // NODES}), PVEC count mode, "
+            f"g={params.g}, m={params.m}, p={params.p:.4g} (calibrated for eps={plan['eps']:g} over "
+            f"{plan['rounds']} rounds, delta={plan['delta']:g}, n_min={plan['min_contributors']})"
+        )
+        in_proc = InProcessRound(cfg, model, plan, params)
+        t_local = timed(in_proc, args.rounds)
+        results: dict[str, list[float]] = {}
+        if args.mode in ("analyzer", "both"):
+            secs, mem, info = bench_analyzer(cfg_path, workdir / "analyzer_run", toml)
+            results["analyzer"] = secs
+            print(f"\n[analyzer mode] real analyzer run, RoundMetrics.seconds; {info}")
+            print(f"  end-to-end round  {fmt_ms(secs)}")
+            print(f"  peak memory (VmHWM): {fmt_mem(mem)}")
+        if args.mode in ("direct", "both"):
+            secs, mem, phases = bench_direct(cfg_path, workdir / "direct_run", plan, params, model, args.rounds)
+            results["direct"] = secs
+            print("\n[direct mode] this process calls ExecuteRound as the analyzer does, decode_counts, PGD step")
+            print(f"  end-to-end round  {fmt_ms(secs)}")
+            print("  split (mean): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
+            print(f"  peak memory (VmHWM): {fmt_mem(mem)}; driver process {vm_hwm_mib(os.getpid()):.0f} MiB")
+        t_local += timed(in_proc, args.rounds)  # again after the services: both ends of the run, same machine load
+        print(f"\nin one process      {fmt_ms(t_local)}")
+        local = statistics.median(t_local)
+        for name, secs in results.items():
+            ratio = statistics.median(secs) / local
+            verdict = "met" if ratio <= TARGET_RATIO else "MISSED"
+            best = min(secs) / min(t_local)  # least disturbed by the other processes of a shared machine
+            print(
+                f"ratio end-to-end / in-process [{name}]: median {ratio:5.2f} (target <= {TARGET_RATIO:g}: "
+                f"{verdict}); ratio of the minima {best:5.2f}"
+            )
+        if args.profile:
+            component_breakdown(cfg, plan, params, model, args.rounds)
+    print(f"benchmark wall time {time.monotonic() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
