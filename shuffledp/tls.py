@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import grpc
 from cryptography import x509
@@ -211,8 +211,8 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-class ServerSecurity:
-    """How a service listens: mTLS with role checks (default) or, only if asked, plain text on loopback."""
+class _PartySecurity:
+    """Shared constructor of ServerSecurity / ChannelSecurity: mTLS from `pki_dir`, or plain text if asked."""
 
     def __init__(
         self,
@@ -230,11 +230,21 @@ class ServerSecurity:
         self.name = name
         self.insecure = insecure
         # load now: a missing or wrong certificate should fail at start-up, not at the first call
-        self._credentials = None if insecure else server_credentials(self.pki_dir, role, name)
+        self._credentials = None if insecure else self._load_credentials()
+
+    def _load_credentials(self) -> Any:
+        raise NotImplementedError
 
     @classmethod
-    def insecure_loopback(cls, role: str, name: str) -> ServerSecurity:
+    def insecure_loopback(cls, role: str, name: str) -> Self:
         return cls(None, role, name, insecure=True)
+
+
+class ServerSecurity(_PartySecurity):
+    """How a service listens: mTLS with role checks (default) or, only if asked, plain text on loopback."""
+
+    def _load_credentials(self) -> grpc.ServerCredentials:
+        return server_credentials(self.pki_dir, self.role, self.name)
 
     def interceptors(self, allowed: Mapping[str, Iterable[str]]) -> list[grpc.ServerInterceptor]:
         """Interceptors to pass to grpc.server(): the role check, or none in insecure mode (no identities)."""
@@ -260,29 +270,11 @@ class ServerSecurity:
         return port
 
 
-class ChannelSecurity:
+class ChannelSecurity(_PartySecurity):
     """How a party connects: mTLS presenting its certificate (default) or, only if asked, plain text."""
 
-    def __init__(
-        self,
-        pki_dir: str | os.PathLike[str] | None,
-        role: str,
-        name: str,
-        insecure: bool = False,
-    ):
-        if insecure and pki_dir is not None:
-            raise ValueError("insecure=True and pki_dir given: choose one")
-        if not insecure and pki_dir is None:
-            raise ValueError("pki_dir is required unless insecure=True (plain text must be asked for explicitly)")
-        self.pki_dir = None if pki_dir is None else Path(pki_dir)
-        self.role = role
-        self.name = name
-        self.insecure = insecure
-        self._credentials = None if insecure else channel_credentials(self.pki_dir, role, name)
-
-    @classmethod
-    def insecure_loopback(cls, role: str, name: str) -> ChannelSecurity:
-        return cls(None, role, name, insecure=True)
+    def _load_credentials(self) -> grpc.ChannelCredentials:
+        return channel_credentials(self.pki_dir, self.role, self.name)
 
     def channel(
         self, target: str, server_name: str | None = None, options: Sequence[tuple[str, Any]] = ()

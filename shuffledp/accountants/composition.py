@@ -25,7 +25,7 @@ import numpy as np
 import scipy.optimize
 from scipy.special import gammaln, logsumexp
 
-from shuffledp.accountants.rdp import rdp_to_dp
+from shuffledp.accountants.rdp import check_int, rdp_to_dp
 
 __all__ = [
     "advanced_composition",
@@ -55,18 +55,12 @@ def _delta(name: str, v: float, open_low: bool = False) -> float:
     return v
 
 
-def _k(name: str, v: object, lo: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int | np.integer) or int(v) < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return int(v)
-
-
 # --------------------------------------------------------------------------------------------------- basic
 def advanced_composition(eps: float, delta: float, k: int, delta_prime: float) -> tuple[float, float]:
     """Dwork & Roth 2014, Thm 3.20: (eps sqrt(2k ln(1/d')) + k eps (e^eps - 1), k delta + d')."""
     eps = _eps("eps", eps)
     delta = _delta("delta", delta)
-    k = _k("k", k, 0)
+    k = check_int("k", k, 0)
     dp = _delta("delta_prime", delta_prime, open_low=True)
     e = eps * math.sqrt(2.0 * k * math.log(1.0 / dp)) + k * eps * math.expm1(eps)
     return e, min(1.0, k * delta + dp)
@@ -76,7 +70,7 @@ def kov_delta(eps: float, delta: float, k: int, eps_total: float) -> float:
     """Exact optimal delta of k-fold composition of (eps, delta)-DP at eps_total (KOV15 Thm 3.3)."""
     eps = _eps("eps", eps)
     delta = _delta("delta", delta)
-    k = _k("k", k)
+    k = check_int("k", k, 1)
     eg = _eps("eps_total", eps_total)
     log_keep = k * math.log1p(-delta) if delta < 1.0 else -math.inf
     i = np.arange(0, k + 1, dtype=np.float64)
@@ -128,7 +122,7 @@ def pgd_round_budget(eps: float, delta: float, T: int) -> tuple[float, float]:
     """PGD per-round budget (Alg 5 of paper 000): eps_r = eps/(2 sqrt(2T ln(1/delta))), delta_r = delta/(T+1)."""
     eps = _eps("eps", eps)
     delta = _delta("delta", delta, open_low=True)
-    T = _k("T", T)
+    T = check_int("T", T, 1)
     return eps / (2.0 * math.sqrt(2.0 * T * math.log(1.0 / delta))), delta / (T + 1)
 
 

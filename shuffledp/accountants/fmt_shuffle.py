@@ -14,8 +14,8 @@ Spec 001 section 5 (paper Sec. 4, Figs 2-5):
   images (j <-> c+1-j), so D_{e^eps}(P||Q) = D_{e^eps}(Q||P) and one direction suffices.
 - ``subsample_dp``: amplification by subsampling k of n without replacement (Ullman 2017; Balle-Barthe-Gaboardi
   2018 Thm 9, replace-one): (log(1 + gamma (e^eps - 1)), gamma delta).
-- ``kov15_epsilon``: Kairouz-Oh-Viswanath 2015 composition bound as quoted in spec 001 section 5.
-  [dedupe] minimal copy: shuffledp/accountants/composition.py (owned by another helper) did not exist yet.
+- ``kov15_epsilon``: Kairouz-Oh-Viswanath 2015 composition bound (closed form, Thm 3.4) as quoted in spec 001
+  section 5. The exact optimal composition (KOV15 Thm 3.3) is ``composition.kov_epsilon``, a different bound.
 - ``baseline_epsilon``: numeric FMT + subsampling + KOV15, delta split d' = delta/2, gamma ds = delta/(2T)
   (spec 001 section 5 [ext], ambiguity A5).
 - ``tight_pld_epsilon``: composes a dominating pair of the SUBSAMPLED FMT round as a privacy loss distribution
@@ -34,7 +34,7 @@ import scipy.optimize
 from dp_accounting.pld import privacy_loss_distribution as dpa_pld
 from scipy.stats import binom
 
-from shuffledp.accountants.rdp import check_delta
+from shuffledp.accountants.rdp import check_delta, check_int, check_nk
 
 __all__ = [
     "fmt_condition_holds",
@@ -63,20 +63,6 @@ def _check_eps0(eps0: float) -> float:
     return e
 
 
-def _check_int(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or int(value) < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _check_nk(n: int, k: int) -> tuple[int, int]:
-    n = _check_int("n (number of clients)", n, 1)
-    k = _check_int("k (clients sampled per round)", k, 1)
-    if k > n:
-        raise ValueError(f"k (clients sampled per round) must satisfy 1 <= k <= n = {n}, got {k}")
-    return n, k
-
-
 # -------------------------------------------------------------------------------------- FMT20, one shuffle
 def fmt_condition_holds(eps0: float, n: int, delta: float) -> bool:
     """The paper's condition (8) (FMT20 Thm 3.1): eps0 <= log(n / (16 log(2/delta)))."""
@@ -86,7 +72,7 @@ def fmt_condition_holds(eps0: float, n: int, delta: float) -> bool:
 def fmt_closed_form(eps0: float, n: int, delta: float) -> float:
     """FMT20 Thm 3.1 closed form (spec 001 section 5), without checking condition (8)."""
     e = _check_eps0(eps0)
-    n = _check_int("n (number of shuffled reports)", n, 1)
+    n = check_int("n (number of shuffled reports)", n, 1)
     d = check_delta(delta)
     ee = math.exp(e)
     return math.log1p(math.tanh(e / 2.0) * (8.0 * math.sqrt(ee * math.log(4.0 / d) / n) + 8.0 * ee / n))
@@ -129,7 +115,7 @@ def _fmt_delta_core(eps: float, eps0: float, k: int, c: np.ndarray, w: np.ndarra
 def fmt_delta(eps: float, eps0: float, n: int) -> float:
     """Exact FMT20 clone-reduction hockey-stick divergence ds(eps) for n shuffled eps0-LDP reports (safe side)."""
     e0 = _check_eps0(eps0)
-    n = _check_int("n (number of shuffled reports)", n, 1)
+    n = check_int("n (number of shuffled reports)", n, 1)
     if not (math.isfinite(float(eps)) and float(eps) >= 0.0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     c, w, outside = _c_window(n, e0, 1e-18)
@@ -164,7 +150,7 @@ def fmt_epsilon(
     The result never exceeds eps0 (the shuffle of eps0-LDP reports is eps0-DP).
     """
     e = _check_eps0(eps0)
-    n = _check_int("n (number of shuffled reports)", n, 1)
+    n = check_int("n (number of shuffled reports)", n, 1)
     d = check_delta(delta)
     if method not in ("closed", "numerical"):
         raise ValueError(f"method must be 'closed' or 'numerical', got {method!r}")
@@ -191,7 +177,7 @@ def kov15_epsilon(eps: float, T: int, delta_prime: float) -> float:
     (eps_tot, 1 - (1-d)^T (1-delta_prime))-DP with eps_tot = min{T eps,
       T eps tanh(eps/2) + eps sqrt(2T log(e + sqrt(T eps^2)/delta_prime)),
       T eps tanh(eps/2) + eps sqrt(2T log(1/delta_prime))}; (e^eps-1)/(e^eps+1) = tanh(eps/2)."""
-    T = _check_int("T (number of rounds)", T, 1)
+    T = check_int("T (number of rounds)", T, 1)
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     d = check_delta(delta_prime, "delta_prime")
@@ -221,8 +207,8 @@ def baseline_epsilon(
     (spec 001 section 5 [ext], default 1/2); then 1 - (1 - gamma ds)^T (1 - d') <= delta.
     """
     e = _check_eps0(eps0)
-    n, k = _check_nk(n, k)
-    T = _check_int("T (number of rounds)", T, 1)
+    n, k = check_nk(n, k)
+    T = check_int("T (number of rounds)", T, 1)
     d = check_delta(delta)
     if not (0.0 < delta_split < 1.0):
         raise ValueError(f"delta_split must be in (0, 1), got {delta_split!r}")
@@ -260,7 +246,7 @@ def subsampled_fmt_pair(eps0: float, n: int, k: int) -> tuple[dict, dict]:
     gamma = 1 gives exactly FMT20's (P, Q). Returns (X, Y) as dicts over (c, j) plus 'bot'; small k only.
     """
     e = _check_eps0(eps0)
-    n, k = _check_nk(n, k)
+    n, k = check_nk(n, k)
     p1, p2 = _slot_probabilities(e, k / n)
     q0 = math.exp(-e)
     x: dict = {"bot": 1.0 - p1 - p2}
@@ -319,7 +305,7 @@ def subsampled_fmt_pld(
     relative of the h -> 0 limit in the spec's settings, measured in the benchmark).
     """
     e = _check_eps0(eps0)
-    n, k = _check_nk(n, k)
+    n, k = check_nk(n, k)
     loss, px, inf_mass = _pair_losses(e, n, k, tail_mass)
     if value_discretization_interval is None:
         mean = float(np.dot(px, loss))
@@ -359,8 +345,8 @@ def tight_pld_epsilon(
     like k^(3/2) per configuration (the (c, j) support), so it is meant for k up to ~1e5.
     """
     e = _check_eps0(eps0)
-    n, k = _check_nk(n, k)
-    T = _check_int("T (number of rounds)", T, 1)
+    n, k = check_nk(n, k)
+    T = check_int("T (number of rounds)", T, 1)
     d = check_delta(delta)
     h = None if value_discretization_interval is None else float(value_discretization_interval)
     return max(0.0, _tight_cached(e, n, k, T, d, h))

@@ -293,11 +293,17 @@ def _check_alpha(alpha: float) -> float:
     return alpha
 
 
-def sigma_online(j: int | np.ndarray, eta: float, diameter: float, alpha: float, c1: float, c2: float, m: float = 1.0):
-    """sigma_j = M D_K / (2 eta sqrt(W(j^{2 alpha}/(2 pi C1^2) + C2))) (Theorem 7). Vectorized over j."""
+def _check_record_indices(j: int | np.ndarray) -> np.ndarray:
+    """Record indices j (scalar or array) as float64; each must be finite and >= 1."""
     jj = np.asarray(j, dtype=np.float64)
     if np.any(~np.isfinite(jj)) or np.any(jj < 1):
         raise ValueError("j (record index) must be >= 1")
+    return jj
+
+
+def sigma_online(j: int | np.ndarray, eta: float, diameter: float, alpha: float, c1: float, c2: float, m: float = 1.0):
+    """sigma_j = M D_K / (2 eta sqrt(W(j^{2 alpha}/(2 pi C1^2) + C2))) (Theorem 7). Vectorized over j."""
+    jj = _check_record_indices(j)
     c1, c2 = _check_c(c1, c2)
     # W(x) for huge x: lambertw is accurate on its own up to ~1e308; use log-space x beyond that.
     log_x1 = 2.0 * _check_alpha(alpha) * np.log(jj) - math.log(2.0 * math.pi * c1 * c1)
@@ -323,9 +329,7 @@ def _lambertw_from_log(log_x: np.ndarray) -> np.ndarray:
 
 def v_online(j: int | np.ndarray, eta: float, width: float, alpha: float, c1: float, c2: float, m: float = 1.0):
     """v_j = M (b-a) / (2 eta log(j^alpha/C1 + C2)) (Theorem 6). Vectorized over j."""
-    jj = np.asarray(j, dtype=np.float64)
-    if np.any(~np.isfinite(jj)) or np.any(jj < 1):
-        raise ValueError("j (record index) must be >= 1")
+    jj = _check_record_indices(j)
     c1, c2 = _check_c(c1, c2)
     log_arg = np.logaddexp(_check_alpha(alpha) * np.log(jj) - math.log(c1), math.log(c2) if c2 > 0 else -np.inf)
     if np.any(log_arg <= 0):

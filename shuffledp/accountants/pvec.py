@@ -29,6 +29,7 @@ import numpy as np
 import scipy.optimize
 from scipy.stats import binom
 
+from shuffledp.accountants.rdp import check_int
 from shuffledp.protocols.pvec import P1dParams, PvecParams
 
 __all__ = [
@@ -53,12 +54,6 @@ def _pos(name: str, v: float) -> float:
     return v
 
 
-def _int(name: str, v: object, lo: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int | np.integer) or int(v) < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return int(v)
-
-
 def _unit(name: str, v: float, closed_low: bool = False) -> float:
     v = float(v)
     ok = (0.0 <= v < 1.0) if closed_low else (0.0 < v < 1.0)
@@ -71,7 +66,7 @@ def _unit(name: str, v: float, closed_low: bool = False) -> float:
 def p1d_instance_epsilon(eps: float, g: int, x: float, x_prime: float, Delta: float = 1.0) -> float:
     """Lemma 3.1 (paper 000): eps (2/g + |x - x'|/Delta) for neighbours differing in one user's x in [0, Delta]."""
     eps = _pos("eps", eps)
-    g = _int("g", g)
+    g = check_int("g", g, 1)
     Delta = _pos("Delta", Delta)
     for name, v in (("x", x), ("x_prime", x_prime)):
         if not 0.0 <= float(v) <= Delta:
@@ -83,13 +78,13 @@ def binomial_mechanism(shift: int, M: int, p: float, alpha: float, t: int | None
     """Lemma A.1 (paper 000): f + Bin(M, p) with |f - f'| = shift <= t is (eps, delta) with
     eps = shift ln((1+alpha)/(1-alpha)), delta = 2 exp(-alpha^2 M p / 10); needs p in (0, 1/2], alpha in
     (0, 1), alpha M p >= 2t. Returns (inf, 1) when the conditions fail (the lemma then says nothing)."""
-    shift = _int("shift", shift, 0)
-    M = _int("M", M)
+    shift = check_int("shift", shift, 0)
+    M = check_int("M", M, 1)
     p = float(p)
     if not 0.0 < p <= 0.5:
         raise ValueError(f"p must lie in (0, 1/2] (Lemma A.1), got {p!r}")
     alpha = _unit("alpha", alpha)
-    t = shift if t is None else _int("t", t, 0)
+    t = shift if t is None else check_int("t", t, 0)
     if shift > t:
         raise ValueError(f"shift must be <= t, got shift={shift}, t={t}")
     if alpha * M * p < 2 * t:
@@ -165,7 +160,7 @@ def pvec_paper_round(
     See the module docstring for how n' enters. At n' = n (rule "sqrt") eps <= params.eps (Thm 3.2), delta =
     params.delta. Returns eps = inf when Lemma A.1's conditions fail (e.g. far too few contributors).
     """
-    k = params.n if n_contrib is None else _int("n_contrib", n_contrib)
+    k = params.n if n_contrib is None else check_int("n_contrib", n_contrib, 1)
     if k > params.n:
         raise ValueError(f"n_contrib must lie in [1, n={params.n}], got {k}")
     dh = params.delta_hat
@@ -242,8 +237,8 @@ def binomial_hockey_stick(M: int, p: float, shift: int, eps: float) -> float:
     likelihood ratio: the optimal event is a half-line, so delta = F_P(k*) - e^eps F_Q(k*) from log CDFs
     (the other direction is the mirror image with p -> 1 - p).
     """
-    M = _int("M", M)
-    shift = _int("shift", shift, 0)
+    M = check_int("M", M, 1)
+    shift = check_int("shift", shift, 0)
     p = _unit("p", p)
     eps = float(eps)
     if not (math.isfinite(eps) and eps >= 0.0):
@@ -272,12 +267,12 @@ def binomial_tight_epsilon(M: int, p: float, shift: int, delta: float) -> float:
 def p1d_exact_delta(params: P1dParams, eps: float | None = None, n_contrib: int | None = None) -> float:
     """Exact delta of P1D's view for the worst neighbours (rounded gap g) at eps (default: Lemma 3.1's
     eps_claim = eps (2/g + 1)). Spec 000 sec 7.3: for (n=100, eps=1, delta=1e-3) it is ~1e-111."""
-    k = params.n if n_contrib is None else _int("n_contrib", n_contrib)
+    k = params.n if n_contrib is None else check_int("n_contrib", n_contrib, 1)
     e = params.eps * (2.0 / params.g + 1.0) if eps is None else float(eps)
     return binomial_hockey_stick(params.m * k, params.p, params.g, e)
 
 
 def p1d_tight_epsilon(params: P1dParams, delta: float, n_contrib: int | None = None) -> float:
     """Tight eps of P1D at delta for the worst neighbours (spec 000 sec 7.3: ~0.093 at 1e-3 vs claimed 1.2)."""
-    k = params.n if n_contrib is None else _int("n_contrib", n_contrib)
+    k = params.n if n_contrib is None else check_int("n_contrib", n_contrib, 1)
     return binomial_tight_epsilon(params.m * k, params.p, params.g, delta)

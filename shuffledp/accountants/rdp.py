@@ -34,6 +34,22 @@ def check_delta(delta: float, name: str = "delta") -> float:
     return d
 
 
+def check_int(name: str, value: int, minimum: int) -> int:
+    """An integer parameter >= minimum (bool is rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or int(value) < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_nk(n: int, k: int) -> tuple[int, int]:
+    """n clients and k clients sampled per round, 1 <= k <= n."""
+    n = check_int("n (number of clients)", n, 1)
+    k = check_int("k (clients sampled per round)", k, 1)
+    if k > n:
+        raise ValueError(f"k (clients sampled per round) must satisfy 1 <= k <= n = {n}, got {k}")
+    return n, k
+
+
 def integer_orders(max_order: int = DEFAULT_MAX_ORDER, dense_upto: int = DEFAULT_MAX_ORDER) -> np.ndarray:
     """Integer Renyi orders: every integer 2..min(max_order, dense_upto), then a geometric tail of integers.
 

@@ -38,6 +38,8 @@ from shuffledp.accountants.rdp import (
     DEFAULT_MAX_ORDER,
     DEFAULT_ORDER_CAP,
     check_delta,
+    check_int,
+    check_nk,
     integer_orders,
     monotone_envelope,
     optimal_epsilon,
@@ -70,22 +72,8 @@ def _check_eps0(eps0: float) -> float:
     return e
 
 
-def _check_int(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or int(value) < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _check_nk(n: int, k: int) -> tuple[int, int]:
-    n = _check_int("n (number of clients)", n, 1)
-    k = _check_int("k (clients sampled per round)", k, 1)
-    if k > n:
-        raise ValueError(f"k (clients sampled per round) must satisfy 1 <= k <= n = {n}, got {k}")
-    return n, k
-
-
 def _check_rounds(T: int) -> int:
-    return _check_int("T (number of rounds)", T, 1)
+    return check_int("T (number of rounds)", T, 1)
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -179,7 +167,7 @@ def _thm1_cached(orders: tuple[int, ...], eps0: float, n: int, k: int, ups: str)
 def rdp_upper(alpha: int | np.ndarray, eps0: float, n: int, k: int, ups: Ups = "conservative") -> float | np.ndarray:
     """Theorem 1: upper bound on the order-alpha RDP of one subsampled-shuffle round (integer alpha >= 2)."""
     e = _check_eps0(eps0)
-    n, k = _check_nk(n, k)
+    n, k = check_nk(n, k)
     _check_choice("ups", ups, _UPS)
     orders = _integer_orders_from(alpha)
     return _scalar_or_array(alpha, _thm1(orders, e, n, k, ups))
@@ -259,7 +247,7 @@ def _thm2_cached(orders: tuple[float, ...], eps0: float, n: int, k: int) -> np.n
 def rdp_lower(alpha: float | np.ndarray, eps0: float, n: int, k: int) -> float | np.ndarray:
     """Theorem 2: lower bound on the worst-case order-alpha RDP of one round (any real alpha > 1)."""
     e = _check_eps0(eps0)
-    n, k = _check_nk(n, k)
+    n, k = check_nk(n, k)
     orders = _real_orders_from(alpha)
     return _scalar_or_array(alpha, _thm2(orders, e, n, k))
 
@@ -332,7 +320,7 @@ def _gdd_wbk_cached(orders: tuple[int, ...], eps0: float, n: int, k: int) -> np.
 def rdp_gdd21a_wbk19(alpha: int | np.ndarray, eps0: float, n: int, k: int) -> float | np.ndarray:
     """Baseline of the paper's Appendix A: GDD+21a shuffle RDP + WBK19 Thm 9 subsampling (integer alpha >= 2)."""
     e = _check_eps0(eps0)
-    n, k = _check_nk(n, k)
+    n, k = check_nk(n, k)
     orders = _integer_orders_from(alpha)
     return _scalar_or_array(alpha, np.array(_gdd_wbk_cached(tuple(orders.tolist()), e, n, k)))
 
@@ -371,7 +359,7 @@ def subsampled_shuffle_rdp(
     paper and the spec's reference values).
     """
     e = _check_eps0(eps0)
-    n, k = _check_nk(n, k)
+    n, k = check_nk(n, k)
     _check_choice("bound", bound, _BOUNDS)
     _check_choice("ups", ups, _UPS)
     o = integer_orders() if orders is None else _integer_orders_from(orders)
@@ -419,7 +407,7 @@ def subsampled_shuffle_epsilon(
     With ``return_order=True`` returns (eps, optimal order).
     """
     e = _check_eps0(eps0)
-    n, k = _check_nk(n, k)
+    n, k = check_nk(n, k)
     T = _check_rounds(T)
     d = check_delta(delta)
     _check_choice("bound", bound, _BOUNDS)
@@ -467,7 +455,7 @@ def max_eps0(
     The returned value is always one that was checked to fit (the lower end of the bracket), so it is safe even
     where the bound is not monotone in eps0.
     """
-    n, k = _check_nk(n, k)
+    n, k = check_nk(n, k)
     T = _check_rounds(T)
     check_delta(delta)
     if not (math.isfinite(float(eps)) and float(eps) >= 0.0):

@@ -17,7 +17,7 @@ realized probabilities, so the privacy-ratio tests check the sampler as implemen
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mpmath
@@ -113,6 +113,35 @@ def rr_success_probability(z: np.ndarray, flip: float) -> np.ndarray:
     """
     z = np.clip(z, -1.0, 1.0)
     return np.clip(0.5 + (0.5 - flip) * z, flip, 1.0 - flip)
+
+
+def init_ball_rr_params(params: object, d_max: int) -> None:
+    """Check eps0, d in [1, d_max] and radius of a frozen R_inf / R_1 parameter dataclass; set flip and scale.
+
+    scale is c = 1/(1 - 2 flip) (spec 001 section 3), with flip on the sampler's grid (`rr_flip_probability`).
+    """
+    object.__setattr__(params, "eps0", check_eps0(params.eps0))
+    object.__setattr__(params, "d", check_int("d", params.d, 1, d_max))
+    object.__setattr__(params, "radius", check_positive("radius", params.radius))
+    flip = rr_flip_probability(params.eps0)
+    object.__setattr__(params, "flip", flip)
+    object.__setattr__(params, "scale", 1.0 / (1.0 - 2.0 * flip))
+
+
+def signed_symbol_probabilities(p_plus: np.ndarray, n: int) -> np.ndarray:
+    """(k, 2n) P[symbol] for symbols 2l + [b' = +1] with l ~ Unif[n]: column 2l is (l, -1), 2l+1 is (l, +1)."""
+    out = np.empty((p_plus.shape[0], 2 * n))
+    out[:, 0::2] = (1.0 - p_plus) / n
+    out[:, 1::2] = p_plus / n
+    return out
+
+
+def decode_mean_from_sum(messages: np.ndarray, params: object, decode_sum: Callable) -> np.ndarray | float:
+    """Unbiased estimate of mean_i x_i over the k >= 1 messages: decode_sum(messages, params) / k."""
+    k = np.asarray(messages).shape[0]
+    if k == 0:
+        raise ValueError("decode_mean needs at least one message, got 0")
+    return decode_sum(messages, params) / k
 
 
 def bernoulli(prob: np.ndarray, rng: np.random.Generator) -> np.ndarray:

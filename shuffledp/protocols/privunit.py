@@ -54,6 +54,7 @@ from shuffledp.protocols.ldp_common import (
     check_int,
     check_norm_bound,
     check_positive,
+    decode_mean_from_sum,
 )
 
 MAX_BITS = 16
@@ -296,10 +297,7 @@ def decode_sum(messages: np.ndarray, params: PrivUnitParams) -> np.ndarray:
 
 def decode_mean(messages: np.ndarray, params: PrivUnitParams) -> np.ndarray:
     """Unbiased estimate of mean_i x_i over the k >= 1 messages."""
-    k = np.asarray(messages).shape[0]
-    if k == 0:
-        raise ValueError("decode_mean needs at least one message, got 0")
-    return decode_sum(messages, params) / k
+    return decode_mean_from_sum(messages, params, decode_sum)
 
 
 def variance(X: np.ndarray, params: PrivUnitParams) -> np.ndarray:

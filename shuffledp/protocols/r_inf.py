@@ -22,13 +22,12 @@ from shuffledp.protocols.ldp_common import (
     MessageFormat,
     bernoulli,
     check_batch,
-    check_eps0,
-    check_int,
     check_norm_bound,
-    check_positive,
+    decode_mean_from_sum,
+    init_ball_rr_params,
     realized_probability,
-    rr_flip_probability,
     rr_success_probability,
+    signed_symbol_probabilities,
 )
 
 
@@ -43,12 +42,7 @@ class RInfParams:
     scale: float = field(init=False)  # c = 1/(1 - 2 flip) = (e^eps0+1)/(e^eps0-1) up to the grid rounding
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "eps0", check_eps0(self.eps0))
-        object.__setattr__(self, "d", check_int("d", self.d, 1, 2**31))
-        object.__setattr__(self, "radius", check_positive("radius", self.radius))
-        flip = rr_flip_probability(self.eps0)
-        object.__setattr__(self, "flip", flip)
-        object.__setattr__(self, "scale", 1.0 / (1.0 - 2.0 * flip))
+        init_ball_rr_params(self, d_max=2**31)
 
     @property
     def message_format(self) -> MessageFormat:
@@ -88,10 +82,7 @@ def exact_output_probabilities(X: np.ndarray, params: RInfParams) -> np.ndarray:
     """(k, 2d) array: P[symbol s | x] as realized by `encode`; column 2j is (j, -1), column 2j+1 is (j, +1)."""
     X = _check_X(X, params)
     p_plus = realized_probability(rr_success_probability(X / params.radius, params.flip))
-    out = np.empty((X.shape[0], 2 * params.d))
-    out[:, 0::2] = (1.0 - p_plus) / params.d
-    out[:, 1::2] = p_plus / params.d
-    return out
+    return signed_symbol_probabilities(p_plus, params.d)
 
 
 def validate_messages(messages: np.ndarray, params: RInfParams) -> np.ndarray:
@@ -120,10 +111,7 @@ def decode_sum(messages: np.ndarray, params: RInfParams) -> np.ndarray:
 
 def decode_mean(messages: np.ndarray, params: RInfParams) -> np.ndarray:
     """Unbiased estimate of mean_i x_i over the k >= 1 messages."""
-    k = np.asarray(messages).shape[0]
-    if k == 0:
-        raise ValueError("decode_mean needs at least one message, got 0")
-    return decode_sum(messages, params) / k
+    return decode_mean_from_sum(messages, params, decode_sum)
 
 
 def variance(X: np.ndarray, params: RInfParams) -> np.ndarray:

@@ -24,13 +24,12 @@ from shuffledp.protocols.ldp_common import (
     MessageFormat,
     bernoulli,
     check_batch,
-    check_eps0,
-    check_int,
     check_norm_bound,
-    check_positive,
+    decode_mean_from_sum,
+    init_ball_rr_params,
     realized_probability,
-    rr_flip_probability,
     rr_success_probability,
+    signed_symbol_probabilities,
 )
 
 # Cache the first d columns of H as float64 when that table is at most this many bytes; beyond it rows are
@@ -51,13 +50,8 @@ class ROneParams:
     scale: float = field(init=False)  # c = 1/(1 - 2 flip)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "eps0", check_eps0(self.eps0))
-        object.__setattr__(self, "d", check_int("d", self.d, 1, 2**30))
-        object.__setattr__(self, "radius", check_positive("radius", self.radius))
+        init_ball_rr_params(self, d_max=2**30)
         object.__setattr__(self, "D", 1 << (self.d - 1).bit_length())
-        flip = rr_flip_probability(self.eps0)
-        object.__setattr__(self, "flip", flip)
-        object.__setattr__(self, "scale", 1.0 / (1.0 - 2.0 * flip))
 
     @property
     def message_format(self) -> MessageFormat:
@@ -130,10 +124,7 @@ def exact_output_probabilities(X: np.ndarray, params: ROneParams) -> np.ndarray:
     X = _check_X(X, params)
     z = X @ _hadamard_table(params.D, params.d).T / params.radius  # (k, D); meant for the small d of tests
     p_plus = realized_probability(rr_success_probability(z, params.flip))
-    out = np.empty((X.shape[0], 2 * params.D))
-    out[:, 0::2] = (1.0 - p_plus) / params.D
-    out[:, 1::2] = p_plus / params.D
-    return out
+    return signed_symbol_probabilities(p_plus, params.D)
 
 
 def validate_messages(messages: np.ndarray, params: ROneParams) -> np.ndarray:
@@ -161,10 +152,7 @@ def decode_sum(messages: np.ndarray, params: ROneParams) -> np.ndarray:
 
 def decode_mean(messages: np.ndarray, params: ROneParams) -> np.ndarray:
     """Unbiased estimate of mean_i x_i over the k >= 1 messages."""
-    k = np.asarray(messages).shape[0]
-    if k == 0:
-        raise ValueError("decode_mean needs at least one message, got 0")
-    return decode_sum(messages, params) / k
+    return decode_mean_from_sum(messages, params, decode_sum)
 
 
 def variance(X: np.ndarray, params: ROneParams) -> np.ndarray:

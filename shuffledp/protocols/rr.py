@@ -19,6 +19,7 @@ from shuffledp.protocols.ldp_common import (
     MessageFormat,
     bernoulli,
     check_eps0,
+    decode_mean_from_sum,
     realized_probability,
     rr_flip_probability,
     rr_success_probability,
@@ -97,10 +98,7 @@ def decode_sum(messages: np.ndarray, params: RRParams) -> float:
 
 def decode_mean(messages: np.ndarray, params: RRParams) -> float:
     """Unbiased estimate of mean_i x_i over the k >= 1 messages."""
-    k = np.asarray(messages).shape[0]
-    if k == 0:
-        raise ValueError("decode_mean needs at least one message, got 0")
-    return decode_sum(messages, params) / k
+    return decode_mean_from_sum(messages, params, decode_sum)
 
 
 def variance(x: np.ndarray, params: RRParams) -> np.ndarray:
