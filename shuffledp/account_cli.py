@@ -1,0 +1,488 @@
+"""`shuffledp account PROTOCOL ...`: what does a run cost, and how many rounds / how much noise fits a budget.
+
+Each protocol is a sub-command; the same three queries work for all of them:
+
+    cost (default)   eps at --delta of --rounds rounds with the given noise
+    --max-rounds     the largest number of rounds whose cost fits (--eps, --delta)
+    --min-noise      the least noise (largest eps0 for subsampled-shuffle) for which --rounds fit (--eps, --delta)
+
+--accountant tight (default) or paper chooses the bound (shuffledp.accountants.ledger_accounting); --json prints
+one JSON object (eps, delta, accountant, optimal_order, trust, ...) instead of a table. Bad arguments print one
+line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from shuffledp.accountants import gaussian, pnsgd
+from shuffledp.accountants import ledger_accounting as la
+from shuffledp.events import GaussianRound, LdpShuffleRound, PnsgdRun, PrivacyEvent, PvecRound, TreeAggregation
+
+__all__ = ["add_parser", "run"]
+
+PROTOCOLS: dict[str, str] = {
+    "pvec": "seed 000: PVEC binomial vector sum; paper or calibrated noise, sequential or PGD",
+    "subsampled-shuffle": "seed 001: eps0-LDP reports of k of n clients, shuffled (CLDP-SGD)",
+    "gaussian": "seed 002: Gaussian noise per round, local or central (DP-mu2-FL)",
+    "tree": "seed 003: DP-FTRL tree aggregation, restarts, multiple participations",
+    "pnsgd": "seed 004: shuffled projected noisy SGD, one or more epochs",
+}
+
+_EPILOG = """\
+queries (every protocol):
+  cost            default: eps at --delta of --rounds rounds
+  --max-rounds    largest number of rounds that fits --eps at --delta
+  --min-noise     least noise for which --rounds fit --eps at --delta
+                  (subsampled-shuffle: the largest eps0; pvec: re-derived (g, m, p))
+
+examples:
+  shuffledp account gaussian --sigma 20 --rounds 100 --delta 1e-5
+  shuffledp account subsampled-shuffle --eps0 1 --n 60000 --k 10000 --rounds 600 --delta 1e-5
+  shuffledp account subsampled-shuffle --eps0 1 --n 60000 --k 10000 --eps 1 --delta 1e-5 --max-rounds
+  shuffledp account pvec --n 1000 --d 100 --schedule pgd --rounds 16 --eps 8 --delta 1e-3 --min-noise
+  shuffledp account tree --noise-multiplier 1 --steps 1000 --max-participations 4 --min-separation 100 --delta 1e-6
+  shuffledp account pnsgd --noise gaussian --n 10000 --lipschitz 1 --eta 0.1 --diameter 1 --eps 1 --delta 1e-5 \\
+      --min-noise
+Run `shuffledp account PROTOCOL --help` for the options of one protocol.
+"""
+
+
+# ------------------------------------------------------------------------------------------ argparse glue
+class _OneLineParser(argparse.ArgumentParser):
+    """Errors are ONE line on stderr and exit status 2 (no usage block); unknown options are errors here."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        text = " ".join(str(message).split())
+        self.exit(2, f"{self.prog}: error: {text} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:  # report them here, in one line, instead of the top-level parser's usage block
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
+def _unit(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}") from None
+    if not 0.0 < v < 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in the open interval (0, 1), got {text}")
+    return v
+
+
+def _prob(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
+    return v
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return v
+
+
+def _common(p: argparse.ArgumentParser, rounds_help: str = "number of rounds (default 1)") -> None:
+    g = p.add_argument_group("budget and query")
+    g.add_argument("--delta", type=_unit, required=True, help="target delta, in (0, 1)")
+    g.add_argument("--eps", type=_positive, help="eps budget (needed by --max-rounds and --min-noise)")
+    g.add_argument("--rounds", type=_count, default=None, help=rounds_help)
+    q = g.add_mutually_exclusive_group()
+    q.add_argument("--max-rounds", action="store_true", help="largest number of rounds that fits (--eps, --delta)")
+    q.add_argument("--min-noise", action="store_true", help="least noise for which --rounds fit (--eps, --delta)")
+    g.add_argument(
+        "--accountant",
+        choices=la.ACCOUNTANTS,
+        default="tight",
+        help="tight: tightest rigorous bound (default); paper: the paper's own bound",
+    )
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `account` with one sub-command per protocol (shuffledp/cli.py convention)."""
+    parser = subparsers.add_parser(
+        "account",
+        help="privacy cost of a protocol; rounds or noise that fit a budget",
+        description="What does a run of a protocol cost, and how many rounds / how much noise fit a budget "
+        "(--accountant tight: the tightest rigorous bound; paper: each paper's own bound).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.__class__ = _OneLineParser  # the dispatcher creates it as a plain ArgumentParser
+    sub = parser.add_subparsers(
+        dest="protocol", metavar="PROTOCOL", required=True, parser_class=_OneLineParser, title="protocols"
+    )
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    p = sub.add_parser("pvec", help=PROTOCOLS["pvec"], description=PROTOCOLS["pvec"] + ".", formatter_class=fmt)
+    p.add_argument("--n", type=_count, required=True, help="users per round (cohort; PGD: all users)")
+    p.add_argument("--d", type=_count, required=True, help="dimension of the summed vectors")
+    p.add_argument("--delta2", type=_positive, default=1.0, help="l2 clip bound of one user's vector")
+    p.add_argument(
+        "--schedule",
+        choices=("sequential", "pgd", "fully-interactive"),
+        default="sequential",
+        help="sequential: disjoint cohorts (rounds compose in parallel); pgd = fully-interactive: every user in "
+        "every round",
+    )
+    p.add_argument(
+        "--method",
+        choices=("calibrated", "paper"),
+        default="calibrated",
+        help="how (g, m, p) are derived: calibrated (exact accountant, beyond the paper) or paper (Thm 3.2)",
+    )
+    p.add_argument("--round-eps", type=_positive, help="per-round target the parameters are derived for (cost)")
+    p.add_argument("--round-delta", type=_unit, help="per-round target delta (default: --delta, PGD --delta/(T+1))")
+    p.add_argument("--g", type=_count, help="explicit fixed-point precision g (with --m and --p)")
+    p.add_argument("--m", type=_count, help="explicit binomial trials per user and coordinate")
+    p.add_argument("--p", type=_unit, help="explicit binomial success probability")
+    p.add_argument("--contributors", type=_count, help="users actually aggregated per round (default --n)")
+    _common(p)
+    p.set_defaults(func=run, _parser=p)
+
+    p = sub.add_parser(
+        "subsampled-shuffle",
+        help=PROTOCOLS["subsampled-shuffle"],
+        description=PROTOCOLS["subsampled-shuffle"] + ".",
+        formatter_class=fmt,
+    )
+    p.add_argument("--eps0", type=_positive, help="LDP parameter of each report (not with --min-noise)")
+    p.add_argument("--n", type=_count, required=True, help="number of clients")
+    p.add_argument("--k", type=_count, required=True, help="clients sampled per round (k <= n)")
+    p.add_argument(
+        "--bound",
+        choices=la.LDP_SHUFFLE_BOUNDS,
+        default=None,
+        help="upper: Thm 1 as printed; upper-tightened: + envelope and pure-DP cap (tight default); lower: Thm 2 "
+        "(NOT a guarantee); baseline: FMT20 numeric + subsampling + KOV15 (paper default); tight-pld: FMT20 "
+        "dominating pair composed as a PLD",
+    )
+    p.add_argument("--randomizer", default="generic", help="label of the eps0-LDP randomizer (informational)")
+    _common(p)
+    p.set_defaults(func=run, _parser=p)
+
+    p = sub.add_parser(
+        "gaussian", help=PROTOCOLS["gaussian"], description=PROTOCOLS["gaussian"] + ".", formatter_class=fmt
+    )
+    noise = p.add_mutually_exclusive_group()
+    noise.add_argument("--sigma", type=_positive, help="noise std per round (not with --min-noise)")
+    noise.add_argument("--noise-multiplier", type=_positive, help="sigma / sensitivity")
+    p.add_argument("--sensitivity", type=_positive, help="l2 sensitivity of one round's release (default 1)")
+    p.add_argument(
+        "--lipschitz-increment",
+        type=_positive,
+        help="seed 002's S = G + 2 L D: sensitivity 2S (local) or 2S/M (central), instead of --sensitivity",
+    )
+    p.add_argument("--machines", type=_count, default=1, help="M, machines averaged by the server (central)")
+    p.add_argument("--trust", choices=("central", "local"), default="central", help="who adds the noise")
+    p.add_argument("--sampling-rate", type=_prob, help="Poisson sampling rate q per round (default: no sampling)")
+    _common(p)
+    p.set_defaults(func=run, _parser=p)
+
+    p = sub.add_parser("tree", help=PROTOCOLS["tree"], description=PROTOCOLS["tree"] + ".", formatter_class=fmt)
+    p.add_argument("--noise-multiplier", type=_positive, help="z: node noise std / leaf sensitivity")
+    p.add_argument("--steps", type=_count, help="leaves per tree (--max-rounds without it: most steps in one tree)")
+    p.add_argument("--max-participations", type=_count, default=1, help="E: leaves per record in one tree")
+    p.add_argument("--min-separation", type=_nonneg_int, default=0, help="xi: leaves between two participations")
+    p.add_argument("--completion", action="store_true", help="trees padded to a power of two before a restart")
+    p.add_argument("--fixed-order", action="store_true", help="same data order every epoch (E epochs per tree)")
+    _common(p, "number of trees, i.e. restarts + 1 (default 1)")
+    p.add_argument("--trees", dest="rounds", type=_count, help="alias of --rounds")
+    p.set_defaults(func=run, _parser=p)
+
+    p = sub.add_parser("pnsgd", help=PROTOCOLS["pnsgd"], description=PROTOCOLS["pnsgd"] + ".", formatter_class=fmt)
+    p.add_argument("--noise", choices=("gaussian", "laplace"), default="gaussian", help="noise distribution")
+    p.add_argument("--n", type=_count, required=True, help="records (steps per epoch)")
+    p.add_argument("--lipschitz", type=_positive, required=True, help="L, Lipschitz constant of the loss")
+    p.add_argument("--sigma", "--scale", dest="scale", type=_positive, help="noise std (Gaussian) or scale v")
+    p.add_argument("--eta", type=_positive, required=True, help="step size")
+    p.add_argument("--diameter", type=_positive, required=True, help="D_K (Gaussian) or b - a (Laplace)")
+    p.add_argument("--contraction", type=_prob, help="M (default 1, or from --beta and --rho)")
+    p.add_argument("--beta", type=_positive, help="smoothness (with --rho: M = sqrt(1 - 2 eta beta rho/(beta+rho)))")
+    p.add_argument("--rho", type=float, default=0.0, help="strong convexity (with --beta)")
+    _common(p, "number of epochs (default 1)")
+    p.add_argument("--epochs", dest="rounds", type=_count, help="alias of --rounds")
+    p.set_defaults(func=run, _parser=p)
+
+
+# ------------------------------------------------------------------------------------------ the queries
+class _Usage(Exception):
+    """A missing or inconsistent option (reported like an argparse error)."""
+
+
+def _require(args: argparse.Namespace, *names: str, why: str) -> None:
+    missing = [n for n in names if getattr(args, n.lstrip("-").replace("-", "_"), None) is None]
+    if missing:
+        raise _Usage(f"{why} needs {' and '.join(missing)}")
+
+
+def _query(args: argparse.Namespace) -> str:
+    if args.max_rounds:
+        _require(args, "--eps", why="--max-rounds")
+        return "max_rounds"
+    if args.min_noise:
+        _require(args, "--eps", why="--min-noise")
+        return "min_noise"
+    return "cost"
+
+
+def _template(args: argparse.Namespace, query: str) -> tuple[PrivacyEvent, dict[str, Any]]:
+    """The event a query is about (noise filled with a starting value for --min-noise) and the inputs to echo."""
+    proto = args.protocol
+    if proto == "subsampled-shuffle":
+        if query != "min_noise":
+            _require(args, "--eps0", why=f"the {query.replace('_', '-')} query")
+        eps0 = args.eps0 if args.eps0 is not None else 1.0
+        ev = LdpShuffleRound(args.randomizer, eps0, args.n, args.k)
+        return ev, {"n": args.n, "k": args.k, "randomizer": args.randomizer}
+    if proto == "gaussian":
+        if args.lipschitz_increment is not None and args.sensitivity is not None:
+            raise _Usage("give --sensitivity or --lipschitz-increment, not both")
+        if args.lipschitz_increment is not None:
+            sens = gaussian.sensitivity(args.lipschitz_increment, args.machines, args.trust == "central")
+        else:
+            sens = args.sensitivity if args.sensitivity is not None else 1.0
+        if args.noise_multiplier is not None:
+            sigma = args.noise_multiplier * sens
+        elif args.sigma is not None:
+            sigma = args.sigma
+        elif query == "min_noise":
+            sigma = sens
+        else:
+            raise _Usage(f"the {query.replace('_', '-')} query needs --sigma or --noise-multiplier")
+        sampling = "poisson" if args.sampling_rate is not None else "none"
+        ev = GaussianRound(sigma, sens, args.trust, sampling, args.sampling_rate or 1.0)
+        return ev, {"sensitivity": sens, "sampling_rate": ev.sampling_rate}
+    if proto == "tree":
+        if query != "min_noise":
+            _require(args, "--noise-multiplier", why=f"the {query.replace('_', '-')} query")
+        if query != "max_rounds":
+            _require(args, "--steps", why=f"the {query.replace('_', '-')} query")
+        ev = TreeAggregation(
+            args.noise_multiplier or 1.0,
+            args.steps or 1,
+            args.max_participations,
+            args.min_separation,
+            args.completion,
+            "fixed" if args.fixed_order else "any",
+        )
+        return ev, {
+            "steps": args.steps,
+            "max_participations": args.max_participations,
+            "min_separation": args.min_separation,
+            "completion": args.completion,
+            "order": ev.order,
+            "zeta": la.tree_zeta(ev) if args.steps else None,
+        }
+    if proto == "pnsgd":
+        if query != "min_noise":
+            if args.scale is None:  # dest of --sigma/--scale
+                raise _Usage(f"the {query.replace('_', '-')} query needs --sigma (or --scale)")
+        if args.contraction is not None and args.beta is not None:
+            raise _Usage("give --contraction or --beta/--rho, not both")
+        m = args.contraction if args.contraction is not None else 1.0
+        if args.beta is not None:
+            m = pnsgd.contraction_factor(args.eta, args.beta, args.rho)
+        ev = PnsgdRun(args.noise, args.n, args.lipschitz, args.scale or 1.0, args.eta, args.diameter, m)
+        return ev, {"noise": args.noise, "n": args.n, "contraction": m}
+    return _pvec_template(args, query)
+
+
+def _pvec_schedule(args: argparse.Namespace) -> str:
+    return "sequential" if args.schedule == "sequential" else "fully_interactive"
+
+
+def _pvec_template(args: argparse.Namespace, query: str) -> tuple[PrivacyEvent, dict[str, Any]]:
+    from shuffledp.protocols.pvec import PvecParams, pvec_params
+
+    schedule = _pvec_schedule(args)
+    rounds = args.rounds or 1
+    explicit = [args.g, args.m, args.p]
+    echo: dict[str, Any] = {"n": args.n, "d": args.d, "delta2": args.delta2, "schedule": schedule}
+    if query == "min_noise":
+        if any(v is not None for v in explicit) or args.round_eps is not None:
+            raise _Usage("--min-noise derives (g, m, p); do not give --g/--m/--p or --round-eps")
+        # a placeholder event carrying n, d, delta2 and the schedule; min_noise re-derives the parameters
+        params = pvec_params(1.0, 0.25, args.n, args.d, args.delta2)
+        return PvecRound.from_params(params, None, schedule), echo
+    if any(v is not None for v in explicit):
+        if any(v is None for v in explicit):
+            raise _Usage("explicit parameters need all of --g, --m and --p")
+        if args.round_eps is None:
+            raise _Usage("explicit --g/--m/--p also need --round-eps (the per-round target they were sized for)")
+    elif args.round_eps is None:
+        raise _Usage(f"the {query.replace('_', '-')} query needs --round-eps (or explicit --g --m --p)")
+    rd = args.round_delta
+    if rd is None:
+        rd = args.delta if schedule == "sequential" else args.delta / (rounds + 1)  # PGD: delta_r = delta/(T+1)
+    if any(v is not None for v in explicit):
+        params = PvecParams(
+            d=args.d,
+            n=args.n,
+            delta2=args.delta2,
+            g=args.g,
+            m=args.m,
+            p=args.p,
+            eps=args.round_eps,
+            delta=rd,
+            method=args.method,
+        )
+    elif args.method == "paper":
+        params = pvec_params(args.round_eps, rd, args.n, args.d, args.delta2)
+    else:
+        params = la.calibrate_pvec_round(args.round_eps, rd, args.n, args.d, args.delta2)
+    echo.update({"round_eps": params.eps, "round_delta": params.delta})
+    return PvecRound.from_params(params, args.contributors, schedule), echo
+
+
+def _nothing(ev: PrivacyEvent, delta: float, acc: str, bound: str | None) -> la.AccountResult:
+    """Zero rounds cost nothing: (0, 0) under the accountant that would account one round."""
+    one = la.account([ev], delta, acc, ldp_bound=bound)
+    return la.AccountResult(0.0, 0.0, one.accountant_name, None, one.trust, {})
+
+
+def _noise_report(ev: PrivacyEvent) -> dict[str, Any]:
+    if isinstance(ev, GaussianRound):
+        return {"sigma": ev.sigma, "noise_multiplier": ev.noise_multiplier}
+    if isinstance(ev, TreeAggregation):
+        return {"noise_multiplier": ev.noise_multiplier}
+    if isinstance(ev, PnsgdRun):
+        return {"scale": ev.scale}
+    if isinstance(ev, LdpShuffleRound):
+        return {"eps0": ev.eps0}
+    if isinstance(ev, PvecRound):
+        return la.pvec_report(ev)
+    return {}
+
+
+def _answer(args: argparse.Namespace) -> dict[str, Any]:
+    query = _query(args)
+    ev, echo = _template(args, query)
+    acc = args.accountant
+    bound = getattr(args, "bound", None)
+    out: dict[str, Any] = {"protocol": args.protocol, "query": query}
+    if query == "cost":
+        t = args.rounds or 1
+        res = la.account([(ev, t)], args.delta, acc, ldp_bound=bound)
+        out["rounds"] = t
+        if args.eps is not None:
+            out["fits"] = res.eps <= args.eps
+    elif query == "max_rounds":
+        if isinstance(ev, TreeAggregation) and args.steps is None:
+            steps = la.max_tree_steps(ev.noise_multiplier, args.eps, args.delta, acc)
+            out["max_steps"] = steps
+            echo["steps"] = steps
+            ev = TreeAggregation(ev.noise_multiplier, max(steps, 1))
+            echo["zeta"] = la.tree_zeta(ev) if steps else 0
+            res = la.account([ev], args.delta, acc) if steps else _nothing(ev, args.delta, acc, bound)
+        else:
+            t = la.max_rounds(ev, args.eps, args.delta, acc, ldp_bound=bound)
+            unbounded = t == math.inf
+            out["max_rounds"] = None if unbounded else int(t)
+            if unbounded:
+                out["note"] = "sequential rounds compose in parallel: rounds are limited by fresh users, not privacy"
+            shown = 1 if unbounded else int(t)
+            res = (
+                la.account([(ev, shown)], args.delta, acc, ldp_bound=bound)
+                if shown
+                else _nothing(ev, args.delta, acc, bound)
+            )
+            if not unbounded:
+                out["eps_next"] = la.account([(ev, shown + 1)], args.delta, acc, ldp_bound=bound).eps
+    else:
+        t = args.rounds or 1
+        ev, res = la.min_noise(ev, t, args.eps, args.delta, acc, ldp_bound=bound)
+        out["rounds"] = t
+    base = res.to_dict()
+    details = {k: v for k, v in base.items() if k not in ("eps", "delta", "accountant", "optimal_order", "trust")}
+    result: dict[str, Any] = {
+        "eps": res.eps,
+        "delta": res.delta,
+        "accountant": res.accountant_name,
+        "optimal_order": res.optimal_order,
+        "trust": res.trust,
+    }
+    result.update(out)
+    if args.eps is not None:
+        result["eps_budget"] = args.eps
+    result.update(echo)
+    result.update(_noise_report(ev))
+    for k, v in details.items():
+        if not (query == "max_rounds" and k == "rounds"):  # already reported as max_rounds
+            result.setdefault(k, v)
+    return result
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return {True: "yes", False: "no", None: "-"}[v]
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, dict):
+        return json.dumps(v, sort_keys=True)
+    return str(v)
+
+
+def _json_safe(v: Any) -> Any:
+    """inf (no finite guarantee) is written as the string "inf"; JSON has no infinity."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    return v
+
+
+def _table(result: dict[str, Any]) -> str:
+    width = max(len(k) for k in result)
+    return "\n".join(f"{k.replace('_', ' '):<{width}}  {_fmt(v)}" for k, v in result.items())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Answer one query; argparse-style errors (one line, exit 2) for bad or inconsistent values."""
+    parser: argparse.ArgumentParser = args._parser
+    try:
+        result = _answer(args)
+    except (_Usage, ValueError) as exc:
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps({k: _json_safe(v) for k, v in result.items()}, allow_nan=False))
+    else:
+        print(_table(result))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,256 @@
+"""`shuffledp account`: help, one-line errors with exit status 2, JSON and table output agreeing with the
+accountants, and consistent inverse queries. A few cases run the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+import shuffledp.accountants.ledger_accounting as la
+from shuffledp import cli
+from shuffledp.account_cli import PROTOCOLS
+from shuffledp.accountants import calibrated_pvec, composition, gaussian, pnsgd, tree_aggregation
+from shuffledp.events import GaussianRound, LdpShuffleRound, PvecRound, TreeAggregation
+from shuffledp.protocols.pvec import pvec_params
+
+KEYS = ("eps", "delta", "accountant", "optimal_order", "trust")
+
+
+def _run(capsys, *argv: str) -> dict:
+    assert cli.main(["account", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def _subprocess(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shuffledp.cli", "account", *argv], capture_output=True, text=True, timeout=120
+    )
+
+
+# ---------------------------------------------------------------------------------------------- help
+def test_help_lists_every_protocol_and_query() -> None:
+    proc = _subprocess("--help")
+    assert proc.returncode == 0, proc.stderr
+    for name in PROTOCOLS:
+        assert name in proc.stdout
+    for text in ("--max-rounds", "--min-noise", "seed 000", "seed 001", "seed 002", "seed 003", "seed 004"):
+        assert text in proc.stdout
+    assert set(PROTOCOLS) == {"pvec", "subsampled-shuffle", "gaussian", "tree", "pnsgd"}
+
+
+@pytest.mark.parametrize(
+    ("protocol", "options"),
+    [
+        ("pvec", ("--n", "--d", "--delta2", "--schedule", "--method", "--round-eps", "--contributors")),
+        ("subsampled-shuffle", ("--eps0", "--n", "--k", "--rounds", "--bound", "tight-pld", "baseline")),
+        ("gaussian", ("--sigma", "--noise-multiplier", "--sensitivity", "--trust", "--sampling-rate")),
+        ("tree", ("--noise-multiplier", "--steps", "--max-participations", "--min-separation", "--completion")),
+        ("pnsgd", ("--noise", "--n", "--lipschitz", "--sigma", "--eta", "--diameter", "--epochs")),
+    ],
+)
+def test_protocol_help_documents_its_options(capsys, protocol, options) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["account", protocol, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for opt in (*options, "--delta", "--eps", "--accountant", "--json", "--max-rounds", "--min-noise"):
+        assert opt in out, opt
+
+
+# ------------------------------------------------------------------------------------------- bad input
+BAD = [
+    (["foo"], "invalid choice: 'foo'"),
+    ([], "required: PROTOCOL"),
+    (["gaussian", "--sigma", "1", "--delta", "1"], "--delta: must lie in the open interval (0, 1)"),
+    (["gaussian", "--sigma", "1", "--delta", "1.5"], "--delta"),
+    (["gaussian", "--sigma", "1", "--delta", "0"], "--delta"),
+    (["gaussian", "--sigma", "1", "--delta", "1e-5", "--eps", "0", "--max-rounds"], "--eps: must be a finite"),
+    (["gaussian", "--sigma", "1", "--delta", "1e-5", "--eps", "-2", "--max-rounds"], "--eps"),
+    (["gaussian", "--sigma", "-1", "--delta", "1e-5"], "--sigma"),
+    (["gaussian", "--sigma", "1"], "required: --delta"),
+    (["gaussian", "--delta", "1e-5"], "needs --sigma or --noise-multiplier"),
+    (["gaussian", "--sigma", "1", "--delta", "1e-5", "--max-rounds"], "--max-rounds needs --eps"),
+    (["gaussian", "--sigma", "1", "--delta", "1e-5", "--bogus", "3"], "unrecognized arguments: --bogus 3"),
+    (["gaussian", "--sigma", "1", "--delta", "1e-5", "--sensitivity", "1", "--lipschitz-increment", "2"], "not both"),
+    (["subsampled-shuffle", "--eps0", "1", "--n", "10", "--k", "20", "--delta", "1e-5"], "k must satisfy"),
+    (["subsampled-shuffle", "--eps0", "0", "--n", "10", "--k", "2", "--delta", "1e-5"], "--eps0"),
+    (["subsampled-shuffle", "--n", "10", "--k", "2", "--delta", "1e-5"], "needs --eps0"),
+    (["subsampled-shuffle", "--eps0", "1", "--k", "2", "--delta", "1e-5"], "required: --n"),
+    (["subsampled-shuffle", "--eps0", "1", "--n", "9", "--k", "2", "--delta", "1e-5", "--bound", "x"], "--bound"),
+    (["tree", "--noise-multiplier", "1", "--delta", "1e-5"], "needs --steps"),
+    (
+        [
+            "tree",
+            "--noise-multiplier",
+            "1",
+            "--steps",
+            "10",
+            "--max-participations",
+            "3",
+            "--fixed-order",
+            "--delta",
+            "1e-5",
+        ],
+        "multiple of max_participations",
+    ),  # fmt: skip
+    (
+        [
+            "pnsgd",
+            "--n",
+            "10",
+            "--lipschitz",
+            "1",
+            "--eta",
+            "5",
+            "--diameter",
+            "1",
+            "--sigma",
+            "1",
+            "--beta",
+            "1",
+            "--delta",
+            "1e-5",
+        ],
+        "eta must be <= 2/(beta+rho)",
+    ),  # fmt: skip
+    (["pvec", "--n", "100", "--d", "4", "--delta", "1e-5"], "needs --round-eps"),
+    (["pvec", "--n", "100", "--d", "4", "--delta", "1e-5", "--round-eps", "20", "--method", "paper"], "eps must"),
+    (["pvec", "--n", "100", "--d", "4", "--delta", "1e-5", "--round-eps", "1", "--g", "5"], "all of --g, --m"),
+    (
+        [
+            "pvec",
+            "--n",
+            "100",
+            "--d",
+            "4",
+            "--delta",
+            "1e-5",
+            "--round-eps",
+            "1",
+            "--contributors",
+            "101",
+            "--method",
+            "paper",
+        ],
+        "contributors must be <= n = 100",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD, ids=[" ".join(a)[:60] for a, _ in BAD])
+def test_bad_arguments_give_one_line_and_status_2(capsys, argv, message) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["account", *argv])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("shuffledp account") and "error:" in lines[0]
+    assert message in lines[0]
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["nosuch"],
+        ["subsampled-shuffle", "--eps0", "1", "--n", "10", "--k", "20", "--delta", "1e-5"],
+        ["gaussian", "--sigma", "1", "--delta", "1"],
+        ["gaussian", "--sigma", "1", "--delta", "1e-5", "--eps", "0", "--max-rounds"],
+        ["pnsgd", "--n", "10", "--eta", "0.1", "--diameter", "1", "--sigma", "1", "--delta", "1e-5"],
+        ["pnsgd", "--n", "10", "--lipschitz", "1", "--eta", "0.1", "--diameter", "1", "--delta", "1e-5"],
+    ],
+)
+def test_real_cli_bad_arguments(argv) -> None:
+    proc = _subprocess(*argv)
+    assert proc.returncode == 2
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+# --------------------------------------------------------------------------------------------- outputs
+def test_json_cost_matches_accountant(capsys) -> None:
+    out = _run(capsys, "gaussian", "--sigma", "20", "--rounds", "100", "--delta", "1e-5")
+    for k in KEYS:
+        assert k in out
+    res = la.account([(GaussianRound(20.0), 100)], 1e-5)
+    assert (out["eps"], out["delta"], out["accountant"], out["trust"]) == (
+        res.eps,
+        1e-5,
+        res.accountant_name,
+        "central",
+    )
+    paper = _run(capsys, "gaussian", "--noise-multiplier", "10", "--sensitivity", "2", "--rounds", "100",
+                 "--delta", "1e-5", "--accountant", "paper", "--eps", "6")  # fmt: skip
+    assert paper["eps"] == la.account([(GaussianRound(20.0, 2.0), 100)], 1e-5, "paper").eps
+    assert paper["optimal_order"] > 1 and paper["fits"] is True
+    # seed 002 sensitivity from S and M: 2S/M for the trusted server
+    s002 = _run(capsys, "gaussian", "--sigma", "1", "--lipschitz-increment", "3", "--machines", "6", "--delta", "1e-5")
+    assert s002["sensitivity"] == gaussian.sensitivity(3.0, 6, trusted=True) == 1.0
+
+
+def test_table_output_is_human_readable(capsys) -> None:
+    assert cli.main(["account", "tree", "--noise-multiplier", "2", "--steps", "1000", "--delta", "1e-6"]) == 0
+    out = capsys.readouterr().out
+    eps = la.account([TreeAggregation(2.0, 1000)], 1e-6).eps
+    rows = dict(line.split(None, 1) if " " in line else (line, "") for line in out.splitlines())
+    assert float(rows["eps"]) == pytest.approx(eps, rel=1e-5)
+    assert "gaussian-exact" in out and "zeta" in out and "{" not in out
+
+
+def test_subsampled_shuffle_max_rounds_is_consistent(capsys) -> None:
+    out = _run(capsys, "subsampled-shuffle", "--eps0", "1", "--n", "60000", "--k", "10000", "--eps", "1",
+               "--delta", "1e-5", "--max-rounds")  # fmt: skip
+    ev = LdpShuffleRound("generic", 1.0, 60000, 10000)
+    t = out["max_rounds"]
+    assert t == la.max_rounds(ev, 1.0, 1e-5)
+    assert out["eps"] <= 1.0 < out["eps_next"] and out["optimal_order"] >= 2
+    assert out["eps"] == la.account([(ev, t)], 1e-5).eps
+    baseline = _run(capsys, "subsampled-shuffle", "--eps0", "1", "--n", "60000", "--k", "10000", "--rounds", "600",
+                    "--delta", "1e-5", "--bound", "baseline")  # fmt: skip
+    assert baseline["eps"] == pytest.approx(1.282, abs=5e-4) and baseline["optimal_order"] is None
+
+
+def test_min_noise_queries(capsys) -> None:
+    g = _run(capsys, "gaussian", "--rounds", "100", "--eps", "2", "--delta", "1e-5", "--min-noise")
+    assert g["sigma"] == pytest.approx(gaussian.min_sigma(1.0, 100, 2.0, 1e-5, "exact"), rel=1e-8)
+    assert g["eps"] <= 2.0
+    p = _run(capsys, "pnsgd", "--n", "10000", "--lipschitz", "1", "--eta", "0.1", "--diameter", "1", "--eps", "1",
+             "--delta", "1e-5", "--min-noise")  # fmt: skip
+    assert p["scale"] == pytest.approx(pnsgd.calibrate_scale("gaussian", 1e-5, 1.0, 10000, 1.0, 0.1, 1.0), rel=1e-8)
+    assert p["scale"] == pytest.approx(3.28531, rel=1e-5)  # spec 004 sec 4 calibration value
+    t = _run(capsys, "tree", "--noise-multiplier", "5", "--eps", "1", "--delta", "1e-6", "--max-rounds")
+    assert t["max_steps"] == tree_aggregation.max_steps_single_tree(5.0, 1.0, 1e-6, "exact")
+
+
+def test_pvec_queries(capsys) -> None:
+    paper = _run(capsys, "pvec", "--n", "1000", "--d", "10", "--round-eps", "1", "--method", "paper",
+                 "--accountant", "paper", "--rounds", "5", "--delta", "1e-6")  # fmt: skip
+    assert paper["eps"] == 1.0 and paper["g"] == pvec_params(1.0, 1e-6, 1000, 10, 1.0).g  # parallel composition
+    pgd = _run(capsys, "pvec", "--n", "1000", "--d", "10", "--schedule", "pgd", "--rounds", "15", "--eps", "1",
+               "--delta", "1e-6", "--accountant", "paper", "--min-noise")  # fmt: skip
+    ref = pvec_params(*composition.pgd_round_budget(1.0, 1e-6, 15), 1000, 10, 1.0)
+    assert (pgd["g"], pgd["m"], pgd["p"]) == (ref.g, ref.m, ref.p)
+    assert pgd["eps"] == pytest.approx(composition.pgd_total(1.0, 1e-6, 15)[0], rel=1e-12)
+    tight = _run(capsys, "pvec", "--n", "100", "--d", "2", "--round-eps", "1", "--rounds", "3", "--schedule", "pgd",
+                 "--delta", "1e-5", "--round-delta", "1e-5")  # fmt: skip
+    params = calibrated_pvec.calibrate_pvec(1.0, 1e-5, 100, 2, 1.0)
+    assert tight["m"] == params.m and tight["method"] == "calibrated"
+    assert tight["eps"] == calibrated_pvec.composed_epsilon([(params, 100)] * 3, 1e-5)
+    assert tight["variance_per_coordinate"] > 0
+    seq = _run(capsys, "pvec", "--n", "1000", "--d", "10", "--round-eps", "1", "--method", "paper", "--eps", "1",
+               "--delta", "1e-6", "--max-rounds")  # fmt: skip
+    assert seq["max_rounds"] is None and "parallel" in seq["note"]
+    assert seq["eps"] == la.account([PvecRound.from_params(pvec_params(1.0, 1e-6, 1000, 10, 1.0))], 1e-6).eps
+
+
+def test_real_cli_json(tmp_path) -> None:
+    proc = _subprocess("gaussian", "--sigma", "5", "--rounds", "10", "--delta", "1e-5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(KEYS) <= set(out) and math.isfinite(out["eps"]) and out["eps"] > 0
