@@ -36,9 +36,7 @@ def test_generated_stubs_cover_every_service_method():
         stub = getattr(shuffledp_pb2_grpc, f"{service.name}Stub")
         servicer = getattr(shuffledp_pb2_grpc, f"{service.name}Servicer")
         for method in service.methods:
-            assert hasattr(servicer, method.name), (
-                f"{service.name}.{method.name} missing: run scripts/gen_proto"
-            )
+            assert hasattr(servicer, method.name), f"{service.name}.{method.name} missing: run scripts/gen_proto"
         assert stub is not None
 
 
