@@ -203,6 +203,8 @@ class ClientNodeHandle:
         channel_credentials: grpc.ChannelCredentials | None,
         server_credentials: grpc.ServerCredentials | None,
         backoff: tuple[float, float] = (0.1, 5.0),
+        *,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),
     ) -> None:
         self.core = core
         self._stop = threading.Event()
@@ -215,7 +217,10 @@ class ClientNodeHandle:
             self._channel = grpc.secure_channel(shuffler_address, channel_credentials, options=CHANNEL_OPTIONS)
         self._stub = pbg.ShufflerStub(self._channel)
         self._worker = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{core.node_id}-round")
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{core.node_id}-rpc"))
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{core.node_id}-rpc"),
+            interceptors=list(interceptors),
+        )
         pbg.add_ClientNodeServicer_to_server(_NodeServicer(core), self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -316,10 +321,13 @@ def start_node_with_shard(
     *,
     rng: np.random.Generator | None = None,
     verifier=None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> ClientNodeHandle:
     """Start a node for an explicit shard (tests, benchmarks); start_node loads the shard from the config."""
     core = NodeCore(node_id, shard, policy, rng, verifier)
-    return ClientNodeHandle(core, shuffler_address, listen, channel_credentials, server_credentials)
+    return ClientNodeHandle(
+        core, shuffler_address, listen, channel_credentials, server_credentials, interceptors=interceptors
+    )
 
 
 def start_node(
@@ -334,6 +342,7 @@ def start_node(
     policy: UserPolicy | Sequence[UserPolicy] | None = None,
     *,
     rng: np.random.Generator | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> ClientNodeHandle:
     """The client-node entry point (issue 4 contract): users = shuffledp.data.user_shard of config.data."""
     from shuffledp.data import load_dataset, user_shard
@@ -349,4 +358,5 @@ def start_node(
         server_credentials,
         policy,
         rng=rng,
+        interceptors=interceptors,
     )

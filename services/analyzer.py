@@ -15,6 +15,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shuffledp.services.ledger import BudgetTotals, Ledger, LedgerError
 from shuffledp.services.run_manager import PlanError, RunManager, RunNotFound, RunStateError, RunView
 
@@ -172,6 +173,8 @@ def start_analyzer(
     manager = RunManager(Ledger(state_dir / LEDGER_FILE), pbg.ShufflerStub(channel))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=list(interceptors))
     pbg.add_AnalyzerServicer_to_server(AnalyzerServicer(manager), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if server_credentials is None:
         port = server.add_insecure_port(listen)
     else:
@@ -179,6 +182,9 @@ def start_analyzer(
     if port == 0:
         raise OSError(f"analyzer could not bind {listen!r}")
     server.start()
+    # standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it
+    for name in ("", "shuffledp.v1.Analyzer"):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     server.manager = manager  # type: ignore[attr-defined]  (tests and serve.py may inspect it)
     server.shuffler_channel = channel  # type: ignore[attr-defined]
     manager.resume()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shuffledp.services.shuffler_state import (
     BatchResult,
     CohortUnavailable,
@@ -196,6 +197,8 @@ def serve_shuffler(
         options=SERVER_OPTIONS,
     )
     pbg.add_ShufflerServicer_to_server(ShufflerServicer(state), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if server_credentials is None:
         port = server.add_insecure_port(listen)
     else:
@@ -203,6 +206,9 @@ def serve_shuffler(
     if port == 0:
         raise OSError(f"could not bind the shuffler to {listen!r}")
     server.start()
+    # standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it
+    for name in ("", "shuffledp.v1.Shuffler"):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port
 
 

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "run": "shuffledp.run",
     "serve": "shuffledp.serve",
     "pki": "shuffledp.pki",
+    "health": "shuffledp.health",
 }
 
 

@@ -169,6 +169,7 @@ def drive_run(
         stub = pbg.AnalyzerStub(channel)
         status = stub.CreateRun(pb.CreateRunRequest(config_toml=config_toml), timeout=60)
         ref = pb.RunRef(run_id=status.run_id)
+        echo(f"run id: {status.run_id}  (fetch its results again with GetRunResult / deploy/compose.sh results)")
         stub.StartRun(ref, timeout=30)
         shown = 0
         try:

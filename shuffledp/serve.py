@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
                 f"--node-index must be in [0, --num-nodes) and --num-nodes >= 1, "
                 f"got {args.node_index} of {args.num_nodes}"
             )
-        server_creds, channel_creds, _ = _security(args, "client-node")
+        server_creds, channel_creds, interceptors = _security(args, "client-node")
         config = load_config(args.config)
         handle = start_node(
             f"node-{args.node_index}",
@@ -108,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
             args.listen,
             channel_creds,
             server_creds,
+            interceptors=interceptors,
         )
         port = handle.port
         stopper = handle.stop

@@ -11,6 +11,7 @@ import logging
 import stat
 import subprocess
 import sys
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -362,3 +363,40 @@ def test_default_policy_covers_every_rpc() -> None:
         roles = interceptor.roles_for(method)
         assert not (method.startswith("/shuffledp.v1.Analyzer/") and "client-node" in roles)
         assert not (method.startswith("/shuffledp.v1.ClientNode/") and "analyzer" in roles)
+
+
+def test_served_client_node_checks_the_callers_role(pki_dir: Path, tmp_path: Path) -> None:
+    """`shuffledp serve client --pki` as a real process: its status RPC is the operator's only; health is open."""
+    from shuffledp.v1 import shuffledp_pb2 as pb
+    from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+    config = tmp_path / "node.toml"
+    config.write_text('[data]\ndataset = "digits"\nmax_users = 20\n')
+    port_file = tmp_path / "node.port"
+    cmd = [sys.executable, "-m", "shuffledp.cli", "serve", "client", "--pki", str(pki_dir), "--config", str(config)]
+    # no shuffler listens on port 9: the node keeps retrying in the background, its own server still answers
+    cmd += ["--shuffler", "127.0.0.1:9", "--listen", "127.0.0.1:0", "--port-file", str(port_file)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
+            time.sleep(0.05)
+        target = f"127.0.0.1:{port_file.read_text()}"
+
+        def node_channel(role: str, name: str) -> grpc.Channel:
+            return tls.ChannelSecurity(pki_dir, role, name).channel(target, server_name="client-0")
+
+        with node_channel(pki.ROLE_OPERATOR, "operator") as ch:
+            status = pbg.ClientNodeStub(ch).GetNodeStatus(pb.NodeStatusRequest(), timeout=RPC_TIMEOUT)
+            assert status.node_id == "node-0"
+        for role, name in [(pki.ROLE_CLIENT_NODE, "client-1"), (pki.ROLE_SHUFFLER, "shuffler")]:
+            with node_channel(role, name) as ch:
+                call = pbg.ClientNodeStub(ch).GetNodeStatus
+                assert _code_of(lambda: call(pb.NodeStatusRequest(), timeout=RPC_TIMEOUT)) == (
+                    grpc.StatusCode.PERMISSION_DENIED
+                ), role
+                assert _check(ch).status == health_pb2.HealthCheckResponse.SERVING  # health: every role
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -1,0 +1,691 @@
+"""The docker compose deployment (issue 5): image built offline, trust boundaries checked on running containers.
+
+One deployment (unique compose project name, its own PKI and host port) is brought up by deploy/compose.sh for the
+whole module and torn down with its volumes at the end, also when a test fails. What is checked is what the
+containers can actually do and what the analyzer actually stored, not what the code intends:
+
+- the analyzer container cannot open a connection to any client node (by name or by address), the shuffler can;
+- no certificate, a self-signed one, one from another CA, or a CA-signed one of the wrong role is refused by every
+  service (from the host for the published analyzer port, from a helper container on the internal networks for
+  the others), while the right certificate gets through (so a refusal is not a typo in the address);
+- a short PSGD run completes through `shuffledp run --analyzer ... --pki ...` and its results are fetched;
+- the analyzer's ledger, exported results and logs contain no user id and no client address, although the same
+  search finds the user ids in the shuffler's participation record;
+- a client container stopped mid-round: the round ends at its deadline with the contributors actually received
+  (checked against the shuffler's record of whom it invited), and the ledger stays consistent;
+- the analyzer container killed mid-round and started again resumes the run; the round in flight is charged;
+- `down` then `up` keeps the ledger and the participation record (named volumes): old results still fetchable.
+
+Without a reachable engine (or compose tool) the whole module is skipped with one line saying why.
+SHUFFLEDP_TEST_REUSE_IMAGE=1 reuses an existing shuffledp:latest instead of building (iterating on the tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from shuffledp import pki
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+COMPOSE_SH = DEPLOY / "compose.sh"
+EXAMPLE = DEPLOY / "example.toml"
+IMAGE = "shuffledp:latest"
+BASE_IMAGE = "shuffledp-base:bookworm"
+SERVICE_UID = 10001
+USER_ID_RE = re.compile(rb"n\d+-u\d+")  # shuffledp.data.user_shard ids: "n{node}-u{j}"
+NODE_ID_RE = re.compile(rb"node-\d+")  # client node ids (shuffledp serve client: node-<index>)
+UP_TIMEOUT_S = 240  # compose.sh up: until every container is healthy
+DEPLOY_TIMEOUT_S = 900  # per test, including the module's image build and compose up on a loaded 2-core machine
+
+
+# ------------------------------------------------------------------------------------------------ docker helpers
+def _run(cmd: list[str], timeout: float = 120, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))[:300]} exited {proc.returncode}\n"
+            f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def _engine_unavailable() -> str | None:
+    """None when a Docker engine, a compose tool and what the image build needs are there; else why not."""
+    if shutil.which("docker") is None:
+        return "docker CLI not installed"
+    try:
+        info = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=30
+        )
+    except subprocess.TimeoutExpired:
+        return "docker info timed out"
+    if info.returncode != 0 or not info.stdout.strip():
+        first = (info.stderr.strip().splitlines() or ["no answer"])[0]
+        return f"no Docker engine reachable ({first[:120]})"
+    v2 = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+    if not v2 and shutil.which("docker-compose") is None:
+        return "neither 'docker compose' nor 'docker-compose' is installed"
+    base = subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True, timeout=30)
+    if base.returncode != 0 and os.geteuid() != 0:
+        return f"base image {BASE_IMAGE} missing and building it with debootstrap needs root"
+    return None
+
+
+_UNAVAILABLE = _engine_unavailable()
+if _UNAVAILABLE:
+    pytest.skip(f"docker deployment tests need a Docker engine: {_UNAVAILABLE}", allow_module_level=True)
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture(scope="module")
+def image() -> dict[str, int]:
+    """Build shuffledp:latest from the working tree (host-built wheels, no network in the build).
+
+    SHUFFLEDP_TEST_REUSE_IMAGE=1 reuses an existing image (for iterating on the tests only; CI builds)."""
+    reuse = os.environ.get("SHUFFLEDP_TEST_REUSE_IMAGE") == "1"
+    if reuse and _run(["docker", "image", "inspect", IMAGE], check=False).returncode == 0:
+        return {}
+    proc = _run(["bash", str(DEPLOY / "build_image.sh"), "--tag", IMAGE], timeout=DEPLOY_TIMEOUT_S)
+    figures = dict(re.findall(r"^(\w+)=(\d+)$", proc.stdout, flags=re.M))
+    print(f"\nimage build: {proc.stderr.strip().splitlines()[-1]}")
+    assert int(figures["image_size_bytes"]) > 0
+    return {k: int(v) for k, v in figures.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Deployment:
+    project: str
+    pki: Path
+    port: int
+    config: Path
+    workdir: Path
+
+    @property
+    def analyzer(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def sh(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        """deploy/compose.sh with this deployment's project, PKI, port and configuration."""
+        cmd = ["bash", str(COMPOSE_SH), "--project", self.project, "--pki", str(self.pki), "--port", str(self.port)]
+        cmd += ["--config", str(self.config), "--timeout", str(UP_TIMEOUT_S)]
+        return _run([*cmd, *args], timeout=timeout, check=check)
+
+    def cid(self, service: str) -> str:
+        """Container id of `service` (running or not), found by the labels both compose versions set."""
+        labels = [f"label=com.docker.compose.project={self.project}", f"label=com.docker.compose.service={service}"]
+        out = _run(["docker", "ps", "-aq", "--filter", labels[0], "--filter", labels[1]]).stdout.split()
+        assert len(out) == 1, f"expected one container for {service}, found {out}"
+        return out[0]
+
+    def exec_python(self, service: str, script: str, *args: str, timeout: float = 60) -> str:
+        return _run(["docker", "exec", self.cid(service), "python", "-c", script, *args], timeout=timeout).stdout
+
+    def ip(self, service: str, network: str) -> str:
+        fmt = f'{{{{(index .NetworkSettings.Networks "{self.project}_{network}").IPAddress}}}}'
+        return _run(["docker", "inspect", "--format", fmt, self.cid(service)]).stdout.strip()
+
+    def logs(self, service: str = "", tail: int = 60) -> str:
+        args = ["compose", "logs", "--no-color", f"--tail={tail}"] + ([service] if service else [])
+        return self.sh(*args, check=False).stdout
+
+    def read_volume(self, service: str, path: str) -> dict[str, bytes]:
+        """Every file under `path` in the container (docker cp as a tar stream): name -> bytes."""
+        raw = subprocess.run(["docker", "cp", f"{self.cid(service)}:{path}", "-"], capture_output=True, timeout=60)
+        assert raw.returncode == 0, raw.stderr.decode(errors="replace")
+        out = {}
+        with tarfile.open(fileobj=io.BytesIO(raw.stdout)) as tar:
+            for member in tar.getmembers():
+                if member.isfile():
+                    out[member.name] = tar.extractfile(member).read()
+        return out
+
+
+@pytest.fixture(scope="module")
+def deployment(image, tmp_path_factory: pytest.TempPathFactory):
+    """deploy/compose.sh up with a unique project name; always `down --volumes` afterwards."""
+    work = tmp_path_factory.mktemp("deploy")
+    dep = Deployment(
+        project=f"sdptest{os.getpid()}{int(time.time()) % 100000}",
+        pki=work / "pki",
+        port=_free_port(),
+        config=work / "config.toml",
+        workdir=work,
+    )
+    shutil.copy(EXAMPLE, dep.config)
+    try:
+        dep.sh("up", timeout=UP_TIMEOUT_S + 200)
+        yield dep
+    finally:
+        with contextlib.suppress(Exception):
+            dep.sh("down", "--volumes", timeout=180, check=False)
+        # the generated override (more than two clients) and nothing else of ours stays behind
+        (DEPLOY / ".build" / f"clients.{dep.project}.yml").unlink(missing_ok=True)
+        label = f"label=com.docker.compose.project={dep.project}"
+        for kind in ("container", "volume", "network"):
+            left = _run(["docker", kind, "ls", "-q", "--filter", label] + (["-a"] if kind == "container" else []))
+            assert not left.stdout.strip(), f"{kind}s of {dep.project} left behind: {left.stdout.split()}"
+
+
+def _config_text(**replace: str) -> str:
+    """deploy/example.toml with some `key = value` lines replaced ([data] stays: the nodes' shards match)."""
+    text = EXAMPLE.read_text()
+    for key, value in replace.items():
+        text, n = re.subn(rf"^{key}\s*=.*$", f"{key} = {value}", text, flags=re.M)
+        assert n == 1, f"{key} not in {EXAMPLE}"
+    return text
+
+
+class Operator:
+    """The operator's API client (mTLS with the operator certificate), reconnecting across analyzer restarts."""
+
+    def __init__(self, dep: Deployment):
+        from shuffledp.run import operator_channel
+
+        self.dep = dep
+        self._open = lambda: operator_channel(dep.analyzer, dep.pki)
+        self.channel = self._open()
+
+    def call(self, method: str, request, timeout: float = 30, retry_for: float = 120):
+        from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+        deadline = time.monotonic() + retry_for
+        while True:
+            try:
+                return getattr(pbg.AnalyzerStub(self.channel), method)(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                self.channel.close()
+                time.sleep(1.0)
+                self.channel = self._open()
+
+    def start(self, config_toml: str) -> str:
+        from shuffledp.v1 import shuffledp_pb2 as pb
+
+        run_id = self.call("CreateRun", pb.CreateRunRequest(config_toml=config_toml), timeout=60).run_id
+        self.call("StartRun", pb.RunRef(run_id=run_id))
+        return run_id
+
+    def status(self, run_id: str):
+        from shuffledp.v1 import shuffledp_pb2 as pb
+
+        return self.call("GetRunStatus", pb.RunRef(run_id=run_id))
+
+    def wait(self, run_id: str, timeout: float = 240):
+        from shuffledp.run import TERMINAL
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status(run_id)
+            if st.state in TERMINAL:
+                return st
+            time.sleep(0.5)
+        raise AssertionError(f"run {run_id} not finished after {timeout} s:\n{self.dep.logs('analyzer')}")
+
+    def result(self, run_id: str):
+        from shuffledp.v1 import shuffledp_pb2 as pb
+
+        return self.call("GetRunResult", pb.RunRef(run_id=run_id), timeout=60)
+
+
+def _wait_stalled(op: Operator, run_id: str, min_done: int, quiet_s: float, timeout: float = 120):
+    """Wait until at least `min_done` rounds are done and then no round finished for `quiet_s` seconds."""
+    from shuffledp.v1 import shuffledp_pb2 as pb
+
+    deadline = time.monotonic() + timeout
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        st = op.status(run_id)
+        assert st.state in (pb.CREATED, pb.RUNNING), f"run ended early: {pb.RunState.Name(st.state)} {st.message}"
+        if st.rounds_done != last:
+            last, since = st.rounds_done, time.monotonic()
+        elif last >= min_done and time.monotonic() - since >= quiet_s:
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"run {run_id} never stalled (rounds done {last})")
+
+
+def _check_ledger_consistent(ledger_json: str, status) -> dict:
+    """The exported ledger agrees with itself and with the run's metrics; returns it parsed."""
+    from shuffledp.services.ledger import BudgetLimit, PrivacyEvent, compose_events
+
+    ledger = json.loads(ledger_json)
+    rounds = ledger["rounds"]
+    indices = [r["round"] for r in rounds]
+    assert indices == list(range(len(rounds))), f"round indices not contiguous from 0: {indices}"
+    states = [r["state"] for r in rounds]
+    assert "reserved" not in states, f"a round is still only reserved after the run ended: {states}"
+    # the totals recomputed from the exported events equal what the ledger reports (an auditor's check)
+    limit = BudgetLimit(**ledger["run"]["limit"])
+    counted = [PrivacyEvent(**r["event"]) for r in rounds if r["state"] in ("committed", "spent_unknown")]
+    eps, delta = compose_events(counted, limit)
+    totals = ledger["totals"]
+    assert totals["eps_spent"] == pytest.approx(eps, rel=1e-9, abs=1e-12)
+    assert totals["delta_spent"] == pytest.approx(delta, rel=1e-9, abs=1e-15)
+    assert totals["eps_spent"] <= limit.eps + 1e-12 and totals["delta_spent"] <= limit.delta + 1e-15
+    assert totals["rounds_committed"] == states.count("committed")
+    assert status.budget.eps_spent == pytest.approx(totals["eps_spent"], rel=1e-9, abs=1e-12)
+    # every committed round is charged for the contributors its released batch really had
+    by_round = {m.round: m for m in status.metrics}
+    for r in rounds:
+        m = by_round.get(r["round"])
+        if r["state"] == "committed":
+            assert m is not None and m.released, f"committed round {r['round']} has no released metrics"
+            assert r["contributors"] == m.contributors == r["event"]["contributors"]
+        elif r["state"] == "released":
+            assert m is None or not m.released
+    return ledger
+
+
+# ------------------------------------------------------------------------------------------------ deployment tests
+@pytest.mark.timeout(DEPLOY_TIMEOUT_S)
+def test_topology_networks_ports_and_mounts(deployment: Deployment):
+    """Networks, published port and certificate mounts are what the trust model needs."""
+    dep = deployment
+    services = ["analyzer", "shuffler", "client-0", "client-1"]
+    nets, mounts = {}, {}
+    for svc in services:
+        info = json.loads(_run(["docker", "inspect", dep.cid(svc)]).stdout)[0]
+        assert info["State"]["Health"]["Status"] == "healthy", f"{svc}: {info['State']['Health']}"
+        assert info["Config"]["User"] == f"{SERVICE_UID}:{SERVICE_UID}", f"{svc} does not run as the service user"
+        assert info["HostConfig"]["ReadonlyRootfs"] is True
+        nets[svc] = {n.removeprefix(f"{dep.project}_") for n in info["NetworkSettings"]["Networks"]}
+        mounts[svc] = {m["Destination"]: m for m in info["Mounts"]}
+        if svc == "analyzer":
+            bindings = info["HostConfig"]["PortBindings"]["50051/tcp"]
+            assert [b["HostIp"] for b in bindings] == ["127.0.0.1"], f"analyzer published beyond loopback: {bindings}"
+        else:
+            assert not info["HostConfig"]["PortBindings"], (
+                f"{svc} publishes ports: {info['HostConfig']['PortBindings']}"
+            )
+    assert nets == {
+        "analyzer": {"analyzer-net", "operator-net"},
+        "shuffler": {"analyzer-net", "client-net"},
+        "client-0": {"client-net"},
+        "client-1": {"client-net"},
+    }
+    for net, internal in (("analyzer-net", True), ("client-net", True), ("operator-net", False)):
+        info = json.loads(_run(["docker", "network", "inspect", f"{dep.project}_{net}"]).stdout)[0]
+        assert info["Internal"] is internal, f"{net}: Internal={info['Internal']}"
+    for svc in services:
+        pki_mounts = {d: m for d, m in mounts[svc].items() if d.startswith("/pki")}
+        # only the trust anchor and the container's own certificate directory, read-only; never ca/ or operator/
+        assert set(pki_mounts) == {"/pki/ca.crt", f"/pki/{svc}"}, f"{svc} mounts {sorted(pki_mounts)}"
+        assert all(not m["RW"] for m in pki_mounts.values())
+        assert Path(pki_mounts[f"/pki/{svc}"]["Source"]) == dep.pki / svc
+    # the ONE configuration file, mounted read-only into the client nodes
+    for svc in ("client-0", "client-1"):
+        cfg = mounts[svc]["/etc/shuffledp/config.toml"]
+        assert Path(cfg["Source"]) == dep.config and not cfg["RW"]
+
+
+_CONNECT_PROBE = """
+import json, socket, sys
+out = {}
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+        out[target] = "connected"
+    except OSError as exc:
+        out[target] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(DEPLOY_TIMEOUT_S)
+def test_analyzer_has_no_route_to_any_client(deployment: Deployment):
+    dep = deployment
+    targets = []
+    for i in range(2):
+        # by service name (DNS) and by the node's address on client-net (routing, not just name resolution)
+        targets += [f"client-{i}:50053", f"{dep.ip(f'client-{i}', 'client-net')}:50053"]
+    from_analyzer = json.loads(dep.exec_python("analyzer", _CONNECT_PROBE, *targets, "shuffler:50052"))
+    from_shuffler = json.loads(dep.exec_python("shuffler", _CONNECT_PROBE, *targets))
+    # controls: the probe works, the clients do listen, and the analyzer does reach its one peer
+    assert from_shuffler == {t: "connected" for t in targets}, from_shuffler
+    assert from_analyzer.pop("shuffler:50052") == "connected"
+    for target, outcome in from_analyzer.items():
+        assert outcome != "connected", f"the analyzer reached {target}"
+
+
+# The stranger: plain gRPC (no shuffledp.tls helpers, which refuse to load bad material) trying every service.
+_STRANGER_PROBE = """
+import json, sys, grpc
+from shuffledp.v1 import shuffledp_pb2 as pb, shuffledp_pb2_grpc as pbg
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+CALLS = {
+    "analyzer.GetBudget": lambda ch: pbg.AnalyzerStub(ch).GetBudget(pb.RunRef(run_id="probe"), timeout=10),
+    "shuffler.GetPopulation": lambda ch: pbg.ShufflerStub(ch).GetPopulation(pb.PopulationRequest(), timeout=10),
+    "shuffler.RegisterUsers": lambda ch: pbg.ShufflerStub(ch).RegisterUsers(
+        pb.RegisterUsersRequest(node_id="intruder"), timeout=10),
+    "client.GetNodeStatus": lambda ch: pbg.ClientNodeStub(ch).GetNodeStatus(pb.NodeStatusRequest(), timeout=10),
+    "health.Check": lambda ch: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10),
+}
+def creds(ca, party):
+    root = open(ca, "rb").read()
+    if party is None:
+        return grpc.ssl_channel_credentials(root_certificates=root)
+    key, cert = (open(f"{party}/{f}", "rb").read() for f in ("key.pem", "cert.pem"))
+    return grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=cert)
+out = []
+for case in json.loads(sys.argv[1]):
+    opts = [("grpc.ssl_target_name_override", case["server_name"])]
+    with grpc.secure_channel(case["target"], creds(case["ca"], case["party"]), options=opts) as ch:
+        try:
+            CALLS[case["call"]](ch)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+    out.append(dict(case, code=code))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def stranger_material(deployment: Deployment) -> Path:
+    """Certificates a stranger might hold: none, self-signed, another CA's, and this CA's of the wrong role."""
+    m = deployment.workdir / "stranger"
+    m.mkdir()
+    shutil.copy(deployment.pki / pki.CA_CERT_FILE, m / "ca.crt")
+    for party in ("analyzer", "shuffler", "client-0", "client-1", "operator"):
+        shutil.copytree(deployment.pki / party, m / party)  # copies for the helper (it runs as root)
+    other = deployment.workdir / "other-ca"
+    pki.init_pki(other, client_nodes=1)
+    for role, name in (("operator", "operator"), ("analyzer", "analyzer"), ("client-node", "client-0")):
+        shutil.copytree(other / name, m / f"foreign-{name}")
+        cert, key = pki.self_signed_cert(role, name)
+        d = m / f"selfsigned-{name}"
+        d.mkdir()
+        (d / "cert.pem").write_bytes(pki.cert_pem(cert))
+        (d / "key.pem").write_bytes(pki.key_pem(key))
+    return m
+
+
+def _stranger_cases(root: str, targets: dict[str, tuple[str, str]]) -> list[dict]:
+    """For each service: its allowed role (positive control), and the four ways a stranger must be refused."""
+    allowed = {  # call -> (party with the right role, wrong-role CA-signed parties)
+        "analyzer.GetBudget": ("operator", ["client-0", "shuffler", "analyzer"]),
+        "shuffler.GetPopulation": ("analyzer", ["client-0", "operator"]),
+        "shuffler.RegisterUsers": ("client-0", ["analyzer", "operator"]),
+        "client.GetNodeStatus": ("operator", ["client-1", "analyzer", "shuffler"]),
+    }
+    claims = {"operator": "operator", "analyzer": "analyzer", "client-0": "client-0"}  # self-signed / foreign twins
+    cases = []
+    for call, (target, server_name) in targets.items():
+        right, wrong = allowed[call]
+        base = {"call": call, "target": target, "server_name": server_name, "ca": f"{root}/ca.crt"}
+        cases.append(dict(base, party=f"{root}/{right}", expect="allowed"))
+        cases.append(dict(base, party=None, expect="UNAVAILABLE"))  # no client certificate: handshake refused
+        twin = claims.get(right, "client-0")
+        cases.append(dict(base, party=f"{root}/selfsigned-{twin}", expect="UNAVAILABLE"))
+        cases.append(dict(base, party=f"{root}/foreign-{twin}", expect="UNAVAILABLE"))
+        cases += [dict(base, party=f"{root}/{w}", expect="PERMISSION_DENIED") for w in wrong]
+    return cases
+
+
+def _assert_refusals(results: list[dict]) -> None:
+    bad = []
+    for r in results:
+        if r["expect"] == "allowed":
+            # the right role passes authorization (the call itself may still fail on its argument)
+            ok = r["code"] not in ("UNAVAILABLE", "PERMISSION_DENIED", "UNAUTHENTICATED", "DEADLINE_EXCEEDED")
+        else:
+            ok = r["code"] == r["expect"]
+        if not ok:
+            bad.append(f"{r['call']} at {r['target']} with {r['party']}: got {r['code']}, expected {r['expect']}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(DEPLOY_TIMEOUT_S)
+def test_strangers_are_refused_by_every_service(deployment: Deployment, stranger_material: Path):
+    dep = deployment
+    # from the host: the analyzer's published port
+    host_cases = _stranger_cases(str(stranger_material), {"analyzer.GetBudget": (dep.analyzer, "analyzer")})
+    proc = _run([sys.executable, "-c", _STRANGER_PROBE, json.dumps(host_cases)], timeout=120)
+    host_results = json.loads(proc.stdout)
+    # from a helper container attached to both internal networks: shuffler, both client nodes, analyzer
+    inside = {
+        "analyzer.GetBudget": ("analyzer:50051", "analyzer"),
+        "shuffler.GetPopulation": ("shuffler:50052", "shuffler"),
+        "shuffler.RegisterUsers": ("shuffler:50052", "shuffler"),
+        "client.GetNodeStatus": ("client-0:50053", "client-0"),
+    }
+    cases = _stranger_cases("/m", inside)
+    cases += [dict(c, target="client-1:50053", server_name="client-1") for c in cases if c["call"].startswith("client")]
+    name = f"{dep.project}-stranger"
+    _run(
+        ["docker", "create", "--name", name, "--user", "0", "--network", f"{dep.project}_client-net"]
+        + ["-v", f"{stranger_material}:/m:ro", "--entrypoint", "python", IMAGE, "-c", _STRANGER_PROBE]
+        + [json.dumps(cases)]
+    )
+    try:
+        _run(["docker", "network", "connect", f"{dep.project}_analyzer-net", name])
+        proc = _run(["docker", "start", "-a", name], timeout=180)
+    finally:
+        _run(["docker", "rm", "-f", "-v", name], check=False)  # -v: its anonymous /results volume
+    inside_results = json.loads(proc.stdout)
+    assert len(inside_results) == len(cases) and len(host_results) == len(host_cases)
+    _assert_refusals(host_results + inside_results)
+
+
+@pytest.fixture(scope="module")
+def finished_run(deployment: Deployment) -> tuple[subprocess.CompletedProcess, Path]:
+    """The example PSGD experiment, driven as the operator through deploy/compose.sh run (shuffledp run)."""
+    out = deployment.workdir / "results"
+    proc = deployment.sh("run", str(deployment.config), "--out", str(out), timeout=400, check=False)
+    return proc, out
+
+
+@pytest.mark.timeout(DEPLOY_TIMEOUT_S)
+def test_psgd_experiment_runs_to_completion_and_results_are_fetched(deployment: Deployment, finished_run):
+    proc, out = finished_run
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{deployment.logs()}"
+    assert "state: COMPLETED" in proc.stdout
+    progress = [line for line in proc.stdout.splitlines() if line.lstrip().startswith("round")]
+    assert len(progress) >= 2, proc.stdout  # progress was shown per round
+    for f in ("config.toml", "metrics.csv", "metrics.json", "ledger.json", "model.npz"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f"results lack {f}"
+    metrics = json.loads((out / "metrics.json").read_text())
+    released = [m for m in metrics if m["released"]]
+    assert len(released) >= 2
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert ledger["run"]["state"] == "COMPLETED"
+    assert f"run id: {ledger['run']['run_id']}" in proc.stdout  # what `compose.sh results RUN_ID` needs
+    assert ledger["totals"]["eps_spent"] <= 8.0 and ledger["totals"]["delta_spent"] <= ledger["run"]["limit"]["delta"]
+    # the model learned something: better than the 10-class chance level (0.1) on the held-out split
+    assert released[-1]["accuracy"] > 0.3, metrics
+
+
+@pytest.mark.timeout(DEPLOY_TIMEOUT_S)
+def test_analyzer_restart_resumes_the_run(deployment: Deployment):
+    from shuffledp.v1 import shuffledp_pb2 as pb
+
+    dep = deployment
+    op = Operator(dep)
+    client1 = dep.cid("client-1")
+    # Rounds take milliseconds, so a kill "mid-round" is arranged: client-1 is frozen (its stream stays open, so
+    # it is still invited), every round then lasts until its deadline. Round 0 is released with client-0's half
+    # (threshold 30%), and the analyzer is killed inside round 1.
+    _run(["docker", "pause", client1])
+    try:
+        run_id = op.start(_config_text(min_contributors_fraction="0.3"))
+        before = _wait_stalled(op, run_id, min_done=1, quiet_s=2.0)
+        _run(["docker", "kill", dep.cid("analyzer")])  # a crash: SIGKILL with round 1 in flight
+    finally:
+        _run(["docker", "unpause", client1], check=False)
+    _run(["docker", "start", dep.cid("analyzer")])
+    final = op.wait(run_id)
+    result = op.result(run_id)
+    assert final.state == pb.COMPLETED, f"{pb.RunState.Name(final.state)} {final.message}\n{dep.logs('analyzer')}"
+    ledger = _check_ledger_consistent(result.ledger_json, final)
+    states = {r["round"]: r["state"] for r in ledger["rounds"]}
+    in_flight = before.rounds_done  # rounds 0..rounds_done-1 were finished before the kill
+    assert in_flight >= 1
+    assert states[in_flight] == "spent_unknown", states  # charged at its reserved cost, never released
+    assert all(states[r] == "committed" for r in range(in_flight)), states  # kept across the crash
+    after = [r for r in states if r > in_flight]
+    assert after and all(states[r] == "committed" for r in after), f"the run did not continue: {states}"
+    assert len(states) == ledger["run"]["plan"]["rounds"]  # no round index reused or skipped
+    # metrics from before the crash were kept, and rounds continued with new indices
+    rounds = [m.round for m in final.metrics if m.round >= 0]
+    assert len(rounds) == len(set(rounds)) and rounds == sorted(rounds)
+    assert set(range(in_flight)) <= set(rounds) and in_flight not in rounds and max(rounds) > in_flight
+    assert final.budget.eps_spent <= final.budget.eps_limit
+
+
+@pytest.mark.timeout(DEPLOY_TIMEOUT_S)
+def test_client_stopped_mid_round_ends_round_at_deadline(deployment: Deployment):
+    from shuffledp.v1 import shuffledp_pb2 as pb
+
+    dep = deployment
+    op = Operator(dep)
+    deadline_s = float(re.search(r"^round_deadline_seconds\s*=\s*([0-9.]+)", EXAMPLE.read_text(), re.M).group(1))
+    # threshold 30% of the cohort: the half of round 0 that client-0 holds is enough to release
+    text = _config_text(min_contributors_fraction="0.3")
+    client1 = dep.cid("client-1")
+    # frozen first so that the stop lands inside round 0 (client-1's invitees have not answered yet), then
+    # stopped hard, as a crashed or unplugged node
+    _run(["docker", "pause", client1])
+    try:
+        run_id = op.start(text)
+        _wait_invited(dep, run_id)
+        time.sleep(1.0)
+        # SIGKILL: a graceful stop (SIGTERM) would let the node finish and send the answers it is computing
+        _run(["docker", "kill", client1], timeout=60)
+    except BaseException:
+        _run(["docker", "unpause", client1], check=False)
+        raise
+    final = op.wait(run_id)
+    result = op.result(run_id)
+    assert final.state == pb.COMPLETED, f"{pb.RunState.Name(final.state)} {final.message}\n{dep.logs('analyzer')}"
+    ledger = _check_ledger_consistent(result.ledger_json, final)
+    plan = ledger["run"]["plan"]
+    m0 = next(m for m in final.metrics if m.round == 0)
+    # whom the shuffler invited to round 0, per node (its own participation record): client-0 answered, client-1
+    # was stopped, so the contributors actually received are exactly client-0's invitees
+    invited = _invited_by_node(dep, run_id, 0)
+    assert set(invited) == {"n0", "n1"} and sum(invited.values()) == plan["cohort"], invited
+    assert m0.contributors == invited["n0"], (m0.contributors, invited)
+    assert m0.seconds >= deadline_s - 0.5, f"round 0 ended after {m0.seconds:.2f} s, before its deadline"
+    assert m0.released == (m0.contributors >= plan["min_contributors"])
+    assert m0.released  # 30% threshold and half the cohort on client-0: released with n' < cohort
+    r0 = ledger["rounds"][0]
+    assert r0["state"] == "committed" and r0["contributors"] == invited["n0"]
+    # later rounds only invite users of nodes still connected: nothing waits for client-1 again
+    later = [m for m in final.metrics if m.round >= 1]
+    full = [m for m in later if m.released]
+    assert full and all(m.contributors == plan["cohort"] and m.seconds < deadline_s for m in full), later
+    # client-0's users left after round 0 make floor(left / cohort) full rounds; then the shuffler has no fresh
+    # cohort, refuses the spec, the round is released in the ledger (costs nothing) and the run completes
+    users_node0 = -(-plan["admitted"] // 2)  # user j lives on node j mod 2 (shuffledp.data.user_shard)
+    assert len(full) == (users_node0 - invited["n0"]) // plan["cohort"]
+    for m in later[len(full) :]:
+        assert not m.released and ledger["rounds"][m.round]["state"] == "released"
+    _run(["docker", "start", client1])
+
+
+def _participation(dep: Deployment, run_id: str) -> list[tuple[str, int]]:
+    script = (
+        "import json, sqlite3, sys; db = sqlite3.connect('file:/var/lib/shuffledp/state/shuffler.sqlite?mode=ro',"
+        " uri=True); print(json.dumps(db.execute('SELECT user_id, round FROM participation WHERE run_id=?',"
+        " (sys.argv[1],)).fetchall()))"
+    )
+    return [tuple(r) for r in json.loads(dep.exec_python("shuffler", script, run_id))]
+
+
+def _wait_invited(dep: Deployment, run_id: str, timeout: float = 120) -> None:
+    """Wait until the shuffler has recorded round 0's cohort (invitations are sent right after)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _participation(dep, run_id):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"round 0 of {run_id} never started:\n{dep.logs('analyzer')}")
+
+
+def _invited_by_node(dep: Deployment, run_id: str, round_index: int) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for user, r in _participation(dep, run_id):
+        if r == round_index:
+            node = user.split("-", 1)[0]
+            counts[node] = counts.get(node, 0) + 1
+    return counts
+
+
+@pytest.mark.timeout(DEPLOY_TIMEOUT_S)
+def test_analyzer_never_received_user_ids_or_client_addresses(deployment: Deployment, finished_run):
+    """Search everything the analyzer holds: its ledger (all runs), the fetched results and its logs."""
+    dep = deployment
+    _, out = finished_run
+    addresses = []
+    for i in range(2):
+        cid = dep.cid(f"client-{i}")
+        info = json.loads(_run(["docker", "inspect", cid]).stdout)[0]
+        addresses += [n["IPAddress"].encode() for n in info["NetworkSettings"]["Networks"].values() if n["IPAddress"]]
+        addresses += [info["Config"]["Hostname"].encode(), info["Name"].lstrip("/").encode()]
+    assert addresses
+    held = dep.read_volume("analyzer", "/var/lib/shuffledp/state")
+    assert any(name.endswith("ledger.sqlite") for name in held), sorted(held)
+    held.update({f"results/{p.name}": p.read_bytes() for p in out.iterdir() if p.is_file()})
+    logs = _run(["docker", "logs", dep.cid("analyzer")])
+    held["analyzer.log"] = (logs.stdout + logs.stderr).encode()
+    ledger_db = next(v for k, v in held.items() if k.endswith("ledger.sqlite"))
+    assert b"committed" in ledger_db or any(k.endswith("-wal") for k in held)  # the ledger holds the runs
+    for name, data in held.items():
+        assert not USER_ID_RE.search(data), f"{name} contains a user id: {USER_ID_RE.search(data).group()!r}"
+        assert not NODE_ID_RE.search(data), f"{name} contains a client node id"
+        for addr in addresses:
+            assert addr not in data, f"{name} contains the client address/name {addr!r}"
+    # control: the same search finds the user ids where they do live, in the shuffler's participation record
+    shuffler_held = dep.read_volume("shuffler", "/var/lib/shuffledp/state")
+    assert any(USER_ID_RE.search(v) for v in shuffler_held.values()), "the search would not find a user id"
+
+
+@pytest.mark.timeout(DEPLOY_TIMEOUT_S)
+def test_down_and_up_loses_nothing(deployment: Deployment, finished_run):
+    """The ledger (analyzer) and participation record (shuffler) live in named volumes: `down` then `up` keeps
+    them, and the results of an earlier run can still be fetched (deploy/compose.sh results)."""
+    from shuffledp.v1 import shuffledp_pb2 as pb
+
+    dep = deployment
+    _, out = finished_run
+    run_id = json.loads((out / "ledger.json").read_text())["run"]["run_id"]
+    used_before = len(_participation(dep, run_id))
+    assert used_before > 0
+    dep.sh("down", timeout=180)  # containers and networks go, volumes stay
+    assert not _run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={dep.project}"]).stdout
+    dep.sh("up", timeout=UP_TIMEOUT_S + 200)
+    again = dep.workdir / "results-again"
+    proc = dep.sh("results", run_id, "--out", str(again), timeout=120)
+    assert "COMPLETED" in proc.stdout
+    before, after = json.loads((out / "ledger.json").read_text()), json.loads((again / "ledger.json").read_text())
+    assert after["rounds"] == before["rounds"] and after["totals"] == before["totals"]
+    with np.load(out / "model.npz") as m1, np.load(again / "model.npz") as m2:
+        assert m1["params"].size > 0 and np.array_equal(m1["params"], m2["params"])
+    assert len(_participation(dep, run_id)) == used_before
+    st = Operator(dep).status(run_id)
+    assert st.state == pb.COMPLETED and st.budget.eps_spent == before["totals"]["eps_spent"]
