@@ -76,6 +76,7 @@ if ! command -v debootstrap >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
 fi
 
+OLD_ID="$(docker image inspect --format '{{.Id}}' "$TAG" 2>/dev/null || true)"
 START=$(date +%s)
 WORK="$(mktemp -d /tmp/shuffledp-base.XXXXXX)"
 cleanup() {
@@ -106,8 +107,14 @@ tar --numeric-owner -C "$R" -c . | docker import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'ENV LANG=C.UTF-8' \
   --change 'CMD ["/bin/bash"]' \
+  --change 'LABEL org.shuffledp.base=bookworm' \
   - "$TAG" >/dev/null
 
+NEW_ID="$(docker image inspect --format '{{.Id}}' "$TAG")"
+if [[ -n $OLD_ID && $OLD_ID != "$NEW_ID" ]]; then
+  # --force replaced the tag: drop the old base unless an image still builds on it
+  docker rmi "$OLD_ID" >/dev/null 2>&1 || log "previous base ${OLD_ID:7:12} still in use; left in place"
+fi
 END=$(date +%s)
 log "built $TAG in $((END - START)) s; size $(image_size "$TAG")"
 echo "base_build_seconds=$((END - START))"

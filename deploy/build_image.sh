@@ -4,8 +4,10 @@
 #   2. the base image shuffledp-base:bookworm with debootstrap (deploy/build_base.sh; skipped if present)
 #   3. docker build from a context holding only the wheels (pip install --no-index inside the build)
 #
-# Usage: deploy/build_image.sh [--tag NAME:TAG] [--base IMAGE] [--force-base] [--python PYTHON]
+# Usage: deploy/build_image.sh [--tag NAME:TAG] [--base IMAGE] [--force-base] [--no-cache] [--python PYTHON]
 #   --base IMAGE   use another base (e.g. python:3.11-slim where a registry is reachable); skips step 2
+#   --force-base   rebuild the debootstrap base even if it exists; --no-cache: no docker build cache either
+#                  (both together = a build from scratch, what the deployment tests do)
 # The host python must be CPython of the same minor version as the base's python3 (3.11 for bookworm).
 set -euo pipefail
 
@@ -14,6 +16,7 @@ TAG="shuffledp:latest"
 BASE="shuffledp-base:bookworm"
 BASE_GIVEN=0
 FORCE_BASE=()
+NO_CACHE=()
 PYTHON="${PYTHON:-}"
 
 while [[ $# -gt 0 ]]; do
@@ -21,9 +24,10 @@ while [[ $# -gt 0 ]]; do
     --tag) TAG="${2:?--tag needs NAME:TAG}"; shift 2 ;;
     --base) BASE="${2:?--base needs an image}"; BASE_GIVEN=1; shift 2 ;;
     --force-base) FORCE_BASE=(--force); shift ;;
+    --no-cache) NO_CACHE=(--no-cache); shift ;;
     --python) PYTHON="${2:?--python needs a path}"; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-    *) echo "build_image.sh: unknown argument '$1' (allowed: --tag, --base, --force-base, --python)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "build_image.sh: unknown argument '$1' (allowed: --tag, --base, --force-base, --no-cache, --python)" >&2; exit 2 ;;
   esac
 done
 
@@ -84,7 +88,8 @@ OLD_ID="$(docker image inspect --format '{{.Id}}' "$TAG" 2>/dev/null || true)"
 T2=$(date +%s)
 log "docker build $TAG from $BASE"
 # Legacy builder and BuildKit both accept a Dockerfile outside the context; the context is only wheels/.
-docker build --build-arg BASE="$BASE" -t "$TAG" -f "$ROOT/deploy/Dockerfile" "$BUILD" >"$BUILD/docker-build.log" 2>&1 || {
+# --network=none: the build installs from the context's wheels only, and this proves it needs nothing else.
+docker build --network=none "${NO_CACHE[@]}" --build-arg BASE="$BASE" -t "$TAG" -f "$ROOT/deploy/Dockerfile" "$BUILD" >"$BUILD/docker-build.log" 2>&1 || {
   tail -n 40 "$BUILD/docker-build.log" >&2
   echo "build_image.sh: docker build failed (full log: $BUILD/docker-build.log)" >&2
   exit 1
@@ -96,6 +101,8 @@ NEW_ID="$(docker image inspect --format '{{.Id}}' "$TAG")"
 if [[ -n $OLD_ID && $OLD_ID != "$NEW_ID" ]]; then
   docker rmi "$OLD_ID" >/dev/null 2>&1 || log "previous image ${OLD_ID:7:12} still in use; left in place"
 fi
+# old untagged bases that nothing builds on any more (build_base.sh --force replaced them)
+docker image prune -f --filter label=org.shuffledp.base >/dev/null || true
 
 docker run --rm --entrypoint python "$TAG" -c "import shuffledp, grpc, numpy" || {
   echo "build_image.sh: the image does not import shuffledp" >&2

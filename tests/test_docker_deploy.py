@@ -96,13 +96,15 @@ pytestmark = pytest.mark.docker
 
 @pytest.fixture(scope="module")
 def image() -> dict[str, int]:
-    """Build shuffledp:latest from the working tree (host-built wheels, no network in the build).
+    """Build shuffledp:latest from scratch from the working tree (new base, host-built wheels, no network).
 
     SHUFFLEDP_TEST_REUSE_IMAGE=1 reuses an existing image (for iterating on the tests only; CI builds)."""
     reuse = os.environ.get("SHUFFLEDP_TEST_REUSE_IMAGE") == "1"
     if reuse and _run(["docker", "image", "inspect", IMAGE], check=False).returncode == 0:
         return {}
-    proc = _run(["bash", str(DEPLOY / "build_image.sh"), "--tag", IMAGE], timeout=DEPLOY_TIMEOUT_S)
+    # from scratch: a new debootstrap base and no build cache (--network=none inside build_image.sh: offline)
+    cmd = ["bash", str(DEPLOY / "build_image.sh"), "--tag", IMAGE, "--force-base", "--no-cache"]
+    proc = _run(cmd, timeout=DEPLOY_TIMEOUT_S)
     figures = dict(re.findall(r"^(\w+)=(\d+)$", proc.stdout, flags=re.M))
     print(f"\nimage build: {proc.stderr.strip().splitlines()[-1]}")
     assert int(figures["image_size_bytes"]) > 0
