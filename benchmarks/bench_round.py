@@ -15,8 +15,9 @@ End to end, the services run as separate OS processes on loopback (`python -m sh
                  evaluation: the pure cost of the distributed round.
 In one process: gradients of the 1000 users at the same model, clipping, encode_counts for all users, sum per
 label, decode_counts, PGD step (the same modules the services call).
-Printed: median round times over R rounds after one warm-up round, their ratio (target <= 3) and the peak
-resident memory (VmHWM of /proc/<pid>/status) of every service process.
+Printed: median round times over R rounds after one warm-up round, their ratio (target <= 3), the peak
+resident memory (VmHWM of /proc/<pid>/status) of every service process and, in direct mode, each service's CPU
+time per round (/proc/<pid>/stat; clock-tick resolution, so a mean over R rounds).
 """
 
 from __future__ import annotations
@@ -117,6 +118,15 @@ def vm_hwm_mib(pid: int) -> float:
 
 def peak_memory(cluster: Cluster) -> dict[str, float]:
     return {name: vm_hwm_mib(proc.pid) for name, proc in cluster.procs.items()}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/<pid>/stat fields 14, 15); nan when unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 # ------------------------------------------------------------------------------------------ in one process
@@ -243,13 +253,15 @@ def round_spec(run_id: str, r: int, plan: dict, params: PvecParams, theta: np.nd
 
 def bench_direct(
     cfg_path: Path, workdir: Path, plan: dict, params: PvecParams, model: Model, rounds: int
-) -> tuple[list[float], dict[str, float], dict[str, float]]:
-    """This process calls ExecuteRound exactly as the analyzer does; returns round times, memory, phase split."""
+) -> tuple[list[float], dict[str, float], dict[str, float], dict[str, float]]:
+    """This process calls ExecuteRound exactly as the analyzer does; returns round times, memory, phase split and
+    CPU time per round of each service (independent of what else runs on a shared machine)."""
     cluster, shuffler = start_shuffler_and_nodes(cfg_path, workdir)
     opt = pgd(plan["learning_rate"], plan["radius"])
     state = opt.init(model.init_params())
     times: list[float] = []
     phases = {"execute_round": 0.0, "decode+step": 0.0}
+    cpu: dict[str, float] = {}
     try:
         with grpc.insecure_channel(shuffler) as channel:
             stub = pbg.ShufflerStub(channel)
@@ -265,14 +277,17 @@ def bench_direct(
                 grad = decode_counts(np.asarray(batch.label_totals, dtype=np.int64), n, params) / n
                 _, state = opt.step(grad, state, state.last)
                 t2 = time.perf_counter()
-                if r > 0:  # round 0 is the warm-up
+                if r == 0:  # round 0 is the warm-up
+                    cpu = {name: cpu_seconds(proc.pid) for name, proc in cluster.procs.items()}
+                else:
                     times.append(t2 - t0)
                     phases["execute_round"] += (t1 - t0) / rounds
                     phases["decode+step"] += (t2 - t1) / rounds
         mem = peak_memory(cluster)
+        cpu = {name: (cpu_seconds(proc.pid) - cpu[name]) / rounds for name, proc in cluster.procs.items()}
     finally:
         cluster.stop()
-    return times, mem, phases
+    return times, mem, phases, cpu
 
 
 # ----------------------------------------------------------------------------------------------- breakdown
@@ -280,8 +295,9 @@ def component_breakdown(cfg: RunConfig, plan: dict, params: PvecParams, model: M
     """Where an end-to-end round spends its time: the services' own logic run in this process, no gRPC.
 
     Per round: each node's NodeCore.handle (policy, gradients, clip, encode_counts, building 500 UserMessage
-    protos), Contribution serialize + parse + conversion to the shuffler's domain objects, and the shuffler's
-    ShufflerState.submit (per-message validation, design 5.3, and the running total). The nodes run one after
+    protos with CountVector.u64), Contribution serialize + parse + conversion to the shuffler's domain objects,
+    and the shuffler's ShufflerState.submit (per-message checks, design 5.3, then one vectorized range check and
+    sum for the contribution). The nodes run one after
     the other here; in the real deployment they run in parallel on their own processes.
     """
     ds = load_dataset(cfg.data, cfg.model.task)
@@ -373,11 +389,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  end-to-end round  {fmt_ms(secs)}")
             print(f"  peak memory (VmHWM): {fmt_mem(mem)}")
         if args.mode in ("direct", "both"):
-            secs, mem, phases = bench_direct(cfg_path, workdir / "direct_run", plan, params, model, args.rounds)
+            secs, mem, phases, cpu = bench_direct(cfg_path, workdir / "direct_run", plan, params, model, args.rounds)
             results["direct"] = secs
             print("\n[direct mode] this process calls ExecuteRound as the analyzer does, decode_counts, PGD step")
             print(f"  end-to-end round  {fmt_ms(secs)}")
             print("  split (mean): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
+            print("  CPU per round (user+sys): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in cpu.items()))
             print(f"  peak memory (VmHWM): {fmt_mem(mem)}; driver process {vm_hwm_mib(os.getpid()):.0f} MiB")
         t_local += timed(in_proc, args.rounds)  # again after the services: both ends of the run, same machine load
         print(f"\nin one process      {fmt_ms(t_local)}")

@@ -62,6 +62,12 @@ class UserShard:
             raise ValueError("user_ids must be distinct")
 
 
+def _nonces(k: int) -> list[bytes]:
+    """k fresh replay nonces from one OS CSPRNG read (slices of independent uniform bytes are independent)."""
+    raw = secrets.token_bytes(NONCE_BYTES * k)
+    return [raw[i : i + NONCE_BYTES] for i in range(0, NONCE_BYTES * k, NONCE_BYTES)]
+
+
 def tensor_to_array(t: pb.Tensor) -> np.ndarray:
     """Decode a wire Tensor (float64 little-endian, row-major)."""
     shape = tuple(int(s) for s in t.shape)
@@ -126,47 +132,47 @@ class NodeCore:
             join = reasons == ""
             if np.any(join):
                 try:
-                    messages = self._randomize(spec, idx[join])
+                    self._randomize(spec, idx[join], out)
                 except ValueError as exc:
                     log.warning("node %s: round %d of %s is malformed: %s", self.node_id, spec.round, spec.run_id, exc)
+                    del out.messages[:]  # nothing of a malformed round is sent or charged
                     reasons[join] = "invalid_round_spec"
                     join[:] = False
                 else:
                     # charged before sending: a message that may have arrived is spent
                     self.policy.charge(idx[join], float(spec.per_user_cost.eps), float(spec.per_user_cost.delta))
-                    out.messages.extend(messages)
                     self.rounds_joined += 1
             for u, why in zip(np.asarray(ids)[~join], reasons[~join], strict=True):
                 out.refusals.append(pb.Refusal(user_id=str(u), reason=str(why)))
                 self.refusals[str(why)] += 1
         return out
 
-    def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray) -> list[pb.UserMessage]:
+    def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray, out: pb.Contribution) -> None:
+        """Append one UserMessage per user of idx to out.messages (in idx order)."""
         params = pvec_params_from_spec(spec)
         # clip to ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7; Alg 2 of paper 000)
         G = pvec.clip_rows(self._gradients(spec, idx), params.delta2)
         ids = [self.shard.user_ids[i] for i in idx]
+        nonces = _nonces(len(ids))
         if spec.transport == pb.COUNTS:
             counts = pvec.encode_counts(G, params, self._rng)  # (k, d) int64 in [0, g+m]
-            return [
-                pb.UserMessage(user_id=u, nonce=secrets.token_bytes(NONCE_BYTES), counts=pb.CountVector(counts=c))
-                for u, c in zip(ids, counts.astype(np.uint64).tolist(), strict=True)
-            ]
+            # CountVector.u64: each user's d counts as little-endian uint64, cut from one buffer (no per-count
+            # Python objects on either side of the wire)
+            rows = np.ascontiguousarray(counts, dtype=pvec.COUNT_WIRE_DTYPE).tobytes()
+            width = pvec.COUNT_WIRE_DTYPE.itemsize * counts.shape[1]
+            add = out.messages.add
+            for i, u in enumerate(ids):
+                add(user_id=u, nonce=nonces[i]).counts.u64 = rows[i * width : (i + 1) * width]
+            return
         if spec.randomizer.message_bytes not in (0, BIT_MESSAGE_BYTES):
             raise ValueError(
                 f"BITS needs randomizer.message_bytes = {BIT_MESSAGE_BYTES}, got {spec.randomizer.message_bytes}"
             )
         info = round_info(spec.run_id, spec.round)
-        msgs = []
-        for u, row in zip(ids, G, strict=True):  # one HPKE seal per labelled bit: inherently per message
+        for u, nonce, row in zip(ids, nonces, G, strict=True):  # one HPKE seal per labelled bit: per message
             labels, bits = pvec.encode_bits(row, params, self._rng)
             cts = seal_many(spec.analyzer_public_key, pack_labelled_bits(labels, bits), info)
-            msgs.append(
-                pb.UserMessage(
-                    user_id=u, nonce=secrets.token_bytes(NONCE_BYTES), sealed=pb.SealedMessages(ciphertexts=cts)
-                )
-            )
-        return msgs
+            out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=cts))
 
     def status(self) -> pb.NodeStatus:
         with self._lock:

@@ -93,16 +93,16 @@ def _submission(c: pb.Contribution) -> Submission:
     msgs = []
     for m in c.messages:
         kind = m.WhichOneof("payload")
-        msgs.append(
-            UserMessage(
-                user_id=m.user_id,
-                nonce=m.nonce,
-                counts=np.fromiter(m.counts.counts, dtype=np.uint64, count=len(m.counts.counts))
-                if kind == "counts"
-                else None,
-                ciphertexts=list(m.sealed.ciphertexts) if kind == "sealed" else None,
-            )
-        )
+        counts = packed = cts = None
+        if kind == "counts":
+            # CountVector: u64 bytes go to the state as they are (decoded and validated there in one pass per
+            # contribution); the repeated field is decoded here. Neither set = the legacy empty vector.
+            packed = m.counts.u64 or None
+            if m.counts.counts or packed is None:
+                counts = np.fromiter(m.counts.counts, dtype=np.uint64, count=len(m.counts.counts))
+        elif kind == "sealed":
+            cts = list(m.sealed.ciphertexts)
+        msgs.append(UserMessage(user_id=m.user_id, nonce=m.nonce, counts=counts, ciphertexts=cts, counts_u64=packed))
     return Submission(
         run_id=c.run_id,
         round=c.round,
@@ -123,7 +123,7 @@ def _batch(b: BatchResult) -> pb.ShuffledBatch:
     out = pb.ShuffledBatch(run_id=b.run_id, round=b.round, released=b.released, report=report)
     if b.released:
         if b.label_totals is not None:
-            out.label_totals.extend(int(t) for t in b.label_totals)
+            out.label_totals.extend(b.label_totals.tolist())
         out.ciphertexts.extend(b.ciphertexts)
     return out
 

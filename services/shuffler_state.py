@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from shuffledp.protocols.pvec import COUNT_WIRE_DTYPE
 from shuffledp.rng import make_rng
 from shuffledp.sealing import BIT_MESSAGE_BYTES, PUBLIC_KEY_BYTES, sealed_length
 
@@ -147,10 +148,13 @@ class RoundRequest:
 
 @dataclass(frozen=True)
 class UserMessage:
+    """One user's message. A COUNTS payload is `counts` or `counts_u64`, never both (both -> wrong_payload)."""
+
     user_id: str
     nonce: bytes
-    counts: np.ndarray | None = None  # COUNTS payload (uint64), or None
+    counts: np.ndarray | None = None  # COUNTS payload (uint64 array), or None
     ciphertexts: Sequence[bytes] | None = None  # SEALED / BITS payload, or None
+    counts_u64: bytes | None = None  # COUNTS payload as d COUNT_WIRE_DTYPE values (8 d bytes), or None
 
 
 @dataclass(frozen=True)
@@ -596,22 +600,25 @@ class ShufflerState:
                 raise RoundRejected(reason, f"no open round {sub.round} of run {sub.run_id!r}")
             seen = self._nonces.setdefault(sub.run_id, set())
             accepted = 0
+            rows: list[bytes] = []  # COUNTS payloads valid but for the range check, done below for all at once
             for msg in sub.messages:
-                reason = self._check_message(rnd, sub.node_id, msg, seen)
-                if reason is not None:
-                    self._reject(rnd, reason, rejected)
-                    if reason in _PAYLOAD_REASONS:
+                checked = self._check_message(rnd, sub.node_id, msg, seen)
+                if isinstance(checked, Reason):
+                    self._reject(rnd, checked, rejected)
+                    if checked in _PAYLOAD_REASONS:
                         # an identified invitee sent a malformed payload: its one answer is used up (no probing
                         # of the validator, and the round need not wait for it until the deadline)
                         rnd.answered.add(msg.user_id)
                     continue
-                rnd.answered.add(msg.user_id)
-                if msg.counts is not None:
-                    rnd.totals += msg.counts  # running total only (spec 000 sec 8)
+                rnd.answered.add(msg.user_id)  # a valid answer, or a payload the range check may still reject
+                if checked is not None:
+                    rows.append(checked)
                 else:
                     rnd.ciphertexts.extend(bytes(c) for c in msg.ciphertexts)
-                rnd.contributors += 1
-                accepted += 1
+                    rnd.contributors += 1
+                    accepted += 1
+            if rows:
+                accepted += self._add_counts(rnd, rows, rejected)
             for user_id, _why in sub.refusals:
                 if rnd.invited.get(user_id) != sub.node_id:
                     self._reject(
@@ -627,8 +634,26 @@ class ShufflerState:
             self._lock.notify_all()
             return Ack(accepted, dict(rejected))
 
-    def _check_message(self, rnd: _OpenRound, node_id: str, msg: UserMessage, seen: set[bytes]) -> Reason | None:
-        """First failing check of design 5.3 for one user message, or None if valid. Caller holds the lock."""
+    def _add_counts(self, rnd: _OpenRound, rows: list[bytes], rejected: Counter) -> int:
+        """Range-check COUNTS payloads (each d COUNT_WIRE_DTYPE values) and add the valid ones into the running total,
+        one vectorized pass; returns how many were added. Caller holds the lock."""
+        block = np.frombuffer(b"".join(rows), dtype=COUNT_WIRE_DTYPE).reshape(len(rows), rnd.req.dim)
+        ok = block.max(axis=1) <= rnd.bound  # unsigned: never negative, so [0, g+m] is this one bound
+        n_ok = int(np.count_nonzero(ok))
+        if n_ok < len(rows):
+            self._reject(rnd, Reason.COUNT_OUT_OF_RANGE, rejected, len(rows) - n_ok)
+            block = block[ok]
+        # running total only, per-user counts are not kept (spec 000 sec 8); no overflow: _validate bounds
+        # cohort * (g+m) below 2^64
+        rnd.totals += block.sum(axis=0, dtype=np.uint64)
+        rnd.contributors += n_ok
+        return n_ok
+
+    def _check_message(
+        self, rnd: _OpenRound, node_id: str, msg: UserMessage, seen: set[bytes]
+    ) -> Reason | bytes | None:
+        """First failing check of design 5.3 for one user message (a Reason), else for COUNTS the payload as
+        d COUNT_WIRE_DTYPE values (bytes; its range is checked by _add_counts), else None. Caller holds the lock."""
         nonce = bytes(msg.nonce)
         if not NONCE_MIN_BYTES <= len(nonce) <= NONCE_MAX_BYTES:
             return Reason.BAD_NONCE
@@ -642,14 +667,18 @@ class ShufflerState:
         if msg.user_id in rnd.answered:
             return Reason.DUPLICATE_USER
         if rnd.req.transport == Transport.COUNTS:
-            if msg.counts is None or msg.ciphertexts is not None:
+            # exactly one COUNTS encoding: both set would leave open which one is the user's answer
+            if msg.ciphertexts is not None or (msg.counts is None) == (msg.counts_u64 is None):
                 return Reason.WRONG_PAYLOAD
+            if msg.counts_u64 is not None:
+                packed = bytes(msg.counts_u64)
+                return packed if len(packed) == rnd.req.dim * COUNT_WIRE_DTYPE.itemsize else Reason.WRONG_COUNT_LENGTH
             if msg.counts.shape != (rnd.req.dim,):
                 return Reason.WRONG_COUNT_LENGTH
-            if msg.counts.size and int(msg.counts.max()) > rnd.bound:  # uint64: never negative
-                return Reason.COUNT_OUT_OF_RANGE
-            return None
-        if msg.ciphertexts is None or msg.counts is not None:
+            if msg.counts.dtype.kind not in "ui" or (msg.counts.size and int(msg.counts.min()) < 0):
+                return Reason.COUNT_OUT_OF_RANGE  # only non-negative integers are counts
+            return msg.counts.astype(COUNT_WIRE_DTYPE).tobytes()
+        if msg.ciphertexts is None or msg.counts is not None or msg.counts_u64 is not None:
             return Reason.WRONG_PAYLOAD
         if len(msg.ciphertexts) != rnd.expected_messages:
             return Reason.WRONG_MESSAGE_COUNT

@@ -85,7 +85,8 @@ def test_counts_pipeline_is_unbiased_for_clipped_gradient_sum():
     for r in range(R):
         con = core.handle(invite(make_spec(round_=r), shard))
         assert not con.refusals and len(con.messages) == N
-        counts = np.array([m.counts.counts for m in con.messages], dtype=np.int64)
+        assert all(m.WhichOneof("payload") == "counts" and not m.counts.counts for m in con.messages)
+        counts = np.array([np.frombuffer(m.counts.u64, dtype="<u8") for m in con.messages], dtype=np.int64)
         assert counts.shape == (N, D) and counts.min() >= 0 and counts.max() <= 16 + 8
         assert len({m.nonce for m in con.messages}) == N and all(len(m.nonce) == 16 for m in con.messages)
         est.append(pvec.decode_counts(counts.sum(axis=0), N, params))

@@ -393,7 +393,7 @@ def test_served_client_node_checks_the_callers_role(pki_dir: Path, tmp_path: Pat
         for role, name in [(pki.ROLE_CLIENT_NODE, "client-1"), (pki.ROLE_SHUFFLER, "shuffler")]:
             with node_channel(role, name) as ch:
                 call = pbg.ClientNodeStub(ch).GetNodeStatus
-                assert _code_of(lambda: call(pb.NodeStatusRequest(), timeout=RPC_TIMEOUT)) == (
+                assert _code_of(lambda call=call: call(pb.NodeStatusRequest(), timeout=RPC_TIMEOUT)) == (
                     grpc.StatusCode.PERMISSION_DENIED
                 ), role
                 assert _check(ch).status == health_pb2.HealthCheckResponse.SERVING  # health: every role

@@ -107,6 +107,12 @@ def shuffler():
     s.stop()
 
 
+def wire_counts(m: pb.UserMessage) -> np.ndarray:
+    """A user's counts as sent by a real node: CountVector.u64 only (d little-endian uint64)."""
+    assert m.WhichOneof("payload") == "counts" and not m.counts.counts
+    return np.frombuffer(m.counts.u64, dtype="<u8").astype(np.int64)
+
+
 def shard(prefix: str, n: int, seed: int) -> UserShard:
     rng = make_rng(seed)
     return UserShard([f"{prefix}-u{j}" for j in range(n)], rng.normal(size=(n, 1, F)) * 3, rng.normal(size=(n, 1)))
@@ -152,7 +158,7 @@ def test_count_mode_batch_holds_only_label_totals(shuffler, nodes):
     batch = shuffler.stub.ExecuteRound(spec(1), timeout=30)
     received = shuffler.recorder.for_round(1)
     assert len(received) == 2  # one Submit per node per round
-    per_user = [np.array(m.counts.counts, dtype=np.int64) for c in received for m in c.messages]
+    per_user = [wire_counts(m) for c in received for m in c.messages]
     assert len(per_user) == 11
     assert batch.released and batch.report.contributors == 11 and batch.report.invited == 11
     # only the d per-label totals, equal to the sum of what the nodes sent; no ciphertexts
@@ -197,8 +203,8 @@ def test_bits_mode_only_ciphertexts_shuffler_cannot_open(shuffler, nodes):
     assert not any(hasattr(v, "private_bytes") for v in vars(shuffler.state).values())
 
 
-class SealedFakeNode:
-    """The test as a client node sending SEALED messages whose ciphertexts it knows (to find them again)."""
+class FakeNode:
+    """The test as a client node sending messages it builds itself (to find them again, or malformed)."""
 
     def __init__(self, stub, node_id: str, users: list[str]) -> None:
         self.stub, self.node_id, self.users = stub, node_id, users
@@ -223,7 +229,7 @@ def test_permutation_uniform_chi_square(shuffler):
     """
     n, rounds = 8, 240
     priv, pub = generate_keypair()
-    node = SealedFakeNode(shuffler.stub, "fake", [f"m{i}" for i in range(n)])
+    node = FakeNode(shuffler.stub, "fake", [f"m{i}" for i in range(n)])
     shuffler.wait_nodes(1, users=n)
     pool = futures.ThreadPoolExecutor(1)
     positions = []
@@ -253,6 +259,57 @@ def test_permutation_uniform_chi_square(shuffler):
     hist = np.bincount(positions, minlength=n)
     chi2 = stats.chisquare(hist)
     assert chi2.pvalue > 1e-3, (hist, chi2)
+
+
+def test_count_vector_u64_malformed_cases_rejected_and_counted(shuffler):
+    """CountVector.u64 (d little-endian uint64, design 5.3): a wrong length, a count above g+m (also 1 sent
+    big-endian) and both encodings in one message are rejected with their reason and counted; a valid u64 message
+    and a valid legacy repeated-field message, sent in the same Submit as two bad ones, are the only ones summed."""
+    g, m = 4, 6  # spec(): counts in [0, g+m] = [0, 10], d = F + 1 = 4
+    users = [f"c{i}" for i in range(7)]
+    node = FakeNode(shuffler.stub, "fake", users)
+    shuffler.wait_nodes(1, users=len(users))
+    pool = futures.ThreadPoolExecutor(1)
+
+    def msg(user: str, **payload) -> pb.UserMessage:
+        return pb.UserMessage(user_id=user, nonce=secrets.token_bytes(16), counts=pb.CountVector(**payload))
+
+    good_u64, good_legacy = np.array([1, 2, 3, g + m], dtype="<u8"), [4, 0, 10, 1]
+    submissions = [  # (messages, expected accepted, expected rejected)
+        (  # d - 1 values; not a whole number of values
+            [msg("c0", u64=good_u64.tobytes()[:-8]), msg("c1", u64=good_u64.tobytes() + b"\0")],
+            0,
+            {"wrong_count_length": 2},
+        ),
+        ([msg("c2", u64=good_u64.tobytes(), counts=good_legacy)], 0, {"wrong_payload": 1}),
+        (
+            [
+                msg("c3", u64=np.array([0, g + m + 1, 0, 0], dtype="<u8").tobytes()),
+                msg("c4", u64=good_u64.tobytes()),
+                msg("c5", u64=np.array([0, 0, 1, 0], dtype=">u8").tobytes()),  # read as 2^56: out of range
+                msg("c6", counts=good_legacy),
+            ],
+            2,
+            {"count_out_of_range": 2},
+        ),
+    ]
+    before = shuffler.state.counters()
+    try:
+        fut = pool.submit(shuffler.stub.ExecuteRound, spec(1, g=g, m=m), timeout=30)
+        assert sorted(node.q.get(timeout=10).user_ids) == users
+        for msgs, accepted, rejected in submissions:
+            ack = shuffler.stub.Submit(pb.Contribution(run_id="r", round=1, node_id="fake", messages=msgs))
+            assert (ack.accepted, dict(ack.rejected)) == (accepted, rejected)
+        batch = fut.result(timeout=30)  # every invitee answered: the round closes before its deadline
+    finally:
+        node.call.cancel()
+        pool.shutdown()
+    assert batch.released and batch.report.contributors == 2 and batch.report.invited == 7
+    np.testing.assert_array_equal(np.array(batch.label_totals), good_u64.astype(np.int64) + good_legacy)
+    expected = {"wrong_count_length": 2, "wrong_payload": 1, "count_out_of_range": 2}
+    assert dict(batch.report.rejected) == expected
+    after = shuffler.state.counters()
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in [*expected, "accepted"]} == {**expected, "accepted": 2}
 
 
 def test_sequential_never_reuses_a_user_across_restart(tmp_path):
@@ -296,7 +353,7 @@ def test_sequential_never_reuses_a_user_across_restart(tmp_path):
 
 def test_deadline_ends_round_with_contributors_received(shuffler, nodes):
     """A node that never answers: the round ends at its deadline with the contributions actually received."""
-    silent = SealedFakeNode(shuffler.stub, "silent", ["s0", "s1"])
+    silent = FakeNode(shuffler.stub, "silent", ["s0", "s1"])
     try:
         shuffler.wait_nodes(3, users=13)
         t0 = time.monotonic()
@@ -304,7 +361,7 @@ def test_deadline_ends_round_with_contributors_received(shuffler, nodes):
         elapsed = time.monotonic() - t0
         assert 1.4 <= elapsed < 6.0
         assert batch.released and batch.report.invited == 13 and batch.report.contributors == 11
-        received = [np.array(m.counts.counts) for c in shuffler.recorder.for_round(1) for m in c.messages]
+        received = [wire_counts(m) for c in shuffler.recorder.for_round(1) for m in c.messages]
         np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(received, axis=0))
         # threshold above what arrives: released = false, no data at all
         batch = shuffler.stub.ExecuteRound(spec(2, deadline_seconds=1.0, min_contributors=12), timeout=30)

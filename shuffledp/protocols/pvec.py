@@ -27,6 +27,7 @@ from fractions import Fraction
 import numpy as np
 
 __all__ = [
+    "COUNT_WIRE_DTYPE",
     "P1dParams",
     "PvecParams",
     "p1d_params",
@@ -61,6 +62,9 @@ MAX_M = 2**53
 _MAX_TOTAL = 2**62
 # Default memory guard for bit mode (labels int64 + bits uint8 = 9 bytes per message).
 DEFAULT_MAX_BIT_MESSAGES = 2**25
+# Count-mode wire format (CountVector.u64 in proto/shuffledp/v1/shuffledp.proto): the d counts of one user as
+# little-endian uint64, whatever the round; nodes write it, the shuffler validates and sums it.
+COUNT_WIRE_DTYPE = np.dtype("<u8")
 
 _METHODS = ("paper", "calibrated")
 

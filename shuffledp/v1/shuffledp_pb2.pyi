@@ -155,10 +155,12 @@ class Invitation(_message.Message):
     def __init__(self, spec: _Optional[_Union[RoundSpec, _Mapping]] = ..., user_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CountVector(_message.Message):
-    __slots__ = ("counts",)
+    __slots__ = ("counts", "u64")
     COUNTS_FIELD_NUMBER: _ClassVar[int]
+    U64_FIELD_NUMBER: _ClassVar[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    u64: bytes
+    def __init__(self, counts: _Optional[_Iterable[int]] = ..., u64: _Optional[bytes] = ...) -> None: ...
 
 class SealedMessages(_message.Message):
     __slots__ = ("ciphertexts",)
@@ -325,7 +327,14 @@ class BudgetStatus(_message.Message):
     def __init__(self, eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., eps_reserved: _Optional[float] = ..., delta_reserved: _Optional[float] = ..., eps_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., rounds_committed: _Optional[int] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
-    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds")
+    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused")
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +343,8 @@ class RoundMetrics(_message.Message):
     DELTA_SPENT_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     round: int
     contributors: int
     loss: float
@@ -342,7 +353,9 @@ class RoundMetrics(_message.Message):
     delta_spent: float
     released: bool
     seconds: float
-    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
+    rejected: _containers.ScalarMap[str, int]
+    refused: int
+    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "state", "rounds_done", "rounds_planned", "budget", "metrics", "message")
