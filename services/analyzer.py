@@ -82,6 +82,8 @@ def _status(v: RunView, output: str = "mean") -> pb.RunStatus:
             delta_spent=m.get("delta_spent", 0.0),
             released=m.get("released", False),
             seconds=m.get("seconds", 0.0),
+            rejected=m.get("rejected", {}),
+            refused=m.get("refused", 0),
         )
         for m in v.metrics
     ]

@@ -7,8 +7,9 @@ in its own background thread:
                    composition rule, step size; stored in the ledger with the (eps, delta) limit.
     each round r   reserve the worst-case cost in the ledger (BudgetExceeded -> the run stops BUDGET_EXHAUSTED and
                    no spec leaves) -> ExecuteRound at the shuffler (blocks until the deadline) -> released batch:
-                   commit with the actual contributors n', decode (decode_counts / open + decode_bits), optimizer
-                   step, evaluate on the public test split, checkpoint; not released: release the reservation.
+                   (BITS: open and validate every ciphertext, skipping and counting bad ones, see open_bit_messages)
+                   commit with the actual contributors n', decode (decode_counts / decode_bits), optimizer step,
+                   evaluate on the public test split, checkpoint; not released: release the reservation.
     restart        Ledger.recover() turns rounds left "reserved" into "spent_unknown"; RUNNING runs resume after the
                    last round ever reserved, from the last checkpoint (no round index is ever reused).
 
@@ -28,7 +29,8 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -65,7 +67,10 @@ __all__ = [
     "PlanError",
     "RunView",
     "plan_run",
+    "open_bit_messages",
     "TERMINAL_STATES",
+    "UNDECRYPTABLE",
+    "MALFORMED_PLAINTEXT",
 ]
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "BUDGET_EXHAUSTED")
@@ -84,6 +89,9 @@ _REFUSED_BEFORE_COLLECTION = {
 _RPC_GRACE_SECONDS = 30.0  # ExecuteRound returns at the deadline; allow this much for transfer and aggregation
 _MAX_CONSECUTIVE_FAILURES = 3
 _POPULATION_WAIT_SECONDS = 60.0
+# The analyzer's own rejection reasons (design 5.3), counted per message in the round's metrics["rejected"]
+UNDECRYPTABLE = "undecryptable"  # HPKE open failed: wrong key, wrong run/round, tampered or truncated
+MALFORMED_PLAINTEXT = "malformed_plaintext"  # opened, but not one labelled bit of this round (length, bit, label)
 
 
 class RunNotFound(LookupError):
@@ -197,6 +205,38 @@ def _per_user_claim(plan: dict[str, Any], params: PvecParams, event: PrivacyEven
 
     delta_claim = plan["delta"] / plan["rounds"]
     return float(pvec_round_epsilon(params, event.contributors, delta_claim)), delta_claim
+
+
+# ---------------------------------------------------------------------------------------------- BITS batches
+def open_bit_messages(
+    private_key: Any, ciphertexts: Sequence[bytes], info: bytes, d: int
+) -> tuple[np.ndarray, np.ndarray, Counter[str]]:
+    """Open and validate a BITS batch message by message (design 5.1, 5.3): (labels, bits, rejected by reason).
+
+    A ciphertext that does not open (SealingError) counts as UNDECRYPTABLE; one that opens to anything but a
+    5-byte (label < d, bit in {0, 1}) message counts as MALFORMED_PLAINTEXT; both are skipped, so one bad message
+    cannot void the others. Nothing of a message (ciphertext, plaintext) is logged or kept.
+    """
+    labels: list[int] = []
+    bits: list[int] = []
+    rejected: Counter[str] = Counter()
+    for c in ciphertexts:
+        try:
+            plain = sealing.open_sealed(private_key, c, info)
+        except sealing.SealingError:
+            rejected[UNDECRYPTABLE] += 1
+            continue
+        try:
+            (label,), (bit,) = sealing.unpack_labelled_bits([plain])
+        except ValueError:
+            rejected[MALFORMED_PLAINTEXT] += 1
+            continue
+        if label >= d:
+            rejected[MALFORMED_PLAINTEXT] += 1
+            continue
+        labels.append(int(label))
+        bits.append(int(bit))
+    return np.asarray(labels, dtype=np.int64), np.asarray(bits, dtype=np.uint8), rejected
 
 
 # ---------------------------------------------------------------------------------------------------- views
@@ -506,7 +546,9 @@ class RunManager:
             if batch.label_totals or batch.ciphertexts:
                 raise RuntimeError("the shuffler sent data in a batch marked not released")
             self.ledger.release(run_id, r, f"below threshold: {rep.contributors} contributors")
-            self._metrics(run_id, r, model, cfg, state, released=False, n=rep.contributors, seconds=self._clock() - t0)
+            seconds = self._clock() - t0
+            n_rep, rejected = rep.contributors, dict(rep.rejected)
+            self._metrics(run_id, r, model, cfg, state, False, n_rep, seconds, rejected, rep.refused)
             return "below_threshold", state
         n = int(rep.contributors)
         if batch.run_id != run_id or batch.round != r:
@@ -515,22 +557,78 @@ class RunManager:
             # the threshold is what bounds the cost; a batch outside it is charged honestly and the run stops
             self.ledger.commit(run_id, r, max(n, 1))
             raise RuntimeError(f"batch has {n} contributors, outside [{plan['min_contributors']}, {plan['cohort']}]")
-        self.ledger.commit(run_id, r, n)  # the batch is used from here on
         if plan["transport"] == "bits":
-            info = sealing.round_info(run_id, r)
-            plain = [sealing.open_sealed(live.private_key, c, info) for c in batch.ciphertexts]
-            labels, bits = sealing.unpack_labelled_bits(plain)
-            total = decode_bits(labels, bits, params)
-            if labels.size != n * params.messages_per_user:
-                raise RuntimeError(f"{labels.size} bit messages do not match {n} contributors")
-        else:
-            total = decode_counts(np.asarray(batch.label_totals, dtype=np.int64), n, params)
+            return self._bits_round(run_id, r, batch, n, cfg, plan, params, model, state, step_fn, live, t0)
+        self.ledger.commit(run_id, r, n)  # the batch is used from here on
+        total = decode_counts(np.asarray(batch.label_totals, dtype=np.int64), n, params)
+        return self._step(run_id, r, total, n, cfg, model, state, step_fn, t0, dict(rep.rejected), rep.refused)
+
+    def _step(self, run_id, r, total, n, cfg, model, state, step_fn, t0, rejected: dict[str, int], refused: int):
         grad = total / n  # paper divides by B; n' keeps the estimate unbiased under dropouts (spec 000 sec 3)
         _, state = step_fn(grad, state, state.last)
-        self._metrics(run_id, r, model, cfg, state, released=True, n=n, seconds=self._clock() - t0)
+        self._metrics(run_id, r, model, cfg, state, True, n, self._clock() - t0, rejected, refused)
         return "ok", state
 
-    def _metrics(self, run_id, r, model, cfg, state, released: bool, n: int, seconds: float) -> None:
+    def _bits_round(self, run_id, r, batch, n, cfg, plan, params, model, state, step_fn, live, t0):
+        """A released BITS batch: open every ciphertext, skip and count bad ones, decode the rest with their n'.
+
+        Messages cannot be attributed to users (that is the shuffle), so the good messages are decoded only when
+        they form whole contributions: n' = good / (d (g + m)) with every label carrying n' (g + m) messages, which
+        is what a contributor whose messages all fail (wrong key, stale round, corrupt node) leaves. The batch was
+        delivered and opened, so the round is always charged (never released, design 6), with the contributors
+        whose messages the analyzer could read: n' when n' >= n_min (cost <= reservation); a round with
+        n' < n_min fails like a below-threshold batch (nothing released, no optimizer step) but is committed at
+        max(n', 1), which may cost MORE than the reservation: those n' users' messages were read with only n' users'
+        noise. Scattered bad messages (labels unbalanced) cannot be decoded without bias: the round fails, charged
+        at the contributions certainly intact, max(n - bad, 1) (each bad message spoils at most one contribution).
+        """
+        per_user = params.messages_per_user
+        if len(batch.ciphertexts) != n * per_user:
+            self.ledger.commit(run_id, r, n)  # delivered: charged at what the shuffler reported; the run stops
+            raise RuntimeError(f"{len(batch.ciphertexts)} bit messages do not match {n} contributors")
+        info = sealing.round_info(run_id, r)
+        labels, bits, rejected_counter = open_bit_messages(live.private_key, batch.ciphertexts, info, params.d)
+        n_bad = sum(rejected_counter.values())
+        rejected = dict(Counter(dict(batch.report.rejected)) + rejected_counter)  # the shuffler's and ours
+        if n_bad:
+            log.warning("run %s round %d: skipped %d of %d bit messages %s", run_id, r, n_bad, n * per_user, rejected)
+        n_min = plan["min_contributors"]
+        whole = labels.size % per_user == 0
+        n_good, total = (labels.size // per_user if whole else 0), None
+        if n_good:
+            try:
+                # also checks every label carries n'(g+m) messages; the estimate is used only if n' >= n_min
+                total = decode_bits(labels, bits, params)
+            except ValueError:
+                whole, n_good = False, 0
+        if total is None or n_good < n_min:
+            if whole:
+                failure, charged = f"below threshold after rejecting bad messages: {n_good} < {n_min}", max(n_good, 1)
+            else:
+                failure, charged = "bad messages left incomplete contributions: not decodable", max(n - n_bad, 1)
+            self.ledger.commit(run_id, r, charged)
+            log.warning("run %s round %d failed: %s; charged with %d contributors", run_id, r, failure, charged)
+            seconds = self._clock() - t0
+            refused = batch.report.refused
+            self._metrics(run_id, r, model, cfg, state, False, n_good, seconds, rejected, refused, failure=failure)
+            return "below_threshold", state
+        self.ledger.commit(run_id, r, n_good)  # the batch is used from here on
+        return self._step(run_id, r, total, n_good, cfg, model, state, step_fn, t0, rejected, batch.report.refused)
+
+    def _metrics(
+        self,
+        run_id,
+        r,
+        model,
+        cfg,
+        state,
+        released: bool,
+        n: int,
+        seconds: float,
+        rejected: dict[str, int] | None = None,
+        refused: int = 0,
+        failure: str = "",
+    ) -> None:
         m = self._evaluate(model, cfg, state, r)
         totals = self.ledger.totals(run_id)
         m.update(
@@ -539,5 +637,9 @@ class RunManager:
             seconds=seconds,
             eps_spent=totals.eps_spent,
             delta_spent=totals.delta_spent,
+            rejected=dict(rejected or {}),  # messages rejected by reason, by the shuffler and the analyzer
+            refused=int(refused),  # users whose policy refused the round
         )
+        if failure:
+            m["failure"] = failure
         self.ledger.save_checkpoint(run_id, r, _encode_state(state), m)

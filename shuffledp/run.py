@@ -205,6 +205,8 @@ def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
             "eps_spent": m.eps_spent,
             "delta_spent": m.delta_spent,
             "seconds": m.seconds,
+            "refused": m.refused,
+            "rejected": dict(sorted(m.rejected.items())),
         }
         for m in result.status.metrics
     ]
@@ -212,7 +214,8 @@ def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
     with open(out / "metrics.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["round"])
         writer.writeheader()
-        writer.writerows(rows)
+        # CSV cells are flat: rejected as "reason=count;reason=count"
+        writer.writerows({**row, "rejected": ";".join(f"{k}={v}" for k, v in row["rejected"].items())} for row in rows)
     (out / "ledger.json").write_text(result.ledger_json)
     model = np.frombuffer(result.model.f64, dtype="<f8").reshape(tuple(result.model.shape) or (-1,))
     np.savez(out / "model.npz", params=model)

@@ -102,6 +102,8 @@ def test_rounds_below_threshold_are_released_and_cost_nothing(services, data):
     assert rows and all(r["state"] == "released" and "below threshold" in r["reason"] for r in rows)
     # the nodes did get the invitations (and refused them, counted by reason)
     assert sum(sum(n.core.status().refusals.values()) for n in nodes) == len(rows) * N_USERS
+    # ... and the analyzer's round metrics report them (from the shuffler's batch report)
+    assert [m.refused for m in st.metrics] == [N_USERS] * len(rows)
 
 
 def test_plan_sequential_and_fully_interactive(data):

@@ -4,7 +4,8 @@ Every test runs a real Shuffler gRPC server on 127.0.0.1:0. The test plays the a
 real stub, in a thread) and a client node (RegisterUsers, the Subscribe stream, Submit through real stubs), sends
 one bad Contribution next to good ones, and checks: the clear status or ack reason, that the shuffler's counter
 for that reason went up, and that nothing of the bad message reached the ShuffledBatch.
-(The analyzer's own path, an undecryptable ciphertext, is tested with the analyzer.)
+(The analyzer's own path, an undecryptable or malformed ciphertext, is tested with a real analyzer in
+tests/test_analyzer_sealed_rejects.py.)
 """
 
 from __future__ import annotations
