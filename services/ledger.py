@@ -19,8 +19,9 @@ PVEC rounds (composed_epsilon of shuffledp.accountants.calibrated_pvec), paper -
 (Dwork-Roth Thm 3.20 with slack delta' = delta/(T+1), spec 000 sec 4).
 
 Events are stored as JSON data (mechanism, parameters, contributors, schedule, trust model), in the manner of
-dp_accounting's DpEvent: the description is kept apart from the arithmetic (`compose_events`), so an auditor can
-recompute every total from the export.
+dp_accounting's DpEvent: the description is kept apart from the arithmetic, so an auditor can recompute every
+total from the export. The arithmetic is shuffledp.accountants.ledger_accounting.account (`compose_events` and
+`round_cost` only choose the accountant and the delta that the run's composition rule implies).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from shuffledp.events import PvecRound
 from shuffledp.protocols.pvec import PvecParams
 
 __all__ = [
@@ -137,44 +139,57 @@ def accountant_name(event: PrivacyEvent, composition: str) -> str:
     return f"{per_round}/{across}"
 
 
-def round_cost(event: PrivacyEvent) -> tuple[float, float]:
-    """(eps, delta) of one round on its own, for the contributors recorded in the event.
-
-    calibrated: the exact accountant of calibrated_pvec at the params' delta for n' contributors (its noise is
-    Bin(n' m, p), so fewer contributors cost more). paper: the params' (eps, delta) (Thm 3.2 / Lemma 3.1 of paper
-    000), valid for every n' >= the n the parameters were sized for, which reserve/commit guarantee.
-    """
+def _pvec_round(event: PrivacyEvent, schedule: str) -> PvecRound:
+    """The event for the accountant. More contributors than the parameters' n are charged as n: the extra users'
+    noise Bin(m (n' - n), p) is independent of the rest, so dropping it is post-processing (an upper bound)."""
     params = event.pvec_params()
-    if params.method == "calibrated":
-        from shuffledp.accountants.calibrated_pvec import pvec_round_epsilon
-
-        return float(pvec_round_epsilon(params, event.contributors, params.delta)), params.delta
-    return params.eps, params.delta
+    return PvecRound.from_params(params, min(event.contributors, params.n), schedule)
 
 
-def _advanced(costs: Sequence[tuple[float, float]], slack: float) -> tuple[float, float]:
-    """Advanced composition (Dwork-Roth Thm 3.20, heterogeneous form, spec 000 sec 4 / sec 5):
-    eps = sqrt(2 ln(1/delta') sum eps_i^2) + sum eps_i (e^{eps_i} - 1), delta = sum delta_i + delta'.
-    For k equal rounds this is eps_r sqrt(2k ln(1/delta')) + k eps_r (e^{eps_r} - 1)."""
-    e = [c[0] for c in costs]
-    eps = math.sqrt(2.0 * math.log(1.0 / slack) * math.fsum(x * x for x in e)) + math.fsum(x * math.expm1(x) for x in e)
-    return eps, math.fsum(c[1] for c in costs) + slack
+def _account(rounds: Sequence[PvecRound], delta: float, accountant: str) -> float:
+    # imported on first use: the accountants pull in dp_accounting and scipy (~1 s), not needed to open a ledger
+    from shuffledp.accountants.ledger_accounting import account
+
+    return account(rounds, delta, accountant).eps  # type: ignore[arg-type]
+
+
+def _accountant(events: Sequence[PrivacyEvent]) -> str:
+    """The paper's parameters: the paper's bounds ("paper", Thm 3.2 and Dwork-Roth 3.20); otherwise the exact
+    binomial accountant ("tight"). RDP composition is always the tight accountant's."""
+    return "paper" if all(e.params.get("method") == "paper" for e in events) else "tight"
+
+
+def round_cost(event: PrivacyEvent) -> tuple[float, float]:
+    """(eps, delta) of one round on its own at the params' delta, for the contributors recorded in the event.
+
+    calibrated: the exact accountant of calibrated_pvec for n' contributors (its noise is Bin(n' m, p), so fewer
+    contributors cost more). paper: the params' (eps, delta) (Thm 3.2 / Lemma 3.1 of paper 000), or the Lemma
+    chain for n' contributors where that is larger (ledger_accounting's paper accountant).
+    """
+    delta = event.pvec_params().delta
+    return _account([_pvec_round(event, event.schedule)], delta, _accountant([event])), delta
 
 
 def compose_events(events: Sequence[PrivacyEvent], limit: BudgetLimit) -> tuple[float, float]:
-    """Run total (eps, delta) of the counted rounds under the run's composition rule (module docstring)."""
+    """Run total (eps, delta) of the counted rounds under the run's composition rule (module docstring).
+
+    parallel: at the rounds' delta (disjoint cohorts: the max over rounds, spec 000 sec 5); rdp: at the limit's
+    delta; advanced: at sum delta_r + delta', so the slack of Dwork-Roth 3.20 is the run's fixed delta'.
+    """
     if not events:
         return 0.0, 0.0
+    schedule = "sequential" if limit.composition == "parallel" else "fully_interactive"
+    rounds = [_pvec_round(e, schedule) for e in events]
     if limit.composition == "parallel":
-        # disjoint cohorts: each user's data is in one round only (spec 000 sec 5, adaptive parallel composition)
-        costs = [round_cost(e) for e in events]
-        return max(c[0] for c in costs), max(c[1] for c in costs)
-    if limit.composition == "rdp":
-        from shuffledp.accountants.calibrated_pvec import composed_epsilon
-
-        rounds = [(e.pvec_params(), e.contributors) for e in events]
-        return float(composed_epsilon(rounds, limit.delta)), limit.delta
-    return _advanced([round_cost(e) for e in events], limit.advanced_slack)
+        delta = max(r.target_delta for r in rounds)
+    elif limit.composition == "rdp":
+        delta = limit.delta
+    else:
+        delta = math.fsum(r.target_delta for r in rounds) + limit.advanced_slack
+    if delta >= 1.0:  # the rounds alone spend all of delta: no guarantee
+        return math.inf, delta
+    acc = "tight" if limit.composition == "rdp" else _accountant(events)
+    return _account(rounds, delta, acc), delta
 
 
 # ------------------------------------------------------------------------------------------------ storage

@@ -132,6 +132,20 @@ def test_default_rdp_conversion_tight_against_fine_order_grid() -> None:
     assert g.epsilon_for_rho(rho, delta) <= ref + 1e-12
 
 
+def test_rdp_delta_grid_extended_when_optimum_above_top_order() -> None:
+    # rho = 0.002, eps = 0.05: the delta conversion's optimal order ~ eps / rho^2 = 12500 exceeds the default
+    # grid's top order 1e4; the grid is extended, giving a strictly smaller delta that is still >= the exact
+    # (Balle-Wang) delta of the Gaussian mechanism, an independent lower bound of any valid conversion.
+    rho, eps = 0.002, 0.05
+    grid = np.asarray(g.DEFAULT_ORDERS)
+    fixed, order = rdp_privacy_accountant.compute_delta(grid, grid * rho * rho / 2.0, eps)
+    assert order == grid.max() == 1e4
+    extended = g.delta_for_rho(rho, eps, "rdp")
+    assert g.delta_for_rho(rho, eps, "exact") <= extended < fixed / 100  # ~5.9e-141 vs 2.0e-135
+    # explicit orders are used exactly as given (the papers' grids)
+    assert g.delta_for_rho(rho, eps, "rdp", g.DEFAULT_ORDERS) == fixed
+
+
 @pytest.mark.parametrize(("z", "t"), [(1.0, 1), (5.0, 20), (30.0, 1000)])
 def test_exact_conversion_matches_pld_accountant(z: float, t: int) -> None:
     # The composition of Gaussians is exactly Gaussian with ratio rho; PLD discretisation error is ~1e-3 in eps

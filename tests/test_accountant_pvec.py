@@ -202,6 +202,19 @@ def test_max_rounds_inverse_queries():
     assert Tr > 1
 
 
+def test_bisect_boundary_returns_the_fitting_end():
+    # the inverse queries' shared search: fits(x) <=> x >= sqrt(2) (least noise) or x <= sqrt(2) (largest eps0)
+    b = math.sqrt(2.0)
+    least = comp.bisect_boundary(lambda x: x >= b, 4.0, 0.5, rel_tol=1e-9, geometric=True)
+    assert b <= least <= b * (1 + 1e-9)  # rounded up: never less noise than fits
+    largest = comp.bisect_boundary(lambda x: x <= b, 0.0, 4.0, rel_tol=1e-6, abs_tol=1e-12)
+    assert b * (1 - 1e-6) <= largest <= b  # rounded down
+    assert comp.bisect_boundary(lambda x: x >= b, 4.0, 0.5, abs_tol=1e-3) - b <= 1e-3
+    # the bracket cannot shrink below float resolution: stops there, still on the fitting side
+    nxt = math.nextafter(b, math.inf)
+    assert comp.bisect_boundary(lambda x: x >= nxt, nxt, b, rel_tol=0.0, geometric=True) == nxt
+
+
 def test_composition_bad_input():
     with pytest.raises(ValueError, match="delta_prime"):
         comp.advanced_composition(0.1, 1e-7, 10, 0.0)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant as dpa_pld
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
 
 import shuffledp.accountants.ledger_accounting as la
@@ -195,6 +196,25 @@ def test_sampled_gaussian_matches_dp_accounting() -> None:
     assert tight.eps <= paper.eps
 
 
+def test_sampled_gaussian_order_grid_is_extended_above_1024() -> None:
+    # sigma = 50, q = 0.01, 10 rounds: the RDP optimum lies far above dp_accounting's top default order 1024
+    ev = GaussianRound(50.0, 1.0, "central", "poisson", 0.01)
+    dpe = dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(50.0)), 10)
+    fixed, fixed_order = dpa_rdp.RdpAccountant().compose(dpe).get_epsilon_and_optimal_order(1e-6)
+    assert fixed_order == 1024
+    paper = la.account([(ev, 10)], 1e-6, "paper")
+    assert paper.optimal_order > 4 * 1024 and paper.eps < fixed / 3  # 0.00188 vs 0.00596
+    # valid: the same accountant at exactly that (integer) order, and not below an optimistic PLD (a lower
+    # bound on the true eps, discretisation 1e-5)
+    at_order = dpa_rdp.RdpAccountant(orders=[paper.optimal_order]).compose(dpe)
+    eps_at = at_order.get_epsilon_and_optimal_order(1e-6)[0]
+    assert paper.eps == pytest.approx(eps_at, rel=1e-12) and paper.eps >= eps_at  # reported rounded up
+    optimistic = pld_lib.from_gaussian_mechanism(
+        50.0, sampling_prob=0.01, pessimistic_estimate=False, value_discretization_interval=1e-5, use_connect_dots=False
+    ).self_compose(10)
+    assert optimistic.get_epsilon_for_delta(1e-6) <= paper.eps
+
+
 def test_tree_matches_seed003_accountant() -> None:
     one = TreeAggregation(1.5, 1000)
     zeta = tree_aggregation.zeta_single_tree(1000)
@@ -290,19 +310,20 @@ def test_pvec_sequential_rounds_compose_in_parallel() -> None:
     assert la.max_rounds(full, 1.0, 1e-6) == math.inf  # limited by fresh users, not by privacy
 
 
-def test_pvec_fully_interactive_matches_calibrated_composition(monkeypatch) -> None:
+def test_pvec_fully_interactive_matches_calibrated_composition() -> None:
     ev = PvecRound.from_params(PVEC_PGD, None, "fully_interactive")
     got = la.account([(ev, 15)], 1e-6)
     assert got.eps == calibrated_pvec.composed_epsilon([(PVEC_PGD, 1000)] * 15, 1e-6)
-    assert got.optimal_order in calibrated_pvec.DEFAULT_ORDERS
+    # the optimal order is reported, and it is the one of the (edge-extended) grid that gives eps
+    assert (got.eps, got.optimal_order) == calibrated_pvec.composed_epsilon([(PVEC_PGD, 1000, 15)], 1e-6, True)
+    assert got.optimal_order > 1.0
     # one sequential round on top: the worst user is in all 15 rounds and in that one
     seq = PvecRound.from_params(PVEC_SEQ)
     mixed = la.account([(ev, 15), (seq, 4)], 1e-6)
     assert mixed.eps == calibrated_pvec.composed_epsilon([(PVEC_PGD, 1000)] * 15 + [(PVEC_SEQ, 1000)], 1e-6)
-    # the path for very long histories (curves summed here) agrees with composed_epsilon
-    monkeypatch.setattr(la, "_EXPAND_LIMIT", 10)
-    long_path = la.account([(ev, 15)], 1e-6)
-    assert long_path.eps == pytest.approx(got.eps, rel=1e-12) and long_path.optimal_order == got.optimal_order
+    # very long histories are passed as counts (no list of 10^7 rounds)
+    long_path = la.account([(ev, 10**7)], 1e-6)
+    assert long_path.eps == calibrated_pvec.composed_epsilon([(PVEC_PGD, 1000, 10**7)], 1e-6) > got.eps
 
 
 def test_pvec_min_noise_paper_and_calibrated() -> None:

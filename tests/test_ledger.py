@@ -3,6 +3,7 @@
 import json
 import math
 import sqlite3
+from dataclasses import replace
 
 import pytest
 from shuffledp.services.ledger import (
@@ -12,8 +13,12 @@ from shuffledp.services.ledger import (
     LedgerError,
     PrivacyEvent,
     compose_events,
+    round_cost,
 )
 
+from shuffledp.accountants import ledger_accounting
+from shuffledp.accountants.calibrated_pvec import calibrate_pvec, pvec_round_epsilon
+from shuffledp.events import PvecRound
 from shuffledp.optimizers.pgd import pgd_round_privacy
 from shuffledp.protocols.pvec import pvec_params
 
@@ -156,3 +161,20 @@ def test_limit_validation():
         BudgetLimit(1.0, 1e-6, "basic")
     with pytest.raises(ValueError, match="advanced_slack"):
         BudgetLimit(1.0, 1e-6, "advanced", 0.0)
+
+
+def test_totals_come_from_the_accountant_module():
+    # the ledger does no privacy arithmetic of its own: compose_events / round_cost call ledger_accounting.account
+    params = calibrate_pvec(2.0, 1e-5, 40, 2, 1.0)
+    fi = [PrivacyEvent.pvec(params, 40, "fully_interactive"), PrivacyEvent.pvec(params, 30, "fully_interactive")]
+    rounds = [PvecRound.from_params(params, k, "fully_interactive") for k in (40, 30)]
+    assert compose_events(fi, BudgetLimit(5.0, 1e-5, "rdp")) == (ledger_accounting.account(rounds, 1e-5).eps, 1e-5)
+    # disjoint cohorts: the worst round, here the one with fewer contributors (less noise)
+    seq = [replace(e, schedule="sequential") for e in fi]
+    assert compose_events(seq, BudgetLimit(5.0, 1e-5, "parallel")) == (pvec_round_epsilon(params, 30, 1e-5), 1e-5)
+    assert round_cost(seq[1]) == (pvec_round_epsilon(params, 30, 1e-5), 1e-5)
+    # more contributors than the parameters' n are charged as n (the extra noise only helps; post-processing)
+    assert round_cost(replace(seq[0], contributors=60)) == round_cost(seq[0])
+    # the paper's parameters keep the paper's per-round claim (Thm 3.2), also for fewer contributors than sized
+    paper = _event()
+    assert round_cost(replace(paper, contributors=90)) == (1.0, 1e-6)

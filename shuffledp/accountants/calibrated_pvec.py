@@ -61,6 +61,9 @@ non-increasing in M by post-processing), which keeps every step a rigorous upper
 
 RDP -> (eps, delta): the conversion of Canonne, Kamath & Steinke 2020 (Prop. 12) / Asoodeh et al. 2021,
 as in dp_accounting, via ``shuffledp.accountants.rdp.rdp_to_dp``; RDP adds over rounds (Mironov 2017, Prop. 1).
+It is minimised over DEFAULT_ORDERS extended at either edge while the optimum sits there
+(``rdp.extended_rdp_to_dp``, spec 001 section 8): up to ORDER_CAP (the paper's huge-m parameters have their
+optimum at orders of several thousand) and down to MIN_ORDER (only for very large eps).
 
 Parameter choice: p = 1/2 (minimises m for a given noise variance N p (1-p)); g = max(4, ceil(64 sqrt(d)),
 ceil(sqrt(n))) makes the (g + sqrt d)/g sensitivity inflation <= 1.6% and the rounding variance small; m is
@@ -80,11 +83,13 @@ from scipy.special import logsumexp
 from scipy.stats import binom
 
 from shuffledp.accountants import gaussian as gaussian_acc
-from shuffledp.accountants.rdp import rdp_to_dp
+from shuffledp.accountants.rdp import extended_rdp_to_dp, rdp_to_dp
 from shuffledp.protocols.pvec import MAX_M, PvecParams
 
 __all__ = [
     "DEFAULT_ORDERS",
+    "ORDER_CAP",
+    "MIN_ORDER",
     "G_PER_SQRT_D",
     "shift_rdp",
     "worst_round_rdp",
@@ -104,6 +109,12 @@ DEFAULT_ORDERS: tuple[float, ...] = (
     16.0, 18.0, 20.0, 24.0, 28.0, 32.0, 40.0, 48.0, 56.0, 64.0, 80.0, 96.0, 128.0, 160.0, 192.0, 256.0, 320.0,
     384.0, 512.0, 768.0, 1024.0,
 )  # fmt: skip
+# Grid extension at the edges (rdp.extended_rdp_to_dp): 8 orders per doubling (eps loses < 0.1% to the spacing),
+# in pieces spanning a factor 8 (a piece costs about as much as one order: the cost is per shift evaluation).
+ORDER_CAP = float(1 << 20)
+MIN_ORDER = 1.01
+_ORDER_GROWTH = 2.0**0.125
+_ORDER_SPAN = 8.0
 G_PER_SQRT_D = 64  # default g >= 64 sqrt(d): (1 + sqrt(d)/g)^2 <= 1.032
 _H = 9.0  # window half-width in standard deviations (only tightness depends on it)
 _R = 64  # blocks per standard deviation (chord looseness ~ alpha / (4 (alpha-1) R^2))
@@ -439,37 +450,56 @@ def pvec_round_delta0(params: PvecParams, n_contrib: int) -> float:
     return math.exp(worst_round_rdp(params.m * k, params.p, params.g, params.d)[1])
 
 
+Curve = tuple[int, float, int, int, int]  # (N, p, g, d, rounds): `rounds` rounds with noise Bin(N, p)
+
+
 @lru_cache(maxsize=4096)
-def _composed_cached(rounds_key: tuple[tuple[PvecParams, int, int], ...], delta: float) -> float:
-    total = np.zeros(len(DEFAULT_ORDERS))
-    log_t: list[float] = []
-    for params, k, count in rounds_key:
-        r, t = _worst_round(params.m * k, params.p, params.g, params.d, DEFAULT_ORDERS)
-        total += count * r  # RDP adds over adaptive rounds (Mironov 2017, Prop. 1)
-        log_t.append(math.log(count) + t)
-    slack = math.exp(float(logsumexp(log_t))) if log_t else 0.0
-    slack *= 1.0 + 1e-12
+def _composed(curves: tuple[Curve, ...], delta: float) -> tuple[float, float]:
+    """(eps, optimal order) at ``delta`` of adaptively composed rounds; (inf, nan) if the slacks exceed delta."""
+    log_t = [math.log(c) + _worst_round(N, p, g, d, DEFAULT_ORDERS)[1] for N, p, g, d, c in curves]
+    slack = math.exp(float(logsumexp(log_t))) * (1.0 + 1e-12)  # mixture slacks add to delta (module docstring)
     if slack >= delta:
-        return math.inf
-    eps, _ = rdp_to_dp(DEFAULT_ORDERS, total, delta - slack)
-    return eps
+        return math.inf, math.nan
+
+    def rdp(orders: np.ndarray) -> np.ndarray:
+        o = tuple(float(a) for a in orders)
+        # RDP adds over adaptive rounds (Mironov 2017, Prop. 1)
+        return sum(c * _worst_round(N, p, g, d, o)[0] for N, p, g, d, c in curves)
+
+    return extended_rdp_to_dp(
+        rdp,
+        DEFAULT_ORDERS,
+        delta - slack,
+        order_cap=ORDER_CAP,
+        min_order=MIN_ORDER,
+        growth=_ORDER_GROWTH,
+        span=_ORDER_SPAN,
+    )
 
 
-def composed_epsilon(rounds: Sequence[tuple[PvecParams, int]], delta: float) -> float:
+def composed_epsilon(
+    rounds: Sequence[tuple[PvecParams, int] | tuple[PvecParams, int, int]], delta: float, return_order: bool = False
+) -> float | tuple[float, float]:
     """eps at ``delta`` of fully interactive PVEC rounds [(params, n_contrib), ...] (RDP sum, then convert).
 
-    Identical rounds are grouped, so 10^4 rounds cost one per-round evaluation (cached).
+    An item (params, n_contrib, count) stands for ``count`` identical rounds; identical rounds are grouped either
+    way, so 10^4 rounds cost one per-round evaluation (cached). ``return_order=True`` returns (eps, optimal
+    Renyi order) (order nan when eps is inf, 0.0 for no rounds).
     """
     delta = _check_delta(delta)
-    counts: Counter[tuple[PvecParams, int]] = Counter()
+    counts: Counter[tuple[int, float, int, int]] = Counter()
     for item in rounds:
-        if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], PvecParams):
-            raise ValueError(f"each round must be a (PvecParams, n_contrib) tuple, got {item!r}")
-        counts[(item[0], _n_contrib(item[0], item[1]))] += 1
+        if not isinstance(item, tuple) or len(item) not in (2, 3) or not isinstance(item[0], PvecParams):
+            raise ValueError(f"each round must be a (PvecParams, n_contrib[, count]) tuple, got {item!r}")
+        params = item[0]
+        c = _check_pos_int("count", item[2], 0) if len(item) == 3 else 1
+        if c:
+            counts[(params.m * _n_contrib(params, item[1]), params.p, params.g, params.d)] += c
     if not counts:
-        return 0.0
-    key = tuple(sorted(((pr, k, c) for (pr, k), c in counts.items()), key=repr))
-    return _composed_cached(key, delta)
+        return (0.0, 0.0) if return_order else 0.0
+    key = tuple(sorted((*k, c) for k, c in counts.items()))
+    res = _composed(key, delta)
+    return res if return_order else res[0]
 
 
 def pvec_round_epsilon(params: PvecParams, n_contrib: int, delta: float) -> float:
@@ -485,11 +515,7 @@ def default_g(d: int, n: int) -> int:
 
 
 def _eps_for(N: int, g: int, d: int, rounds: int, delta: float) -> float:
-    r, t = _worst_round(N, 0.5, g, d, DEFAULT_ORDERS)
-    slack = rounds * math.exp(t) * (1.0 + 1e-12)
-    if slack >= delta:
-        return math.inf
-    return rdp_to_dp(DEFAULT_ORDERS, rounds * r, delta - slack)[0]
+    return _composed(((N, 0.5, g, d, rounds),), delta)[0]
 
 
 @lru_cache(maxsize=1024)
@@ -503,7 +529,8 @@ def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g
         return _eps_for(mm * n, g, d, rounds, delta) <= eps
 
     # The RDP bound scales almost exactly like 1/N: rescale the curve at the guess to hit eps (cheap, no new
-    # evaluation), then confirm with the rigorous bound and bisect to a relative 1e-3 (or to one trial).
+    # evaluation; a guess, so the fixed grid will do), then confirm with the rigorous bound (``ok``) and bisect to
+    # a relative 1e-3 (or to one trial).
     r0, t0 = _worst_round(m * n, 0.5, g, d, DEFAULT_ORDERS)
     slack = rounds * math.exp(t0) * (1.0 + 1e-12)
     if slack < delta:

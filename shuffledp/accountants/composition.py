@@ -14,6 +14,8 @@
   delta_r = delta/(T+1) (Alg 5 / Lemma B.6 of paper 000) and its total by advanced composition with
   d' = delta/(T+1) (spec 000 sec 5: eps=1, T=15, delta=1e-6 gives 0.557).
 * ``max_rounds_*``: the largest number of rounds T whose composition fits (eps, delta).
+* ``max_rounds`` / ``bisect_boundary``: the inverse queries' searches (integer / real parameter) for any
+  monotone "fits the budget" predicate; both return a value that was checked to fit (the safe side).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "pgd_round_budget",
     "pgd_total",
     "max_rounds",
+    "bisect_boundary",
     "max_rounds_advanced",
     "max_rounds_kov",
     "max_rounds_rdp",
@@ -136,7 +139,36 @@ def pgd_total(eps: float, delta: float, T: int) -> tuple[float, float]:
     return e, min(d, delta) if math.isclose(d, delta, rel_tol=1e-12) else d
 
 
-# ------------------------------------------------------------------------------------------- max rounds
+# ---------------------------------------------------------------------------------------- inverse queries
+def bisect_boundary(
+    fits: Callable[[float], bool],
+    good: float,
+    bad: float,
+    rel_tol: float = 0.0,
+    abs_tol: float = 0.0,
+    geometric: bool = False,
+) -> float:
+    """Bisect a bracket of a monotone predicate, ``fits(good)`` true and ``fits(bad)`` false (either order).
+
+    Returns the fitting end of the final bracket (``good`` if no midpoint fits): the least noise / the largest
+    eps0 / the smallest eps that was checked to fit, so the answer is never on the unsafe side of the boundary.
+    Stops when |bad - good| <= max(abs_tol, rel_tol |good|), or with ``geometric`` (positive ends, midpoint
+    sqrt(good bad)) when max/min - 1 <= rel_tol; or when the bracket cannot shrink in floating point.
+    """
+    while True:
+        if geometric:
+            if max(good, bad) / min(good, bad) - 1.0 <= rel_tol:
+                return good
+            mid = math.sqrt(good * bad)
+        else:
+            if abs(bad - good) <= max(abs_tol, rel_tol * abs(good)):
+                return good
+            mid = 0.5 * (good + bad)
+        if mid in (good, bad):
+            return good
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+
+
 def max_rounds(fits: Callable[[int], bool], t_max: int = 10**12) -> int:
     """Largest T in [0, t_max] with fits(T), for a predicate that is monotone (true up to some T)."""
     if not fits(1):

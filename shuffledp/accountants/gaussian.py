@@ -38,6 +38,8 @@ from dp_accounting import gaussian_mechanism as dpa_gaussian
 from dp_accounting.pld import privacy_loss_mechanism as dpa_mech
 from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
 
+from shuffledp.accountants.rdp import minimise_over_orders
+
 Method = Literal["paper", "rdp", "exact"]
 METHODS: tuple[str, ...] = ("paper", "rdp", "exact")
 
@@ -53,6 +55,8 @@ DEFAULT_ORDERS: tuple[float, ...] = tuple(
         | {float(a) for a in np.round(np.geomspace(200.0, 1.0e4, 60), 6)}
     )
 )
+
+_ORDER_CAP = 1.0e7  # largest Renyi order searched (continuous optimum for eps, grid extension for delta)
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -172,7 +176,7 @@ def _canonne_optimal_order(rho: float, delta: float) -> float:
         return a * c + math.log1p(-1.0 / a) - (log_d + math.log(a)) / (a - 1.0)
 
     guess = 1.0 + math.sqrt(2.0 * math.log(1.0 / delta)) / max(rho, 1e-12)
-    hi = min(max(4.0 * guess, 2.0), 1.0e7)
+    hi = min(max(4.0 * guess, 2.0), _ORDER_CAP)
     res = scipy.optimize.minimize_scalar(objective, bounds=(1.02, hi), method="bounded", options={"xatol": 1e-10})
     return float(res.x)
 
@@ -217,11 +221,16 @@ def _delta_cached(rho: float, eps: float, method: str, orders: tuple[float, ...]
     if method == "exact":
         # E_{e^eps}(N(rho,1) || N(0,1)) = Phi(-eps/rho + rho/2) - e^eps Phi(-eps/rho - rho/2) (Balle & Wang 2018)
         return float(dpa_mech.GaussianPrivacyLoss(1.0 / rho, sensitivity=1.0).get_delta_for_epsilon(eps))
-    grid = np.asarray(orders if orders else DEFAULT_ORDERS, dtype=np.float64)
-    # dp_accounting's compute_delta fails when exp(-rdp) rounds to 1; raising a tiny RDP value to 1e-15 keeps
-    # a valid (larger) RDP bound.
-    delta, _ = dpa_rdp.compute_delta(grid, np.maximum(grid * rho * rho / 2.0, 1e-15), eps)
-    return float(delta)
+
+    def best_on(grid: np.ndarray) -> tuple[float, float]:
+        # dp_accounting's compute_delta fails when exp(-rdp) rounds to 1; raising a tiny RDP value to 1e-15 keeps
+        # a valid (larger) RDP bound.
+        return dpa_rdp.compute_delta(grid, np.maximum(grid * rho * rho / 2.0, 1e-15), eps)
+
+    if orders:  # explicit orders are used exactly as given (reproducing a paper's grid)
+        return float(best_on(np.asarray(orders, dtype=np.float64))[0])
+    # default grid: extended while the optimum sits at its top (spec 001 section 8), as far as the eps side goes
+    return float(minimise_over_orders(best_on, DEFAULT_ORDERS, order_cap=_ORDER_CAP)[0])
 
 
 def delta_for_rho(rho: float, eps: float, method: Method = "rdp", orders: Sequence[float] | None = None) -> float:

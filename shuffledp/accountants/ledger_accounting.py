@@ -39,7 +39,7 @@ from dp_accounting.pld import pld_privacy_accountant as dpa_pld
 from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
 
 from shuffledp.accountants import composition, fmt_shuffle, gaussian, pnsgd, subsampled_shuffle, tree_aggregation
-from shuffledp.accountants.rdp import check_delta, optimal_epsilon, rdp_to_dp
+from shuffledp.accountants.rdp import check_delta, minimise_over_orders, optimal_epsilon
 from shuffledp.events import (
     GaussianRound,
     LdpShuffleRound,
@@ -71,6 +71,7 @@ ACCOUNTANTS = ("tight", "paper")
 LDP_SHUFFLE_BOUNDS = ("upper", "upper-tightened", "lower", "baseline", "tight-pld")
 _PLD_INTERVAL = 1e-4  # dp_accounting's default discretisation for the sampled Gaussian PLD (pessimistic)
 _MAX_SEARCH = 10**12  # largest number of rounds the inverse search explores
+_MIN_ORDER = 1.01  # lowest Renyi order a grid is extended down to (dp_accounting's conversion stops at 1.01 too)
 
 
 @dataclass(frozen=True)
@@ -162,11 +163,11 @@ def account(
     ``events`` may repeat an event or give (event, count) pairs (10^6 identical rounds need not be listed).
     ``ldp_bound`` overrides the bound used for LdpShuffleRound events (one of LDP_SHUFFLE_BOUNDS).
     """
-    return _account(_as_items(events), check_delta(delta), _check_accountant(accountant), ldp_bound, True)
+    return _account(_as_items(events), check_delta(delta), _check_accountant(accountant), ldp_bound)
 
 
-def _account(items: Items, d: float, acc: str, ldp_bound: str | None, with_order: bool) -> AccountResult:
-    """``account`` on validated input; with_order=False skips work that only reports the optimal order."""
+def _account(items: Items, d: float, acc: str, ldp_bound: str | None) -> AccountResult:
+    """``account`` on validated input."""
     if not items:
         raise ValueError("events must contain at least one privacy event")
     trust = trust_of([e for e, _ in items])
@@ -175,10 +176,10 @@ def _account(items: Items, d: float, acc: str, ldp_bound: str | None, with_order
         families.setdefault(_family(ev), []).append((ev, c))
     if len(families) == 1:
         ((fam, its),) = families.items()
-        return _account_family(fam, its, d, acc, trust, ldp_bound, with_order)
+        return _account_family(fam, its, d, acc, trust, ldp_bound)
     # Different mechanisms on the same users: basic composition with delta split evenly (Dwork-Roth Thm 3.16).
     share = d / len(families)
-    parts = {fam: _account_family(fam, its, share, acc, trust, ldp_bound, with_order) for fam, its in families.items()}
+    parts = {fam: _account_family(fam, its, share, acc, trust, ldp_bound) for fam, its in families.items()}
     eps = _sum_up(r.eps for r in parts.values())
     name = "basic-composition(" + ", ".join(r.accountant_name for r in parts.values()) + ")"
     details = {
@@ -189,11 +190,9 @@ def _account(items: Items, d: float, acc: str, ldp_bound: str | None, with_order
     return AccountResult(eps, d, name, None, trust, details)
 
 
-def _account_family(
-    fam: str, items: Items, delta: float, acc: str, trust: str, ldp_bound: str | None, with_order: bool
-) -> AccountResult:
+def _account_family(fam: str, items: Items, delta: float, acc: str, trust: str, ldp_bound: str | None) -> AccountResult:
     if fam == "pvec":
-        return _account_pvec(items, delta, acc, trust, with_order)
+        return _account_pvec(items, delta, acc, trust)
     if fam == "ldp_shuffle":
         return _account_ldp_shuffle(items, delta, acc, trust, ldp_bound)
     if fam == "gaussian":
@@ -259,9 +258,15 @@ def _dp_event(ev: GaussianRound | TreeAggregation) -> dp_event.DpEvent:
 def _account_sampled_gaussian(items: Items, delta: float, acc: str, trust: str, rounds: int) -> AccountResult:
     """Poisson-sampled Gaussian (add/remove-one neighbours, as dp_accounting defines it): RDP or PLD."""
     ev = dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(_dp_event(e), c) for e, c in items])
-    rdp_acc = dpa_rdp.RdpAccountant()
-    rdp_acc.compose(ev)
-    eps_rdp, order = rdp_acc.get_epsilon_and_optimal_order(delta)
+
+    def best_on(orders: np.ndarray) -> tuple[float, float]:
+        rdp_acc = dpa_rdp.RdpAccountant(orders=[float(a) for a in orders])
+        rdp_acc.compose(ev)
+        return rdp_acc.get_epsilon_and_optimal_order(delta)
+
+    # dp_accounting's default orders (1.1..1024), extended while the optimum sits at an edge (spec 001 sec 8);
+    # integer orders above (dp_accounting's series for fractional orders fails to converge at orders ~2000)
+    eps_rdp, order = minimise_over_orders(best_on, dpa_rdp.DEFAULT_RDP_ORDERS, min_order=_MIN_ORDER, integer=True)
     details: dict[str, Any] = {"rounds": rounds, "neighbouring": "add_or_remove_one", "guarantee": True}
     if acc == "paper":
         return AccountResult(_up(eps_rdp), delta, "sampled-gaussian-rdp (dp_accounting)", float(order), trust, details)
@@ -407,34 +412,14 @@ def _split_pvec(items: Items) -> tuple[Items, list[PvecRound | None]]:
     return fi, (seq if seq else [None])  # type: ignore[return-value]
 
 
-_EXPAND_LIMIT = 100_000  # composed_epsilon takes one entry per round; beyond this many, sum the curves here
+def _pvec_composed(hist: Items, delta: float) -> tuple[float, float | None]:
+    """(eps, optimal order) of adaptively composed PVEC rounds by calibrated_pvec's exact-binomial RDP
+    (calibrated_pvec.composed_epsilon: RDP adds, Mironov 2017 Prop. 1; CKS20 conversion over an extended grid)."""
+    eps, order = _calibrated().composed_epsilon([(e.params, e.contributors, c) for e, c in hist], delta, True)
+    return eps, (float(order) if math.isfinite(eps) else None)
 
 
-def _pvec_composed(hist: Items, delta: float, with_order: bool) -> tuple[float, float | None]:
-    """(eps, optimal order) of adaptively composed PVEC rounds by calibrated_pvec's exact-binomial RDP.
-
-    eps is calibrated_pvec.composed_epsilon's whenever the history has at most _EXPAND_LIMIT rounds. That API
-    takes one list entry per round (no counts) and does not return the order, so the order, and eps of longer
-    histories, come from its public per-round pieces composed the same way: RDP adds (Mironov 2017 Prop. 1),
-    the mixture slacks add to delta, and the CKS20 conversion (tests check that both paths agree).
-    """
-    cp = _calibrated()
-    total_rounds = sum(c for _, c in hist)
-    eps = None
-    if total_rounds <= _EXPAND_LIMIT:
-        eps = cp.composed_epsilon([(e.params, e.contributors) for e, c in hist for _ in range(c)], delta)
-        if not with_order or not math.isfinite(eps):
-            return eps, None
-    orders = np.asarray(cp.DEFAULT_ORDERS)
-    total = sum(c * cp.pvec_round_rdp(e.params, e.contributors, cp.DEFAULT_ORDERS) for e, c in hist)
-    slack = math.fsum(c * cp.pvec_round_delta0(e.params, e.contributors) for e, c in hist) * (1.0 + 1e-12)
-    if slack >= delta:
-        return math.inf, None
-    eps_here, order = rdp_to_dp(orders, total, delta - slack)
-    return (eps_here if eps is None else eps), float(order)
-
-
-def _account_pvec(items: Items, delta: float, acc: str, trust: str, with_order: bool = True) -> AccountResult:
+def _account_pvec(items: Items, delta: float, acc: str, trust: str) -> AccountResult:
     fi, seq = _split_pvec(items)
     rounds = sum(c for _, c in items)
     n_seq = sum(c for e, c in items if e.schedule == "sequential")  # type: ignore[attr-defined]
@@ -443,7 +428,7 @@ def _account_pvec(items: Items, delta: float, acc: str, trust: str, with_order: 
     if acc == "tight":
         for s in seq:
             hist = fi + ([(s, 1)] if s is not None else [])
-            eps, order = _pvec_composed(hist, delta, with_order)
+            eps, order = _pvec_composed(hist, delta)
             if eps > worst_eps:
                 worst_eps, worst_order = eps, order
         if not math.isfinite(worst_eps):  # no finite guarantee at this delta: report inf (the safe side)
@@ -523,21 +508,14 @@ def max_rounds(
     prior = _as_items(spent)
 
     def fits(t: int) -> bool:
-        return _account(_as_items(prior + [(event, t)]), d, acc, ldp_bound, False).eps <= e
+        return _account(_as_items(prior + [(event, t)]), d, acc, ldp_bound).eps <= e
 
-    if not fits(1):
-        return 0
     if _parallel_only(event):
-        return math.inf
-    lo, hi = 1, 2
-    while fits(hi):
-        lo, hi = hi, 2 * hi
-        if hi > t_max:
-            raise ValueError(f"more than {t_max} rounds fit eps={e}, delta={d}: the budget does not bind")
-    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+        return math.inf if fits(1) else 0
+    t = composition.max_rounds(fits, t_max)
+    if t >= t_max:
+        raise ValueError(f"{t_max} rounds fit eps={e}, delta={d}: the budget does not bind")
+    return t
 
 
 _NOISE_FIELD: dict[type, str] = {
@@ -585,7 +563,7 @@ def min_noise(
         return dataclasses.replace(event, **{name: x})
 
     def fits(x: float) -> bool:
-        return _account(_as_items(prior + [(with_value(x), int(rounds))]), d, acc, ldp_bound, False).eps <= e
+        return _account(_as_items(prior + [(with_value(x), int(rounds))]), d, acc, ldp_bound).eps <= e
 
     x0 = float(getattr(event, name))
     if name == "eps0":  # fits for small eps0; find the largest
@@ -600,9 +578,6 @@ def min_noise(
             bad = max(bad, good)
             while fits(bad):
                 bad = min(bad * 4.0, _EPS0_CAP)
-        while bad / good - 1.0 > rel_tol:
-            mid = math.sqrt(good * bad)
-            good, bad = (mid, bad) if fits(mid) else (good, mid)
     else:  # fits for large noise; find the smallest
         good, bad = x0, x0
         while not fits(good):
@@ -613,10 +588,7 @@ def min_noise(
             bad /= 4.0
             if bad < 1e-12:
                 raise ValueError(f"every {name} >= 1e-12 fits eps={e}, delta={d}: the budget does not bind")
-        while good / bad - 1.0 > rel_tol:
-            mid = math.sqrt(good * bad)
-            good, bad = (mid, bad) if fits(mid) else (good, mid)
-    best = with_value(good)
+    best = with_value(composition.bisect_boundary(fits, good, bad, rel_tol=rel_tol, geometric=True))
     return best, account(prior + [(best, int(rounds))], d, acc, ldp_bound)
 
 

@@ -34,6 +34,7 @@ import scipy.integrate
 import scipy.optimize
 from scipy.special import lambertw, log_ndtr
 
+from shuffledp.accountants.composition import bisect_boundary
 from shuffledp.accountants.gaussian import (
     _check_delta,
     _check_int,
@@ -505,7 +506,7 @@ def calibrate_scale(
     def fits(s: float) -> bool:
         return delta_shuffled(noise, eps, n, lipschitz, s, eta, diameter, m) <= target
 
-    lo, hi = 1e-3, 1.0
+    lo, hi = 1e-3, 1.0  # bracket: fits(hi), not fits(lo)
     while not fits(hi):
         lo, hi = hi, hi * 4.0
         if hi > 1e300:
@@ -514,10 +515,7 @@ def calibrate_scale(
         hi, lo = lo, lo / 4.0
         if lo < 1e-300:
             return hi
-    while hi / lo - 1.0 > rel_tol:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
+    return bisect_boundary(fits, hi, lo, rel_tol=rel_tol, geometric=True)
 
 
 def epsilon_shuffled(
@@ -539,15 +537,12 @@ def epsilon_shuffled(
 
     if fits(0.0):
         return 0.0
-    lo, hi = 0.0, 1.0
+    lo, hi = 0.0, 1.0  # bracket: fits(hi), not fits(lo)
     while not fits(hi):
         lo, hi = hi, hi * 2.0
         if hi > 1e6:
             raise ValueError(f"delta_shuf stays above {target} for every eps <= 1e6")
-    while hi - lo > abs_tol:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
+    return bisect_boundary(fits, hi, lo, abs_tol=abs_tol)
 
 
 __all__ = [

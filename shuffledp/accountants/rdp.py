@@ -9,15 +9,20 @@ Nothing here is specific to one mechanism; an accountant supplies its RDP curve 
   KL/Bretagnolle-Huber shortcut eps = 0 when delta >= sqrt(1 - exp(-rdp))), vectorised with numpy so that
   accountants can call it many times (inverse searches) on grids of thousands of orders.
 - ``rdp_to_dp_mironov``: Mironov 2017 Prop. 3, eps = rdp + log(1/delta)/(lam-1) (looser; an option only).
-- ``optimal_epsilon``: composes T identical rounds (RDP adds, Mironov 2017 Prop. 1) and converts, extending the
-  order grid whenever the optimum sits at its upper edge (spec 001 section 8).
+- ``minimise_over_orders`` / ``extended_rdp_to_dp``: the conversion minimised over a grid that is extended
+  whenever the optimum sits at an edge of it (spec 001 section 8): upwards by doubling the top order, and for
+  real-order grids downwards towards 1. Any set of orders gives a valid bound, so extending only tightens.
+- ``optimal_epsilon``: composes T identical rounds (RDP adds, Mironov 2017 Prop. 1) and converts over the
+  integer grid 2..512, extended as above.
 - ``monotone_envelope``: the Renyi divergence is non-decreasing in the order (van Erven & Harremoes 2014,
   Thm 3), so an upper bound U may be replaced by lam -> min_{lam' >= lam} U(lam') (spec 001 section 7.3 [ext]).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -120,6 +125,93 @@ def monotone_envelope(rdp: Sequence[float] | np.ndarray) -> np.ndarray:
     return np.minimum.accumulate(r[::-1])[::-1]
 
 
+_CONVERSIONS: dict[str, Callable[..., tuple[float, float]]] = {"optimal": rdp_to_dp, "mironov": rdp_to_dp_mironov}
+
+
+def _up_piece(top: float, cap: float, span: float, growth: float, integer: bool) -> np.ndarray:
+    """Orders in (top, min(span top, cap)], geometric with ratio ~growth (integers if ``integer``)."""
+    end = min(span * top, cap)
+    k = max(1, math.ceil(math.log(end / top) / math.log(growth)))
+    piece = np.geomspace(top, end, k + 1)[1:]
+    if integer:
+        piece = np.unique(np.ceil(piece)).astype(np.int64)
+    return piece[piece > top]
+
+
+def _down_piece(bottom: float, floor: float, span: float, growth: float) -> np.ndarray:
+    """Real orders in [max(1 + (bottom - 1)/span, floor), bottom), lam - 1 geometric with ratio ~growth."""
+    end = max(1.0 + (bottom - 1.0) / span, floor)
+    k = max(1, math.ceil(math.log((bottom - 1.0) / (end - 1.0)) / math.log(growth)))
+    piece = 1.0 + np.geomspace(end - 1.0, bottom - 1.0, k + 1)[:-1]
+    return piece[piece < bottom]
+
+
+def minimise_over_orders(
+    best_on: Callable[[np.ndarray], tuple[float, float]],
+    orders: Sequence[float] | np.ndarray,
+    order_cap: float = DEFAULT_ORDER_CAP,
+    min_order: float | None = None,
+    integer: bool = False,
+    growth: float = _GEOMETRIC_RATIO,
+    span: float = 2.0,
+) -> tuple[float, float]:
+    """(value, lam*) = the minimum of a conversion over ``orders``, extending the grid while lam* is at an edge.
+
+    ``best_on(o)`` returns (min over o of the conversion, its order) for any array of orders; the minimum over a
+    union of grids is the least of the pieces' minima, so only the added orders are ever evaluated (``best_on``
+    must give a valid bound at each order on its own). While lam* is the top order (below ``order_cap``) the
+    orders up to ``span`` times the top are added (spec 001 section 8: doubling); while lam* is the bottom order
+    and ``min_order`` is given, real orders down to 1 + (bottom - 1)/span (not below ``min_order``). A value of
+    0 or inf stops the search (nothing to gain). Pieces are geometric with ratio ``growth``; ``integer`` rounds
+    the pieces above the grid up to integers (curves computed, or only valid, at integer orders). A larger
+    ``span`` means fewer, larger pieces (for curves whose evaluation cost is mostly per call).
+    """
+    grid = np.asarray(orders).ravel()
+    if grid.size == 0:
+        raise ValueError("orders must be non-empty")
+    if grid.dtype.kind not in "iu":  # integer grids are passed on as integers
+        grid = grid.astype(np.float64)
+    if not (growth > 1.0 and span > 1.0):
+        raise ValueError(f"growth and span must be > 1, got {growth!r}, {span!r}")
+    value, lam = best_on(grid)
+    lo, hi = float(grid.min()), float(grid.max())
+    while 0.0 < value < math.inf:
+        if lam >= hi and hi < order_cap:
+            piece = _up_piece(hi, float(order_cap), span, growth, integer)
+        elif lam <= lo and min_order is not None and lo > min_order:
+            piece = _down_piece(lo, float(min_order), span, growth)
+        else:
+            break
+        if piece.size == 0:
+            break
+        lo, hi = min(lo, float(piece.min())), max(hi, float(piece.max()))
+        v, a = best_on(piece)
+        if v < value:
+            value, lam = v, a
+    return value, float(lam)
+
+
+def extended_rdp_to_dp(
+    rdp_fn: Callable[[np.ndarray], np.ndarray],
+    orders: Sequence[float] | np.ndarray,
+    delta: float,
+    conversion: str = "optimal",
+    **extension: Any,
+) -> tuple[float, float]:
+    """(eps, lam*) of ``rdp_to_dp`` (or ``rdp_to_dp_mironov``) for the curve ``rdp_fn``, starting from ``orders``
+    and extended at the edges by ``minimise_over_orders`` (``extension``: its keyword arguments order_cap,
+    min_order, integer, growth, span)."""
+    d = check_delta(delta)
+    convert = _CONVERSIONS.get(conversion)
+    if convert is None:
+        raise ValueError(f"conversion must be one of {tuple(_CONVERSIONS)}, got {conversion!r}")
+
+    def best_on(o: np.ndarray) -> tuple[float, float]:
+        return convert(o, np.asarray(rdp_fn(o), dtype=np.float64), d)
+
+    return minimise_over_orders(best_on, orders, **extension)
+
+
 def optimal_epsilon(
     rdp_fn: Callable[[np.ndarray], np.ndarray],
     rounds: float,
@@ -128,19 +220,17 @@ def optimal_epsilon(
     order_cap: int = DEFAULT_ORDER_CAP,
     conversion: str = "optimal",
 ) -> tuple[float, float]:
-    """(eps, lam*) of ``rounds`` identical adaptive rounds with per-round RDP ``rdp_fn(orders)``.
+    """(eps, lam*) of ``rounds`` identical adaptive rounds with per-round RDP ``rdp_fn(orders)`` (integer orders).
 
     RDP composes additively (Mironov 2017 Prop. 1). The grid starts at ``integer_orders(max_order)`` and is
     doubled while the optimum sits at its top order (spec 001 section 8), up to ``order_cap``.
     """
-    d = check_delta(delta)
-    convert = {"optimal": rdp_to_dp, "mironov": rdp_to_dp_mironov}.get(conversion)
-    if convert is None:
-        raise ValueError(f"conversion must be 'optimal' or 'mironov', got {conversion!r}")
-    top = int(max_order)
-    while True:
-        orders = integer_orders(top)
-        eps, lam = convert(orders, float(rounds) * np.asarray(rdp_fn(orders), dtype=np.float64), d)
-        if lam < orders[-1] or top >= order_cap:
-            return eps, lam
-        top = min(2 * top, int(order_cap))
+    t = float(rounds)
+    return extended_rdp_to_dp(
+        lambda o: t * np.asarray(rdp_fn(o), dtype=np.float64),
+        integer_orders(max_order),
+        delta,
+        conversion=conversion,
+        order_cap=order_cap,
+        integer=True,
+    )

@@ -34,6 +34,7 @@ import numpy as np
 from scipy.special import gammaln, logsumexp
 from scipy.stats import binom
 
+from shuffledp.accountants import composition
 from shuffledp.accountants.rdp import (
     DEFAULT_MAX_ORDER,
     DEFAULT_ORDER_CAP,
@@ -427,17 +428,7 @@ def max_rounds(eps0: float, n: int, k: int, eps: float, delta: float, t_max: int
     def fits(T: int) -> bool:
         return subsampled_shuffle_epsilon(eps0, n, k, T, delta, **kwargs) <= eps
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while fits(hi):
-        lo, hi = hi, 2 * hi
-        if hi > t_max:
-            return lo
-    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return composition.max_rounds(fits, t_max)
 
 
 def max_eps0(
@@ -466,10 +457,7 @@ def max_eps0(
 
     if fits(eps0_max):
         return float(eps0_max)
-    lo, hi = 0.0, min(1.0, float(eps0_max))  # bracket by doubling, then bisect (invariant: not fits(hi))
+    lo, hi = 0.0, min(1.0, float(eps0_max))  # bracket by doubling (not fits(hi)), then bisect
     while fits(hi):
         lo, hi = hi, min(2.0 * hi, float(eps0_max))
-    while hi - lo > rel_tol * max(lo, 1e-6):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return composition.bisect_boundary(fits, lo, hi, rel_tol=rel_tol, abs_tol=rel_tol * 1e-6)
