@@ -1,11 +1,11 @@
 """Analyzer service in-process (real gRPC servers on loopback): operator API, planning, threshold release."""
 
 import math
-import time
 
 import grpc
 import numpy as np
 import pytest
+from _runs import wait_for_run
 from shuffledp.clients.node import start_node
 from shuffledp.clients.policy import UserPolicy
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
@@ -54,16 +54,6 @@ def services(tmp_path):
     shuffler.stop(0)
 
 
-def _wait(stub, run_id, timeout=30):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        st = stub.GetRunStatus(pb.RunRef(run_id=run_id))
-        if st.state not in (pb.CREATED, pb.RUNNING):
-            return st
-        time.sleep(0.1)
-    raise AssertionError(f"run {run_id} did not finish in {timeout} s")
-
-
 def test_operator_api_errors_and_cancel(services, data):
     stub, _, _, _ = services
     with pytest.raises(grpc.RpcError) as err:
@@ -94,7 +84,7 @@ def test_rounds_below_threshold_are_released_and_cost_nothing(services, data):
     nodes += [start_node(f"n{i}", cfg, i, 2, shuffler, policy=stingy) for i in range(2)]
     run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
     stub.StartRun(pb.RunRef(run_id=run_id))
-    st = _wait(stub, run_id)
+    st = wait_for_run(stub, run_id)
     assert st.state == pb.FAILED and "consecutive" in st.message
     assert st.budget.eps_spent == 0.0 and st.budget.rounds_committed == 0
     assert all(not m.released for m in st.metrics)
@@ -147,7 +137,7 @@ def test_bits_transport_decodes_sealed_labelled_bits(services, tmp_path):
     nodes += [start_node(f"b{i}", cfg, i, 2, shuffler) for i in range(2)]
     run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
     stub.StartRun(pb.RunRef(run_id=run_id))
-    st = _wait(stub, run_id, timeout=60)
+    st = wait_for_run(stub, run_id, timeout=60)
     assert st.state == pb.COMPLETED, st.message
     assert all(m.released and m.contributors == 40 for m in st.metrics)
     # initial loss of theta = 0 on y = 0.5 x + 0.2 is E[y^2]/2 ~ 0.06; two noisy steps must reduce it

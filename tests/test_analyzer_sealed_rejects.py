@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-import time
 
 import grpc
 import numpy as np
 import pytest
+from _runs import wait_for_run
 from shuffledp.clients.policy import pvec_params_from_spec
 from shuffledp.services.analyzer import start_analyzer
 from shuffledp.services.run_manager import MALFORMED_PLAINTEXT, UNDECRYPTABLE, open_bit_messages
@@ -173,16 +173,6 @@ class SealingNode:
         self.channel.close()
 
 
-def _wait(stub: pbg.AnalyzerStub, run_id: str, timeout: float = 120) -> pb.RunStatus:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        st = stub.GetRunStatus(pb.RunRef(run_id=run_id))
-        if st.state not in (pb.CREATED, pb.RUNNING):
-            return st
-        time.sleep(0.1)
-    raise AssertionError(f"run {run_id} did not finish in {timeout} s")
-
-
 def test_analyzer_skips_bad_ciphertexts_decodes_the_rest_and_fails_below_threshold(tmp_path, caplog):
     rng = make_rng(31)
     X = rng.uniform(-1, 1, size=(40, 1))
@@ -205,7 +195,7 @@ def test_analyzer_skips_bad_ciphertexts_decodes_the_rest_and_fails_below_thresho
         with caplog.at_level(logging.WARNING, logger="shuffledp.services.run_manager"):
             run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
             stub.StartRun(pb.RunRef(run_id=run_id))
-            st = _wait(stub, run_id)
+            st = wait_for_run(stub, run_id, timeout=120)
             result = stub.GetRunResult(pb.RunRef(run_id=run_id))
         assert not node.errors, node.errors
         manager = analyzer.manager
