@@ -83,6 +83,56 @@ def test_chunked_hadamard_path_for_large_d():
     np.testing.assert_allclose(r_one._hadamard_dots(X, rows, params), expected, rtol=1e-12)
 
 
+def _use_path(monkeypatch, table: bool, chunk: int, kron_chunk: int) -> None:
+    # Route _hadamard_dots through the cached-table path or the Kronecker path, with small blocks so that several
+    # blocks, sub-blocks and a partial last block all occur.
+    monkeypatch.setattr(r_one, "_HADAMARD_CACHE_BYTES", 2**40 if table else 0)
+    monkeypatch.setattr(r_one, "_CHUNK_ENTRIES", chunk)
+    monkeypatch.setattr(r_one, "_KRON_CHUNK_ENTRIES", kron_chunk)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 64, 100, 129, 255, 256, 1000, 1025])
+def test_table_and_kron_paths_give_the_same_dots_and_l1(monkeypatch, d):
+    # <x, H_l> and ||x||_1 from both code paths against scipy's Hadamard matrix; d covers powers of 2, D = d + 1 and
+    # Kronecker splits with and without a tail block. Sums of d terms in another order: |error| <= 1e-13 ||x||_1.
+    params = r_one.make_params(1.0, d, 1.0)
+    rng = make_rng(52)
+    k = 37
+    X, rows = rng.standard_normal((k, d)), rng.integers(0, params.D, k)
+    X[0] = 0.0
+    expected = (X * hadamard(params.D)[rows, :d]).sum(1)
+    l1_expected = np.abs(X).sum(1)
+    for table in (True, False):
+        _use_path(monkeypatch, table, chunk=5 * d + 3, kron_chunk=11 * d)
+        l1 = np.empty(k)
+        dots = r_one._hadamard_dots(X, rows, params, l1)
+        np.testing.assert_allclose(dots, expected, rtol=0, atol=1e-13 * l1_expected.max())
+        np.testing.assert_allclose(l1, l1_expected, rtol=1e-13)
+        np.testing.assert_array_equal(r_one._hadamard_dots(X, rows, params), dots)  # l1 or not: same dots
+
+
+def test_encode_same_messages_on_both_paths(monkeypatch):
+    # Same seed, same draws: the two paths' z differ by ~1e-16, so a coin could differ only if a uniform fell that
+    # close to its threshold (probability ~1e-13 per user); with the fixed seed the messages must be identical.
+    params = r_one.make_params(1.5, 300, 2.0)
+    X = make_rng(53).uniform(-1, 1, (3000, 300))
+    X *= (2.0 * make_rng(54).uniform(0, 1, 3000) / np.abs(X).sum(1))[:, None]
+    X[:10] = 0.0
+    X[10:20] = 2.0 * np.eye(300)[:10]  # vertices: |z| = 1, the clamped extremes
+    msgs = []
+    for table in (True, False):
+        _use_path(monkeypatch, table, chunk=2**12, kron_chunk=2**14)
+        msgs.append(r_one.encode(X, params, make_rng(55)))
+        bad = X[:5].copy()
+        bad[3, 7] = 2.5  # l_1 norm 2.5 > radius 2
+        with pytest.raises(ValueError, match="row 3 of X has l_1 norm"):
+            r_one.encode(bad, params, make_rng(55))
+        bad[3, 7] = np.inf
+        with pytest.raises(ValueError, match="row 3 of X must be finite"):
+            r_one.encode(bad, params, make_rng(55))
+    np.testing.assert_array_equal(msgs[0], msgs[1])
+
+
 @pytest.mark.parametrize(
     "eps0,x", [(1.0, [1.0, -0.5, 0.0, 0.25, 0.2]), (0.5, [0.0] * 5), (3.0, [-2.0, 0.0, 0.0, 0.0, 0.0])]
 )

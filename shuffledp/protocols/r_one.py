@@ -32,10 +32,14 @@ from shuffledp.protocols.ldp_common import (
     signed_symbol_probabilities,
 )
 
-# Cache the first d columns of H as float64 when that table is at most this many bytes; beyond it rows are
-# computed from popcounts in chunks of users (same values, bounded memory).
-_HADAMARD_CACHE_BYTES = 32 * 2**20
-_CHUNK_ENTRIES = 2**20
+# Gather rows of a cached float64 table H[:, :d] when that table is at most this many bytes: at small d the cheapest
+# exact way to get <x, H_l>. Beyond it (d > 512) the Kronecker split of `_kron_dots` is faster and needs no table.
+_HADAMARD_CACHE_BYTES = 4 * 2**20
+# Users go in blocks of at most _CHUNK_ENTRIES entries of X for the work that needs an n x d scratch (small, reused,
+# and the block is still in cache for the l_1 norms), and of at most _KRON_CHUNK_ENTRIES per `_kron_dots` call (whose
+# temporaries are O(sqrt D) per user, so larger blocks only save per-call overhead).
+_CHUNK_ENTRIES = 2**16
+_KRON_CHUNK_ENTRIES = 2**18
 
 
 @dataclass(frozen=True)
@@ -76,14 +80,53 @@ def _hadamard_table(D: int, d: int) -> np.ndarray:
     return table
 
 
-def _hadamard_dots(X: np.ndarray, rows: np.ndarray, params: ROneParams) -> np.ndarray:
-    """<X[i], H[rows[i], :d]> for every user i."""
-    if params.D * params.d * 8 <= _HADAMARD_CACHE_BYTES:
-        return np.einsum("ij,ij->i", X, _hadamard_table(params.D, params.d)[rows])
-    out = np.empty(X.shape[0])
-    step = max(1, _CHUNK_ENTRIES // params.d)
-    for a in range(0, X.shape[0], step):  # chunks of many users, bounded memory
-        out[a : a + step] = np.einsum("ij,ij->i", X[a : a + step], hadamard_rows_popcount(rows[a : a + step], params.d))
+def _kron_dots(X: np.ndarray, rows: np.ndarray, D: int) -> np.ndarray:
+    """<X[i], H[rows[i], :d]> via H_D = H_M (x) H_B, B = 2^ceil(log2(D)/2), M = D/B: O(sqrt(D)) table work per user.
+
+    With l = lh B + ll and j = jh B + jl, popcount(l & j) = popcount(lh & jh) + popcount(ll & jl), so
+    H[l, j] = H[lh, jh] H[ll, jl] and <x, H_l> = sum_jh H[lh, jh] <x[jh B : (jh + 1) B], H[ll, :B]>.
+    """
+    n, d = X.shape
+    b = D.bit_length() // 2  # ceil(log2(D) / 2)
+    B = 1 << b
+    m, t = divmod(d, B)
+    low = hadamard_rows_popcount(rows & (B - 1), B)  # (n, B): H[ll, :B]
+    high = hadamard_rows_popcount(rows >> b, m + (t > 0))  # (n, m or m+1): H[lh, jh]; jh < M <= B
+    blocks = np.matmul(X[:, : m * B].reshape(n, m, B), low[:, :, None])[:, :, 0]  # (n, m) block dots, one BLAS call
+    dots = np.vecdot(blocks, high[:, :m])
+    if t:
+        dots += high[:, m] * np.vecdot(X[:, m * B :], low[:, :t])
+    return dots
+
+
+def _hadamard_dots(X: np.ndarray, rows: np.ndarray, params: ROneParams, l1: np.ndarray | None = None) -> np.ndarray:
+    """<X[i], H[rows[i], :d]> for every user i; if l1 (shape (k,)) is given, it receives ||X[i]||_1 too.
+
+    Users go in blocks; the l_1 norms of a block are taken right after its dot products, while the block is still in
+    cache, so X is read from memory about once. Scratch is one reused block of at most _CHUNK_ENTRIES entries.
+    """
+    k, d = X.shape
+    out = np.empty(k)
+    sub = max(1, _CHUNK_ENTRIES // d)
+    scratch = np.empty((min(k, sub), d))  # reused across blocks: no fresh pages to fault in
+    ones = np.ones(d)
+    if params.D * d * 8 <= _HADAMARD_CACHE_BYTES:
+        table = _hadamard_table(params.D, d)
+        for a in range(0, k, sub):
+            Xa = X[a : a + sub]
+            S = scratch[: Xa.shape[0]]
+            np.take(table, rows[a : a + sub], axis=0, out=S, mode="clip")  # rows < D: "clip" only avoids a copy
+            np.vecdot(Xa, S, out=out[a : a + sub])
+            if l1 is not None:
+                np.matmul(np.abs(Xa, out=S), ones, out=l1[a : a + sub])  # BLAS row sums of |X|
+        return out
+    step = max(sub, _KRON_CHUNK_ENTRIES // d)
+    for a in range(0, k, step):
+        e = min(a + step, k)
+        out[a:e] = _kron_dots(X[a:e], rows[a:e], params.D)
+        for b in range(a, e if l1 is not None else a, sub):
+            f = min(b + sub, e)
+            np.matmul(np.abs(X[b:f], out=scratch[: f - b]), ones, out=l1[b:f])
     return out
 
 
@@ -110,11 +153,15 @@ def _check_X(X: np.ndarray, params: ROneParams) -> np.ndarray:
 def encode(X: np.ndarray, params: ROneParams, rng: np.random.Generator) -> np.ndarray:
     """Randomize a batch X of shape (k, d) into k symbols 2l + [b' = +1] in [0, 2D).
 
-    Draws 1 integer and 1 uniform per user.
+    Draws 1 integer and 1 uniform per user. A row outside the l_1 ball (or not finite) raises ValueError after the
+    row draw and before any coin, i.e. before anything depends on X.
     """
-    X = _check_X(X, params)
+    X = check_batch(X, params.d)
     rows = rng.integers(0, params.D, size=X.shape[0])
-    z = _hadamard_dots(X, rows, params) / params.radius  # clamped to [-1, 1] by rr_success_probability
+    l1 = np.empty(X.shape[0])
+    dots = _hadamard_dots(X, rows, params, l1)  # the norm check shares the pass over X
+    check_norm_bound(l1, params.radius, "l_1")
+    z = dots / params.radius  # clamped to [-1, 1] by rr_success_probability
     plus = bernoulli(rr_success_probability(z, params.flip), rng)
     return (2 * rows + plus).astype(params.message_format.dtype)
 
