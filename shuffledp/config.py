@@ -38,6 +38,9 @@ __all__ = [
 DEFAULT_TOML = """\
 # shuffledp embedded default: multinomial logistic regression on scikit-learn's digits (8x8 images, 10 classes),
 # one example per user, trained with PGD (fully interactive, Alg 5 of Cheu et al. 2022) over PVEC count mode.
+# `shuffledp run --print-default > my.toml` writes this file. Keys left out of a configuration take built-in
+# defaults, which are these values except two tuned here: model.radius (built-in 4) and schedule.learning_rate
+# (built-in: the theory rule of Thm 4.1 / Lemma B.6, eta = D / (L_G sqrt(T))).
 
 [data]
 dataset = "digits"          # "digits" (ships with scikit-learn) or "path"

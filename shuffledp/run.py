@@ -36,6 +36,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=Path, help="results directory (default: results/<config name>-<time>)")
     parser.add_argument("--quiet", action="store_true", help="only the final summary")
     parser.add_argument(
+        "--print-default",
+        action="store_true",
+        help="print the embedded default configuration (every key, commented) and exit: a start for your own",
+    )
+    parser.add_argument(
         "--analyzer",
         help="drive an already running deployment at HOST:PORT (e.g. docker compose) instead of starting processes",
     )
@@ -247,6 +252,9 @@ def _plot(path: Path, rows: list[dict]) -> None:
 def _run_command(args: argparse.Namespace) -> int:
     from shuffledp.config import DEFAULT_TOML, ConfigError, parse_config
 
+    if args.print_default:
+        print(DEFAULT_TOML, end="")
+        return 0
     try:
         config_toml = args.config.read_text() if args.config else DEFAULT_TOML
     except OSError as exc:

@@ -19,6 +19,35 @@ def test_minimal_config_takes_defaults():
     assert cfg.schedule.learning_rate is None and cfg.privacy.round_eps is None
 
 
+def test_builtin_defaults_differ_from_the_embedded_file_only_where_documented():
+    # config.py, README and DEFAULT_TOML's header say: model.radius and schedule.learning_rate, nothing else
+    import dataclasses
+
+    embedded, builtin = load_config(None), parse_config("")
+    diffs = {
+        f"{section}.{f.name}"
+        for section in ("data", "model", "privacy", "schedule", "transport", "deployment")
+        for f in dataclasses.fields(getattr(builtin, section))
+        if getattr(getattr(embedded, section), f.name) != getattr(getattr(builtin, section), f.name)
+    }
+    assert diffs == {"model.radius", "schedule.learning_rate"}
+
+
+def test_print_default_writes_the_embedded_file(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "shuffledp.cli", "run", "--print-default"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0 and res.stdout == DEFAULT_TOML, res.stderr
+    assert not any(tmp_path.iterdir())  # nothing run, no results directory
+
+
 def test_full_config_round_trip(tmp_path):
     text = """
 [data]
