@@ -19,7 +19,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import grpc
 import numpy as np
@@ -350,11 +350,14 @@ def start_node(
     rng: np.random.Generator | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> ClientNodeHandle:
-    """The client-node entry point (issue 4 contract): users = shuffledp.data.user_shard of config.data."""
+    """The client-node entry point (issue 4 contract): users = shuffledp.data.user_shard of config.data; their
+    policy is `policy` or else the configuration's [policy] section."""
     from shuffledp.data import load_dataset, user_shard
 
     ds = load_dataset(config.data, config.model.task)
     ids, X, y = user_shard(ds, node_index, num_nodes, config.data.examples_per_user, config.data.max_users)
+    if policy is None:
+        policy = UserPolicy(**asdict(config.policy))
     return start_node_with_shard(
         node_id,
         UserShard(ids, X, y),

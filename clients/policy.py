@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from shuffledp.config import PolicyConfig
 from shuffledp.protocols.pvec import PvecParams
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -53,13 +54,15 @@ class Refusal:
 
 @dataclass(frozen=True)
 class UserPolicy:
-    """One user's limits. Defaults accept the embedded default run (eps = 8 in total over PVEC count mode) and
-    refuse what no practitioner would accept (eps > 8 in one round)."""
+    """One user's limits (a run configuration's [policy] section gives them to every user of a node). Defaults
+    accept the embedded default run (eps = 8 in total over PVEC count mode) and refuse what no practitioner would
+    accept (eps > 8 in one round)."""
 
-    max_eps_per_round: float = 8.0
-    max_delta_per_round: float = 1e-3
-    max_total_eps: float = 64.0  # basic composition of per-round costs (an upper bound on the true spend)
-    max_total_delta: float = 1e-2
+    # the numbers' defaults are the run configuration's [policy] defaults (one source)
+    max_eps_per_round: float = PolicyConfig.max_eps_per_round
+    max_delta_per_round: float = PolicyConfig.max_delta_per_round
+    max_total_eps: float = PolicyConfig.max_total_eps  # basic composition of per-round costs (an upper bound)
+    max_total_delta: float = PolicyConfig.max_total_delta
     allowed_trust_models: frozenset[str] = frozenset({"shuffle", "local", "central"})
     allowed_transports: frozenset[str] = frozenset({"counts", "bits", "sealed"})  # drop "counts" to refuse it
     verify_randomizer: bool = True  # recompute the randomizer's eps rather than trust PrivacyCost

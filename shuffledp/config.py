@@ -25,6 +25,7 @@ __all__ = [
     "ScheduleConfig",
     "TransportConfig",
     "DeploymentConfig",
+    "PolicyConfig",
     "RunConfig",
     "parse_config",
     "load_config",
@@ -71,6 +72,12 @@ mode = "counts"             # "counts" (trusted shuffler adds) or "bits" (sealed
 client_nodes = 2
 round_deadline_seconds = 60.0
 insecure = true             # plain text on loopback (shuffledp run); false = mTLS from pki_dir
+
+[policy]                    # every simulated user's own limits, enforced by the client nodes (design 6)
+max_eps_per_round = 8.0     # a user refuses a round that costs more (its randomizer is re-checked, not trusted)
+max_delta_per_round = 1e-3
+max_total_eps = 64.0        # over all rounds, basic composition (an upper bound on the true spend)
+max_total_delta = 1e-2
 """
 
 
@@ -142,6 +149,17 @@ class DeploymentConfig:
 
 
 @dataclass(frozen=True)
+class PolicyConfig:
+    """The simulated users' privacy policy (clients/policy.py UserPolicy; the client nodes read it, the
+    analyzer ignores it). Defaults accept the embedded run and refuse eps > 8 in one round."""
+
+    max_eps_per_round: float = 8.0
+    max_delta_per_round: float = 1e-3
+    max_total_eps: float = 64.0
+    max_total_delta: float = 1e-2
+
+
+@dataclass(frozen=True)
 class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -149,6 +167,7 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     toml_text: str = ""  # the exact text parsed (kept so every party can be given the same document)
 
 
@@ -159,6 +178,7 @@ _SECTIONS: dict[str, type] = {
     "schedule": ScheduleConfig,
     "transport": TransportConfig,
     "deployment": DeploymentConfig,
+    "policy": PolicyConfig,
 }
 
 
@@ -303,6 +323,18 @@ def _deployment(t: dict[str, Any]) -> DeploymentConfig:
     )
 
 
+def _policy(t: dict[str, Any]) -> PolicyConfig:
+    p = PolicyConfig()
+    return PolicyConfig(
+        max_eps_per_round=_float("policy.max_eps_per_round", t.get("max_eps_per_round", p.max_eps_per_round), 0, 1e6),
+        max_delta_per_round=_float(
+            "policy.max_delta_per_round", t.get("max_delta_per_round", p.max_delta_per_round), 0.0, 1.0
+        ),
+        max_total_eps=_float("policy.max_total_eps", t.get("max_total_eps", p.max_total_eps), 0.0, 1e6),
+        max_total_delta=_float("policy.max_total_delta", t.get("max_total_delta", p.max_total_delta), 0.0, 1.0),
+    )
+
+
 _READERS = {
     "data": _data,
     "model": _model,
@@ -310,6 +342,7 @@ _READERS = {
     "schedule": _schedule,
     "transport": _transport,
     "deployment": _deployment,
+    "policy": _policy,
 }
 
 

@@ -144,11 +144,20 @@ def start_local_cluster(config_path: Path, workdir: Path, client_nodes: int) -> 
 
 
 def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
+    # why users are missing: their own policy refused the round ([policy] of the configuration), or their
+    # messages were rejected (by reason, at the shuffler or the analyzer)
+    why = []
+    if m.refused:
+        why.append(f"{m.refused} users refused by their [policy]")
+    if m.rejected:
+        why.append("rejected " + ", ".join(f"{k}={v}" for k, v in sorted(m.rejected.items())))
     if not m.released:
-        return f"round {m.round + 1:>4}/{planned}  NOT RELEASED (below threshold: {m.contributors} contributors)"
+        detail = "; ".join([f"below threshold: {m.contributors} contributors", *why])
+        return f"round {m.round + 1:>4}/{planned}  NOT RELEASED ({detail})"
     return (
         f"round {m.round + 1:>4}/{planned}  contributors {m.contributors:>6}  loss {m.loss:8.4f}  "
         f"accuracy {m.accuracy:6.3f}  eps spent {m.eps_spent:7.4f}  ({m.seconds:5.2f} s)"
+        + "".join(f"  [{w}]" for w in why)
     )
 
 

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from _runs import wait_for_run
 from shuffledp.clients.node import start_node
-from shuffledp.clients.policy import UserPolicy
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
 from shuffledp.services.ledger import Ledger
 from shuffledp.services.run_manager import PlanError, plan_run
@@ -16,6 +15,7 @@ from shuffledp.services.shuffler import start_shuffler
 from shuffledp.config import parse_config
 from shuffledp.data import load_dataset
 from shuffledp.models import make_model
+from shuffledp.run import _progress_line
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -77,11 +77,12 @@ def test_operator_api_errors_and_cancel(services, data):
 
 def test_rounds_below_threshold_are_released_and_cost_nothing(services, data):
     stub, shuffler, nodes, state_dir = services
+    # every user's policy ([policy] of the configuration the nodes read) refuses any round costing more than
+    # eps 0.01: no batch can reach the threshold
     cfg_text = data + "[privacy]\neps = 4.0\n[schedule]\nrounds = 5\n[deployment]\nround_deadline_seconds = 3\n"
+    cfg_text += "[policy]\nmax_eps_per_round = 0.01\n"
     cfg = parse_config(cfg_text)
-    # every user's policy refuses any round costing more than eps 0.01: no batch can reach the threshold
-    stingy = UserPolicy(max_eps_per_round=0.01)
-    nodes += [start_node(f"n{i}", cfg, i, 2, shuffler, policy=stingy) for i in range(2)]
+    nodes += [start_node(f"n{i}", cfg, i, 2, shuffler) for i in range(2)]
     run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
     stub.StartRun(pb.RunRef(run_id=run_id))
     st = wait_for_run(stub, run_id)
@@ -94,6 +95,7 @@ def test_rounds_below_threshold_are_released_and_cost_nothing(services, data):
     assert sum(sum(n.core.status().refusals.values()) for n in nodes) == len(rows) * N_USERS
     # ... and the analyzer's round metrics report them (from the shuffler's batch report)
     assert [m.refused for m in st.metrics] == [N_USERS] * len(rows)
+    assert f"{N_USERS} users refused by their [policy]" in _progress_line(st.metrics[0], 5)  # what the operator sees
 
 
 def test_plan_sequential_and_fully_interactive(data):

@@ -26,7 +26,7 @@ def test_builtin_defaults_differ_from_the_embedded_file_only_where_documented():
     embedded, builtin = load_config(None), parse_config("")
     diffs = {
         f"{section}.{f.name}"
-        for section in ("data", "model", "privacy", "schedule", "transport", "deployment")
+        for section in ("data", "model", "privacy", "schedule", "transport", "deployment", "policy")
         for f in dataclasses.fields(getattr(builtin, section))
         if getattr(getattr(embedded, section), f.name) != getattr(getattr(builtin, section), f.name)
     }
@@ -136,3 +136,19 @@ def test_not_toml_and_missing_file(tmp_path):
         parse_config("[privacy\neps=1")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_policy_section_is_validated_and_reaches_the_users_policy():
+    from shuffledp.clients.policy import UserPolicy
+
+    cfg = parse_config("[policy]\nmax_eps_per_round = 12.5\nmax_total_delta = 0.05\n")
+    assert cfg.policy.max_eps_per_round == 12.5 and cfg.policy.max_total_delta == 0.05
+    assert cfg.policy.max_total_eps == UserPolicy().max_total_eps  # untouched keys: the users' defaults
+    for bad, key in [
+        ("max_eps_per_round = -1.0", "policy.max_eps_per_round"),
+        ("max_delta_per_round = 1.5", "policy.max_delta_per_round"),
+        ('max_total_eps = "lots"', "policy.max_total_eps"),
+        ("allowed = 1", "policy.allowed"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            parse_config(f"[policy]\n{bad}\n")
