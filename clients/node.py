@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from shuffledp.clients.policy import PolicyTable, UserPolicy, pvec_params_from_spec
 
+from shuffledp.health import start_with_health
 from shuffledp.models import make_model
 from shuffledp.protocols import pvec
 from shuffledp.rng import make_rng
@@ -228,23 +229,14 @@ class ClientNodeHandle:
             interceptors=list(interceptors),
         )
         pbg.add_ClientNodeServicer_to_server(_NodeServicer(core), self._server)
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = (
-            self._server.add_insecure_port(listen)
-            if server_credentials is None
-            else self._server.add_secure_port(listen, server_credentials)
+        # the named service reports whether the node is connected to the shuffler: not yet
+        self.port, self._health = start_with_health(
+            self._server, listen, server_credentials, "shuffledp.v1.ClientNode", serving=False
         )
-        if self.port == 0:
-            raise OSError(f"could not bind the client node to {listen!r}")
-        self._server.start()
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._thread = threading.Thread(target=self._loop, name=f"{core.node_id}-stream", daemon=True)
         self._thread.start()
 
     def _set_health(self, status: int) -> None:
-        # "" = the whole server; the named service reports whether the node is connected to the shuffler
-        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set("shuffledp.v1.ClientNode", status)
 
     def _loop(self) -> None:

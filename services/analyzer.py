@@ -15,11 +15,11 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shuffledp.services.ledger import BudgetTotals, Ledger, LedgerError
 from shuffledp.services.run_manager import PlanError, RunManager, RunNotFound, RunStateError, RunView
 
 from shuffledp.config import ConfigError
+from shuffledp.health import start_with_health
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -175,18 +175,8 @@ def start_analyzer(
     manager = RunManager(Ledger(state_dir / LEDGER_FILE), pbg.ShufflerStub(channel))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=list(interceptors))
     pbg.add_AnalyzerServicer_to_server(AnalyzerServicer(manager), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server_credentials is None:
-        port = server.add_insecure_port(listen)
-    else:
-        port = server.add_secure_port(listen, server_credentials)
-    if port == 0:
-        raise OSError(f"analyzer could not bind {listen!r}")
-    server.start()
-    # standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it
-    for name in ("", "shuffledp.v1.Analyzer"):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    # with the standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it
+    port, _ = start_with_health(server, listen, server_credentials, "shuffledp.v1.Analyzer")
     server.manager = manager  # type: ignore[attr-defined]  (tests and serve.py may inspect it)
     server.shuffler_channel = channel  # type: ignore[attr-defined]
     manager.resume()

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shuffledp.services.shuffler_state import (
     BatchResult,
     CohortUnavailable,
@@ -30,6 +29,7 @@ from shuffledp.services.shuffler_state import (
     UserMessage,
 )
 
+from shuffledp.health import start_with_health
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -197,18 +197,8 @@ def serve_shuffler(
         options=SERVER_OPTIONS,
     )
     pbg.add_ShufflerServicer_to_server(ShufflerServicer(state), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server_credentials is None:
-        port = server.add_insecure_port(listen)
-    else:
-        port = server.add_secure_port(listen, server_credentials)
-    if port == 0:
-        raise OSError(f"could not bind the shuffler to {listen!r}")
-    server.start()
-    # standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it
-    for name in ("", "shuffledp.v1.Shuffler"):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    # with the standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it
+    port, _ = start_with_health(server, listen, server_credentials, "shuffledp.v1.Shuffler")
     return server, port
 
 

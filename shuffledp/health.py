@@ -19,11 +19,11 @@ from pathlib import Path
 
 import grpc
 from cryptography import x509
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shuffledp import pki
 
-__all__ = ["HealthError", "role_of", "check", "add_parser", "main"]
+__all__ = ["HealthError", "role_of", "check", "start_with_health", "add_parser", "main"]
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -41,6 +41,29 @@ def role_of(pki_dir: str | os.PathLike[str], name: str) -> str:
     if ident is None or ident.name != name:
         raise ValueError(f"{cert_path} is not a shuffledp certificate of party {name!r}")
     return ident.role
+
+
+def start_with_health(
+    server: grpc.Server,
+    listen: str,
+    credentials: grpc.ServerCredentials | None,
+    service: str,
+    serving: bool = True,
+) -> tuple[int, health.HealthServicer]:
+    """Add the standard gRPC health service to `server`, bind `listen` (mTLS when credentials are given, else plain
+    text), start it; returns (bound port, health servicer). The whole server ("") reports SERVING once started;
+    `service` reports SERVING or, with serving=False, NOT_SERVING until its owner says otherwise. OSError if the
+    address cannot be bound."""
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)
+    if port == 0:
+        raise OSError(f"{service}: could not bind {listen!r}")
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    servicer.set(service, status)
+    return port, servicer
 
 
 def check(
