@@ -295,7 +295,7 @@ def component_breakdown(cfg: RunConfig, plan: dict, params: PvecParams, model: M
     """Where an end-to-end round spends its time: the services' own logic run in this process, no gRPC.
 
     Per round: each node's NodeCore.handle (policy, gradients, clip, encode_counts, building 500 UserMessage
-    protos with CountVector.u64), Contribution serialize + parse + conversion to the shuffler's domain objects,
+    protos with CountVector.packed), Contribution serialize + parse + conversion to the shuffler's domain objects,
     and the shuffler's ShufflerState.submit (per-message checks, design 5.3, then one vectorized range check and
     sum for the contribution). The nodes run one after
     the other here; in the real deployment they run in parallel on their own processes.

@@ -157,13 +157,14 @@ class NodeCore:
         nonces = _nonces(len(ids))
         if spec.transport == pb.COUNTS:
             counts = pvec.encode_counts(G, params, self._rng)  # (k, d) int64 in [0, g+m]
-            # CountVector.u64: each user's d counts as little-endian uint64, cut from one buffer (no per-count
-            # Python objects on either side of the wire)
-            rows = np.ascontiguousarray(counts, dtype=pvec.COUNT_WIRE_DTYPE).tobytes()
-            width = pvec.COUNT_WIRE_DTYPE.itemsize * counts.shape[1]
+            # CountVector.packed: each user's d counts in the round's wire width, cut from one buffer (no
+            # per-count Python objects on either side of the wire)
+            dtype = pvec.count_wire_dtype(params.g + params.m)
+            rows = np.ascontiguousarray(counts, dtype=dtype).tobytes()
+            width = dtype.itemsize * counts.shape[1]
             add = out.messages.add
             for i, u in enumerate(ids):
-                add(user_id=u, nonce=nonces[i]).counts.u64 = rows[i * width : (i + 1) * width]
+                add(user_id=u, nonce=nonces[i]).counts.packed = rows[i * width : (i + 1) * width]
             return
         if spec.randomizer.message_bytes not in (0, BIT_MESSAGE_BYTES):
             raise ValueError(

@@ -95,14 +95,14 @@ def _submission(c: pb.Contribution) -> Submission:
         kind = m.WhichOneof("payload")
         counts = packed = cts = None
         if kind == "counts":
-            # CountVector: u64 bytes go to the state as they are (decoded and validated there in one pass per
+            # CountVector: packed bytes go to the state as they are (decoded and validated there in one pass per
             # contribution); the repeated field is decoded here. Neither set = the legacy empty vector.
-            packed = m.counts.u64 or None
+            packed = m.counts.packed or None
             if m.counts.counts or packed is None:
                 counts = np.fromiter(m.counts.counts, dtype=np.uint64, count=len(m.counts.counts))
         elif kind == "sealed":
             cts = list(m.sealed.ciphertexts)
-        msgs.append(UserMessage(user_id=m.user_id, nonce=m.nonce, counts=counts, ciphertexts=cts, counts_u64=packed))
+        msgs.append(UserMessage(user_id=m.user_id, nonce=m.nonce, counts=counts, ciphertexts=cts, counts_packed=packed))
     return Submission(
         run_id=c.run_id,
         round=c.round,

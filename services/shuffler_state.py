@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shuffledp.protocols.pvec import COUNT_WIRE_DTYPE
+from shuffledp.protocols.pvec import count_wire_dtype
 from shuffledp.rng import make_rng
 from shuffledp.sealing import BIT_MESSAGE_BYTES, PUBLIC_KEY_BYTES, sealed_length
 
@@ -148,13 +148,13 @@ class RoundRequest:
 
 @dataclass(frozen=True)
 class UserMessage:
-    """One user's message. A COUNTS payload is `counts` or `counts_u64`, never both (both -> wrong_payload)."""
+    """One user's message. A COUNTS payload is `counts` or `counts_packed`, never both (both -> wrong_payload)."""
 
     user_id: str
     nonce: bytes
     counts: np.ndarray | None = None  # COUNTS payload (uint64 array), or None
     ciphertexts: Sequence[bytes] | None = None  # SEALED / BITS payload, or None
-    counts_u64: bytes | None = None  # COUNTS payload as d COUNT_WIRE_DTYPE values (8 d bytes), or None
+    counts_packed: bytes | None = None  # COUNTS payload: d values of the round's count_wire_dtype, or None
 
 
 @dataclass(frozen=True)
@@ -329,6 +329,7 @@ class _OpenRound:
     expected_messages: int
     expected_ct_len: int
     bound: int  # g + m
+    wire_dtype: np.dtype  # CountVector.packed: count_wire_dtype(g + m)
     answered: set[str] = field(default_factory=set)
     totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
     ciphertexts: list[bytes] = field(default_factory=list)
@@ -527,6 +528,7 @@ class ShufflerState:
                 expected_messages=per_user,
                 expected_ct_len=ct_len,
                 bound=bound,
+                wire_dtype=count_wire_dtype(bound),
             )
             if req.transport == Transport.COUNTS:
                 rnd.totals = np.zeros(req.dim, dtype=np.uint64)
@@ -635,9 +637,9 @@ class ShufflerState:
             return Ack(accepted, dict(rejected))
 
     def _add_counts(self, rnd: _OpenRound, rows: list[bytes], rejected: Counter) -> int:
-        """Range-check COUNTS payloads (each d COUNT_WIRE_DTYPE values) and add the valid ones into the running total,
-        one vectorized pass; returns how many were added. Caller holds the lock."""
-        block = np.frombuffer(b"".join(rows), dtype=COUNT_WIRE_DTYPE).reshape(len(rows), rnd.req.dim)
+        """Range-check COUNTS payloads (each d values of rnd.wire_dtype) and add the valid ones into the running
+        total, one vectorized pass; returns how many were added. Caller holds the lock."""
+        block = np.frombuffer(b"".join(rows), dtype=rnd.wire_dtype).reshape(len(rows), rnd.req.dim)
         ok = block.max(axis=1) <= rnd.bound  # unsigned: never negative, so [0, g+m] is this one bound
         n_ok = int(np.count_nonzero(ok))
         if n_ok < len(rows):
@@ -653,7 +655,7 @@ class ShufflerState:
         self, rnd: _OpenRound, node_id: str, msg: UserMessage, seen: set[bytes]
     ) -> Reason | bytes | None:
         """First failing check of design 5.3 for one user message (a Reason), else for COUNTS the payload as
-        d COUNT_WIRE_DTYPE values (bytes; its range is checked by _add_counts), else None. Caller holds the lock."""
+        d values of rnd.wire_dtype (bytes; its range is checked by _add_counts), else None. Caller holds the lock."""
         nonce = bytes(msg.nonce)
         if not NONCE_MIN_BYTES <= len(nonce) <= NONCE_MAX_BYTES:
             return Reason.BAD_NONCE
@@ -668,17 +670,20 @@ class ShufflerState:
             return Reason.DUPLICATE_USER
         if rnd.req.transport == Transport.COUNTS:
             # exactly one COUNTS encoding: both set would leave open which one is the user's answer
-            if msg.ciphertexts is not None or (msg.counts is None) == (msg.counts_u64 is None):
+            if msg.ciphertexts is not None or (msg.counts is None) == (msg.counts_packed is None):
                 return Reason.WRONG_PAYLOAD
-            if msg.counts_u64 is not None:
-                packed = bytes(msg.counts_u64)
-                return packed if len(packed) == rnd.req.dim * COUNT_WIRE_DTYPE.itemsize else Reason.WRONG_COUNT_LENGTH
+            if msg.counts_packed is not None:
+                packed = bytes(msg.counts_packed)
+                ok = len(packed) == rnd.req.dim * rnd.wire_dtype.itemsize
+                return packed if ok else Reason.WRONG_COUNT_LENGTH
             if msg.counts.shape != (rnd.req.dim,):
                 return Reason.WRONG_COUNT_LENGTH
             if msg.counts.dtype.kind not in "ui" or (msg.counts.size and int(msg.counts.min()) < 0):
                 return Reason.COUNT_OUT_OF_RANGE  # only non-negative integers are counts
-            return msg.counts.astype(COUNT_WIRE_DTYPE).tobytes()
-        if msg.ciphertexts is None or msg.counts is not None or msg.counts_u64 is not None:
+            if msg.counts.size and int(msg.counts.max()) > rnd.bound:
+                return Reason.COUNT_OUT_OF_RANGE  # checked here: the narrow wire width below would wrap it
+            return msg.counts.astype(rnd.wire_dtype).tobytes()
+        if msg.ciphertexts is None or msg.counts is not None or msg.counts_packed is not None:
             return Reason.WRONG_PAYLOAD
         if len(msg.ciphertexts) != rnd.expected_messages:
             return Reason.WRONG_MESSAGE_COUNT

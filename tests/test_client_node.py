@@ -86,7 +86,9 @@ def test_counts_pipeline_is_unbiased_for_clipped_gradient_sum():
         con = core.handle(invite(make_spec(round_=r), shard))
         assert not con.refusals and len(con.messages) == N
         assert all(m.WhichOneof("payload") == "counts" and not m.counts.counts for m in con.messages)
-        counts = np.array([np.frombuffer(m.counts.u64, dtype="<u8") for m in con.messages], dtype=np.int64)
+        wire = pvec.count_wire_dtype(16 + 8)  # g + m = 24: one byte per count on the wire
+        assert wire.itemsize == 1 and all(len(m.counts.packed) == D for m in con.messages)
+        counts = np.array([np.frombuffer(m.counts.packed, dtype=wire) for m in con.messages], dtype=np.int64)
         assert counts.shape == (N, D) and counts.min() >= 0 and counts.max() <= 16 + 8
         assert len({m.nonce for m in con.messages}) == N and all(len(m.nonce) == 16 for m in con.messages)
         est.append(pvec.decode_counts(counts.sum(axis=0), N, params))

@@ -523,3 +523,16 @@ def test_encode_decode_errors(small_pvec: PvecParams) -> None:
 def test_module_exports_exist() -> None:
     for name in pvec.__all__:
         assert hasattr(pvec, name), name
+
+
+def test_count_wire_dtype_is_the_narrowest_width_that_holds_g_plus_m():
+    cases = {0: 1, 255: 1, 256: 2, 65535: 2, 65536: 4, 2**32 - 1: 4, 2**32: 8, 2**64 - 1: 8}
+    for max_count, width in cases.items():
+        dt = pvec.count_wire_dtype(max_count)
+        assert (
+            dt.itemsize == width and dt.kind == "u" and dt.byteorder in "<=|"
+        )  # little-endian (or one byte), unsigned
+        assert np.array([max_count], dtype=dt)[0] == max_count  # holds the largest count exactly
+    for bad in (-1, 2**64, 1.5):
+        with pytest.raises(ValueError):
+            pvec.count_wire_dtype(bad)

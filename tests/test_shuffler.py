@@ -28,6 +28,7 @@ from shuffledp.services.shuffler_state import (
     Transport,
 )
 
+from shuffledp.protocols import pvec
 from shuffledp.rng import make_rng
 from shuffledp.sealing import (
     BIT_MESSAGE_BYTES,
@@ -107,10 +108,10 @@ def shuffler():
     s.stop()
 
 
-def wire_counts(m: pb.UserMessage) -> np.ndarray:
-    """A user's counts as sent by a real node: CountVector.u64 only (d little-endian uint64)."""
+def wire_counts(m: pb.UserMessage, bound: int = 4 + 6) -> np.ndarray:  # spec(): g + m = 10
+    """A user's counts as sent by a real node: CountVector.packed only (d values of count_wire_dtype(g+m))."""
     assert m.WhichOneof("payload") == "counts" and not m.counts.counts
-    return np.frombuffer(m.counts.u64, dtype="<u8").astype(np.int64)
+    return np.frombuffer(m.counts.packed, dtype=pvec.count_wire_dtype(bound)).astype(np.int64)
 
 
 def shard(prefix: str, n: int, seed: int) -> UserShard:
@@ -261,11 +262,15 @@ def test_permutation_uniform_chi_square(shuffler):
     assert chi2.pvalue > 1e-3, (hist, chi2)
 
 
-def test_count_vector_u64_malformed_cases_rejected_and_counted(shuffler):
-    """CountVector.u64 (d little-endian uint64, design 5.3): a wrong length, a count above g+m (also 1 sent
-    big-endian) and both encodings in one message are rejected with their reason and counted; a valid u64 message
-    and a valid legacy repeated-field message, sent in the same Submit as two bad ones, are the only ones summed."""
-    g, m = 4, 6  # spec(): counts in [0, g+m] = [0, 10], d = F + 1 = 4
+@pytest.mark.parametrize("g, m", [(4, 6), (4, 300), (4, 70_000)])  # wire widths 1, 2 and 4 bytes
+def test_count_vector_packed_malformed_cases_rejected_and_counted(shuffler, g, m):
+    """CountVector.packed (d values of count_wire_dtype(g+m), design 5.3): a wrong length, a count above g+m, a
+    legacy count that the narrow width would wrap into range, and both encodings in one message are rejected with
+    their reason and counted; a valid packed message and a valid legacy repeated-field message, sent in the same
+    Submit as two bad ones, are the only ones summed."""
+    bound = g + m  # spec(): counts in [0, g+m], d = F + 1 = 4
+    dtype = pvec.count_wire_dtype(bound)
+    assert dtype.itemsize == {10: 1, 304: 2, 70_004: 4}[bound]
     users = [f"c{i}" for i in range(7)]
     node = FakeNode(shuffler.stub, "fake", users)
     shuffler.wait_nodes(1, users=len(users))
@@ -274,19 +279,23 @@ def test_count_vector_u64_malformed_cases_rejected_and_counted(shuffler):
     def msg(user: str, **payload) -> pb.UserMessage:
         return pb.UserMessage(user_id=user, nonce=secrets.token_bytes(16), counts=pb.CountVector(**payload))
 
-    good_u64, good_legacy = np.array([1, 2, 3, g + m], dtype="<u8"), [4, 0, 10, 1]
+    good_packed, good_legacy = np.array([1, 2, 3, bound], dtype=dtype), [4, 0, bound, 1]
+    wraps = bound + 2 ** (8 * dtype.itemsize)  # as the wire width it would read as `bound`: must not be summed
     submissions = [  # (messages, expected accepted, expected rejected)
         (  # d - 1 values; not a whole number of values
-            [msg("c0", u64=good_u64.tobytes()[:-8]), msg("c1", u64=good_u64.tobytes() + b"\0")],
+            [
+                msg("c0", packed=good_packed.tobytes()[: -dtype.itemsize]),
+                msg("c1", packed=good_packed.tobytes() + b"\0"),
+            ],
             0,
             {"wrong_count_length": 2},
         ),
-        ([msg("c2", u64=good_u64.tobytes(), counts=good_legacy)], 0, {"wrong_payload": 1}),
+        ([msg("c2", packed=good_packed.tobytes(), counts=good_legacy)], 0, {"wrong_payload": 1}),
         (
             [
-                msg("c3", u64=np.array([0, g + m + 1, 0, 0], dtype="<u8").tobytes()),
-                msg("c4", u64=good_u64.tobytes()),
-                msg("c5", u64=np.array([0, 0, 1, 0], dtype=">u8").tobytes()),  # read as 2^56: out of range
+                msg("c3", packed=np.array([0, bound + 1, 0, 0], dtype=dtype).tobytes()),
+                msg("c4", packed=good_packed.tobytes()),
+                msg("c5", counts=[0, wraps, 0, 0]),
                 msg("c6", counts=good_legacy),
             ],
             2,
@@ -305,7 +314,7 @@ def test_count_vector_u64_malformed_cases_rejected_and_counted(shuffler):
         node.call.cancel()
         pool.shutdown()
     assert batch.released and batch.report.contributors == 2 and batch.report.invited == 7
-    np.testing.assert_array_equal(np.array(batch.label_totals), good_u64.astype(np.int64) + good_legacy)
+    np.testing.assert_array_equal(np.array(batch.label_totals), good_packed.astype(np.int64) + good_legacy)
     expected = {"wrong_count_length": 2, "wrong_payload": 1, "count_out_of_range": 2}
     assert dict(batch.report.rejected) == expected
     after = shuffler.state.counters()

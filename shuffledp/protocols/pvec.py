@@ -27,7 +27,7 @@ from fractions import Fraction
 import numpy as np
 
 __all__ = [
-    "COUNT_WIRE_DTYPE",
+    "count_wire_dtype",
     "P1dParams",
     "PvecParams",
     "p1d_params",
@@ -62,9 +62,6 @@ MAX_M = 2**53
 _MAX_TOTAL = 2**62
 # Default memory guard for bit mode (labels int64 + bits uint8 = 9 bytes per message).
 DEFAULT_MAX_BIT_MESSAGES = 2**25
-# Count-mode wire format (CountVector.u64 in proto/shuffledp/v1/shuffledp.proto): the d counts of one user as
-# little-endian uint64, whatever the round; nodes write it, the shuffler validates and sums it.
-COUNT_WIRE_DTYPE = np.dtype("<u8")
 
 _METHODS = ("paper", "calibrated")
 
@@ -578,3 +575,16 @@ def p1d_variance(x: np.ndarray, params: P1dParams) -> float:
     """Exact variance of P1D on inputs x (spec 000 sec 2): (Delta/g)^2 [sum r_i(1-r_i) + n' m p(1-p)]."""
     u = _p1d_units(x, params)
     return float(params.scale**2 * _variance_units(u, params.g, params.m, params.p, axis=0))
+
+
+def count_wire_dtype(max_count: int) -> np.dtype:
+    """Count-mode wire format (CountVector.packed, proto/shuffledp/v1/shuffledp.proto): one user's d counts as
+    little-endian unsigned integers of the narrowest width in {1, 2, 4, 8} bytes that holds max_count = g + m, the
+    largest count one user can send (xhat <= g plus Bin(m, p) <= m). Nodes and the shuffler both derive it from the
+    round spec, so nothing on the wire says the width."""
+    if not isinstance(max_count, int | np.integer) or max_count < 0:
+        raise ValueError(f"max_count must be an integer >= 0, got {max_count!r}")
+    for width in (1, 2, 4, 8):
+        if int(max_count) < 2 ** (8 * width):
+            return np.dtype(f"<u{width}")
+    raise ValueError(f"max_count = {max_count} does not fit 64 bits")

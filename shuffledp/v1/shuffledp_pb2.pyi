@@ -155,12 +155,12 @@ class Invitation(_message.Message):
     def __init__(self, spec: _Optional[_Union[RoundSpec, _Mapping]] = ..., user_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CountVector(_message.Message):
-    __slots__ = ("counts", "u64")
+    __slots__ = ("counts", "packed")
     COUNTS_FIELD_NUMBER: _ClassVar[int]
-    U64_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
-    u64: bytes
-    def __init__(self, counts: _Optional[_Iterable[int]] = ..., u64: _Optional[bytes] = ...) -> None: ...
+    packed: bytes
+    def __init__(self, counts: _Optional[_Iterable[int]] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
 class SealedMessages(_message.Message):
     __slots__ = ("ciphertexts",)
