@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 from shuffledp.clients.node import NodeCore, UserShard
 from shuffledp.services.ledger import PrivacyEvent
-from shuffledp.services.run_manager import _per_user_claim, _tensor, plan_run
+from shuffledp.services.run_manager import plan_run, round_spec
 from shuffledp.services.shuffler import _request, _submission
 from shuffledp.services.shuffler_state import ShufflerState
 
@@ -219,38 +219,6 @@ def wait_population(stub: pbg.ShufflerStub, cluster: Cluster, timeout: float = 6
     raise RuntimeError(f"population incomplete after {timeout:.0f} s: {pop}")
 
 
-def round_spec(run_id: str, r: int, plan: dict, params: PvecParams, theta: np.ndarray) -> pb.RoundSpec:
-    """The RoundSpec the analyzer sends for a fully interactive count-mode round (services/run_manager._spec)."""
-    event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])
-    eps_r, delta_r = _per_user_claim(plan, params, event)  # the same claim the analyzer states
-    return pb.RoundSpec(
-        run_id=run_id,
-        round=r,
-        schedule=pb.FULLY_INTERACTIVE,
-        trust_model=pb.SHUFFLE,
-        transport=pb.COUNTS,
-        randomizer=pb.RandomizerSpec(
-            protocol="pvec",
-            clip_norm=params.delta2,
-            dim=params.d,
-            g=params.g,
-            m=params.m,
-            p=params.p,
-            messages_per_user=params.d,
-            extra={"eps": params.eps, "delta": params.delta, "n": float(params.n)},
-        ),
-        model=_tensor(theta),
-        task=plan["task"],
-        cohort_size=0,
-        min_contributors=plan["min_contributors"],
-        deadline_seconds=plan["deadline"],
-        per_user_cost=pb.PrivacyCost(
-            eps=eps_r, delta=delta_r, accountant=f"pvec-{params.method}", trust_model=pb.SHUFFLE
-        ),
-        local_batch=1,
-    )
-
-
 def bench_direct(
     cfg_path: Path, workdir: Path, plan: dict, params: PvecParams, model: Model, rounds: int
 ) -> tuple[list[float], dict[str, float], dict[str, float], dict[str, float]]:
@@ -259,6 +227,7 @@ def bench_direct(
     cluster, shuffler = start_shuffler_and_nodes(cfg_path, workdir)
     opt = pgd(plan["learning_rate"], plan["radius"])
     state = opt.init(model.init_params())
+    event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])  # the claim the analyzer states
     times: list[float] = []
     phases = {"execute_round": 0.0, "decode+step": 0.0}
     cpu: dict[str, float] = {}
@@ -268,7 +237,7 @@ def bench_direct(
             wait_population(stub, cluster)
             for r in range(rounds + 1):
                 t0 = time.perf_counter()
-                spec = round_spec("bench", r, plan, params, state.last)
+                spec = round_spec("bench", r, plan, params, event, state.last)
                 batch = stub.ExecuteRound(spec, timeout=plan["deadline"] + 30)
                 t1 = time.perf_counter()
                 n = int(batch.report.contributors)
@@ -311,8 +280,9 @@ def component_breakdown(cfg: RunConfig, plan: dict, params: PvecParams, model: M
     t: dict[str, list[float]] = defaultdict(list)
     theta = model.init_params()
     rng = make_rng()
+    event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])
     for r in range(rounds + 1):
-        spec = round_spec("profile", r, plan, params, theta)
+        spec = round_spec("profile", r, plan, params, event, theta)
         box: dict = {}
         runner = threading.Thread(target=lambda s=spec, b=box: b.update(batch=state.execute_round(_request(s))))
         runner.start()

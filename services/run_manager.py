@@ -67,6 +67,7 @@ __all__ = [
     "PlanError",
     "RunView",
     "plan_run",
+    "round_spec",
     "open_bit_messages",
     "TERMINAL_STATES",
     "UNDECRYPTABLE",
@@ -237,6 +238,49 @@ def open_bit_messages(
         labels.append(int(label))
         bits.append(int(bit))
     return np.asarray(labels, dtype=np.int64), np.asarray(bits, dtype=np.uint8), rejected
+
+
+def round_spec(
+    run_id: str,
+    r: int,
+    plan: dict[str, Any],
+    params: PvecParams,
+    event: PrivacyEvent,
+    theta: np.ndarray,
+    analyzer_public_key: bytes = b"",
+) -> pb.RoundSpec:
+    """The RoundSpec the analyzer sends for round r of a planned run at model theta (the key is used in BITS)."""
+    eps_r, delta_r = _per_user_claim(plan, params, event)
+    bits = plan["transport"] == "bits"
+    return pb.RoundSpec(
+        run_id=run_id,
+        round=r,
+        schedule=pb.SEQUENTIAL if plan["kind"] == "sequential" else pb.FULLY_INTERACTIVE,
+        trust_model=pb.SHUFFLE,
+        transport=pb.BITS if bits else pb.COUNTS,
+        randomizer=pb.RandomizerSpec(
+            protocol="pvec",
+            clip_norm=params.delta2,
+            dim=params.d,
+            g=params.g,
+            m=params.m,
+            p=params.p,
+            messages_per_user=params.messages_per_user if bits else params.d,
+            message_bytes=sealing.BIT_MESSAGE_BYTES if bits else 0,
+            extra={"eps": params.eps, "delta": params.delta, "n": float(params.n)},
+        ),
+        model=_tensor(theta),
+        task=plan["task"],
+        num_classes=plan["num_classes"] if plan["task"] == "logreg" else 0,
+        cohort_size=plan["cohort"] if plan["kind"] == "sequential" else 0,
+        min_contributors=plan["min_contributors"],
+        deadline_seconds=plan["deadline"],
+        per_user_cost=pb.PrivacyCost(
+            eps=eps_r, delta=delta_r, accountant=f"pvec-{params.method}", trust_model=pb.SHUFFLE
+        ),
+        analyzer_public_key=analyzer_public_key if bits else b"",
+        local_batch=1,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- views
@@ -481,51 +525,9 @@ class RunManager:
             r += 1
         self.ledger.set_state(run_id, "COMPLETED", "")
 
-    def _spec(
-        self,
-        run_id: str,
-        r: int,
-        plan: dict[str, Any],
-        params: PvecParams,
-        event: PrivacyEvent,
-        live: _Live,
-        state: AveragingState,
-    ) -> pb.RoundSpec:
-        eps_r, delta_r = _per_user_claim(plan, params, event)
-        bits = plan["transport"] == "bits"
-        return pb.RoundSpec(
-            run_id=run_id,
-            round=r,
-            schedule=pb.SEQUENTIAL if plan["kind"] == "sequential" else pb.FULLY_INTERACTIVE,
-            trust_model=pb.SHUFFLE,
-            transport=pb.BITS if bits else pb.COUNTS,
-            randomizer=pb.RandomizerSpec(
-                protocol="pvec",
-                clip_norm=params.delta2,
-                dim=params.d,
-                g=params.g,
-                m=params.m,
-                p=params.p,
-                messages_per_user=params.messages_per_user if bits else params.d,
-                message_bytes=sealing.BIT_MESSAGE_BYTES if bits else 0,
-                extra={"eps": params.eps, "delta": params.delta, "n": float(params.n)},
-            ),
-            model=_tensor(state.last),
-            task=plan["task"],
-            num_classes=plan["num_classes"] if plan["task"] == "logreg" else 0,
-            cohort_size=plan["cohort"] if plan["kind"] == "sequential" else 0,
-            min_contributors=plan["min_contributors"],
-            deadline_seconds=plan["deadline"],
-            per_user_cost=pb.PrivacyCost(
-                eps=eps_r, delta=delta_r, accountant=f"pvec-{params.method}", trust_model=pb.SHUFFLE
-            ),
-            analyzer_public_key=live.public_key if bits else b"",
-            local_batch=1,
-        )
-
     def _round(self, run_id, r, cfg, plan, params, model, state, step_fn, event, live):
         """One round after its reservation. Returns (outcome, state)."""
-        spec = self._spec(run_id, r, plan, params, event, live, state)
+        spec = round_spec(run_id, r, plan, params, event, state.last, live.public_key)
         t0 = self._clock()
         try:
             batch = self.shuffler.ExecuteRound(spec, timeout=plan["deadline"] + _RPC_GRACE_SECONDS)

@@ -124,9 +124,10 @@ def _hadamard_dots(X: np.ndarray, rows: np.ndarray, params: ROneParams, l1: np.n
     for a in range(0, k, step):
         e = min(a + step, k)
         out[a:e] = _kron_dots(X[a:e], rows[a:e], params.D)
-        for b in range(a, e if l1 is not None else a, sub):
-            f = min(b + sub, e)
-            np.matmul(np.abs(X[b:f], out=scratch[: f - b]), ones, out=l1[b:f])
+        if l1 is not None:
+            for b in range(a, e, sub):
+                f = min(b + sub, e)
+                np.matmul(np.abs(X[b:f], out=scratch[: f - b]), ones, out=l1[b:f])
     return out
 
 
