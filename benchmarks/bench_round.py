@@ -165,7 +165,7 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
 # ------------------------------------------------------------------------------------------------ analyzer
 def bench_analyzer(cfg_path: Path, workdir: Path, toml: str) -> tuple[list[float], dict[str, float], str]:
     """Real analyzer run: RoundMetrics.seconds of every released round after the first."""
-    cluster, analyzer = start_local_cluster(cfg_path, workdir, NODES)
+    cluster, _, analyzer = start_local_cluster(cfg_path, workdir, NODES)
     try:
         result = drive_run(analyzer, toml, cluster, echo=lambda *_: None)
         mem = peak_memory(cluster)
@@ -185,29 +185,6 @@ def bench_analyzer(cfg_path: Path, workdir: Path, toml: str) -> tuple[list[float
 
 
 # -------------------------------------------------------------------------------------------------- direct
-def start_shuffler_and_nodes(cfg_path: Path, workdir: Path) -> tuple[Cluster, str]:
-    """Like shuffledp.run.start_local_cluster without the analyzer (this process plays it)."""
-    (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(workdir)
-    try:
-        pf = cluster.spawn("shuffler", ["shuffler", "--insecure", "--state-dir", str(workdir / "state")])
-        shuffler = f"127.0.0.1:{cluster.wait_port('shuffler', pf)}"
-        files = {
-            f"client-{i}": cluster.spawn(
-                f"client-{i}",
-                ["client", "--insecure", "--shuffler", shuffler, "--config", str(cfg_path)]
-                + ["--node-index", str(i), "--num-nodes", str(NODES)],
-            )
-            for i in range(NODES)
-        }
-        for name, pf in files.items():
-            cluster.wait_port(name, pf)
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster, shuffler
-
-
 def wait_population(stub: pbg.ShufflerStub, cluster: Cluster, timeout: float = 60.0) -> pb.PopulationStatus:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -224,7 +201,7 @@ def bench_direct(
 ) -> tuple[list[float], dict[str, float], dict[str, float], dict[str, float]]:
     """This process calls ExecuteRound exactly as the analyzer does; returns round times, memory, phase split and
     CPU time per round of each service (independent of what else runs on a shared machine)."""
-    cluster, shuffler = start_shuffler_and_nodes(cfg_path, workdir)
+    cluster, shuffler, _ = start_local_cluster(cfg_path, workdir, NODES, with_analyzer=False)  # we play it
     opt = pgd(plan["learning_rate"], plan["radius"])
     state = opt.init(model.init_params())
     event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])  # the claim the analyzer states

@@ -105,18 +105,23 @@ class Cluster:
             (self.workdir / f"{name}.port").unlink(missing_ok=True)
 
 
-def start_local_cluster(config_path: Path, workdir: Path, client_nodes: int) -> tuple[Cluster, str]:
-    """Start shuffler, analyzer and client nodes as processes; returns the cluster and the analyzer address."""
+def start_local_cluster(
+    config_path: Path, workdir: Path, client_nodes: int, with_analyzer: bool = True
+) -> tuple[Cluster, str, str | None]:
+    """Start shuffler, analyzer (unless with_analyzer=False: the caller plays it) and client nodes as processes;
+    returns (cluster, shuffler address, analyzer address or None)."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     cluster = Cluster(workdir)
+    analyzer = None
     try:
         sec = ["--insecure"]
         pf = cluster.spawn("shuffler", ["shuffler", *sec, "--state-dir", str(workdir / "state")])
         shuffler = f"127.0.0.1:{cluster.wait_port('shuffler', pf)}"
-        pf = cluster.spawn(
-            "analyzer", ["analyzer", *sec, "--shuffler", shuffler, "--state-dir", str(workdir / "state")]
-        )
-        analyzer = f"127.0.0.1:{cluster.wait_port('analyzer', pf)}"
+        if with_analyzer:
+            pf = cluster.spawn(
+                "analyzer", ["analyzer", *sec, "--shuffler", shuffler, "--state-dir", str(workdir / "state")]
+            )
+            analyzer = f"127.0.0.1:{cluster.wait_port('analyzer', pf)}"
         node_files = {
             f"client-{i}": cluster.spawn(
                 f"client-{i}",
@@ -140,7 +145,7 @@ def start_local_cluster(config_path: Path, workdir: Path, client_nodes: int) -> 
     except BaseException:
         cluster.stop()
         raise
-    return cluster, analyzer
+    return cluster, shuffler, analyzer
 
 
 def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
@@ -290,7 +295,7 @@ def _run_command(args: argparse.Namespace) -> int:
             return 130
     else:
         print(f"shuffledp run: {label}: {config.deployment.client_nodes} client node(s); results in {out}")
-        cluster, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes)
+        cluster, _, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes)
         try:
             result = drive_run(analyzer, config_toml, cluster, echo)
         except KeyboardInterrupt:
