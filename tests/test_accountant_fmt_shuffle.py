@@ -7,9 +7,10 @@ import warnings
 
 import numpy as np
 import pytest
+from _rr_reference import rr_count_pmf
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as dpa_pld
-from scipy.stats import binom, hypergeom
+from scipy.stats import binom
 
 from shuffledp.accountants.fmt_shuffle import (
     baseline_epsilon,
@@ -148,17 +149,6 @@ def test_baseline_monotone_and_nonnegative():
 
 
 # ------------------------------------------------------------------------------------- tight PLD option
-def _exact_2rr_count_pmf(n: int, ones: int, k: int, eps0: float) -> np.ndarray:
-    """Exact pmf of the number of 1-reports of subsampled (k of n, w/o replacement) shuffled binary RR."""
-    keep = 1.0 / (1.0 + math.exp(-eps0))
-    pmf = np.zeros(k + 1)
-    for h in range(k + 1):
-        w = hypergeom.pmf(h, n, ones, k)
-        if w > 0:
-            pmf += w * np.convolve(
-                binom.pmf(np.arange(h + 1), h, keep), binom.pmf(np.arange(k - h + 1), k - h, 1 - keep)
-            )
-    return pmf
 
 
 def _pair_arrays(eps0: float, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -172,7 +162,7 @@ def test_subsampled_pair_dominates_exact_2rr(n, k, eps0):
     # post-processing dominance => H_E(M(D)||M(D')) <= H_E(X||Y) for every E >= 0 and both orders of (D, D')
     xx, yy = _pair_arrays(eps0, n, k)
     assert xx.sum() == pytest.approx(1.0, abs=1e-12) and yy.sum() == pytest.approx(1.0, abs=1e-12)
-    pmfs = [_exact_2rr_count_pmf(n, t, k, eps0) for t in range(n + 1)]
+    pmfs = [rr_count_pmf(n, t, k, eps0) for t in range(n + 1)]
     for big_e in (0.3, 0.7, 1.0, math.exp(0.05), math.exp(0.3), math.exp(1.0)):
         bound = np.maximum(xx - big_e * yy, 0).sum()
         for t in range(n):

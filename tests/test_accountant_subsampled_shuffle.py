@@ -9,8 +9,8 @@ import warnings
 import dp_accounting
 import numpy as np
 import pytest
+from _rr_reference import rr_count_pmf
 from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
-from scipy.stats import binom, hypergeom
 
 from shuffledp.accountants.rdp import (
     extended_rdp_to_dp,
@@ -113,19 +113,6 @@ def test_gdd21a_wbk19_baseline_reference_value():
 
 
 # --------------------------------------------------------------------------------- brute force (2RR, small n)
-def _output_count_pmf(n: int, ones: int, k: int, eps0: float) -> np.ndarray:
-    """Exact pmf of the number of 1-reports: k of n sampled without replacement (hypergeometric number of
-    ones sampled), each binary randomized response keeps its bit w.p. e^eps0/(1+e^eps0); the shuffled multiset
-    of bits is exactly this count."""
-    keep = 1.0 / (1.0 + math.exp(-eps0))
-    pmf = np.zeros(k + 1)
-    for h in range(k + 1):
-        w = hypergeom.pmf(h, n, ones, k)
-        if w > 0:
-            pmf += w * np.convolve(
-                binom.pmf(np.arange(h + 1), h, keep), binom.pmf(np.arange(k - h + 1), k - h, 1 - keep)
-            )
-    return pmf
 
 
 def _renyi(p: np.ndarray, q: np.ndarray, lam: float) -> float:
@@ -137,7 +124,7 @@ BRUTE_CASES = [(20, 5, 1.0), (30, 10, 2.0), (12, 12, 0.5), (40, 8, 3.0), (25, 20
 
 @pytest.mark.parametrize("n,k,eps0", BRUTE_CASES)
 def test_lower_le_exact_le_upper_bruteforce(n, k, eps0):
-    pmfs = [_output_count_pmf(n, ones, k, eps0) for ones in range(n + 1)]
+    pmfs = [rr_count_pmf(n, ones, k, eps0) for ones in range(n + 1)]
     orders = np.array([2, 3, 5, 10, 20])
     up = rdp_upper(orders, eps0, n, k)
     up_tight = subsampled_shuffle_rdp(eps0, n, k, orders=np.arange(2, 21), tighten=True)[orders - 2]
