@@ -15,7 +15,7 @@ from _ldp_stats import (
     assert_variance_in_band,
 )
 
-from shuffledp.protocols import r_inf
+from shuffledp.protocols import _ldp_kernels, r_inf
 from shuffledp.rng import make_rng
 
 
@@ -122,3 +122,38 @@ def test_bad_inputs():
             r_inf.encode(np.array([[0.0, 0.0, 0.0], [0.0, bad, 0.0]]), params, make_rng(1))
     with pytest.raises(ValueError, match="alphabet"):
         r_inf.decode(np.array([0, 6]), params)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("d", [1, 3, 8, 9, 17, 100])
+def test_norm_check_kernel_flags_exactly_the_rows_outside(d, portable):
+    # rows_over (C, both builds) against numpy's ~(|x| <= bound).all(): entries exactly at the bound pass, the next
+    # double above and any NaN/inf fail, wherever they sit (vector loop or tail), and -0.0 is 0.
+    bound = 0.75
+    up = np.nextafter(bound, np.inf)
+    values = [0.0, -0.0, bound, -bound, up, -up, np.nan, -np.nan, np.inf, -np.inf, 1e300, 5e-324]
+    rows = [np.zeros(d)]
+    for v, j in itertools.product(values, sorted({0, d // 2, d - 1})):
+        row = make_rng(60).uniform(-bound, bound, d)
+        row[j] = v
+        rows.append(row)
+    X = np.array(rows)
+    over = np.empty(X.shape[0], dtype=bool)
+    _ldp_kernels.rows_over(X, over, d, bound, portable)
+    np.testing.assert_array_equal(over, ~(np.abs(X) <= bound).all(axis=1))
+    assert over.sum() == 7 * len({0, d // 2, d - 1})  # up, -up, 2 NaN, 2 inf, 1e300; no false alarm
+    with pytest.raises(ValueError, match="finite bound"):
+        _ldp_kernels.rows_over(X, over, d, np.inf, portable)
+    with pytest.raises(ValueError, match="X has"):
+        _ldp_kernels.rows_over(X, over[:-1], d, bound, portable)
+
+
+def test_encode_names_the_first_row_outside_the_ball():
+    params = r_inf.make_params(1.0, 20, 0.5)
+    X = make_rng(61).uniform(-0.5, 0.5, (50, 20))
+    X[17, 19] = np.nextafter(0.5 * (1 + 1e-9), 1.0)  # just above the slack: refused
+    X[30, 0] = 0.5 * (1 + 1e-10)  # within the slack: accepted
+    with pytest.raises(ValueError, match="row 17 of X has l_inf norm"):
+        r_inf.encode(X, params, make_rng(1))
+    X[17, 19] = 0.5
+    assert r_inf.encode(X, params, make_rng(1)).shape == (50,)

@@ -1,6 +1,7 @@
 """R_1 (l_1 ball via Hadamard): exact privacy ratio, equivalence with the spec's multi-step description,
 unbiasedness, variance, Hadamard helpers, fixed messages, vectorization, bad input."""
 
+import functools
 import math
 
 import numpy as np
@@ -15,8 +16,10 @@ from _ldp_stats import (
 )
 from scipy.linalg import hadamard
 
-from shuffledp.protocols import r_one
+from shuffledp.protocols import _ldp_kernels, r_one
 from shuffledp.rng import make_rng
+
+_HADAMARD_DOTS = r_one._hadamard_dots
 
 
 def input_grid(d: int, r: float, rng: np.random.Generator) -> np.ndarray:
@@ -74,45 +77,51 @@ def test_hadamard_helpers_match_scipy():
         r_one.fwht(np.ones(6))
 
 
-def test_chunked_hadamard_path_for_large_d():
-    params = r_one.make_params(1.0, 3000, 1.0)  # D * d * 8 bytes > cache limit: chunked popcount path
-    assert params.D * params.d * 8 > r_one._HADAMARD_CACHE_BYTES
-    rng = make_rng(45)
-    X, rows = rng.standard_normal((7, 3000)), rng.integers(0, params.D, 7)
-    expected = (X * hadamard(params.D)[rows, :3000]).sum(1)
-    np.testing.assert_allclose(r_one._hadamard_dots(X, rows, params), expected, rtol=1e-12)
-
-
-def _use_path(monkeypatch, table: bool, chunk: int, kron_chunk: int) -> None:
-    # Route _hadamard_dots through the cached-table path or the Kronecker path, with small blocks so that several
-    # blocks, sub-blocks and a partial last block all occur.
-    monkeypatch.setattr(r_one, "_HADAMARD_CACHE_BYTES", 2**40 if table else 0)
-    monkeypatch.setattr(r_one, "_CHUNK_ENTRIES", chunk)
-    monkeypatch.setattr(r_one, "_KRON_CHUNK_ENTRIES", kron_chunk)
-
-
-@pytest.mark.parametrize("d", [1, 2, 3, 5, 64, 100, 129, 255, 256, 1000, 1025])
-def test_table_and_kron_paths_give_the_same_dots_and_l1(monkeypatch, d):
-    # <x, H_l> and ||x||_1 from both code paths against scipy's Hadamard matrix; d covers powers of 2, D = d + 1 and
-    # Kronecker splits with and without a tail block. Sums of d terms in another order: |error| <= 1e-13 ||x||_1.
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 7, 8, 9, 64, 100, 129, 255, 256, 257, 1000, 1025, 3000])
+def test_kernel_dots_and_l1_match_numpy(d, portable):
+    # <x, H_l> and ||x||_1 from the C kernel (AVX2 and portable builds) against numpy on H rows (checked against
+    # scipy above); d covers d < 8 (no vector loop), tails, one block (D <= 256) and several blocks with a partial
+    # last one. Sums of d terms in another order: |error| <= 1e-13 ||x||_1.
     params = r_one.make_params(1.0, d, 1.0)
     rng = make_rng(52)
     k = 37
     X, rows = rng.standard_normal((k, d)), rng.integers(0, params.D, k)
     X[0] = 0.0
-    expected = (X * hadamard(params.D)[rows, :d]).sum(1)
+    rows[1], rows[2] = 0, params.D - 1
+    expected = np.einsum("ij,ij->i", X, r_one.hadamard_rows_popcount(rows, d))
     l1_expected = np.abs(X).sum(1)
-    for table in (True, False):
-        _use_path(monkeypatch, table, chunk=5 * d + 3, kron_chunk=11 * d)
-        l1 = np.empty(k)
-        dots = r_one._hadamard_dots(X, rows, params, l1)
-        np.testing.assert_allclose(dots, expected, rtol=0, atol=1e-13 * l1_expected.max())
-        np.testing.assert_allclose(l1, l1_expected, rtol=1e-13)
-        np.testing.assert_array_equal(r_one._hadamard_dots(X, rows, params), dots)  # l1 or not: same dots
+    dots, l1 = r_one._hadamard_dots(X, rows, params, portable=portable)
+    np.testing.assert_allclose(dots, expected, rtol=0, atol=1e-13 * l1_expected.max())
+    np.testing.assert_allclose(l1, l1_expected, rtol=1e-13)
+    X[3, d - 1], X[4, 0], X[5, d // 2] = np.nan, np.inf, -np.inf  # last entry: in the tail loop when d % 8
+    l1 = r_one._hadamard_dots(X, rows, params, portable=portable)[1]
+    assert np.isnan(l1[3]) and l1[4] == l1[5] == np.inf and np.isfinite(np.delete(l1, [3, 4, 5])).all()
 
 
-def test_encode_same_messages_on_both_paths(monkeypatch):
-    # Same seed, same draws: the two paths' z differ by ~1e-16, so a coin could differ only if a uniform fell that
+def test_kernel_checks_its_buffers():
+    k, d, b = 4, 10, 3
+    X, rows, table = np.zeros((k, d)), np.zeros(k, dtype=np.int64), np.ones((8, 8))
+    dots, l1 = np.empty(k), np.empty(k)
+    _ldp_kernels.hadamard_dots_l1(X, rows, table, dots, l1, d, b)
+    for args, what in [
+        ((X[:, :9].copy(), rows, table, dots, l1, d, b), "X has"),
+        ((X, rows, table, dots[:3], l1, d, b), "dots has"),
+        ((X, rows, np.ones((4, 4)), dots, l1, d, b), "table has"),
+        ((X, rows, table, dots, l1, 0, b), "d >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            _ldp_kernels.hadamard_dots_l1(*args)
+    with pytest.raises(ValueError, match="not C-contiguous"):  # refused, never read with wrong strides
+        _ldp_kernels.hadamard_dots_l1(np.zeros((k, 2 * d))[:, ::2], rows, table, dots, l1, d, b)
+    frozen = np.empty(k)
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError, match="read-write"):  # outputs must be writable
+        _ldp_kernels.hadamard_dots_l1(X, rows, table, frozen, l1, d, b)
+
+
+def test_encode_same_messages_on_both_builds(monkeypatch):
+    # Same seed, same draws: the builds' z differ by ~1e-16, so a coin could differ only if a uniform fell that
     # close to its threshold (probability ~1e-13 per user); with the fixed seed the messages must be identical.
     params = r_one.make_params(1.5, 300, 2.0)
     X = make_rng(53).uniform(-1, 1, (3000, 300))
@@ -120,8 +129,8 @@ def test_encode_same_messages_on_both_paths(monkeypatch):
     X[:10] = 0.0
     X[10:20] = 2.0 * np.eye(300)[:10]  # vertices: |z| = 1, the clamped extremes
     msgs = []
-    for table in (True, False):
-        _use_path(monkeypatch, table, chunk=2**12, kron_chunk=2**14)
+    for portable in (False, True):
+        monkeypatch.setattr(r_one, "_hadamard_dots", functools.partial(_HADAMARD_DOTS, portable=portable))
         msgs.append(r_one.encode(X, params, make_rng(55)))
         bad = X[:5].copy()
         bad[3, 7] = 2.5  # l_1 norm 2.5 > radius 2

@@ -20,6 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from shuffledp.protocols import _ldp_kernels
 from shuffledp.protocols.ldp_common import (
     MessageFormat,
     bernoulli,
@@ -32,14 +33,8 @@ from shuffledp.protocols.ldp_common import (
     signed_symbol_probabilities,
 )
 
-# Gather rows of a cached float64 table H[:, :d] when that table is at most this many bytes: at small d the cheapest
-# exact way to get <x, H_l>. Beyond it (d > 512) the Kronecker split of `_kron_dots` is faster and needs no table.
-_HADAMARD_CACHE_BYTES = 4 * 2**20
-# Users go in blocks of at most _CHUNK_ENTRIES entries of X for the work that needs an n x d scratch (small, reused,
-# and the block is still in cache for the l_1 norms), and of at most _KRON_CHUNK_ENTRIES per `_kron_dots` call (whose
-# temporaries are O(sqrt D) per user, so larger blocks only save per-call overhead).
-_CHUNK_ENTRIES = 2**16
-_KRON_CHUNK_ENTRIES = 2**18
+# The kernel splits H_D = H_M (x) H_B with B = 2^b <= 2^_LOW_BITS: its table H_B (<= 512 KB) stays in cache.
+_LOW_BITS = 8
 
 
 @dataclass(frozen=True)
@@ -73,62 +68,26 @@ def hadamard_rows_popcount(rows: np.ndarray, d: int) -> np.ndarray:
     return 1.0 - 2.0 * parity
 
 
-@lru_cache(maxsize=8)
-def _hadamard_table(D: int, d: int) -> np.ndarray:
-    table = hadamard_rows_popcount(np.arange(D), d)
+@lru_cache(maxsize=16)
+def _low_table(b: int) -> np.ndarray:
+    table = hadamard_rows_popcount(np.arange(1 << b), 1 << b)
     table.flags.writeable = False
     return table
 
 
-def _kron_dots(X: np.ndarray, rows: np.ndarray, D: int) -> np.ndarray:
-    """<X[i], H[rows[i], :d]> via H_D = H_M (x) H_B, B = 2^ceil(log2(D)/2), M = D/B: O(sqrt(D)) table work per user.
+def _hadamard_dots(
+    X: np.ndarray, rows: np.ndarray, params: ROneParams, *, portable: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """(<X[i], H[rows[i], :d]>, ||X[i]||_1) for every user i, in one pass over X (_ldp_kernels.hadamard_dots_l1).
 
-    With l = lh B + ll and j = jh B + jl, popcount(l & j) = popcount(lh & jh) + popcount(ll & jl), so
-    H[l, j] = H[lh, jh] H[ll, jl] and <x, H_l> = sum_jh H[lh, jh] <x[jh B : (jh + 1) B], H[ll, :B]>.
-    """
-    n, d = X.shape
-    b = D.bit_length() // 2  # ceil(log2(D) / 2)
-    B = 1 << b
-    m, t = divmod(d, B)
-    low = hadamard_rows_popcount(rows & (B - 1), B)  # (n, B): H[ll, :B]
-    high = hadamard_rows_popcount(rows >> b, m + (t > 0))  # (n, m or m+1): H[lh, jh]; jh < M <= B
-    blocks = np.matmul(X[:, : m * B].reshape(n, m, B), low[:, :, None])[:, :, 0]  # (n, m) block dots, one BLAS call
-    dots = np.vecdot(blocks, high[:, :m])
-    if t:
-        dots += high[:, m] * np.vecdot(X[:, m * B :], low[:, :t])
-    return dots
-
-
-def _hadamard_dots(X: np.ndarray, rows: np.ndarray, params: ROneParams, l1: np.ndarray | None = None) -> np.ndarray:
-    """<X[i], H[rows[i], :d]> for every user i; if l1 (shape (k,)) is given, it receives ||X[i]||_1 too.
-
-    Users go in blocks; the l_1 norms of a block are taken right after its dot products, while the block is still in
-    cache, so X is read from memory about once. Scratch is one reused block of at most _CHUNK_ENTRIES entries.
+    The norm is NaN or inf for a row that is not finite. portable=True forces the kernel's non-AVX2 build (tests).
     """
     k, d = X.shape
-    out = np.empty(k)
-    sub = max(1, _CHUNK_ENTRIES // d)
-    scratch = np.empty((min(k, sub), d))  # reused across blocks: no fresh pages to fault in
-    ones = np.ones(d)
-    if params.D * d * 8 <= _HADAMARD_CACHE_BYTES:
-        table = _hadamard_table(params.D, d)
-        for a in range(0, k, sub):
-            Xa = X[a : a + sub]
-            S = scratch[: Xa.shape[0]]
-            np.take(table, rows[a : a + sub], axis=0, out=S, mode="clip")  # rows < D: "clip" only avoids a copy
-            np.vecdot(Xa, S, out=out[a : a + sub])
-            if l1 is not None:
-                np.matmul(np.abs(Xa, out=S), ones, out=l1[a : a + sub])  # BLAS row sums of |X|
-        return out
-    step = max(sub, _KRON_CHUNK_ENTRIES // d)
-    for a in range(0, k, step):
-        e = min(a + step, k)
-        out[a:e] = _kron_dots(X[a:e], rows[a:e], params.D)
-        if l1 is not None:
-            for b in range(a, e, sub):
-                f = min(b + sub, e)
-                np.matmul(np.abs(X[b:f], out=scratch[: f - b]), ones, out=l1[b:f])
-    return out
+    b = min(params.D.bit_length() - 1, _LOW_BITS)
+    dots, l1 = np.empty(k), np.empty(k)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    _ldp_kernels.hadamard_dots_l1(np.ascontiguousarray(X), rows, _low_table(b), dots, l1, d, b, portable)
+    return dots, l1
 
 
 def fwht(v: np.ndarray) -> np.ndarray:
@@ -159,8 +118,7 @@ def encode(X: np.ndarray, params: ROneParams, rng: np.random.Generator) -> np.nd
     """
     X = check_batch(X, params.d)
     rows = rng.integers(0, params.D, size=X.shape[0])
-    l1 = np.empty(X.shape[0])
-    dots = _hadamard_dots(X, rows, params, l1)  # the norm check shares the pass over X
+    dots, l1 = _hadamard_dots(X, rows, params)  # the norm check shares the pass over X
     check_norm_bound(l1, params.radius, "l_1")
     z = dots / params.radius  # clamped to [-1, 1] by rr_success_probability
     plus = bernoulli(rr_success_probability(z, params.flip), rng)
@@ -170,7 +128,9 @@ def encode(X: np.ndarray, params: ROneParams, rng: np.random.Generator) -> np.nd
 def exact_output_probabilities(X: np.ndarray, params: ROneParams) -> np.ndarray:
     """(k, 2D) array: P[symbol s | x] as realized by `encode`; column 2l is (l, -1), column 2l+1 is (l, +1)."""
     X = _check_X(X, params)
-    z = X @ _hadamard_table(params.D, params.d).T / params.radius  # (k, D); meant for the small d of tests
+    z = (
+        X @ hadamard_rows_popcount(np.arange(params.D), params.d).T / params.radius
+    )  # (k, D); meant for the small d of tests
     p_plus = realized_probability(rr_success_probability(z, params.flip))
     return signed_symbol_probabilities(p_plus, params.D)
 

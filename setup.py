@@ -1,0 +1,16 @@
+"""The one C extension (everything else is configured in pyproject.toml): fused row loops for R_1 and R_inf.
+
+Installing from source therefore needs a C compiler (gcc or clang); see shuffledp/protocols/_ldp_kernels.c for why.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "shuffledp.protocols._ldp_kernels",
+            sources=["shuffledp/protocols/_ldp_kernels.c"],
+            extra_compile_args=["-O3", "-Wno-psabi"],  # no -ffast-math: the kernels must see NaN and inf
+        )
+    ]
+)

@@ -1,0 +1,215 @@
+/* Fused row loops for the eps0-LDP randomizers R_1 and R_inf (spec 001 section 3).
+ *
+ * numpy needs 4-5 passes over the (k, d) batch X for what these loops do in one read: the benchmark target
+ * (benchmarks/bench_ldp.py, encode <= 3x the cost of its random draws, issue 2) is out of numpy's reach for R_1.
+ * No randomness and no privacy decision here: the kernels return dot products, l_1 norms and "entry above the bound"
+ * flags; the Python callers raise on bad rows and draw the coins (R_1's privacy does not even rest on its norm check:
+ * z is clamped to [-1, 1]). Memory safety does not depend on the caller: every buffer length is checked here.
+ *
+ * Each kernel exists twice: baseline x86-64/any-CPU code, and (x86-64 with GCC or clang) the same source compiled
+ * for AVX2, chosen at run time when the CPU has it. `portable=True` forces the baseline so tests cover both.
+ * Floating point: no -ffast-math (the l_1 sums must carry NaN and inf to the caller); sums run in 8 lanes, so
+ * their rounding differs from numpy's by a few ulp, which is harmless: R_1 clamps z to [-1, 1] before its coin and
+ * the norm check has a relative slack (ldp_common.NORM_RTOL).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __FAST_MATH__
+#error "_ldp_kernels.c must not be compiled with -ffast-math: non-finite inputs would go undetected"
+#endif
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define HAVE_AVX2_VARIANT 1
+#endif
+
+typedef double v4 __attribute__((vector_size(32)));
+typedef int64_t v4i __attribute__((vector_size(32)));
+
+static inline v4 load4(const double *p) {
+    v4 v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+static inline v4 vabs(v4 x) {
+    const v4i mask = {INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX}; /* clear the sign bit */
+    return (v4)((v4i)x & mask);
+}
+
+static inline double hsum(v4 v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+
+/* H[a, b] of the Sylvester-Hadamard matrix: (-1)^popcount(a & b). */
+static inline double hsign(uint64_t a, uint64_t b) { return (__builtin_popcountll(a & b) & 1) ? -1.0 : 1.0; }
+
+/* dots[i] = <X[i], H[rows[i], :d]>, l1[i] = ||X[i]||_1 (NaN or inf if X[i] is not finite).
+ * H_D = H_M (x) H_B with B = 2^b: H[l, j] = H[l >> b, j >> b] * H[l & (B-1), j & (B-1)], so each block of B inputs
+ * is dotted with one row of the cached table H_B (B x B) and weighted by one sign. */
+static inline void dots_l1_body(const double *X, const int64_t *rows, Py_ssize_t k, Py_ssize_t d, int b,
+                                const double *table, double *dots, double *l1) {
+    const Py_ssize_t B = (Py_ssize_t)1 << b;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        const double *x = X + i * d;
+        const uint64_t l = (uint64_t)rows[i];
+        const double *low = table + (l & (uint64_t)(B - 1)) * B;
+        double dot = 0.0, norm = 0.0;
+        for (Py_ssize_t h = 0; h * B < d; h++) {
+            const double *xb = x + h * B;
+            const Py_ssize_t n = d - h * B < B ? d - h * B : B;
+            v4 s0 = {0}, s1 = {0}, a0 = {0}, a1 = {0}; /* 2 x 4 lanes: independent add chains */
+            Py_ssize_t j = 0;
+            for (; j + 8 <= n; j += 8) {
+                const v4 x0 = load4(xb + j), x1 = load4(xb + j + 4);
+                s0 += x0 * load4(low + j);
+                s1 += x1 * load4(low + j + 4);
+                a0 += vabs(x0);
+                a1 += vabs(x1);
+            }
+            double s = hsum(s0 + s1), a = hsum(a0 + a1);
+            for (; j < n; j++) {
+                s += xb[j] * low[j];
+                a += fabs(xb[j]);
+            }
+            dot += hsign(l >> b, (uint64_t)h) * s;
+            norm += a;
+        }
+        dots[i] = dot;
+        l1[i] = norm;
+    }
+}
+
+/* out[i] = 1 if some |X[i, j]| > bound or is NaN, else 0 (bound >= 0 finite). For doubles >= 0 the IEEE bit
+ * patterns, read as int64, are ordered like the values, and inf < NaN patterns; so |x| > bound iff
+ * bits(bound) - bits(|x|) < 0, and one OR over a row keeps any negative sign. Integer ops only: no NaN pitfalls. */
+static inline void rows_over_body(const double *X, Py_ssize_t k, Py_ssize_t d, double bound, uint8_t *out) {
+    int64_t tb;
+    memcpy(&tb, &bound, sizeof tb);
+    const v4i t = {tb, tb, tb, tb}, mask = {INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX};
+    for (Py_ssize_t i = 0; i < k; i++) {
+        const double *x = X + i * d;
+        v4i o0 = {0}, o1 = {0};
+        Py_ssize_t j = 0;
+        for (; j + 8 <= d; j += 8) {
+            o0 |= t - ((v4i)load4(x + j) & mask);
+            o1 |= t - ((v4i)load4(x + j + 4) & mask);
+        }
+        o0 |= o1;
+        int64_t o = o0[0] | o0[1] | o0[2] | o0[3];
+        for (; j < d; j++) {
+            int64_t b;
+            memcpy(&b, x + j, sizeof b);
+            o |= tb - (b & INT64_MAX);
+        }
+        out[i] = o < 0;
+    }
+}
+
+static void dots_l1_base(const double *X, const int64_t *rows, Py_ssize_t k, Py_ssize_t d, int b,
+                         const double *table, double *dots, double *l1) {
+    dots_l1_body(X, rows, k, d, b, table, dots, l1);
+}
+
+static void rows_over_base(const double *X, Py_ssize_t k, Py_ssize_t d, double bound, uint8_t *out) {
+    rows_over_body(X, k, d, bound, out);
+}
+
+#ifdef HAVE_AVX2_VARIANT
+__attribute__((target("avx2"))) static void dots_l1_avx2(const double *X, const int64_t *rows, Py_ssize_t k,
+                                                         Py_ssize_t d, int b, const double *table, double *dots,
+                                                         double *l1) {
+    dots_l1_body(X, rows, k, d, b, table, dots, l1);
+}
+
+__attribute__((target("avx2"))) static void rows_over_avx2(const double *X, Py_ssize_t k, Py_ssize_t d, double bound,
+                                                           uint8_t *out) {
+    rows_over_body(X, k, d, bound, out);
+}
+
+static int use_avx2(int portable) { return !portable && __builtin_cpu_supports("avx2"); }
+#endif
+
+static int check_len(const Py_buffer *buf, Py_ssize_t items, const char *name) {
+    if (buf->len != items * (Py_ssize_t)sizeof(double)) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd bytes, expected %zd", name, buf->len, items * sizeof(double));
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *hadamard_dots_l1(PyObject *self, PyObject *args) {
+    Py_buffer X, rows, table, dots, l1;
+    Py_ssize_t d;
+    int b, portable = 0;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*ni|p:hadamard_dots_l1", &X, &rows, &table, &dots, &l1, &d, &b,
+                          &portable))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t k = rows.len / (Py_ssize_t)sizeof(int64_t);
+    if (d < 1 || b < 0 || b > 15) {
+        PyErr_Format(PyExc_ValueError, "need d >= 1 and 0 <= b <= 15, got d=%zd, b=%d", d, b);
+    } else if (check_len(&rows, k, "rows") && check_len(&X, k * d, "X") && check_len(&dots, k, "dots") &&
+               check_len(&l1, k, "l1") && check_len(&table, (Py_ssize_t)1 << (2 * b), "table")) {
+        Py_BEGIN_ALLOW_THREADS
+#ifdef HAVE_AVX2_VARIANT
+        if (use_avx2(portable))
+            dots_l1_avx2(X.buf, rows.buf, k, d, b, table.buf, dots.buf, l1.buf);
+        else
+#endif
+            dots_l1_base(X.buf, rows.buf, k, d, b, table.buf, dots.buf, l1.buf);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&X);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&dots);
+    PyBuffer_Release(&l1);
+    return result;
+}
+
+static PyObject *rows_over(PyObject *self, PyObject *args) {
+    Py_buffer X, out;
+    Py_ssize_t d;
+    double bound;
+    int portable = 0;
+    if (!PyArg_ParseTuple(args, "y*w*nd|p:rows_over", &X, &out, &d, &bound, &portable)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t k = out.len;
+    if (d < 1 || !(bound >= 0.0 && isfinite(bound))) {
+        PyErr_Format(PyExc_ValueError, "need d >= 1 and a finite bound >= 0, got d=%zd, bound=%R", d,
+                     PyTuple_GET_ITEM(args, 3));
+    } else if (X.len != k * d * (Py_ssize_t)sizeof(double)) {
+        PyErr_Format(PyExc_ValueError, "X has %zd bytes, expected %zd", X.len, k * d * sizeof(double));
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+#ifdef HAVE_AVX2_VARIANT
+        if (use_avx2(portable))
+            rows_over_avx2(X.buf, k, d, bound, out.buf);
+        else
+#endif
+            rows_over_base(X.buf, k, d, bound, out.buf);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&X);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"hadamard_dots_l1", hadamard_dots_l1, METH_VARARGS,
+     "hadamard_dots_l1(X, rows, table, dots, l1, d, b, portable=False): for the k = len(rows) rows of the C-order "
+     "float64 X (k, d), dots[i] = <X[i], H[rows[i], :d]> and l1[i] = ||X[i]||_1; table is H_{2^b} as float64."},
+    {"rows_over", rows_over, METH_VARARGS,
+     "rows_over(X, out, d, bound, portable=False): out[i] = 1 if some |X[i, j]| > bound or is NaN, else 0, for the "
+     "k = len(out) rows of the C-order float64 X (k, d); out is a writable buffer of k bytes (numpy bool)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ldp_kernels", "Fused row loops for R_1 and R_inf.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__ldp_kernels(void) { return PyModule_Create(&module); }
