@@ -212,4 +212,9 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ldp_kernels", "Fused row loops for R_1 and R_inf.", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__ldp_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__ldp_kernels(void) {
+#ifdef HAVE_AVX2_VARIANT
+    __builtin_cpu_init(); /* use_avx2 may run before libgcc's own initializer in some load orders */
+#endif
+    return PyModule_Create(&module);
+}
