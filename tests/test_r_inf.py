@@ -146,6 +146,8 @@ def test_norm_check_kernel_flags_exactly_the_rows_outside(d, portable):
         _ldp_kernels.rows_over(X, over, d, np.inf, portable)
     with pytest.raises(ValueError, match="X has"):
         _ldp_kernels.rows_over(X, over[:-1], d, bound, portable)
+    with pytest.raises(ValueError, match="X has"):  # 1 row of 2^61 doubles = 2^64 bytes, which wraps to 0
+        _ldp_kernels.rows_over(np.zeros((0, d)), over[:1], 2**61, bound, portable)
 
 
 def test_encode_names_the_first_row_outside_the_ball():

@@ -109,6 +109,7 @@ def test_kernel_checks_its_buffers():
         ((X, rows, table, dots[:3], l1, d, b), "dots has"),
         ((X, rows, np.ones((4, 4)), dots, l1, d, b), "table has"),
         ((X, rows, table, dots, l1, 0, b), "d >= 1"),
+        ((np.zeros((0, d)), rows[:1], table, dots[:1], l1[:1], 2**61, b), "X has"),  # 2^61 * 8 bytes wraps to 0
     ]:
         with pytest.raises(ValueError, match=what):
             _ldp_kernels.hadamard_dots_l1(*args)

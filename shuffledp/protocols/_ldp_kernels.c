@@ -139,6 +139,17 @@ static int check_len(const Py_buffer *buf, Py_ssize_t items, const char *name) {
     return 1;
 }
 
+/* X must hold exactly k rows of d >= 1 doubles. Checked by division: k * d * 8 could wrap around for a huge d and
+ * let a short buffer pass. */
+static int check_matrix(const Py_buffer *X, Py_ssize_t k, Py_ssize_t d) {
+    const Py_ssize_t items = X->len / (Py_ssize_t)sizeof(double);
+    if (X->len % (Py_ssize_t)sizeof(double) || items % d || items / d != k) {
+        PyErr_Format(PyExc_ValueError, "X has %zd bytes, expected %zd rows of %zd doubles", X->len, k, d);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *hadamard_dots_l1(PyObject *self, PyObject *args) {
     Py_buffer X, rows, table, dots, l1;
     Py_ssize_t d;
@@ -150,7 +161,7 @@ static PyObject *hadamard_dots_l1(PyObject *self, PyObject *args) {
     const Py_ssize_t k = rows.len / (Py_ssize_t)sizeof(int64_t);
     if (d < 1 || b < 0 || b > 15) {
         PyErr_Format(PyExc_ValueError, "need d >= 1 and 0 <= b <= 15, got d=%zd, b=%d", d, b);
-    } else if (check_len(&rows, k, "rows") && check_len(&X, k * d, "X") && check_len(&dots, k, "dots") &&
+    } else if (check_len(&rows, k, "rows") && check_matrix(&X, k, d) && check_len(&dots, k, "dots") &&
                check_len(&l1, k, "l1") && check_len(&table, (Py_ssize_t)1 << (2 * b), "table")) {
         Py_BEGIN_ALLOW_THREADS
 #ifdef HAVE_AVX2_VARIANT
@@ -181,9 +192,7 @@ static PyObject *rows_over(PyObject *self, PyObject *args) {
     if (d < 1 || !(bound >= 0.0 && isfinite(bound))) {
         PyErr_Format(PyExc_ValueError, "need d >= 1 and a finite bound >= 0, got d=%zd, bound=%R", d,
                      PyTuple_GET_ITEM(args, 3));
-    } else if (X.len != k * d * (Py_ssize_t)sizeof(double)) {
-        PyErr_Format(PyExc_ValueError, "X has %zd bytes, expected %zd", X.len, k * d * sizeof(double));
-    } else {
+    } else if (check_matrix(&X, k, d)) {
         Py_BEGIN_ALLOW_THREADS
 #ifdef HAVE_AVX2_VARIANT
         if (use_avx2(portable))

@@ -56,16 +56,16 @@ def make_params(eps0: float, d: int, radius: float) -> RInfParams:
     return RInfParams(eps0, d, radius)
 
 
-def _check_X(X: np.ndarray, params: RInfParams, *, portable: bool = False) -> np.ndarray:
+def _check_X(X: np.ndarray, params: RInfParams) -> np.ndarray:
     """X as a (k, d) float batch whose rows are finite and in the l_inf ball (slack NORM_RTOL), else ValueError.
 
     One pass in C (_ldp_kernels.rows_over) finds rows with an entry above the bound or NaN; only then does numpy
-    compute the norms, to name the first offending row. portable=True forces the kernel's non-AVX2 build (tests).
+    compute the norms, to name the first offending row.
     """
     X = check_batch(X, params.d)
     over = np.empty(X.shape[0], dtype=bool)
     bound = min(params.radius * (1.0 + NORM_RTOL), sys.float_info.max)  # finite: inf entries are "over" too
-    _ldp_kernels.rows_over(np.ascontiguousarray(X), over, params.d, bound, portable)
+    _ldp_kernels.rows_over(np.ascontiguousarray(X), over, params.d, bound)
     if over.any():
         check_norm_bound(np.abs(X).max(axis=1), params.radius, "l_inf")  # raises: same bound, names the row
         raise AssertionError("rows_over flagged a row that numpy finds inside the l_inf ball")

@@ -128,9 +128,8 @@ def encode(X: np.ndarray, params: ROneParams, rng: np.random.Generator) -> np.nd
 def exact_output_probabilities(X: np.ndarray, params: ROneParams) -> np.ndarray:
     """(k, 2D) array: P[symbol s | x] as realized by `encode`; column 2l is (l, -1), column 2l+1 is (l, +1)."""
     X = _check_X(X, params)
-    z = (
-        X @ hadamard_rows_popcount(np.arange(params.D), params.d).T / params.radius
-    )  # (k, D); meant for the small d of tests
+    H = hadamard_rows_popcount(np.arange(params.D), params.d)  # (D, d); meant for the small d of tests
+    z = X @ H.T / params.radius
     p_plus = realized_probability(rr_success_probability(z, params.flip))
     return signed_symbol_probabilities(p_plus, params.D)
 
