@@ -2,7 +2,10 @@
 
 The node dials the shuffler (RegisterUsers, then a long-lived Subscribe stream of Invitations) and answers each
 invitation with one Submit holding one message per joining user plus the refusals. It reconnects with
-exponential backoff when the stream drops. For the invited users it computes, vectorized over users:
+exponential backoff when the stream drops. A contribution larger than grpc_options.SUBMIT_CHUNK_BYTES goes in several
+Submits (the shuffler aggregates them one by one); users whose messages could not be delivered are reported to the
+shuffler as refusals "submit_failed_<status>", so the operator sees the cause in the round's report.
+For the invited users it computes, vectorized over users:
 gradient of the round's loss at the broadcast iterate (shuffledp.models) -> l2 clipping to clip_norm ->
 the local randomizer (PVEC count mode, or bit mode with one HPKE seal per labelled bit, info binding run and
 round). Each user's noise is its own independent draws from the node's CSPRNG (a (k, d) array of iid draws is
@@ -20,12 +23,15 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2
 from shuffledp.clients.policy import PolicyTable, UserPolicy, pvec_params_from_spec
+from shuffledp.clients.spend_store import MemorySpendStore, SpendStore, SqliteSpendStore
 
+from shuffledp import grpc_options, tls
 from shuffledp.health import start_with_health
 from shuffledp.models import make_model
 from shuffledp.protocols import pvec
@@ -34,17 +40,20 @@ from shuffledp.sealing import BIT_MESSAGE_BYTES, pack_labelled_bits, round_info,
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
-__all__ = ["UserShard", "NodeCore", "ClientNodeHandle", "start_node", "start_node_with_shard", "CHANNEL_OPTIONS"]
+__all__ = [
+    "UserShard",
+    "NodeCore",
+    "ClientNodeHandle",
+    "start_node",
+    "start_node_with_shard",
+    "split_contribution",
+    "SUBMIT_FAILED_PREFIX",
+]
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 2**20),
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.keepalive_time_ms", 20_000),  # detect a dead shuffler on the idle Subscribe stream
-    ("grpc.keepalive_timeout_ms", 10_000),
-]
 NONCE_BYTES = 16
+SUBMIT_FAILED_PREFIX = "submit_failed_"  # + the gRPC status name, lower case: a refusal reason the operator sees
 
 
 @dataclass(frozen=True)
@@ -88,12 +97,18 @@ class NodeCore:
         policy: UserPolicy | Sequence[UserPolicy] | None = None,
         rng: np.random.Generator | None = None,
         verifier=None,
+        spend_store: SpendStore | None = None,
     ) -> None:
         self.node_id = node_id
         self.shard = shard
         self._index = {u: i for i, u in enumerate(shard.user_ids)}
         kw = {} if verifier is None else {"verifier": verifier}
-        self.policy = PolicyTable(policy if policy is not None else UserPolicy(), len(shard.user_ids), **kw)
+        # the users' spend so far: durable with a SqliteSpendStore (issue 10 item 3)
+        self._spend = spend_store if spend_store is not None else MemorySpendStore()
+        spent = self._spend.load(shard.user_ids)
+        self.policy = PolicyTable(
+            policy if policy is not None else UserPolicy(), len(shard.user_ids), spent=spent, **kw
+        )
         self._rng = rng if rng is not None else make_rng()
         self._lock = threading.Lock()
         self.rounds_joined = 0
@@ -129,7 +144,7 @@ class NodeCore:
         idx = np.fromiter((self._index[u] for u in ids), dtype=np.int64, count=len(ids))
         supported = spec.randomizer.protocol == "pvec" and spec.transport in (pb.COUNTS, pb.BITS)
         with self._lock:
-            reasons = self.policy.decide(spec, idx, supported)
+            reasons, cost = self.policy.decide(spec, idx, supported)
             join = reasons == ""
             if np.any(join):
                 try:
@@ -140,8 +155,15 @@ class NodeCore:
                     reasons[join] = "invalid_round_spec"
                     join[:] = False
                 else:
-                    # charged before sending: a message that may have arrived is spent
-                    self.policy.charge(idx[join], float(spec.per_user_cost.eps), float(spec.per_user_cost.delta))
+                    # charged, durably, before sending: a message that may have arrived is spent. If the store
+                    # fails, the exception leaves handle() and nothing of the round is sent.
+                    charged = idx[join]
+                    self.policy.charge(charged, cost[join], float(spec.per_user_cost.delta))
+                    self._spend.save(
+                        [self.shard.user_ids[i] for i in charged],
+                        self.policy.eps_spent[charged],
+                        self.policy.delta_spent[charged],
+                    )
                     self.rounds_joined += 1
             for u, why in zip(np.asarray(ids)[~join], reasons[~join], strict=True):
                 out.refusals.append(pb.Refusal(user_id=str(u), reason=str(why)))
@@ -186,10 +208,26 @@ class NodeCore:
             )
 
     def spent(self, user_id: str) -> tuple[float, float]:
-        """(eps, delta) charged to this user so far (basic composition)."""
+        """(eps, delta) charged to this user so far, over every run of this node (basic composition)."""
         i = self._index[user_id]
         with self._lock:
             return float(self.policy.eps_spent[i]), float(self.policy.delta_spent[i])
+
+
+def split_contribution(c: pb.Contribution, max_bytes: int = grpc_options.SUBMIT_CHUNK_BYTES) -> list[pb.Contribution]:
+    """`c` as Contributions of at most about max_bytes each (all messages of a round have one size); the refusals
+    travel with the first. One Contribution if it fits."""
+    if c.ByteSize() <= max_bytes:
+        return [c]
+    per_message = c.messages[0].ByteSize() + 8  # + field tag and length prefix
+    k = max(1, max_bytes // per_message)
+    parts = []
+    for start in range(0, len(c.messages), k):
+        part = pb.Contribution(run_id=c.run_id, round=c.round, node_id=c.node_id)
+        part.messages.extend(c.messages[start : start + k])
+        parts.append(part)
+    parts[0].refusals.extend(c.refusals)
+    return parts
 
 
 class _NodeServicer(pbg.ClientNodeServicer):
@@ -219,15 +257,17 @@ class ClientNodeHandle:
         self._backoff = backoff
         self._call = None
         self.connected = threading.Event()
+        options = grpc_options.node_channel_options()
         if channel_credentials is None:
-            self._channel = grpc.insecure_channel(shuffler_address, options=CHANNEL_OPTIONS)
+            self._channel = tls.plain_channel(shuffler_address, options)
         else:
-            self._channel = grpc.secure_channel(shuffler_address, channel_credentials, options=CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(shuffler_address, channel_credentials, options=options)
         self._stub = pbg.ShufflerStub(self._channel)
         self._worker = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{core.node_id}-round")
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{core.node_id}-rpc"),
             interceptors=list(interceptors),
+            options=grpc_options.server_options(),
         )
         pbg.add_ClientNodeServicer_to_server(_NodeServicer(core), self._server)
         # the named service reports whether the node is connected to the shuffler: not yet
@@ -272,26 +312,33 @@ class ClientNodeHandle:
         except Exception:  # a bug for one round must not kill the node
             log.exception("node %s: failed to compute round %d", self.core.node_id, inv.spec.round)
             return
+        for part in split_contribution(contribution):
+            code = self._submit(part, inv.spec.round)
+            if code is not None and part.messages:
+                # the operator sees why these users are missing: refusals with the cause (the users stay charged)
+                why = SUBMIT_FAILED_PREFIX + code.name.lower()
+                note = pb.Contribution(run_id=part.run_id, round=part.round, node_id=part.node_id)
+                note.refusals.extend(pb.Refusal(user_id=m.user_id, reason=why) for m in part.messages)
+                self._submit(note, inv.spec.round)
+
+    def _submit(self, contribution: pb.Contribution, round_index: int) -> grpc.StatusCode | None:
+        """Submit with retries on UNAVAILABLE; None on success, else the final status code."""
+        code = None
         for attempt in range(3):
             try:
                 ack = self._stub.Submit(contribution, timeout=60)
                 if ack.rejected:
-                    log.warning(
-                        "node %s: round %d: shuffler rejected %s", self.core.node_id, inv.spec.round, dict(ack.rejected)
-                    )
-                return
+                    rejected = dict(ack.rejected)
+                    log.warning("node %s: round %d: shuffler rejected %s", self.core.node_id, round_index, rejected)
+                return None
             except grpc.RpcError as exc:
+                code = exc.code()
                 # same nonces on retry: a copy that did arrive is caught as a replay, never counted twice
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or self._stop.is_set():
-                    log.warning(
-                        "node %s: round %d submit failed: %s %s",
-                        self.core.node_id,
-                        inv.spec.round,
-                        exc.code(),
-                        exc.details(),
-                    )
-                    return
+                if code != grpc.StatusCode.UNAVAILABLE or self._stop.is_set():
+                    break
                 self._stop.wait(0.2 * (attempt + 1))
+        log.warning("node %s: round %d submit failed: %s", self.core.node_id, round_index, code)
+        return code
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop the stream thread, the round worker and the server."""
@@ -321,9 +368,15 @@ def start_node_with_shard(
     rng: np.random.Generator | None = None,
     verifier=None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    state_dir: Path | None = None,
 ) -> ClientNodeHandle:
-    """Start a node for an explicit shard (tests, benchmarks); start_node loads the shard from the config."""
-    core = NodeCore(node_id, shard, policy, rng, verifier)
+    """Start a node for an explicit shard (tests, benchmarks); start_node loads the shard from the config.
+    With state_dir, the users' spend is kept in state_dir/<node_id>.spend.sqlite (else in memory)."""
+    store = None
+    if state_dir is not None:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        store = SqliteSpendStore(Path(state_dir) / f"{node_id}.spend.sqlite")
+    core = NodeCore(node_id, shard, policy, rng, verifier, spend_store=store)
     return ClientNodeHandle(
         core, shuffler_address, listen, channel_credentials, server_credentials, interceptors=interceptors
     )
@@ -342,9 +395,10 @@ def start_node(
     *,
     rng: np.random.Generator | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    state_dir: Path | None = None,
 ) -> ClientNodeHandle:
     """The client-node entry point (issue 4 contract): users = shuffledp.data.user_shard of config.data; their
-    policy is `policy` or else the configuration's [policy] section."""
+    policy is `policy` or else the configuration's [policy] section; their spend persists in state_dir."""
     from shuffledp.data import load_dataset, user_shard
 
     ds = load_dataset(config.data, config.model.task)
@@ -361,4 +415,5 @@ def start_node(
         policy,
         rng=rng,
         interceptors=interceptors,
+        state_dir=state_dir,
     )

@@ -9,6 +9,8 @@ Every logical user decides for itself whether to join a round, from the RoundSpe
   the shuffler will ever release (the worst case for the shuffle amplification), instead of trusting the claim;
 - the user's total spend after the round must stay within its limits. Totals add up per-round (eps, delta):
   basic composition (Dwork-Roth Thm 3.16), an upper bound that is valid whatever the analyzer's accountant.
+  A round is charged at the larger of the analyzer's claim and the eps the user verified itself (issue 10 item 2):
+  never at a figure only the analyzer vouches for. Sums are rounded up (never below the true total).
 
 Decisions are vectorized over the node's invited users (one numpy pass, no per-user Python loop).
 """
@@ -132,6 +134,7 @@ class PolicyTable:
         policies: UserPolicy | Sequence[UserPolicy],
         num_users: int,
         verifier: Callable[[pb.RoundSpec], float] = verify_round_epsilon,
+        spent: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         if isinstance(policies, UserPolicy):
             policies = [policies] * num_users
@@ -151,11 +154,19 @@ class PolicyTable:
             t: np.array([name in p.allowed_transports for p in self.policies], dtype=bool)
             for t, name in TRANSPORT_NAMES.items()
         }
-        self.eps_spent = np.zeros(num_users)
-        self.delta_spent = np.zeros(num_users)
+        if spent is None:
+            self.eps_spent, self.delta_spent = np.zeros(num_users), np.zeros(num_users)
+        else:  # what the users spent before this process (the node's spend store)
+            self.eps_spent, self.delta_spent = (np.array(a, dtype=np.float64) for a in spent)
+            if self.eps_spent.shape != (num_users,) or self.delta_spent.shape != (num_users,):
+                raise ValueError(f"spent must hold {num_users} values each")
 
-    def decide(self, spec: pb.RoundSpec, idx: np.ndarray, supported: bool) -> np.ndarray:
-        """Refusal reason per invited user (object array, "" = join). idx: the users' indices on this node."""
+    def decide(self, spec: pb.RoundSpec, idx: np.ndarray, supported: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(refusal reason per invited user as an object array, "" = join; eps each user is charged if it joins).
+
+        idx: the users' indices on this node. The charge is the claimed eps, raised to the eps the user verified
+        itself from the randomizer's parameters when its policy verifies (never less than either).
+        """
         idx = np.asarray(idx, dtype=np.int64)
         out = np.full(idx.size, "", dtype=object)
 
@@ -168,9 +179,10 @@ class PolicyTable:
         if not supported:
             refuse(~none, Refusal.PROTOCOL)
         eps, delta = float(spec.per_user_cost.eps), float(spec.per_user_cost.delta)
+        cost = np.full(idx.size, eps)
         if not (math.isfinite(eps) and eps >= 0.0 and 0.0 <= delta <= 1.0):
             refuse(~none, Refusal.INVALID_SPEC)  # a missing or negative cost is never "free"
-            return out
+            return out, cost
         refuse((eps > self.max_eps_per_round[idx]) | (delta > self.max_delta_per_round[idx]), Refusal.ROUND_COST)
         need = self.verify[idx] & (out == "")
         if np.any(need):
@@ -181,15 +193,29 @@ class PolicyTable:
             else:
                 if not verified >= 0.0:  # nan or negative: not a privacy guarantee
                     refuse(need, Refusal.UNVERIFIABLE)
+                else:
+                    # what this user pays is what it verified, whatever the analyzer claims (issue 10 item 2)
+                    cost[need] = max(eps, verified)
                 refuse(need & (verified > self.max_eps_per_round[idx]), Refusal.WEAK_RANDOMIZER)
         refuse(
-            (self.eps_spent[idx] + eps > self.max_total_eps[idx])
-            | (self.delta_spent[idx] + delta > self.max_total_delta[idx]),
+            (_sum_up(self.eps_spent[idx], cost) > self.max_total_eps[idx])
+            | (_sum_up(self.delta_spent[idx], delta) > self.max_total_delta[idx]),
             Refusal.TOTAL_BUDGET,
         )
-        return out
+        return out, cost
 
-    def charge(self, idx: np.ndarray, eps: float, delta: float) -> None:
-        """Add a round's cost to the users who sent a message (basic composition, Dwork-Roth Thm 3.16)."""
-        np.add.at(self.eps_spent, idx, eps)
-        np.add.at(self.delta_spent, idx, delta)
+    def charge(self, idx: np.ndarray, eps: np.ndarray | float, delta: float) -> None:
+        """Add a round's cost (eps per user, as decide() returned it) to the users who sent a message (basic
+        composition, Dwork-Roth Thm 3.16). idx holds distinct indices (one message per user per round)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        self.eps_spent[idx] = _sum_up(self.eps_spent[idx], eps)
+        self.delta_spent[idx] = _sum_up(self.delta_spent[idx], delta)
+
+
+def _sum_up(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:
+    """a + b rounded up: a spent total is never below the exact sum (float addition rounds to nearest)."""
+    a, b = np.broadcast_arrays(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
+    s = a + b
+    bb = s - a
+    err = (a - (s - bb)) + (b - bb)  # the exact a + b - s (Knuth's TwoSum); > 0 means s rounded down
+    return np.where(err > 0, np.nextafter(s, np.inf), s)

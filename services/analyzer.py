@@ -18,6 +18,7 @@ import grpc
 from shuffledp.services.ledger import BudgetTotals, Ledger, LedgerError
 from shuffledp.services.run_manager import PlanError, RunManager, RunNotFound, RunStateError, RunView
 
+from shuffledp import grpc_options, tls
 from shuffledp.config import ConfigError
 from shuffledp.health import start_with_health
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -84,6 +85,8 @@ def _status(v: RunView, output: str = "mean") -> pb.RunStatus:
             seconds=m.get("seconds", 0.0),
             rejected=m.get("rejected", {}),
             refused=m.get("refused", 0),
+            refused_reasons=m.get("refused_reasons", {}),
+            failure=m.get("failure", ""),
         )
         for m in v.metrics
     ]
@@ -168,12 +171,18 @@ def start_analyzer(
     """
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
+    # batches up to grpc_options.BATCH_MESSAGE_BYTES, the shuffler's send limit (issue 10 item 5)
+    options = grpc_options.analyzer_channel_options()
     if channel_credentials is None:
-        channel = grpc.insecure_channel(shuffler_address)
+        channel = tls.plain_channel(shuffler_address, options)
     else:
-        channel = grpc.secure_channel(shuffler_address, channel_credentials)
+        channel = grpc.secure_channel(shuffler_address, channel_credentials, options=options)
     manager = RunManager(Ledger(state_dir / LEDGER_FILE), pbg.ShufflerStub(channel))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=list(interceptors))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        interceptors=list(interceptors),
+        options=grpc_options.server_options(max_receive=grpc_options.CLIENT_MESSAGE_BYTES),
+    )
     pbg.add_AnalyzerServicer_to_server(AnalyzerServicer(manager), server)
     # with the standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it
     port, _ = start_with_health(server, listen, server_credentials, "shuffledp.v1.Analyzer")

@@ -18,6 +18,7 @@ import numpy as np
 from shuffledp.services.shuffler_state import (
     BatchResult,
     CohortUnavailable,
+    QuotaExceeded,
     RoundExistsError,
     RoundRejected,
     RoundRequest,
@@ -29,40 +30,60 @@ from shuffledp.services.shuffler_state import (
     UserMessage,
 )
 
+from shuffledp import grpc_options, pki, tls
 from shuffledp.health import start_with_health
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
-__all__ = ["ShufflerServicer", "serve_shuffler", "start_shuffler", "SERVER_OPTIONS", "REASON_METADATA_KEY"]
+__all__ = [
+    "ShufflerServicer",
+    "serve_shuffler",
+    "start_shuffler",
+    "REASON_METADATA_KEY",
+    "RESERVED_WORKERS",
+]
 
 log = logging.getLogger(__name__)
 
 REASON_METADATA_KEY = "shuffledp-reason"
-# Large enough for BITS batches of small settings; keepalive pings from nodes' long-lived Subscribe streams.
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.max_send_message_length", 256 * 2**20),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
-]
+RESERVED_WORKERS = 16  # server threads never taken by Subscribe streams: rounds, submissions, GetPopulation
 
 # one table: domain exception -> status code (first match wins, subclasses first)
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (RoundRejected, grpc.StatusCode.FAILED_PRECONDITION),
     (RoundExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (CohortUnavailable, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+def _abort(context: grpc.ServicerContext, exc: BaseException, round_refused: bool = False) -> None:
     for cls, code in _STATUS:
         if isinstance(exc, cls):
             if isinstance(exc, RoundRejected):
                 context.set_trailing_metadata(((REASON_METADATA_KEY, exc.reason.value),))
+            elif round_refused:
+                context.set_trailing_metadata(((grpc_options.ROUND_REFUSED_METADATA_KEY, code.name),))
             context.abort(code, str(exc))
     raise exc
+
+
+def _node_id(claimed: str, context: grpc.ServicerContext) -> str:
+    """The calling node's identity (issue 10 item 1): with mTLS the name in its verified certificate, and a
+    node_id field that names another node is refused. Plain text has no identities (loopback only, tls)."""
+    ident = tls.peer_identity(context)
+    if ident is None:
+        return claimed
+    if ident.role != pki.ROLE_CLIENT_NODE:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"role {ident.role!r} is not a client node")
+    if claimed and claimed != ident.name:
+        context.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"node_id {claimed!r} is not the caller's certificate name {ident.name!r}: a node speaks only for itself",
+        )
+    return ident.name
 
 
 def _request(spec: pb.RoundSpec) -> RoundRequest:
@@ -89,7 +110,7 @@ def _request(spec: pb.RoundSpec) -> RoundRequest:
     )
 
 
-def _submission(c: pb.Contribution) -> Submission:
+def _submission(c: pb.Contribution, node_id: str) -> Submission:
     msgs = []
     for m in c.messages:
         kind = m.WhichOneof("payload")
@@ -106,7 +127,7 @@ def _submission(c: pb.Contribution) -> Submission:
     return Submission(
         run_id=c.run_id,
         round=c.round,
-        node_id=c.node_id,
+        node_id=node_id,
         messages=msgs,
         refusals=[(r.user_id, r.reason) for r in c.refusals],
     )
@@ -119,6 +140,7 @@ def _batch(b: BatchResult) -> pb.ShuffledBatch:
         rejected=b.rejected,
         refused=b.refused,
         below_threshold=b.below_threshold,
+        refused_reasons=b.refused_reasons,
     )
     out = pb.ShuffledBatch(run_id=b.run_id, round=b.round, released=b.released, report=report)
     if b.released:
@@ -137,7 +159,8 @@ class ShufflerServicer(pbg.ShufflerServicer):
         try:
             return _batch(self.state.execute_round(_request(request), is_active=context.is_active))
         except (ValueError, NotImplementedError, RoundExistsError, CohortUnavailable) as exc:
-            _abort(context, exc)
+            # raised before anyone was selected or invited (ShufflerState.execute_round): no batch exists
+            _abort(context, exc, round_refused=True)
 
     def GetPopulation(self, request: pb.PopulationRequest, context: grpc.ServicerContext) -> pb.PopulationStatus:
         p = self.state.population(request.run_id)
@@ -148,16 +171,18 @@ class ShufflerServicer(pbg.ShufflerServicer):
     def RegisterUsers(
         self, request: pb.RegisterUsersRequest, context: grpc.ServicerContext
     ) -> pb.RegisterUsersResponse:
+        node = _node_id(request.node_id, context)
         try:
-            admitted, total = self.state.register_users(request.node_id, list(request.user_ids))
-        except ValueError as exc:
+            admitted, total = self.state.register_users(node, list(request.user_ids))
+        except (ValueError, QuotaExceeded) as exc:
             _abort(context, exc)
         return pb.RegisterUsersResponse(admitted=admitted, total_users=total)
 
     def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext):
+        node = _node_id(request.node_id, context)
         try:
-            sub = self.state.subscribe(request.node_id)
-        except ValueError as exc:
+            sub = self.state.subscribe(node)
+        except (ValueError, QuotaExceeded) as exc:
             _abort(context, exc)
         context.add_callback(sub.close)  # wake the loop as soon as the node goes away
         try:
@@ -172,8 +197,9 @@ class ShufflerServicer(pbg.ShufflerServicer):
             self.state.unsubscribe(sub)
 
     def Submit(self, request: pb.Contribution, context: grpc.ServicerContext) -> pb.ContributionAck:
+        node = _node_id(request.node_id, context)
         try:
-            ack = self.state.submit(_submission(request))
+            ack = self.state.submit(_submission(request, node))
         except (RoundRejected, ValueError) as exc:
             _abort(context, exc)
         return pb.ContributionAck(accepted=ack.accepted, rejected=ack.rejected)
@@ -188,13 +214,16 @@ def serve_shuffler(
 ) -> tuple[grpc.Server, int]:
     """Start a Shuffler server over an existing state; returns (started server, bound port).
 
-    Every subscribed node holds one worker thread (its Subscribe stream), so max_workers bounds the number of
-    client nodes plus concurrent rounds and submissions.
+    Every subscribed node holds one worker thread (its Subscribe stream): the state admits at most
+    max_workers - RESERVED_WORKERS streams (one per node identity), so rounds and submissions always find a thread.
     """
+    if max_workers <= RESERVED_WORKERS:
+        raise ValueError(f"max_workers must exceed RESERVED_WORKERS={RESERVED_WORKERS}, got {max_workers}")
+    state.set_max_streams(max_workers - RESERVED_WORKERS)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shuffler"),
         interceptors=list(interceptors),
-        options=SERVER_OPTIONS,
+        options=grpc_options.server_options(),
     )
     pbg.add_ShufflerServicer_to_server(ShufflerServicer(state), server)
     # with the standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from shuffledp.grpc_options import BATCH_MESSAGE_BYTES
 from shuffledp.protocols.pvec import count_wire_dtype
 from shuffledp.rng import make_rng
 from shuffledp.sealing import BIT_MESSAGE_BYTES, PUBLIC_KEY_BYTES, sealed_length
@@ -40,6 +41,7 @@ __all__ = [
     "RoundRejected",
     "RoundExistsError",
     "CohortUnavailable",
+    "QuotaExceeded",
     "RoundRequest",
     "UserMessage",
     "Submission",
@@ -77,7 +79,7 @@ class Reason(StrEnum):
     WRONG_ROUND = "wrong_round"  # no such open round (other run, future or unknown round)
     EXPIRED_ROUND = "expired_round"  # the round closed (deadline passed or all invitees answered)
     BAD_NONCE = "bad_nonce"  # nonce missing or not 16..64 bytes
-    REPLAYED_NONCE = "replayed_nonce"  # nonce already seen in this run (replayed message)
+    REPLAYED_NONCE = "replayed_nonce"  # nonce already seen in this round (replayed message)
     DUPLICATE_USER = "duplicate_user"  # a second message or refusal from one user in one round
     UNKNOWN_USER = "unknown_user"  # never registered (admitted) at this shuffler
     NOT_INVITED = "not_invited"  # registered, but not invited to this round via this node
@@ -119,11 +121,29 @@ class CohortUnavailable(ShufflerError):
     """Not enough eligible users for the requested cohort (e.g. sequential users exhausted)."""
 
 
+class QuotaExceeded(ShufflerError):
+    """A node asked for more than the shuffler holds for one party (users per node, open streams)."""
+
+
 NONCE_MIN_BYTES = 16
 NONCE_MAX_BYTES = 64
 MAX_ID_CHARS = 128
 MAX_BIT_MESSAGES_PER_USER = 2**20  # bit mode is for small settings only (spec 000 sec 8)
+MAX_USERS_PER_NODE = 2**20  # what one node identity may register: bounds the memory a node can make us hold
+MAX_REFUSAL_REASONS = 16  # distinct refusal reasons kept per round; further ones are counted as "other"
+MAX_REASON_CHARS = 64
 _U64 = 2**64
+_I64 = 2**63  # round indices are stored as SQLite INTEGER (signed 64 bit)
+_PROTO_BYTES_OVERHEAD = 6  # tag + length varint of one ciphertext in ShuffledBatch.ciphertexts (<= 2^28 bytes)
+
+
+def user_key(node_id: str, user_id: str) -> str:
+    """A user's identity at the shuffler: its id within the node identity that registered it (issue 10 item 1).
+
+    Ids are scoped by node, so one node cannot take, or block, another node's user ids (they are predictable), and
+    a node can only ever speak for its own users. The separator is not printable, so it occurs in no checked id.
+    """
+    return f"{node_id}\n{user_id}"
 
 
 @dataclass(frozen=True)
@@ -186,6 +206,7 @@ class BatchResult:
     rejected: dict[str, int]
     refused: int
     below_threshold: bool
+    refused_reasons: dict[str, int] = field(default_factory=dict)  # the nodes' reasons, sanitized and bounded
 
 
 @dataclass(frozen=True)
@@ -329,14 +350,25 @@ class _OpenRound:
     expected_messages: int
     expected_ct_len: int
     bound: int  # g + m
-    wire_dtype: np.dtype  # CountVector.packed: count_wire_dtype(g + m)
-    answered: set[str] = field(default_factory=set)
+    wire_dtype: np.dtype | None  # COUNTS: CountVector.packed is count_wire_dtype(g + m); None otherwise
+    answered: set[str] = field(default_factory=set)  # user keys (user_key)
+    nonces: set[bytes] = field(default_factory=set)  # replay protection; dropped with the round (design 5.3)
     totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
     ciphertexts: list[bytes] = field(default_factory=list)
     contributors: int = 0
     refused: int = 0
+    refused_reasons: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)
     closed: bool = False
+
+
+def _refusal_reason(rnd: _OpenRound, why: str) -> str:
+    """A node's refusal reason as counted and forwarded: printable, bounded in length and in distinct values (a
+    node's free text must not let it grow the round's report, or carry more than a short label to the analyzer)."""
+    why = why if isinstance(why, str) and why.isprintable() and 0 < len(why) <= MAX_REASON_CHARS else "unspecified"
+    if why not in rnd.refused_reasons and len(rnd.refused_reasons) >= MAX_REFUSAL_REASONS:
+        return "other"
+    return why
 
 
 def _check_id(name: str, value: str) -> str:
@@ -356,24 +388,30 @@ class ShufflerState:
         rng: np.random.Generator | None = None,
         max_deadline_seconds: float = 3600.0,
         poll_seconds: float = 0.05,
+        max_users_per_node: int = MAX_USERS_PER_NODE,
+        max_streams: int = 48,
+        max_batch_bytes: int = BATCH_MESSAGE_BYTES,
     ) -> None:
         self._store = store if store is not None else MemoryParticipationStore()
         self._clock = clock
         self._rng = rng if rng is not None else make_rng()
         self._max_deadline = float(max_deadline_seconds)
         self._poll = float(poll_seconds)
+        self._max_users_per_node = int(max_users_per_node)
+        self._max_streams = int(max_streams)
+        self._max_batch_bytes = int(max_batch_bytes)
         self._lock = threading.Condition()
-        self._user_node: dict[str, str] = {}  # admitted user -> hosting node
-        self._node_users: dict[str, list[str]] = {}
+        self._admitted: set[str] = set()  # user keys (user_key)
+        self._node_users: dict[str, list[str]] = {}  # node -> its users' keys
         self._subs: dict[str, Subscription] = {}
         self._open: dict[tuple[str, int], _OpenRound] = {}
         self._closed: set[tuple[str, int]] = set()
-        self._nonces: dict[str, set[bytes]] = {}  # run_id -> nonces seen (replay protection, design 5.3)
         self._counters: Counter = Counter()
 
     # ----- nodes -----------------------------------------------------------------------------------------------
     def register_users(self, node_id: str, user_ids: Sequence[str]) -> tuple[int, int]:
-        """Admit the node's users; a user already hosted by another node is not admitted. Idempotent.
+        """Admit the node's users (ids scoped by node: user_key). Idempotent; the whole request is checked before
+        anything is admitted, and a node holds at most max_users_per_node users.
 
         Returns (users of this request now admitted for this node, total admitted users).
         """
@@ -384,19 +422,24 @@ class ShufflerState:
         if len(set(ids)) != len(ids):
             raise ValueError(f"user_ids of node {node_id!r} contain duplicates")
         with self._lock:
-            admitted = 0
-            mine = self._node_users.setdefault(node_id, [])
-            for u in ids:
-                owner = self._user_node.get(u)
-                if owner is None:
-                    self._user_node[u] = node_id
-                    mine.append(u)
-                    admitted += 1
-                elif owner == node_id:
-                    admitted += 1
-                else:
-                    self._counters["registration_conflict"] += 1
-            return admitted, len(self._user_node)
+            keys = [user_key(node_id, u) for u in ids]
+            new = [k for k in keys if k not in self._admitted]
+            mine = self._node_users.get(node_id, [])
+            if len(mine) + len(new) > self._max_users_per_node:
+                raise QuotaExceeded(
+                    f"node {node_id!r} would host {len(mine) + len(new)} users; at most {self._max_users_per_node} "
+                    "per node identity"
+                )
+            self._node_users[node_id] = mine + new
+            self._admitted.update(new)
+            return len(keys), len(self._admitted)
+
+    def set_max_streams(self, n: int) -> None:
+        """How many nodes may hold an invitation stream at once (the server's threads for them)."""
+        if n < 1:
+            raise ValueError(f"max_streams must be >= 1, got {n}")
+        with self._lock:
+            self._max_streams = int(n)
 
     def subscribe(self, node_id: str) -> Subscription:
         """Open the node's invitation stream; a previous stream of the same node is closed."""
@@ -404,6 +447,9 @@ class ShufflerState:
         sub = Subscription(node_id)
         with self._lock:
             old = self._subs.get(node_id)
+            if old is None and len(self._subs) >= self._max_streams:
+                # every stream holds a server thread: keep the rest for the analyzer and for submissions
+                raise QuotaExceeded(f"{len(self._subs)} nodes are subscribed; at most {self._max_streams} streams")
             self._subs[node_id] = sub
         if old is not None:
             old.close()
@@ -431,14 +477,17 @@ class ShufflerState:
             return Population(len(eligible), unused, len(self._subs))
 
     def counters(self) -> dict[str, int]:
-        """Totals since start: rejections per reason, plus accepted / refused / registration_conflict."""
+        """Totals since start: rejections per reason, plus accepted / refused."""
         with self._lock:
             return dict(self._counters)
 
     # ----- rounds ----------------------------------------------------------------------------------------------
     def _validate(self, req: RoundRequest) -> tuple[int, int, int]:
-        """Check a round request; returns (messages per user, ciphertext length, g+m)."""
+        """Check a round request completely, before any state changes; returns (messages per user, ciphertext
+        length, g+m)."""
         _check_id("run_id", req.run_id)
+        if not 0 <= int(req.round) < _I64:
+            raise ValueError(f"round must lie in [0, 2^63), got {req.round}")
         if req.schedule == Schedule.STREAM:
             raise NotImplementedError("schedule STREAM is not implemented by this shuffler yet")
         if req.schedule not in (Schedule.SEQUENTIAL, Schedule.FULLY_INTERACTIVE, Schedule.SUBSAMPLED):
@@ -457,7 +506,7 @@ class ShufflerState:
                 raise ValueError(f"randomizer g must be >= 1 and m >= 0, got g={req.g}, m={req.m}")
         if req.transport == Transport.COUNTS:
             # every total is a sum of <= cohort counts in [0, g+m]; it must fit the uint64 wire type
-            if max(req.cohort_size, len(self._user_node), 1) * bound >= _U64:
+            if max(req.cohort_size, len(self._admitted), 1) * bound >= _U64:
                 raise ValueError(f"g+m = {bound} is too large: per-label totals would overflow uint64")
             return req.dim, 0, bound
         if len(req.analyzer_public_key) != PUBLIC_KEY_BYTES:
@@ -511,31 +560,48 @@ class ShufflerState:
         chosen = [pool[i] for i in np.sort(idx)]
         return chosen, (chosen if req.schedule == Schedule.SEQUENTIAL else [])
 
+    def _check_batch_size(self, req: RoundRequest, invited: int, per_user: int, ct_len: int) -> None:
+        """A released SEALED / BITS batch holds up to invited * per_user ciphertexts: it must fit one gRPC message
+        the analyzer can receive (grpc_options.BATCH_MESSAGE_BYTES), or it could never be delivered."""
+        if req.transport == Transport.COUNTS:
+            return
+        worst = invited * per_user * (ct_len + _PROTO_BYTES_OVERHEAD)
+        if worst > self._max_batch_bytes:
+            raise ValueError(
+                f"{req.transport.name} round of {invited} users x {per_user} messages of {ct_len} bytes: the batch "
+                f"could reach {worst} bytes, above the {self._max_batch_bytes}-byte message limit; use fewer users"
+                + (" or COUNTS" if req.transport == Transport.BITS else "")
+            )
+
     def execute_round(self, req: RoundRequest, is_active: Callable[[], bool] = lambda: True) -> BatchResult:
         """Select, invite, collect until the deadline or all invitees answered, then threshold and shuffle."""
         per_user, ct_len, bound = self._validate(req)
+        # COUNTS only: the wire width is part of the validation (a bound no width holds is refused here)
+        wire_dtype = count_wire_dtype(bound) if req.transport == Transport.COUNTS else None
         key = (req.run_id, int(req.round))
         with self._lock:
             if key in self._open or key in self._closed or self._store.round_exists(*key):
                 raise RoundExistsError(f"round {req.round} of run {req.run_id!r} was already executed")
             invited, consumed = self._select(req)
-            # record before anyone is invited: a sequential user counts as used once asked (even if silent)
+            self._check_batch_size(req, len(invited), per_user, ct_len)
+            # the last state-free check is above; record before anyone is invited: a sequential user counts as
+            # used once asked (even if silent)
             self._store.record_round(req.run_id, int(req.round), int(req.schedule), consumed)
             rnd = _OpenRound(
                 req=req,
                 deadline=self._clock() + req.deadline_seconds,
-                invited={u: self._user_node[u] for u in invited},
+                invited={k: k.split("\n", 1)[0] for k in invited},
                 expected_messages=per_user,
                 expected_ct_len=ct_len,
                 bound=bound,
-                wire_dtype=count_wire_dtype(bound),
+                wire_dtype=wire_dtype,
             )
             if req.transport == Transport.COUNTS:
                 rnd.totals = np.zeros(req.dim, dtype=np.uint64)
             self._open[key] = rnd
             by_node: dict[str, list[str]] = {}
-            for u, node in rnd.invited.items():
-                by_node.setdefault(node, []).append(u)
+            for k, node in rnd.invited.items():
+                by_node.setdefault(node, []).append(k[len(node) + 1 :])  # the node's own id of the user
             for node, users in by_node.items():
                 self._subs[node].put(Invite(req.relay, users))
             try:
@@ -577,6 +643,7 @@ class ShufflerState:
             rejected=dict(rnd.rejected),
             refused=rnd.refused,
             below_threshold=below,
+            refused_reasons=dict(rnd.refused_reasons),
         )
 
     # ----- collection ------------------------------------------------------------------------------------------
@@ -590,6 +657,7 @@ class ShufflerState:
         """Validate and aggregate one node's contribution (design 5.3). Whole-contribution errors raise
         RoundRejected (counted once per message/refusal); per-message errors are counted and acknowledged."""
         rejected: Counter = Counter()
+        _check_id("node_id", sub.node_id)
         with self._lock:
             key = (sub.run_id, int(sub.round))
             rnd = self._open.get(key)
@@ -600,19 +668,19 @@ class ShufflerState:
                 if reason == Reason.EXPIRED_ROUND:
                     raise RoundRejected(reason, f"round {sub.round} of run {sub.run_id!r} is closed")
                 raise RoundRejected(reason, f"no open round {sub.round} of run {sub.run_id!r}")
-            seen = self._nonces.setdefault(sub.run_id, set())
             accepted = 0
             rows: list[bytes] = []  # COUNTS payloads valid but for the range check, done below for all at once
             for msg in sub.messages:
-                checked = self._check_message(rnd, sub.node_id, msg, seen)
+                ukey = user_key(sub.node_id, msg.user_id)
+                checked = self._check_message(rnd, ukey, msg)
                 if isinstance(checked, Reason):
                     self._reject(rnd, checked, rejected)
                     if checked in _PAYLOAD_REASONS:
                         # an identified invitee sent a malformed payload: its one answer is used up (no probing
                         # of the validator, and the round need not wait for it until the deadline)
-                        rnd.answered.add(msg.user_id)
+                        rnd.answered.add(ukey)
                     continue
-                rnd.answered.add(msg.user_id)  # a valid answer, or a payload the range check may still reject
+                rnd.answered.add(ukey)  # a valid answer, or a payload the range check may still reject
                 if checked is not None:
                     rows.append(checked)
                 else:
@@ -621,16 +689,16 @@ class ShufflerState:
                     accepted += 1
             if rows:
                 accepted += self._add_counts(rnd, rows, rejected)
-            for user_id, _why in sub.refusals:
-                if rnd.invited.get(user_id) != sub.node_id:
-                    self._reject(
-                        rnd, Reason.NOT_INVITED if user_id in self._user_node else Reason.UNKNOWN_USER, rejected
-                    )
-                elif user_id in rnd.answered:
+            for user_id, why in sub.refusals:
+                ukey = user_key(sub.node_id, user_id)
+                if ukey not in rnd.invited:
+                    self._reject(rnd, Reason.NOT_INVITED if ukey in self._admitted else Reason.UNKNOWN_USER, rejected)
+                elif ukey in rnd.answered:
                     self._reject(rnd, Reason.DUPLICATE_USER, rejected)
                 else:
-                    rnd.answered.add(user_id)
+                    rnd.answered.add(ukey)
                     rnd.refused += 1
+                    rnd.refused_reasons[_refusal_reason(rnd, why)] += 1
                     self._counters["refused"] += 1
             self._counters["accepted"] += accepted
             self._lock.notify_all()
@@ -651,22 +719,22 @@ class ShufflerState:
         rnd.contributors += n_ok
         return n_ok
 
-    def _check_message(
-        self, rnd: _OpenRound, node_id: str, msg: UserMessage, seen: set[bytes]
-    ) -> Reason | bytes | None:
+    def _check_message(self, rnd: _OpenRound, ukey: str, msg: UserMessage) -> Reason | bytes | None:
         """First failing check of design 5.3 for one user message (a Reason), else for COUNTS the payload as
         d values of rnd.wire_dtype (bytes; its range is checked by _add_counts), else None. Caller holds the lock."""
         nonce = bytes(msg.nonce)
         if not NONCE_MIN_BYTES <= len(nonce) <= NONCE_MAX_BYTES:
             return Reason.BAD_NONCE
-        if nonce in seen:
+        if nonce in rnd.nonces:
             return Reason.REPLAYED_NONCE
-        seen.add(nonce)  # a re-sent copy of this message (accepted or not) is a replay
-        if msg.user_id not in self._user_node:
+        # a re-sent copy of this message (accepted or not) is a replay; nonces live as long as their round (after
+        # it closes every message to it is refused as expired), so what a sender can make us hold is bounded
+        rnd.nonces.add(nonce)
+        if ukey not in self._admitted:
             return Reason.UNKNOWN_USER
-        if rnd.invited.get(msg.user_id) != node_id:
+        if ukey not in rnd.invited:
             return Reason.NOT_INVITED
-        if msg.user_id in rnd.answered:
+        if ukey in rnd.answered:
             return Reason.DUPLICATE_USER
         if rnd.req.transport == Transport.COUNTS:
             # exactly one COUNTS encoding: both set would leave open which one is the user's answer

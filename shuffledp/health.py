@@ -22,6 +22,7 @@ from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shuffledp import pki
+from shuffledp.tls import check_plain_text
 
 __all__ = ["HealthError", "role_of", "check", "start_with_health", "add_parser", "main"]
 
@@ -56,7 +57,11 @@ def start_with_health(
     address cannot be bound."""
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)
+    if credentials is None:
+        check_plain_text(listen, "listen address")  # the one plain-text rule (issue 10 item 12)
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, credentials)
     if port == 0:
         raise OSError(f"{service}: could not bind {listen!r}")
     server.start()

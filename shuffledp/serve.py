@@ -35,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--state-dir",
         type=Path,
         default=Path("state"),
-        help="analyzer: ledger and checkpoints; shuffler: participation record",
+        help="analyzer: ledger and checkpoints; shuffler: participation record; client: the users' spend",
     )
     parser.add_argument("--config", type=Path, help="client: run configuration TOML (its [data] section)")
     parser.add_argument("--node-index", type=int, default=0, help="client: index of this node")
@@ -48,22 +48,29 @@ def _security(args: argparse.Namespace, role: str):
     from shuffledp import tls
 
     if args.insecure:
-        if not tls.is_loopback(args.listen):
-            raise SystemExit(
-                f"shuffledp serve {role}: --insecure may only listen on loopback, not {args.listen}; "
-                "use --pki DIR (made by `shuffledp pki init`)"
-            )
+        # one rule for every party (tls.check_plain_text), on what is bound and on what is dialled
+        try:
+            tls.check_plain_text(args.listen, "--listen")
+            if role != "shuffler":
+                tls.check_plain_text(args.shuffler, "--shuffler")
+        except ValueError as exc:
+            raise SystemExit(f"shuffledp serve {role}: --insecure: {exc}") from exc
         log.warning("serving %s WITHOUT TLS (--insecure): loopback only, no authentication", role)
-        return None, None, ()
+        return None, None, (tls.DecodeInterceptor(),)
     if args.pki is None:
         raise SystemExit(f"shuffledp serve {role}: give --pki DIR (mTLS) or --insecure (loopback experiments only)")
 
-    name = args.name or (f"client-{args.node_index}" if role == "client-node" else role)
+    name = _party_name(args, role)
     return (
         tls.server_credentials(args.pki, role, name),
         tls.channel_credentials(args.pki, role, name),
         (tls.RoleInterceptor(tls.DEFAULT_POLICY),),
     )
+
+
+def _party_name(args: argparse.Namespace, role: str) -> str:
+    """This party's name: its certificate's name with --pki (a client node's id at the shuffler is that name)."""
+    return args.name or (f"client-{args.node_index}" if role == "client-node" else role)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -100,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
         server_creds, channel_creds, interceptors = _security(args, "client-node")
         config = load_config(args.config)
         handle = start_node(
-            f"node-{args.node_index}",
+            _party_name(args, "client-node"),
             config,
             args.node_index,
             args.num_nodes,
@@ -109,6 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
             channel_creds,
             server_creds,
             interceptors=interceptors,
+            state_dir=args.state_dir,  # the users' spend (clients/spend_store.py)
         )
         port = handle.port
         stopper = handle.stop

@@ -119,11 +119,36 @@ def _service_of(method: str) -> str:
     return method.lstrip("/").split("/", 1)[0]
 
 
-class RoleInterceptor(grpc.ServerInterceptor):
+class DecodeInterceptor(grpc.ServerInterceptor):
+    """Decode each request only after a check of the caller has passed, and answer undecodable bytes with
+    INVALID_ARGUMENT instead of gRPC's INTERNAL (issue 10 item 9).
+
+    gRPC deserialises a request before any servicer code runs, so an unauthorised caller's bytes would be parsed
+    (and their failures handled by grpcio's error path) before the role check. The wrapped handler receives the raw
+    bytes, runs `_check` (nothing here; the role check in RoleInterceptor), then decodes. Used alone in plain-text
+    mode, where there are no identities to check.
+    """
+
+    def _check(self, method: str) -> Callable[[grpc.ServicerContext], None] | None:
+        return None
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:
+            return None  # unknown method: gRPC answers UNIMPLEMENTED
+        return _wrap_handler(handler, details.method, self._check(details.method))
+
+
+class RoleInterceptor(DecodeInterceptor):
     """Allow a method only to peers whose certificate role is listed for it; deny everything unlisted.
 
     `allowed` maps a full method name ("/pkg.Service/Method"), or a service ("/pkg.Service/",
     "pkg.Service"), to the set of roles (or {ANY_ROLE}). An exact method entry wins over its service entry.
+    The check runs before the request is decoded (DecodeInterceptor).
     """
 
     def __init__(self, allowed: Mapping[str, Iterable[str]]):
@@ -148,15 +173,7 @@ class RoleInterceptor(grpc.ServerInterceptor):
             return self._methods[method]
         return self._services.get(_service_of(method), frozenset())
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        if handler is None:
-            return None  # unknown method: gRPC answers UNIMPLEMENTED
-        method = details.method
+    def _check(self, method: str) -> Callable[[grpc.ServicerContext], None]:
         roles = self.roles_for(method)
 
         def check(context: grpc.ServicerContext) -> None:
@@ -170,30 +187,42 @@ class RoleInterceptor(grpc.ServerInterceptor):
                     f"{method}: role {ident.role!r} ({ident.name}) may not call this method; allowed: {who}",
                 )
 
-        return _wrap_handler(handler, check)
+        return check
 
 
 def _wrap_handler(
-    handler: grpc.RpcMethodHandler, check: Callable[[grpc.ServicerContext], None]
+    handler: grpc.RpcMethodHandler, method: str, check: Callable[[grpc.ServicerContext], None] | None
 ) -> grpc.RpcMethodHandler:
-    """The same handler with `check(context)` run before the behaviour (for all four call kinds)."""
+    """The same handler, taking raw request bytes: `check(context)` first, then decode, then the behaviour."""
+    decode = handler.request_deserializer
 
-    def guard(behaviour: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def parse(raw: bytes, context: grpc.ServicerContext) -> Any:
+        if decode is None:
+            return raw
+        try:
+            return decode(raw)
+        except Exception:  # any decoding failure is the caller's malformed request, never an internal error
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
+
+    def guard(behaviour: Callable[[Any, grpc.ServicerContext], Any], streaming_request: bool) -> Callable:
         def guarded(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
-            check(context)
-            return behaviour(request_or_iterator, context)
+            if check is not None:
+                check(context)
+            if streaming_request:
+                return behaviour((parse(raw, context) for raw in request_or_iterator), context)
+            return behaviour(parse(request_or_iterator, context), context)
 
         return guarded
 
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    kw = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(guard(handler.unary_unary), **kw)
+        return grpc.unary_unary_rpc_method_handler(guard(handler.unary_unary, False), **kw)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(guard(handler.unary_stream), **kw)
+        return grpc.unary_stream_rpc_method_handler(guard(handler.unary_stream, False), **kw)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(guard(handler.stream_unary), **kw)
+        return grpc.stream_unary_rpc_method_handler(guard(handler.stream_unary, True), **kw)
     if handler.stream_stream:
-        return grpc.stream_stream_rpc_method_handler(guard(handler.stream_stream), **kw)
+        return grpc.stream_stream_rpc_method_handler(guard(handler.stream_stream, True), **kw)
     raise ValueError("RPC method handler has no behaviour")
 
 
@@ -209,6 +238,23 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_plain_text(address: str, what: str = "address") -> None:
+    """The one rule for plain text, for every party, on what is bound or dialled (issue 10 item 12): only a literal
+    loopback address, `localhost` or a unix socket. A name is never resolved here: what it resolves to can change
+    (hosts file, DNS) between this check and the connection."""
+    if not is_loopback(address):
+        raise ValueError(
+            f"{what} {address!r}: plain text (insecure mode) is allowed only on loopback "
+            "(127.0.0.1, ::1, localhost, unix:); use a PKI (`shuffledp pki init`) for anything else"
+        )
+
+
+def plain_channel(target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A plain-text channel, to a loopback target only (check_plain_text)."""
+    check_plain_text(target, "target")
+    return grpc.insecure_channel(target, options=list(options))
 
 
 class _PartySecurity:
@@ -250,7 +296,7 @@ class ServerSecurity(_PartySecurity):
         """Interceptors to pass to grpc.server(): the role check, or none in insecure mode (no identities)."""
         if self.insecure:
             log.warning("%s %s: INSECURE mode, no authentication or role checks on any RPC", self.role, self.name)
-            return []
+            return [DecodeInterceptor()]
         return [RoleInterceptor(allowed)]
 
     def add_port(self, server: grpc.Server, address: str) -> int:
@@ -258,11 +304,7 @@ class ServerSecurity(_PartySecurity):
         if not self.insecure:
             port = server.add_secure_port(address, self._credentials)
         else:
-            if not is_loopback(address):
-                raise ValueError(
-                    f"address={address!r}: insecure mode may only listen on loopback (127.0.0.1, ::1, localhost); "
-                    "use a PKI (`shuffledp pki init`) for anything reachable from other hosts"
-                )
+            check_plain_text(address, "listen address")
             log.warning("%s %s: listening WITHOUT TLS on %s (insecure mode)", self.role, self.name, address)
             port = server.add_insecure_port(address)
         if port == 0:
@@ -283,10 +325,8 @@ class ChannelSecurity(_PartySecurity):
         carry; give it whenever the target is an IP or localhost, which every certificate lists."""
         opts = list(options)
         if self.insecure:
-            if not is_loopback(target):
-                raise ValueError(f"target={target!r}: insecure mode may only connect to loopback")
             log.warning("%s %s: connecting WITHOUT TLS to %s (insecure mode)", self.role, self.name, target)
-            return grpc.insecure_channel(target, options=opts)
+            return plain_channel(target, opts)
         if server_name is not None:
             opts.append(("grpc.ssl_target_name_override", server_name))
         return grpc.secure_channel(target, self._credentials, options=opts)

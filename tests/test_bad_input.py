@@ -214,18 +214,23 @@ def test_bad_nonce(cl):
 
 
 def test_replayed_nonce(cl):
+    # nonces are remembered for their round (a closed round refuses every message anyway), so what a sender can
+    # make the shuffler hold ends with the round (issue 10)
     node = cl.node("node-a", USERS)
     fut = cl.execute(counts_spec(1))
     node.next()
     first = cmsg("u0", GOOD["u0"])
-    cl.stub.Submit(contribution(node, 1, [first]))
-    finish_counts_round(cl, node, fut, 1, USERS[1:], already=["u0"])
-    fut = cl.execute(counts_spec(2))
-    node.next()
+    assert cl.stub.Submit(contribution(node, 1, [first])).accepted == 1
     replay = pb.UserMessage()
     replay.CopyFrom(first)
+    replay.user_id = "u1"  # the same message again, even under another invited user
     replay.counts.counts[:] = BAD
-    assert_rejected_per_message(cl, node, fut, 2, replay, "replayed_nonce")
+    before = cl.state.counters().get("replayed_nonce", 0)
+    ack = cl.stub.Submit(contribution(node, 1, [replay]))
+    assert ack.accepted == 0 and dict(ack.rejected) == {"replayed_nonce": 1}
+    assert cl.state.counters()["replayed_nonce"] == before + 1
+    _, batch = finish_counts_round(cl, node, fut, 1, USERS[1:], already=["u0"])
+    assert batch.report.rejected["replayed_nonce"] == 1
 
 
 def test_duplicate_user(cl):
@@ -256,11 +261,12 @@ def test_not_invited(cl):
     invited = list(node.next().user_ids)
     assert len(invited) == 2
     outsider = next(u for u in USERS if u not in invited)
-    bad_msgs = [cmsg(outsider, BAD), cmsg("v0", BAD)]  # not invited / invited nowhere, hosted elsewhere
+    # not invited; and v0, which is node-b's user: ids are scoped by node, so node-a has no user v0 at all
+    bad_msgs = [cmsg(outsider, BAD), cmsg("v0", BAD)]
     before = cl.state.counters().get("not_invited", 0)
     ack = cl.stub.Submit(contribution(node, 1, bad_msgs))
-    assert ack.accepted == 0 and dict(ack.rejected) == {"not_invited": 2}
-    assert cl.state.counters()["not_invited"] == before + 2
+    assert ack.accepted == 0 and dict(ack.rejected) == {"not_invited": 1, "unknown_user": 1}
+    assert cl.state.counters()["not_invited"] == before + 1
     finish_counts_round(cl, node, fut, 1, invited)
 
 

@@ -218,8 +218,15 @@ class ContributionAck(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class BatchReport(_message.Message):
-    __slots__ = ("invited", "contributors", "rejected", "refused", "below_threshold")
+    __slots__ = ("invited", "contributors", "rejected", "refused", "below_threshold", "refused_reasons")
     class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RefusedReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -231,12 +238,14 @@ class BatchReport(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     BELOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_REASONS_FIELD_NUMBER: _ClassVar[int]
     invited: int
     contributors: int
     rejected: _containers.ScalarMap[str, int]
     refused: int
     below_threshold: bool
-    def __init__(self, invited: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., below_threshold: _Optional[bool] = ...) -> None: ...
+    refused_reasons: _containers.ScalarMap[str, int]
+    def __init__(self, invited: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., below_threshold: _Optional[bool] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ShuffledBatch(_message.Message):
     __slots__ = ("run_id", "round", "released", "label_totals", "ciphertexts", "report")
@@ -327,8 +336,15 @@ class BudgetStatus(_message.Message):
     def __init__(self, eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., eps_reserved: _Optional[float] = ..., delta_reserved: _Optional[float] = ..., eps_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., rounds_committed: _Optional[int] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
-    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused")
+    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure")
     class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RefusedReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +361,8 @@ class RoundMetrics(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_REASONS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     round: int
     contributors: int
     loss: float
@@ -355,7 +373,9 @@ class RoundMetrics(_message.Message):
     seconds: float
     rejected: _containers.ScalarMap[str, int]
     refused: int
-    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ...) -> None: ...
+    refused_reasons: _containers.ScalarMap[str, int]
+    failure: str
+    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "state", "rounds_done", "rounds_planned", "budget", "metrics", "message")
