@@ -251,8 +251,10 @@ class ClientNodeHandle:
         backoff: tuple[float, float] = (0.1, 5.0),
         *,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
+        submit_chunk_bytes: int = grpc_options.SUBMIT_CHUNK_BYTES,
     ) -> None:
         self.core = core
+        self._chunk = int(submit_chunk_bytes)
         self._stop = threading.Event()
         self._backoff = backoff
         self._call = None
@@ -312,7 +314,7 @@ class ClientNodeHandle:
         except Exception:  # a bug for one round must not kill the node
             log.exception("node %s: failed to compute round %d", self.core.node_id, inv.spec.round)
             return
-        for part in split_contribution(contribution):
+        for part in split_contribution(contribution, self._chunk):
             code = self._submit(part, inv.spec.round)
             if code is not None and part.messages:
                 # the operator sees why these users are missing: refusals with the cause (the users stay charged)
@@ -369,6 +371,7 @@ def start_node_with_shard(
     verifier=None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     state_dir: Path | None = None,
+    submit_chunk_bytes: int = grpc_options.SUBMIT_CHUNK_BYTES,
 ) -> ClientNodeHandle:
     """Start a node for an explicit shard (tests, benchmarks); start_node loads the shard from the config.
     With state_dir, the users' spend is kept in state_dir/<node_id>.spend.sqlite (else in memory)."""
@@ -378,7 +381,13 @@ def start_node_with_shard(
         store = SqliteSpendStore(Path(state_dir) / f"{node_id}.spend.sqlite")
     core = NodeCore(node_id, shard, policy, rng, verifier, spend_store=store)
     return ClientNodeHandle(
-        core, shuffler_address, listen, channel_credentials, server_credentials, interceptors=interceptors
+        core,
+        shuffler_address,
+        listen,
+        channel_credentials,
+        server_credentials,
+        interceptors=interceptors,
+        submit_chunk_bytes=submit_chunk_bytes,
     )
 
 

@@ -42,16 +42,19 @@ TRANSPORT_NAMES = {pb.COUNTS: "counts", pb.BITS: "bits", pb.SEALED: "sealed"}
 
 
 class Refusal:
-    """Refusal reasons (Contribution.refusals[].reason, NodeStatus.refusals keys)."""
+    """Refusal reasons (Contribution.refusals[].reason, NodeStatus.refusals keys). A reason that comes from a
+    limit names its [policy] key, so the operator reads in the progress line which limit to raise."""
 
     TRUST_MODEL = "trust_model_not_allowed"
     TRANSPORT = "transport_not_allowed"
     PROTOCOL = "protocol_not_supported"
     INVALID_SPEC = "invalid_round_spec"
-    ROUND_COST = "round_cost_exceeds_policy"
-    WEAK_RANDOMIZER = "randomizer_weaker_than_policy"
+    ROUND_EPS = "round_eps_above_max_eps_per_round"
+    ROUND_DELTA = "round_delta_above_max_delta_per_round"
+    WEAK_RANDOMIZER = "verified_eps_above_max_eps_per_round"
     UNVERIFIABLE = "randomizer_unverifiable"
-    TOTAL_BUDGET = "total_budget_exceeds_policy"
+    TOTAL_EPS = "total_eps_above_max_total_eps"
+    TOTAL_DELTA = "total_delta_above_max_total_delta"
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,8 @@ class PolicyTable:
         if not (math.isfinite(eps) and eps >= 0.0 and 0.0 <= delta <= 1.0):
             refuse(~none, Refusal.INVALID_SPEC)  # a missing or negative cost is never "free"
             return out, cost
-        refuse((eps > self.max_eps_per_round[idx]) | (delta > self.max_delta_per_round[idx]), Refusal.ROUND_COST)
+        refuse(eps > self.max_eps_per_round[idx], Refusal.ROUND_EPS)
+        refuse(delta > self.max_delta_per_round[idx], Refusal.ROUND_DELTA)
         need = self.verify[idx] & (out == "")
         if np.any(need):
             try:
@@ -197,11 +201,8 @@ class PolicyTable:
                     # what this user pays is what it verified, whatever the analyzer claims (issue 10 item 2)
                     cost[need] = max(eps, verified)
                 refuse(need & (verified > self.max_eps_per_round[idx]), Refusal.WEAK_RANDOMIZER)
-        refuse(
-            (_sum_up(self.eps_spent[idx], cost) > self.max_total_eps[idx])
-            | (_sum_up(self.delta_spent[idx], delta) > self.max_total_delta[idx]),
-            Refusal.TOTAL_BUDGET,
-        )
+        refuse(_sum_up(self.eps_spent[idx], cost) > self.max_total_eps[idx], Refusal.TOTAL_EPS)
+        refuse(_sum_up(self.delta_spent[idx], delta) > self.max_total_delta[idx], Refusal.TOTAL_DELTA)
         return out, cost
 
     def charge(self, idx: np.ndarray, eps: np.ndarray | float, delta: float) -> None:

@@ -112,11 +112,13 @@ if (( CLIENTS > 2 )); then
     depends_on: [shuffler]
     networks: [client-net]
     command: [client, --listen=0.0.0.0:50053, --pki=/pki, --name=client-$i, "--shuffler=shuffler:50052",
-              --config=/etc/shuffledp/config.toml, --node-index=$i, "--num-nodes=\${SHUFFLEDP_CLIENT_NODES:-2}"]
+              --config=/etc/shuffledp/config.toml, --node-index=$i, "--num-nodes=\${SHUFFLEDP_CLIENT_NODES:-2}",
+              --state-dir=/var/lib/shuffledp/state]
     volumes:
       - \${SHUFFLEDP_PKI:-./pki}/ca.crt:/pki/ca.crt:ro
       - \${SHUFFLEDP_PKI:-./pki}/client-$i:/pki/client-$i:ro
       - \${SHUFFLEDP_CONFIG:-./example.toml}:/etc/shuffledp/config.toml:ro
+      - client-$i-state:/var/lib/shuffledp
     healthcheck:
       test: [CMD, python, -m, shuffledp.health, "127.0.0.1:50053", --pki, /pki, --name, client-$i,
              --service, shuffledp.v1.ClientNode]
@@ -126,6 +128,8 @@ if (( CLIENTS > 2 )); then
       start_period: 30s
 EOF
     done
+    echo "volumes:"
+    for ((i = 2; i < CLIENTS; i++)); do echo "  client-$i-state: {}"; done
   } >"$EXTRA"
   FILES+=(-f "$EXTRA")
 fi
@@ -253,21 +257,8 @@ case "$CMD" in
     if [[ ${1:-} == --out ]]; then OUTDIR="${2:?--out needs a directory}"; fi
     cli="$(host_cli)"
     [[ -n $cli ]] || die "results needs the shuffledp CLI on the host (pip install the project)"
-    PY="$(dirname "$cli")/python"
-    [[ -x $PY ]] || PY=python3
-    "$PY" - "$PORT" "$PKI" "$RUN_ID" "$OUTDIR" <<'EOF'
-import sys
-from pathlib import Path
-from shuffledp.run import operator_channel, write_results
-from shuffledp.v1 import shuffledp_pb2 as pb, shuffledp_pb2_grpc as pbg
-port, pki, run_id, out = sys.argv[1:]
-with operator_channel(f"127.0.0.1:{port}", Path(pki)) as ch:
-    result = pbg.AnalyzerStub(ch).GetRunResult(pb.RunRef(run_id=run_id), timeout=60)
-write_results(Path(out), result.config_toml, result)
-s = result.status
-print(f"run {run_id}: {pb.RunState.Name(s.state)}, {s.rounds_done}/{s.rounds_planned} rounds, "
-      f"eps spent {s.budget.eps_spent:.4f}; results in {out}")
-EOF
+    # prints "run RUN_ID: STATE, k/T rounds, eps spent ...; results in DIR"; exit 2: unknown run, 3: no analyzer
+    exec "$cli" run --analyzer "127.0.0.1:$PORT" --pki "$PKI" --fetch "$RUN_ID" --out "$OUTDIR"
     ;;
   status) compose ps ;;
   logs) compose logs -f --tail=100 "$@" ;;

@@ -135,7 +135,13 @@ class AnalyzerServicer(pbg.AnalyzerServicer):
     def GetRunResult(self, request: pb.RunRef, context: grpc.ServicerContext) -> pb.RunResult:
         try:
             v, output = self._view(request.run_id, with_result=True)
-            result = pb.RunResult(status=_status(v, output), ledger_json=v.ledger_json, config_toml=v.config_toml)
+            result = pb.RunResult(
+                status=_status(v, output),
+                ledger_json=v.ledger_json,
+                config_toml=v.config_toml,
+                loss=v.loss,
+                accuracy=v.accuracy,
+            )
             if v.model is not None:
                 result.model.CopyFrom(pb.Tensor(shape=[v.model.size], f64=v.model.astype("<f8").tobytes()))
             return result

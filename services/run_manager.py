@@ -46,7 +46,7 @@ from shuffledp.services.ledger import (
     round_cost,
 )
 
-from shuffledp import sealing
+from shuffledp import grpc_options, sealing
 from shuffledp.config import ConfigError, RunConfig, parse_config
 from shuffledp.data import load_dataset
 from shuffledp.models import Model, make_model
@@ -75,24 +75,38 @@ __all__ = [
 ]
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "BUDGET_EXHAUSTED")
-# gRPC codes with which the shuffler refuses a spec before collecting anything: no batch exists, so the
-# reservation is released. Every other failure (deadline, connection loss, internal error) has an unknown outcome
-# and the round stays charged.
+# gRPC codes with which the shuffler refuses a spec before collecting anything, marked as such by the shuffler's
+# trailing metadata (grpc_options.ROUND_REFUSED_METADATA_KEY): no batch exists, so the reservation is released.
+# The same codes can come from gRPC itself after a batch was collected (RESOURCE_EXHAUSTED: an answer above the
+# receive limit), so without the mark the round stays charged, as after every other failure (issue 10 item 5).
 _REFUSED_BEFORE_COLLECTION = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNAUTHENTICATED,
 }
+# Codes only the server's gRPC layer gives before any handler runs (role check, unknown method): nothing was
+# collected whatever the metadata says.
+_REFUSED_BEFORE_HANDLER = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED}
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_PROBE_SECONDS = 10.0  # GetPopulation before each round: is the shuffler there at all?
+_MAX_BACKOFF_SECONDS = 30.0
 _RPC_GRACE_SECONDS = 30.0  # ExecuteRound returns at the deadline; allow this much for transfer and aggregation
 _MAX_CONSECUTIVE_FAILURES = 3
 _POPULATION_WAIT_SECONDS = 60.0
 # The analyzer's own rejection reasons (design 5.3), counted per message in the round's metrics["rejected"]
 UNDECRYPTABLE = "undecryptable"  # HPKE open failed: wrong key, wrong run/round, tampered or truncated
 MALFORMED_PLAINTEXT = "malformed_plaintext"  # opened, but not one labelled bit of this round (length, bit, label)
+
+
+def _refused_before_collection(exc: grpc.RpcError) -> bool:
+    """True only when the shuffler says no batch of this round exists (see _REFUSED_BEFORE_COLLECTION)."""
+    code = exc.code()
+    if code in _REFUSED_BEFORE_HANDLER:
+        return True
+    marks = dict(exc.trailing_metadata() or ())
+    return code in _REFUSED_BEFORE_COLLECTION and marks.get(grpc_options.ROUND_REFUSED_METADATA_KEY) == code.name
 
 
 class RunNotFound(LookupError):
@@ -121,13 +135,30 @@ def _pvec_sized(method: str, eps: float, delta: float, n_min: int, n_max: int, d
 
 
 def plan_run(cfg: RunConfig, admitted: int, unused: int, model: Model) -> dict[str, Any]:
-    """The round plan of a run from the population sizes (JSON-able dict, stored in the ledger)."""
+    """The round plan of a run from the population sizes (JSON-able dict, stored in the ledger).
+
+    Resolves the run-dependent defaults of the configuration: an unset privacy.delta and schedule.rounds (below).
+    """
     p, s = cfg.privacy, cfg.schedule
     d = model.dim
     if admitted < 1:
         raise PlanError("no users are admitted at the shuffler")
-    # delta default 1/n (issue 4: practitioner-acceptable delta <= 1/n)
-    delta = p.delta if p.delta is not None else 1.0 / admitted
+    if p.delta is not None:
+        delta = p.delta
+    else:
+        # Unset delta: 1/n (issue 4: practitioner-acceptable delta <= 1/n), capped by the users' own [policy] so that
+        # default users accept every round (issue 10). A user's per-round delta is <= delta (_per_user_claim:
+        # sequential rounds claim delta, calibrated fully interactive ones delta/T, paper ones delta_r = delta/(T+1),
+        # Alg 5) and its run total is <= delta (sequential: one round; fully interactive: T such claims, basic
+        # composition as in clients/policy.py). The total cap is shrunk by 1e-9 (relative) so that a client's float
+        # sum of T claims delta/T (up to T ulps above delta) still fits it.
+        pol = cfg.policy
+        delta = min(1.0 / admitted, pol.max_delta_per_round, pol.max_total_delta * (1.0 - 1e-9))
+        if not delta > 0.0:
+            raise PlanError(
+                "privacy.delta is unset and [policy] max_delta_per_round or max_total_delta is 0, so every user "
+                "would refuse every round: set privacy.delta or raise those limits"
+            )
     sequential = s.kind == "sequential"
     if sequential:
         n_pool = unused
@@ -139,9 +170,13 @@ def plan_run(cfg: RunConfig, admitted: int, unused: int, model: Model) -> dict[s
         B = min(B, n_pool)
         if B < 1:
             raise PlanError(f"no unused users left for a sequential run (unused={unused})")
-        T = n_pool // B
+        T = n_pool // B  # T = n / B fresh cohorts (spec 000 sec 4, Alg 3)
+        if s.rounds is not None:
+            T = min(T, s.rounds)  # schedule.rounds set: at most that many of them (issue 10)
     else:
-        B, T = admitted, s.rounds
+        from shuffledp.config import DEFAULT_ROUNDS
+
+        B, T = admitted, (s.rounds if s.rounds is not None else DEFAULT_ROUNDS)  # all n users for T rounds (Alg 5)
     n_min = max(1, math.ceil(p.min_contributors_fraction * B))
     slack = 0.0
     if sequential:
@@ -296,6 +331,8 @@ class RunView:
     config_toml: str = ""
     model: np.ndarray | None = None
     ledger_json: str = ""
+    loss: float = float("nan")  # of `model` on the held-out split
+    accuracy: float = float("nan")
 
 
 @dataclass
@@ -419,6 +456,8 @@ class RunManager:
             if ck is not None:
                 st = _decode_state(ck[1])
                 view.model = st.last if plan.get("output") == "last" else st.mean()
+                model, X, y = self._evaluation_data(parse_config(run["config_toml"]))
+                view.loss, view.accuracy = model.loss(view.model, X, y), model.accuracy(view.model, X, y)
             view.ledger_json = self.ledger.export_json(run_id)
         return view
 
@@ -444,7 +483,17 @@ class RunManager:
         deadline = self._clock() + self._population_wait
         last = None
         while True:
-            pop = self.shuffler.GetPopulation(pb.PopulationRequest(run_id=run_id), timeout=10)
+            try:
+                pop = self.shuffler.GetPopulation(pb.PopulationRequest(run_id=run_id), timeout=_PROBE_SECONDS)
+            except grpc.RpcError as exc:
+                if exc.code() not in _UNREACHABLE:
+                    raise
+                why = f"shuffler unreachable ({exc.code().name})"
+                if self._clock() > deadline or cancel.is_set():
+                    raise PlanError(f"{why} for {self._population_wait:.0f} s") from exc
+                self.ledger.set_state(run_id, "RUNNING", f"waiting for the population: {why}")
+                cancel.wait(1.0)
+                continue
             stable = last is not None and pop.admitted_users == last.admitted_users
             if pop.connected_nodes >= want_nodes and pop.admitted_users > 0 and stable:
                 return pop
@@ -469,8 +518,15 @@ class RunManager:
         return plan
 
     def _evaluate(self, model: Model, cfg: RunConfig, state: AveragingState, r: int) -> dict[str, Any]:
+        """Held-out loss/accuracy of the model after round r (r = -1: the initial model theta_0).
+
+        After k steps the iterates are theta_0..theta_k. "last" is theta_k; "mean" is mean(theta_0..theta_k), which
+        includes the iterate round r produced, so round 0 already shows a trained model. The released output (view)
+        stays the papers' mean(theta_0..theta_{T-1}) (spec 000 sec 4, Alg 3 / Alg 5), i.e. state.mean().
+        """
         _, X, y = self._evaluation_data(cfg)
-        mean, last = state.mean(), state.last
+        last = state.last
+        mean = (state.iterate_sum + last) / (state.steps + 1)  # mean(theta_0..theta_k), k = state.steps
         return {
             "round": r,
             "loss_mean": model.loss(mean, X, y),
@@ -507,7 +563,9 @@ class RunManager:
         failures = 0
         r = self.ledger.next_round(run_id)
         while r < plan["rounds"]:
-            if live.cancel.is_set():
+            # no round is reserved while the shuffler cannot be reached: an outage costs no budget (issue 10 item 7)
+            need = plan["cohort"] if plan["kind"] != "sequential" else 0  # fully interactive: every user
+            if live.cancel.is_set() or not self._await_shuffler(run_id, live, need):
                 self.ledger.set_state(run_id, "CANCELLED", "cancelled by the operator")
                 return
             event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])
@@ -525,6 +583,41 @@ class RunManager:
             r += 1
         self.ledger.set_state(run_id, "COMPLETED", "")
 
+    def _await_shuffler(self, run_id: str, live: _Live, need_users: int = 0) -> bool:
+        """Return once the shuffler answers GetPopulation, retrying with exponential backoff while it is unreachable
+        (the run's status message says so meanwhile), and once need_users users are connected again (after an
+        outage nodes reconnect with a backoff of their own; waited for up to the population wait, then the round
+        is tried anyway). False if the run is cancelled while waiting."""
+        delay, since, waited_users = 0.5, None, None
+        while not live.cancel.is_set():
+            try:
+                pop = self.shuffler.GetPopulation(pb.PopulationRequest(run_id=run_id), timeout=_PROBE_SECONDS)
+            except grpc.RpcError as exc:
+                if exc.code() not in _UNREACHABLE:
+                    raise
+                if since is None:
+                    since = time.strftime("%H:%M:%S")
+                    log.warning("run %s: shuffler unreachable (%s); waiting", run_id, exc.code().name)
+                why = f"shuffler unreachable since {since} ({exc.code().name}); retrying in {delay:.0f} s"
+                self.ledger.set_state(run_id, "RUNNING", why)
+                live.cancel.wait(delay)
+                delay = min(2 * delay, _MAX_BACKOFF_SECONDS)
+                continue
+            if since is not None:
+                self.ledger.set_state(run_id, "RUNNING", f"shuffler reachable again (unreachable since {since})")
+                since, delay = None, 0.5
+            if pop.admitted_users < need_users:
+                waited_users = self._clock() if waited_users is None else waited_users
+                if self._clock() - waited_users < self._population_wait:
+                    why = f"waiting for users to reconnect: {pop.admitted_users} of {need_users} connected"
+                    self.ledger.set_state(run_id, "RUNNING", why)
+                    live.cancel.wait(0.2)
+                    continue
+            if waited_users is not None:
+                self.ledger.set_state(run_id, "RUNNING", "")
+            return True
+        return False
+
     def _round(self, run_id, r, cfg, plan, params, model, state, step_fn, event, live):
         """One round after its reservation. Returns (outcome, state)."""
         spec = round_spec(run_id, r, plan, params, event, state.last, live.public_key)
@@ -532,16 +625,25 @@ class RunManager:
         try:
             batch = self.shuffler.ExecuteRound(spec, timeout=plan["deadline"] + _RPC_GRACE_SECONDS)
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            if code in _REFUSED_BEFORE_COLLECTION:
+            code = exc.code()
+            if _refused_before_collection(exc):
                 # the shuffler refused the spec: no batch exists -> nothing to charge
-                self.ledger.release(run_id, r, f"shuffler refused the round: {code.name}: {exc.details()}")
-                self._metrics(run_id, r, model, cfg, state, released=False, n=0, seconds=self._clock() - t0)
+                why = f"shuffler refused the round: {code.name}: {exc.details()}"
+                self.ledger.release(run_id, r, why)
+                self._metrics(run_id, r, model, cfg, state, False, 0, self._clock() - t0, failure=why)
                 exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED and plan["kind"] == "sequential"
                 return ("exhausted" if exhausted else "refused"), state
-            # unknown outcome: the round stays reserved until the ledger marks it spent (never released)
-            self.ledger.mark_spent(run_id, r, f"shuffler call failed ({code}): outcome unknown, counted as spent")
-            self._metrics(run_id, r, model, cfg, state, released=False, n=0, seconds=self._clock() - t0)
+            # unknown outcome (the batch may have left the shuffler): charged, never released
+            if code == grpc.StatusCode.UNAVAILABLE:
+                why = f"shuffler unreachable during the round ({exc.details()})"
+            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                why = f"the shuffler's answer was not received ({exc.details()})"
+            else:
+                why = f"shuffler call failed ({code.name}: {exc.details()})"
+            self.ledger.mark_spent(run_id, r, f"{why}: outcome unknown, counted as spent")
+            log.warning("run %s round %d: %s; counted as spent", run_id, r, why)
+            failure = f"{why}; counted as spent"
+            self._metrics(run_id, r, model, cfg, state, False, 0, self._clock() - t0, failure=failure)
             return "error", state
         rep = batch.report
         if not batch.released:
@@ -550,7 +652,7 @@ class RunManager:
             self.ledger.release(run_id, r, f"below threshold: {rep.contributors} contributors")
             seconds = self._clock() - t0
             n_rep, rejected = rep.contributors, dict(rep.rejected)
-            self._metrics(run_id, r, model, cfg, state, False, n_rep, seconds, rejected, rep.refused)
+            self._metrics(run_id, r, model, cfg, state, False, n_rep, seconds, rejected, rep)
             return "below_threshold", state
         n = int(rep.contributors)
         if batch.run_id != run_id or batch.round != r:
@@ -563,12 +665,12 @@ class RunManager:
             return self._bits_round(run_id, r, batch, n, cfg, plan, params, model, state, step_fn, live, t0)
         self.ledger.commit(run_id, r, n)  # the batch is used from here on
         total = decode_counts(np.asarray(batch.label_totals, dtype=np.int64), n, params)
-        return self._step(run_id, r, total, n, cfg, model, state, step_fn, t0, dict(rep.rejected), rep.refused)
+        return self._step(run_id, r, total, n, cfg, model, state, step_fn, t0, dict(rep.rejected), rep)
 
-    def _step(self, run_id, r, total, n, cfg, model, state, step_fn, t0, rejected: dict[str, int], refused: int):
+    def _step(self, run_id, r, total, n, cfg, model, state, step_fn, t0, rejected: dict[str, int], report):
         grad = total / n  # paper divides by B; n' keeps the estimate unbiased under dropouts (spec 000 sec 3)
         _, state = step_fn(grad, state, state.last)
-        self._metrics(run_id, r, model, cfg, state, True, n, self._clock() - t0, rejected, refused)
+        self._metrics(run_id, r, model, cfg, state, True, n, self._clock() - t0, rejected, report)
         return "ok", state
 
     def _bits_round(self, run_id, r, batch, n, cfg, plan, params, model, state, step_fn, live, t0):
@@ -611,11 +713,10 @@ class RunManager:
             self.ledger.commit(run_id, r, charged)
             log.warning("run %s round %d failed: %s; charged with %d contributors", run_id, r, failure, charged)
             seconds = self._clock() - t0
-            refused = batch.report.refused
-            self._metrics(run_id, r, model, cfg, state, False, n_good, seconds, rejected, refused, failure=failure)
+            self._metrics(run_id, r, model, cfg, state, False, n_good, seconds, rejected, batch.report, failure=failure)
             return "below_threshold", state
         self.ledger.commit(run_id, r, n_good)  # the batch is used from here on
-        return self._step(run_id, r, total, n_good, cfg, model, state, step_fn, t0, rejected, batch.report.refused)
+        return self._step(run_id, r, total, n_good, cfg, model, state, step_fn, t0, rejected, batch.report)
 
     def _metrics(
         self,
@@ -628,7 +729,7 @@ class RunManager:
         n: int,
         seconds: float,
         rejected: dict[str, int] | None = None,
-        refused: int = 0,
+        report: pb.BatchReport | None = None,
         failure: str = "",
     ) -> None:
         m = self._evaluate(model, cfg, state, r)
@@ -640,7 +741,9 @@ class RunManager:
             eps_spent=totals.eps_spent,
             delta_spent=totals.delta_spent,
             rejected=dict(rejected or {}),  # messages rejected by reason, by the shuffler and the analyzer
-            refused=int(refused),  # users whose policy refused the round
+            # users who refused the round (their policy, or their node could not deliver), total and by reason
+            refused=int(report.refused) if report is not None else 0,
+            refused_reasons=dict(report.refused_reasons) if report is not None else {},
         )
         if failure:
             m["failure"] = failure

@@ -499,6 +499,8 @@ class ShufflerState:
         if req.min_contributors < 0:
             raise ValueError(f"min_contributors must be >= 0, got {req.min_contributors}")
         bound = int(req.g) + int(req.m)
+        if bound >= _U64:  # no count of any transport can reach it; refused here, before any state changes
+            raise ValueError(f"g + m must be < 2^64, got g={req.g}, m={req.m}")
         if req.transport in (Transport.COUNTS, Transport.BITS):
             if req.dim < 1:
                 raise ValueError(f"randomizer.dim must be >= 1 for {req.transport.name}, got {req.dim}")

@@ -7,6 +7,9 @@ never silently fall back to a default (a silently weaker privacy setting would b
 
 `load_config(None)` returns the embedded default (DEFAULT_TOML below): the digits data set shipped with
 scikit-learn, fully interactive PGD over PVEC in count mode, eps = 8, delta = 1/n, calibrated accounting.
+Defaults that depend on the run are resolved by the analyzer when it plans (services/run_manager.plan_run):
+privacy.delta (unset: min(1/n, policy.max_delta_per_round, policy.max_total_delta)) and schedule.rounds (unset:
+DEFAULT_ROUNDS when fully interactive, as many as the unused users allow when sequential).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "parse_config",
     "load_config",
     "DEFAULT_TOML",
+    "DEFAULT_ROUNDS",
 ]
 
 # The embedded default run (issue 4 acceptance: eps <= 8, delta <= 1/n, tightest calibration, < 10 min on
@@ -41,12 +45,18 @@ DEFAULT_TOML = """\
 # one example per user, trained with PGD (fully interactive, Alg 5 of Cheu et al. 2022) over PVEC count mode.
 # `shuffledp run --print-default > my.toml` writes this file. Keys left out of a configuration take built-in
 # defaults, which are these values except two tuned here: model.radius (built-in 4) and schedule.learning_rate
-# (built-in: the theory rule of Thm 4.1 / Lemma B.6, eta = D / (L_G sqrt(T))).
+# (built-in: the theory rule of Thm 4.1 / Lemma B.6, eta = D / (L_G sqrt(T))). A commented-out key is unset
+# (its comment says what unset means); remove the "#" to set it.
 
 [data]
-dataset = "digits"          # "digits" (ships with scikit-learn) or "path"
+dataset = "digits"          # "digits" (ships with scikit-learn) or "path" (your file: path, format, labels_path)
+# path = "train.csv"        # dataset = "path": the data file (format idx: the images file)
+# format = "csv"            # "csv" (label last), "npz" (arrays X, y), "libsvm" or "idx"; unset = from the extension
+# labels_path = "labels.idx"  # format = "idx" only: the labels file
 test_fraction = 0.25        # fixed public held-out split (every 4th example)
 examples_per_user = 1
+# classes = [3, 8]          # keep only these labels (relabelled 0..k-1 in this order); unset = every label
+# max_users = 300           # only the first max_users training users; unset (0) = every training user
 
 [model]
 task = "logreg"             # "logreg" (multinomial) or "leastsq"
@@ -54,16 +64,19 @@ radius = 10.0               # iterates are projected onto the l2 ball of this ra
 
 [privacy]
 eps = 8.0
-# delta omitted: 1/n for the n users admitted when the run starts
+# delta = 1e-5              # unset: min(1/n, policy.max_delta_per_round, policy.max_total_delta), n = users admitted
 protocol = "pvec"
 calibration = "calibrated"  # "calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)
 clip_norm = 1.0             # l2 bound on each user's gradient (Delta2 of PVEC)
 min_contributors_fraction = 0.9
+# round_eps = 1.0           # fixed eps per round, rounds run while the total fits eps; unset = from eps and rounds
 
 [schedule]
 kind = "fully_interactive"  # "sequential" (PSGD, disjoint cohorts) or "fully_interactive" (PGD, all users)
-rounds = 16
+# cohort_size = 100         # sequential: users per round; unset (0) = Thm 4.1's B = sqrt(d) ln(d/delta) / eps
+# rounds = 16               # fully interactive: T (unset: 16); sequential: at most T (unset: floor(unused users / B))
 learning_rate = 8.0
+output = "mean"             # released model: "mean" of the iterates (theta_0..theta_{T-1}, Alg 3/5) or "last"
 
 [transport]
 mode = "counts"             # "counts" (trusted shuffler adds) or "bits" (sealed labelled bits; tiny d only)
@@ -72,10 +85,11 @@ mode = "counts"             # "counts" (trusted shuffler adds) or "bits" (sealed
 client_nodes = 2
 round_deadline_seconds = 60.0
 insecure = true             # plain text on loopback (shuffledp run); false = mTLS from pki_dir
+# pki_dir = "pki"           # insecure = false: the directory `shuffledp pki init` wrote (CA and role certificates)
 
 [policy]                    # every simulated user's own limits, enforced by the client nodes (design 6)
 max_eps_per_round = 8.0     # a user refuses a round that costs more (its randomizer is re-checked, not trusted)
-max_delta_per_round = 1e-3
+max_delta_per_round = 1e-3  # ... or whose delta is larger (an unset privacy.delta is capped to fit it)
 max_total_eps = 64.0        # over all rounds, basic composition (an upper bound on the true spend)
 max_total_delta = 1e-2
 """
@@ -93,6 +107,7 @@ _CALIBRATIONS = ("calibrated", "paper")
 _KINDS = ("sequential", "fully_interactive")
 _MODES = ("counts", "bits")
 _OUTPUTS = ("mean", "last")
+DEFAULT_ROUNDS = 16  # fully interactive T when schedule.rounds is unset (the embedded default's tuned schedule)
 
 
 @dataclass(frozen=True)
@@ -116,7 +131,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class PrivacyConfig:
     eps: float = 8.0
-    delta: float | None = None  # None = 1/n (n = admitted users at StartRun)
+    # None = min(1/n, policy.max_delta_per_round, policy.max_total_delta), n = admitted users at StartRun: the
+    # default users then accept every round (services/run_manager.plan_run)
+    delta: float | None = None
     protocol: str = "pvec"
     calibration: str = "calibrated"
     clip_norm: float = 1.0
@@ -130,7 +147,8 @@ class PrivacyConfig:
 class ScheduleConfig:
     kind: str = "fully_interactive"
     cohort_size: int = 0  # sequential: users per round; 0 = Thm 4.1's B = sqrt(d) ln(d/delta)/eps
-    rounds: int = 16  # fully interactive: T
+    # fully interactive: T (None = DEFAULT_ROUNDS); sequential: at most T rounds (None = floor(unused users / B))
+    rounds: int | None = None
     learning_rate: float | None = None  # None = theory rule (Thm 4.1 / Lemma B.6), eta = D/(L_G sqrt(T))
     output: str = "mean"  # released model: mean of iterates (the papers' output) or the last iterate
 
@@ -150,8 +168,8 @@ class DeploymentConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """The simulated users' privacy policy (clients/policy.py UserPolicy; the client nodes read it, the
-    analyzer ignores it). Defaults accept the embedded run and refuse eps > 8 in one round."""
+    """The simulated users' privacy policy (clients/policy.py UserPolicy; the client nodes enforce it, the analyzer
+    reads it only to cap an unset privacy.delta). Defaults accept the embedded run and refuse eps > 8 in one round."""
 
     max_eps_per_round: float = 8.0
     max_delta_per_round: float = 1e-3
@@ -294,10 +312,13 @@ def _schedule(t: dict[str, Any]) -> ScheduleConfig:
     lr = t.get("learning_rate")
     if lr is not None:
         lr = _float("schedule.learning_rate", lr, 0.0, 1e6, lo_open=True)
+    rounds = t.get("rounds")  # TOML has no null: present means set explicitly
+    if rounds is not None:
+        rounds = _int("schedule.rounds", rounds, 1, 100_000)
     return ScheduleConfig(
         kind=_choice("schedule.kind", t.get("kind", s.kind), _KINDS),
         cohort_size=_int("schedule.cohort_size", t.get("cohort_size", s.cohort_size), 0, 10**9),
-        rounds=_int("schedule.rounds", t.get("rounds", s.rounds), 1, 100_000),
+        rounds=rounds,
         learning_rate=lr,
         output=_choice("schedule.output", t.get("output", s.output), _OUTPUTS),
     )

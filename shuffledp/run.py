@@ -4,6 +4,11 @@ Starts the shuffler, the analyzer and the configured number of client nodes (eac
 starts the run through the analyzer's operator API, prints progress per round, and writes a results directory:
 config.toml, metrics.csv, metrics.json, ledger.json, model.npz, plot.png, logs/. Everything is stopped on success,
 failure and Ctrl-C. With no CONFIG the embedded default (digits, one example per user) runs.
+
+With --analyzer it drives an already running deployment instead; `--fetch RUN_ID` writes the results directory of an
+existing run. Operator calls survive a slow or briefly unreachable analyzer (bounded retries); when the CLI gives up
+it says so in one line. Exit status: 0 run COMPLETED (or results fetched), 1 the run ended otherwise, 2 bad usage,
+configuration or run id, 3 lost the analyzer (or a local service died), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ import contextlib
 import csv
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +35,17 @@ from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 STARTUP_TIMEOUT_S = 60.0
 POLL_S = 0.5
 TERMINAL = {pb.COMPLETED, pb.FAILED, pb.CANCELLED, pb.BUDGET_EXHAUSTED}
+
+# Operator calls to the analyzer: an analyzer restarting or stalled under load must not end the CLI at once, but the
+# CLI must not hang for ever either.
+GIVE_UP_S = 120.0  # continuous failure (UNAVAILABLE / DEADLINE_EXCEEDED) after which the CLI gives up
+CALL_TIMEOUT_S = 30.0  # per call (GetRunResult: twice this, it carries the model and the ledger)
+CREATE_TIMEOUT_S = 60.0  # CreateRun at least this: it loads the data, and a timed-out CreateRun is never repeated
+BACKOFF_FIRST_S = 0.5
+BACKOFF_CAP_S = 8.0
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+EXIT_LOST = 3  # exit status: lost the analyzer, or a service of a local run died
+_JITTER = secrets.SystemRandom()  # jitter only; the project draws no randomness from `random`
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +68,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--server-name", default="analyzer", help="with --pki: name expected in the analyzer certificate"
     )
+    parser.add_argument(
+        "--fetch",
+        metavar="RUN_ID",
+        help="with --analyzer: write the results directory of an existing run (default --out: results/RUN_ID)",
+    )
     parser.set_defaults(func=_run_command)
+
+
+class ServiceFailed(RuntimeError):
+    """A service process of a local run exited or never started; str() carries its log tail, `summary` and `log`
+    make the one line the CLI prints."""
+
+    def __init__(self, name: str, what: str, log: Path, tail: str):
+        super().__init__(f"{name} {what}:\n{tail}")
+        self.name, self.log = name, log
+        self.summary = f"{name} {what}"
 
 
 @dataclass
@@ -76,18 +109,23 @@ class Cluster:
             if port_file.exists():
                 return int(port_file.read_text())
             if self.procs[name].poll() is not None:
-                raise RuntimeError(f"{name} exited during start-up:\n{self.log_tail(name)}")
+                raise ServiceFailed(name, "exited during start-up", self.log_path(name), self.log_tail(name))
             time.sleep(0.05)
-        raise RuntimeError(f"{name} did not start within {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail(name)}")
+        what = f"did not start within {STARTUP_TIMEOUT_S:.0f} s"
+        raise ServiceFailed(name, what, self.log_path(name), self.log_tail(name))
+
+    def log_path(self, name: str) -> Path:
+        return self.workdir / "logs" / f"{name}.log"
 
     def log_tail(self, name: str, lines: int = 30) -> str:
-        path = self.workdir / "logs" / f"{name}.log"
+        path = self.log_path(name)
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited unexpectedly (status {proc.returncode}):\n{self.log_tail(name)}")
+                what = f"exited unexpectedly (status {proc.returncode})"
+                raise ServiceFailed(name, what, self.log_path(name), self.log_tail(name))
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -136,6 +174,8 @@ def start_local_cluster(
                     str(i),
                     "--num-nodes",
                     str(client_nodes),
+                    "--state-dir",  # the users' spend, kept by their node (clients/spend_store.py)
+                    str(workdir / "state"),
                 ],
             )
             for i in range(client_nodes)
@@ -149,15 +189,17 @@ def start_local_cluster(
 
 
 def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
-    # why users are missing: their own policy refused the round ([policy] of the configuration), or their
-    # messages were rejected (by reason, at the shuffler or the analyzer)
+    # why users are missing: they refused the round (by the reason their node gave: a [policy] limit it names, or
+    # a delivery failure), or their messages were rejected (by reason, at the shuffler or the analyzer)
     why = []
     if m.refused:
-        why.append(f"{m.refused} users refused by their [policy]")
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(m.refused_reasons.items()))
+        why.append(f"{m.refused} users refused" + (f": {reasons}" if reasons else ""))
     if m.rejected:
         why.append("rejected " + ", ".join(f"{k}={v}" for k, v in sorted(m.rejected.items())))
     if not m.released:
-        detail = "; ".join([f"below threshold: {m.contributors} contributors", *why])
+        cause = m.failure or f"below threshold: {m.contributors} contributors"
+        detail = "; ".join([cause, *why])
         return f"round {m.round + 1:>4}/{planned}  NOT RELEASED ({detail})"
     return (
         f"round {m.round + 1:>4}/{planned}  contributors {m.contributors:>6}  loss {m.loss:8.4f}  "
@@ -170,44 +212,207 @@ def operator_channel(analyzer: str, pki: Path | None = None, server_name: str = 
     """Channel of the operator to the analyzer: mTLS with the operator certificate, or plain text on loopback."""
     from shuffledp import tls
 
+    # a restarted analyzer is found again within seconds (gRPC's default reconnect backoff grows to 120 s)
+    options = [("grpc.max_reconnect_backoff_ms", 5000)]
     if pki is None:
-        return tls.ChannelSecurity.insecure_loopback("operator", "operator").channel(analyzer)
-    return tls.ChannelSecurity(pki, "operator", "operator").channel(analyzer, server_name=server_name)
+        return tls.ChannelSecurity.insecure_loopback("operator", "operator").channel(analyzer, options=options)
+    return tls.ChannelSecurity(pki, "operator", "operator").channel(analyzer, server_name=server_name, options=options)
+
+
+def fetch_command(analyzer: str, run_id: str, pki: Path | None = None, server_name: str = "analyzer") -> str:
+    """The command line that fetches a run's results later."""
+    parts = ["shuffledp run --analyzer", analyzer]
+    if pki is not None:
+        parts += ["--pki", str(pki)]
+        if server_name != "analyzer":
+            parts += ["--server-name", server_name]
+    return " ".join([*parts, "--fetch", run_id])
+
+
+class AnalyzerLost(Exception):
+    """The CLI gave up on the analyzer: it stayed unreachable or too slow for the whole retry window, or a CreateRun
+    timed out (never repeated). `during` says what the CLI was doing ("" before any run existed)."""
+
+    def __init__(self, analyzer: str, code: grpc.StatusCode, details: str, waited_s: float):
+        self.analyzer, self.code, self.details, self.waited_s = analyzer, code, details, waited_s
+        self.run_id = ""
+        self.during = ""
+        super().__init__(analyzer, code, details)
+
+    def __str__(self) -> str:
+        return self.what()
+
+    def what(self) -> str:
+        """One sentence, without how to resume (that depends on who drove the run)."""
+        cause = f"{self.code.name}: {self.details}" if self.details else self.code.name
+        if self.run_id:
+            return f"lost contact with the analyzer at {self.analyzer} ({cause}) {self.during}"
+        if self.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return (
+                f"CreateRun at the analyzer {self.analyzer} timed out ({cause}); not repeated, since the analyzer "
+                "may have created the run anyway (it would stay CREATED and spend nothing); try again later"
+            )
+        return f"cannot reach the analyzer at {self.analyzer} ({cause}) for {self.waited_s:.0f} s; no run was created"
+
+
+def _during(run_id: str, status: pb.RunStatus | None) -> str:
+    if status is None or status.state == pb.CREATED:
+        return f"while starting run {run_id}"
+    if status.state == pb.RUNNING:
+        planned = status.rounds_planned
+        at = f" (round {min(status.rounds_done + 1, planned)}/{planned})" if planned else ""
+        return f"while run {run_id} was RUNNING{at}"
+    return f"while fetching the results of run {run_id} ({pb.RunState.Name(status.state)})"
+
+
+def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
+    return exc.code() if isinstance(exc, grpc.Call) else None
+
+
+def _first_line(exc: grpc.RpcError) -> str:
+    details = (exc.details() if isinstance(exc, grpc.Call) else None) or ""
+    return details.strip().splitlines()[0] if details.strip() else ""
+
+
+class _Retrying:
+    """Operator calls that outlast a restarting or overloaded analyzer: a call failing with a transient code is
+    repeated with capped, jittered exponential backoff until `give_up_s` of continuous failure, then AnalyzerLost.
+    One line when the analyzer becomes unreachable and one when it answers again, not one per attempt."""
+
+    def __init__(
+        self,
+        analyzer: str,
+        echo: Callable[[str], object],
+        give_up_s: float,
+        on_retry: Callable[[], None] | None = None,
+    ):
+        self.analyzer, self.echo, self.give_up_s, self.on_retry = analyzer, echo, give_up_s, on_retry
+        self.failing_since: float | None = None  # spans calls: the window is continuous failure, not per call
+        self.retried = False  # the last call was repeated at least once
+
+    def call(self, method: Callable, request: object, timeout: float, retry_on: frozenset = TRANSIENT):
+        attempt = 0
+        self.retried = False
+        while True:
+            try:
+                response = method(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                code = _code(exc)
+                if code not in retry_on:
+                    raise
+                if self.on_retry is not None:
+                    self.on_retry()  # local run: a dead analyzer process is reported at once, not after the window
+                now = time.monotonic()
+                if self.failing_since is None:
+                    self.failing_since = now
+                    self.echo(f"analyzer unreachable ({code.name}), retrying for up to {self.give_up_s:.0f} s...")
+                left = self.failing_since + self.give_up_s - now
+                if left <= 0:
+                    raise AnalyzerLost(self.analyzer, code, _first_line(exc), now - self.failing_since) from None
+                delay = min(BACKOFF_CAP_S, BACKOFF_FIRST_S * 2**attempt) * _JITTER.uniform(0.5, 1.0)
+                time.sleep(min(left, delay))
+                attempt += 1
+                self.retried = True
+                continue
+            if self.failing_since is not None:
+                self.failing_since = None
+                self.echo("analyzer reachable again")
+            return response
 
 
 def drive_run(
     analyzer: str,
     config_toml: str,
     cluster: Cluster | None = None,
-    echo=print,
+    echo: Callable[[str], object] = print,
     pki: Path | None = None,
     server_name: str = "analyzer",
+    *,
+    give_up_s: float = GIVE_UP_S,
+    call_timeout_s: float = CALL_TIMEOUT_S,
 ) -> pb.RunResult:
-    """Create and start a run on the analyzer, report progress until it ends, return its result."""
+    """Create and start a run on the analyzer, report progress until it ends, return its result.
+
+    Transient failures are retried for up to `give_up_s` of continuous failure (each call waits `call_timeout_s`);
+    then AnalyzerLost (with run_id and what was going on). Other RPC errors propagate; a dead process of a local
+    `cluster` raises ServiceFailed."""
+    run_id, status = "", None
     with operator_channel(analyzer, pki, server_name) as channel:
         stub = pbg.AnalyzerStub(channel)
-        status = stub.CreateRun(pb.CreateRunRequest(config_toml=config_toml), timeout=60)
-        ref = pb.RunRef(run_id=status.run_id)
-        echo(f"run id: {status.run_id}  (fetch its results again with GetRunResult / deploy/compose.sh results)")
-        stub.StartRun(ref, timeout=30)
-        shown = 0
+        rpc = _Retrying(analyzer, echo, give_up_s, cluster.check_alive if cluster is not None else None)
         try:
-            while True:
-                status = stub.GetRunStatus(ref, timeout=30)
-                for m in status.metrics[shown:]:
-                    echo(_progress_line(m, status.rounds_planned))
-                shown = len(status.metrics)
-                if status.state in TERMINAL:
-                    break
-                if cluster is not None:
-                    cluster.check_alive()
-                time.sleep(POLL_S)
-        except KeyboardInterrupt:
-            echo("interrupted: cancelling the run")
-            with contextlib.suppress(grpc.RpcError):
-                stub.CancelRun(ref, timeout=10)
+            # CreateRun is not idempotent: a call that timed out may have created a run, so only a call that never
+            # got through (UNAVAILABLE) is repeated; a timeout ends the CLI with one line (AnalyzerLost, no run id)
+            try:
+                status = rpc.call(
+                    stub.CreateRun,
+                    pb.CreateRunRequest(config_toml=config_toml),
+                    max(call_timeout_s, CREATE_TIMEOUT_S),
+                    retry_on=frozenset({grpc.StatusCode.UNAVAILABLE}),
+                )
+            except grpc.RpcError as exc:
+                if _code(exc) == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise AnalyzerLost(analyzer, grpc.StatusCode.DEADLINE_EXCEEDED, _first_line(exc), 0.0) from None
+                raise
+            run_id = status.run_id
+            ref = pb.RunRef(run_id=run_id)
+            hint = f"  (fetch its results again with: {fetch_command(analyzer, run_id, pki, server_name)})"
+            echo(f"run id: {run_id}" + (hint if cluster is None else ""))
+            try:
+                status = rpc.call(stub.StartRun, ref, call_timeout_s)
+            except grpc.RpcError as exc:
+                # a repeated StartRun after a first attempt that did arrive: the run is started, as asked
+                if not (rpc.retried and _code(exc) == grpc.StatusCode.FAILED_PRECONDITION):
+                    raise
+            shown, message = 0, status.message if status.state == pb.RUNNING else ""
+            if message:
+                echo(f"  [analyzer] {message}")
+            try:
+                while True:
+                    status = rpc.call(stub.GetRunStatus, ref, call_timeout_s)
+                    for m in status.metrics[shown:]:
+                        echo(_progress_line(m, status.rounds_planned))
+                    shown = len(status.metrics)
+                    # what the analyzer is waiting for (population, an unreachable shuffler): only when it changes
+                    if status.state == pb.RUNNING and status.message != message:
+                        message = status.message
+                        if message:
+                            echo(f"  [analyzer] {message}")
+                    if status.state in TERMINAL:
+                        break
+                    if cluster is not None:
+                        cluster.check_alive()
+                    time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                echo("interrupted: cancelling the run")
+                with contextlib.suppress(grpc.RpcError):
+                    stub.CancelRun(ref, timeout=10)
+                raise
+            return rpc.call(stub.GetRunResult, ref, 2 * call_timeout_s)
+        except AnalyzerLost as lost:
+            if run_id:
+                lost.run_id, lost.during = run_id, _during(run_id, status)
             raise
-        return stub.GetRunResult(ref, timeout=60)
+
+
+def fetch_result(
+    analyzer: str,
+    run_id: str,
+    pki: Path | None = None,
+    server_name: str = "analyzer",
+    echo: Callable[[str], object] = print,
+    *,
+    give_up_s: float = GIVE_UP_S,
+    call_timeout_s: float = CALL_TIMEOUT_S,
+) -> pb.RunResult:
+    """GetRunResult of an existing run, with the retries of drive_run (AnalyzerLost when it gives up)."""
+    with operator_channel(analyzer, pki, server_name) as channel:
+        rpc = _Retrying(analyzer, echo, give_up_s)
+        try:
+            return rpc.call(pbg.AnalyzerStub(channel).GetRunResult, pb.RunRef(run_id=run_id), 2 * call_timeout_s)
+        except AnalyzerLost as lost:
+            lost.run_id, lost.during = run_id, f"while fetching run {run_id}"
+            raise
 
 
 def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
@@ -263,12 +468,60 @@ def _plot(path: Path, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-def _run_command(args: argparse.Namespace) -> int:
+def _rpc_failed(exc: grpc.RpcError, analyzer: str, doing: str) -> int:
+    """One line for an RPC error that is not a lost analyzer (refused configuration, unknown run, permission)."""
+    code = _code(exc)
+    name = code.name if code is not None else type(exc).__name__
+    print(f"shuffledp run: the analyzer at {analyzer} refused {doing} ({name}: {_first_line(exc)})", file=sys.stderr)
+    return 2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else EXIT_LOST
+
+
+def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: float) -> int:
+    run_id = args.fetch.strip()
+    usage = None
+    if not args.analyzer:
+        usage = "--fetch RUN_ID needs --analyzer HOST:PORT (the analyzer that holds the run)"
+    elif args.config is not None:
+        usage = "--fetch takes no CONFIG (the run's own configuration is fetched with its results)"
+    elif not run_id:
+        usage = "--fetch needs a RUN_ID (printed by `shuffledp run` as 'run id: ...')"
+    if usage:
+        print(f"shuffledp run: {usage}", file=sys.stderr)
+        return 2
+    try:
+        result = fetch_result(
+            args.analyzer, run_id, args.pki, args.server_name, give_up_s=give_up_s, call_timeout_s=call_timeout_s
+        )
+    except AnalyzerLost as lost:
+        print(f"shuffledp run: {lost.what()}; try again later", file=sys.stderr)
+        return EXIT_LOST
+    except grpc.RpcError as exc:
+        if _code(exc) == grpc.StatusCode.NOT_FOUND:
+            print(f"shuffledp run: the analyzer at {args.analyzer} has no run {run_id!r}", file=sys.stderr)
+            return 2
+        return _rpc_failed(exc, args.analyzer, f"GetRunResult of run {run_id}")
+    out = args.out or Path("results") / run_id
+    write_results(out, result.config_toml, result)
+    s = result.status
+    print(
+        f"run {run_id}: {pb.RunState.Name(s.state)}, {s.rounds_done}/{s.rounds_planned} rounds, "
+        f"eps spent {s.budget.eps_spent:.4f}; results in {out}"
+    )
+    if s.state not in TERMINAL:
+        print("the run has not ended: these are its results so far; fetch again later")
+    return 0
+
+
+def _run_command(
+    args: argparse.Namespace, *, give_up_s: float = GIVE_UP_S, call_timeout_s: float = CALL_TIMEOUT_S
+) -> int:
     from shuffledp.config import DEFAULT_TOML, ConfigError, parse_config
 
     if args.print_default:
         print(DEFAULT_TOML, end="")
         return 0
+    if args.fetch is not None:
+        return _fetch_command(args, give_up_s, call_timeout_s)
     try:
         config_toml = args.config.read_text() if args.config else DEFAULT_TOML
     except OSError as exc:
@@ -286,21 +539,44 @@ def _run_command(args: argparse.Namespace) -> int:
     config_path.write_text(config_toml)
     echo = (lambda *_: None) if args.quiet else print
     started = time.monotonic()
+    timing = {"give_up_s": give_up_s, "call_timeout_s": call_timeout_s}
     if args.analyzer:
         print(f"shuffledp run: {label}: on the deployment at {args.analyzer}; results in {out}")
         try:
-            result = drive_run(args.analyzer, config_toml, None, echo, args.pki, args.server_name)
+            result = drive_run(args.analyzer, config_toml, None, echo, args.pki, args.server_name, **timing)
         except KeyboardInterrupt:
             print("stopped by Ctrl-C; the run was cancelled", file=sys.stderr)
             return 130
+        except AnalyzerLost as lost:
+            # the deployment keeps the run (its ledger): say how to pick it up again
+            resume = ""
+            if lost.run_id:
+                fetch = fetch_command(args.analyzer, lost.run_id, args.pki, args.server_name)
+                resume = f". The run continues if the analyzer comes back; fetch its results later with: {fetch}"
+            print(f"shuffledp run: {lost.what()}{resume}", file=sys.stderr)
+            return EXIT_LOST
+        except grpc.RpcError as exc:
+            return _rpc_failed(exc, args.analyzer, "the run")
     else:
         print(f"shuffledp run: {label}: {config.deployment.client_nodes} client node(s); results in {out}")
-        cluster, _, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes)
         try:
-            result = drive_run(analyzer, config_toml, cluster, echo)
+            cluster, _, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes)
+        except ServiceFailed as exc:  # start_local_cluster stopped the others already
+            print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
+            return EXIT_LOST
+        try:
+            result = drive_run(analyzer, config_toml, cluster, echo, **timing)
         except KeyboardInterrupt:
             print("stopped by Ctrl-C; services shut down; partial logs in", out / "logs", file=sys.stderr)
             return 130
+        except ServiceFailed as exc:
+            print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
+            return EXIT_LOST
+        except AnalyzerLost as lost:
+            print(f"shuffledp run: {lost.what()}; all services stopped; logs in {out / 'logs'}", file=sys.stderr)
+            return EXIT_LOST
+        except grpc.RpcError as exc:
+            return _rpc_failed(exc, analyzer, "the run")
         finally:
             cluster.stop()
     write_results(out, config_toml, result)
@@ -308,8 +584,8 @@ def _run_command(args: argparse.Namespace) -> int:
     final = next((m for m in reversed(status.metrics) if m.released), None)
     budget = status.budget
     print(f"state: {pb.RunState.Name(status.state)}  {status.message}".rstrip())
-    if final is not None:
-        print(f"test accuracy: {final.accuracy:.4f}  test loss: {final.loss:.4f}")
+    if final is not None:  # the released model's figures (model.npz), not the last round's
+        print(f"test accuracy: {result.accuracy:.4f}  test loss: {result.loss:.4f}")
     print(
         f"privacy spent: eps = {budget.eps_spent:.4f}, delta = {budget.delta_spent:.3g}  "
         f"(limit eps = {budget.eps_limit:g}, delta = {budget.delta_limit:.3g}; accountant: {budget.accountant}; "

@@ -1,20 +1,24 @@
 """Analyzer service in-process (real gRPC servers on loopback): operator API, planning, threshold release."""
 
 import math
+import sqlite3
+from dataclasses import asdict
 
 import grpc
 import numpy as np
 import pytest
 from _runs import wait_for_run
 from shuffledp.clients.node import start_node
+from shuffledp.clients.policy import PolicyTable, UserPolicy
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
-from shuffledp.services.ledger import Ledger
-from shuffledp.services.run_manager import PlanError, plan_run
+from shuffledp.services.ledger import Ledger, PrivacyEvent
+from shuffledp.services.run_manager import PlanError, _decode_state, plan_run, round_spec
 from shuffledp.services.shuffler import start_shuffler
 
-from shuffledp.config import parse_config
+from shuffledp.config import DEFAULT_ROUNDS, parse_config
 from shuffledp.data import load_dataset
 from shuffledp.models import make_model
+from shuffledp.protocols.pvec import PvecParams
 from shuffledp.run import _progress_line
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
@@ -95,7 +99,10 @@ def test_rounds_below_threshold_are_released_and_cost_nothing(services, data):
     assert sum(sum(n.core.status().refusals.values()) for n in nodes) == len(rows) * N_USERS
     # ... and the analyzer's round metrics report them (from the shuffler's batch report)
     assert [m.refused for m in st.metrics] == [N_USERS] * len(rows)
-    assert f"{N_USERS} users refused by their [policy]" in _progress_line(st.metrics[0], 5)  # what the operator sees
+    # what the operator sees: how many refused, and the [policy] key that made them refuse
+    assert [dict(m.refused_reasons) for m in st.metrics] == [{"round_eps_above_max_eps_per_round": N_USERS}] * len(rows)
+    line = _progress_line(st.metrics[0], 5)
+    assert f"{N_USERS} users refused: round_eps_above_max_eps_per_round={N_USERS}" in line
 
 
 def test_plan_sequential_and_fully_interactive(data):
@@ -112,14 +119,122 @@ def test_plan_sequential_and_fully_interactive(data):
     fi = parse_config(data + "[privacy]\neps = 2.0\n[schedule]\nrounds = 7\n")
     plan = plan_run(fi, admitted=270, unused=0, model=model)
     assert plan["rounds"] == 7 and plan["cohort"] == 270 and plan["composition"] == "rdp"
-    assert plan["delta"] == 1 / 270  # default delta = 1/n
+    assert plan["delta"] == 1e-3  # default delta = min(1/n, policy.max_delta_per_round) = min(1/270, 1e-3)
     paper = parse_config(data + '[privacy]\neps = 2.0\ncalibration = "paper"\n[schedule]\nrounds = 7\n')
     plan = plan_run(paper, admitted=270, unused=0, model=model)
-    assert plan["composition"] == "advanced" and math.isclose(plan["advanced_slack"], 1 / 270 / 8)
+    assert plan["composition"] == "advanced" and math.isclose(plan["advanced_slack"], 1e-3 / 8)
     # per-round eps of Alg 5: eps / (2 sqrt(2 T ln(1/delta)))
-    assert plan["params"]["eps"] <= 2.0 / (2 * math.sqrt(14 * math.log(270)))
+    assert plan["params"]["eps"] <= 2.0 / (2 * math.sqrt(14 * math.log(1e3)))
     with pytest.raises(PlanError):
         plan_run(seq, admitted=270, unused=0, model=model)
+
+
+def _offer_every_round(cfg, plan, users: int):
+    """Every round of `plan` offered to users whose policy is [policy] of cfg, decided and charged as the client
+    nodes do (sequential: a fresh cohort per round; fully interactive: everyone). Returns (refusals, PolicyTable)."""
+    table = PolicyTable(UserPolicy(**asdict(cfg.policy)), users)
+    params = PvecParams(**plan["params"])
+    event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])
+    refusals = []
+    for r in range(plan["rounds"]):
+        spec = round_spec("run", r, plan, params, event, np.zeros(plan["dim"]))
+        sequential = plan["kind"] == "sequential"
+        idx = np.arange(r * plan["cohort"], (r + 1) * plan["cohort"]) if sequential else np.arange(users)
+        reasons, cost = table.decide(spec, idx, True)
+        table.charge(idx[reasons == ""], cost[reasons == ""], spec.per_user_cost.delta)
+        refusals.append(reasons)
+    return np.concatenate(refusals), table
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        '[schedule]\nkind = "sequential"\n',  # per-round delta = delta: 1/225 > 1e-3 was refused by everyone
+        "[schedule]\nrounds = 2\n",  # per-round claim delta/T = 1/450 > 1e-3 was refused too
+        "",  # the built-in default: fully interactive, 16 rounds
+        '[privacy]\ncalibration = "paper"\n',  # per-round delta_r = delta/(T+1) (Alg 5)
+        "[policy]\nmax_total_delta = 5e-4\n",  # the users' total limit binds: T claims delta/T must add up below it
+    ],
+    ids=["sequential", "fi-2-rounds", "fi-default", "fi-paper", "total-delta-binds"],
+)
+def test_default_delta_is_accepted_by_the_default_users_of_a_small_run(data, extra):
+    # issue 10: n = 225 < 1000 users with privacy.delta unset; every user's policy is [policy] of the same file
+    cfg = parse_config(data + extra)
+    assert cfg.privacy.delta is None
+    plan = plan_run(cfg, admitted=N_USERS, unused=N_USERS, model=_model(cfg))
+    refusals, table = _offer_every_round(cfg, plan, N_USERS)
+    assert set(refusals) == {""}, set(refusals)  # every user joins every round it is invited to ...
+    pol = cfg.policy
+    assert table.delta_spent.max() <= pol.max_total_delta and table.eps_spent.max() <= pol.max_total_eps  # in total
+    assert plan["delta"] <= min(1 / N_USERS, pol.max_delta_per_round, pol.max_total_delta)
+    assert plan["delta"] == pytest.approx(min(1 / N_USERS, pol.max_delta_per_round, pol.max_total_delta), rel=1e-6)
+
+
+def test_default_delta_on_digits_with_max_users_300_is_accepted():
+    # the issue's example: the embedded data set cut to 300 users, sequential PSGD, default privacy and policy
+    cfg = parse_config('[data]\nmax_users = 300\n[schedule]\nkind = "sequential"\n')
+    plan = plan_run(cfg, admitted=300, unused=300, model=_model(cfg))
+    assert plan["delta"] == 1e-3 < 1 / 300
+    refusals, _ = _offer_every_round(cfg, plan, 300)
+    assert set(refusals) == {""}
+
+
+def test_default_delta_refuses_a_policy_that_accepts_no_delta(data):
+    cfg = parse_config(data + "[policy]\nmax_delta_per_round = 0.0\n")
+    with pytest.raises(PlanError, match="privacy.delta is unset.*max_delta_per_round"):
+        plan_run(cfg, admitted=N_USERS, unused=N_USERS, model=_model(cfg))
+
+
+def test_schedule_rounds_caps_a_sequential_run(data):
+    # issue 10: schedule.rounds was ignored in sequential runs (T = floor(unused / B) always)
+    base = data + '[privacy]\neps = 2.0\ndelta = 1e-5\n[schedule]\nkind = "sequential"\ncohort_size = 60\n'
+    model = _model(parse_config(base))
+    unset = plan_run(parse_config(base), admitted=270, unused=270, model=model)
+    assert unset["rounds"] == 4  # unset: as many fresh cohorts as the unused users allow, floor(270 / 60)
+    two = plan_run(parse_config(base + "rounds = 2\n"), admitted=270, unused=270, model=model)
+    assert two["rounds"] == 2 and two["cohort"] == 60
+    # the theory step size is sized for the T actually run: eta = D / (L_G sqrt(T)) (Thm 4.1), same B and noise
+    assert two["learning_rate"] == pytest.approx(unset["learning_rate"] * math.sqrt(4 / 2), rel=1e-12)
+    nine = plan_run(parse_config(base + "rounds = 9\n"), admitted=270, unused=270, model=model)
+    assert nine["rounds"] == 4  # never more rounds than fresh cohorts (each user is queried once)
+    # fully interactive: rounds is T; unset = DEFAULT_ROUNDS
+    fi = parse_config(data + "[privacy]\neps = 2.0\n")
+    assert fi.schedule.rounds is None
+    assert plan_run(fi, admitted=270, unused=0, model=model)["rounds"] == DEFAULT_ROUNDS == 16
+
+
+@pytest.mark.parametrize("output", ["mean", "last"])
+def test_round_metrics_show_the_model_after_the_round(services, data, output):
+    """issue 10: round r's metrics evaluate the model after round r, including the iterate round r produced (round 0
+    used to show the untrained mean); the released model stays the spec's output (spec 000 sec 4, Alg 3 / Alg 5)."""
+    stub, shuffler, nodes, state_dir = services
+    cfg_text = data + "[privacy]\neps = 4.0\ndelta = 1e-3\n[schedule]\nrounds = 2\nlearning_rate = 2.0\n"
+    cfg_text += f'output = "{output}"\n[deployment]\nround_deadline_seconds = 20\n'
+    cfg = parse_config(cfg_text)
+    nodes += [start_node(f"o{i}", cfg, i, 2, shuffler) for i in range(2)]
+    run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
+    stub.StartRun(pb.RunRef(run_id=run_id))
+    st = wait_for_run(stub, run_id, timeout=60)
+    assert st.state == pb.COMPLETED and all(m.released for m in st.metrics), st.message
+    released = np.frombuffer(stub.GetRunResult(pb.RunRef(run_id=run_id)).model.f64, dtype="<f8")
+    with sqlite3.connect(state_dir / LEDGER_FILE) as con:  # the checkpoint the analyzer wrote after each round
+        rows = con.execute("SELECT round, blob FROM checkpoints WHERE run_id=? ORDER BY round", (run_id,)).fetchall()
+    assert [r for r, _ in rows] == [-1, 0, 1]
+    after0, after1 = _decode_state(bytes(rows[1][1])), _decode_state(bytes(rows[2][1]))
+    theta0, theta1, theta2 = np.zeros(8), after0.last, after1.last  # theta_0 = 0 (Alg 5)
+    assert np.array_equal(after1.iterate_sum, theta0 + theta1) and not np.array_equal(theta1, theta0)
+    initial, m0, m1 = Ledger(state_dir / LEDGER_FILE).metrics(run_id)
+    ds = load_dataset(cfg.data, cfg.model.task)
+    model, X, y = _model(cfg), ds.X_test, ds.y_test
+    # round 0: the model after one step, not the initial model
+    assert m0["loss_last"] == model.loss(theta1, X, y) != initial["loss_last"] == model.loss(theta0, X, y)
+    assert m0["loss_mean"] == model.loss((theta0 + theta1) / 2, X, y) != initial["loss_mean"]
+    assert m1["loss_last"] == model.loss(theta2, X, y)
+    assert m1["loss_mean"] == model.loss((theta0 + theta1 + theta2) / 3, X, y)
+    # what the operator sees is the configured output's figure
+    assert [m.loss for m in st.metrics] == [m0[f"loss_{output}"], m1[f"loss_{output}"]]
+    # the released model: mean(theta_0..theta_{T-1}) (spec 000 sec 4, Alg 5), or the last iterate theta_T
+    np.testing.assert_array_equal(released, (theta0 + theta1) / 2 if output == "mean" else theta2)
 
 
 def test_bits_transport_decodes_sealed_labelled_bits(services, tmp_path):

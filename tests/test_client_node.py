@@ -130,19 +130,19 @@ def test_policy_refusals_with_reasons():
     core = NodeCore("node", shard, policies, rng=make_rng(4))
     con = core.handle(invite(make_spec(1), shard))
     assert [m.user_id for m in con.messages] == ["u2", "u3"]
-    assert {r.user_id: r.reason for r in con.refusals} == {"u0": Refusal.ROUND_COST, "u1": Refusal.TRANSPORT}
+    assert {r.user_id: r.reason for r in con.refusals} == {"u0": Refusal.ROUND_EPS, "u1": Refusal.TRANSPORT}
     con = core.handle(invite(make_spec(2, trust_model=pb.CENTRAL), shard))
     assert {r.user_id: r.reason for r in con.refusals} == {
-        "u0": Refusal.ROUND_COST,  # u0 allows every trust model; its round cost is still too high
+        "u0": Refusal.ROUND_EPS,  # u0 allows every trust model; its round cost is still too high
         "u1": Refusal.TRANSPORT,
-        "u2": Refusal.TOTAL_BUDGET,
+        "u2": Refusal.TOTAL_EPS,
         "u3": Refusal.TRUST_MODEL,
     }
     assert core.spent("u2") == (1.0, 1e-6) and core.spent("u0") == (0.0, 0.0)
     assert dict(core.status().refusals) == {
-        Refusal.ROUND_COST: 2,
+        Refusal.ROUND_EPS: 2,
         Refusal.TRANSPORT: 2,
-        Refusal.TOTAL_BUDGET: 1,
+        Refusal.TOTAL_EPS: 1,
         Refusal.TRUST_MODEL: 1,
     }
 

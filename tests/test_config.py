@@ -152,3 +152,58 @@ def test_policy_section_is_validated_and_reaches_the_users_policy():
     ]:
         with pytest.raises(ConfigError, match=key):
             parse_config(f"[policy]\n{bad}\n")
+
+
+def _keys_in_toml_text(text: str) -> tuple[set[str], set[str]]:
+    """(section.key of every `key = ...` line, of those the commented-out `# key = ...` ones) of a TOML text."""
+    import re
+
+    section, keys, commented = "", set(), set()
+    for line in text.splitlines():
+        if m := re.match(r"\s*\[(\w+)\]", line):
+            section = m.group(1)
+        elif m := re.match(r"\s*(#\s*)?(\w+)\s*=", line):
+            keys.add(f"{section}.{m.group(2)}")
+            if m.group(1):
+                commented.add(f"{section}.{m.group(2)}")
+    return keys, commented
+
+
+def _accepted_keys() -> set[str]:
+    """Every section.key the parser accepts, from the config dataclasses (each cross-checked with the parser)."""
+    import dataclasses
+
+    from shuffledp.config import RunConfig
+
+    keys = set()
+    for section in dataclasses.fields(RunConfig):
+        if section.name == "toml_text":
+            continue
+        for f in dataclasses.fields(getattr(RunConfig(), section.name)):
+            # a value of the wrong type for every key: the parser must object to the value, not to the key
+            with pytest.raises(ConfigError) as err:
+                parse_config(f"[{section.name}]\n{f.name} = {{ x = 1 }}\n")
+            assert "unknown" not in str(err.value), err.value
+            keys.add(f"{section.name}.{f.name}")
+    return keys
+
+
+def test_print_default_documents_every_accepted_key():
+    # issue 10: `shuffledp run --print-default` must show every key a configuration may set, so a key added to the
+    # parser without a line in DEFAULT_TOML fails here
+    accepted = _accepted_keys()
+    assert {"schedule.cohort_size", "privacy.round_eps", "data.labels_path", "deployment.pki_dir"} <= accepted
+    documented, commented = _keys_in_toml_text(DEFAULT_TOML)
+    assert accepted - documented == set()
+    assert documented - accepted == set()  # no stale key either
+    # a commented-out key is one whose built-in default is "unset" (None, "", 0, ()): the embedded run leaves it so
+    embedded = load_config(None)
+    for key in commented:
+        section, name = key.split(".")
+        assert getattr(getattr(embedded, section), name) in (None, "", 0, ()), key
+
+
+def test_schedule_rounds_unset_is_none_and_set_is_kept():
+    # issue 10: "set explicitly" is told from the built-in default by None (plan_run resolves it per kind)
+    assert parse_config("").schedule.rounds is None and load_config(None).schedule.rounds is None
+    assert parse_config('[schedule]\nkind = "sequential"\nrounds = 3\n').schedule.rounds == 3

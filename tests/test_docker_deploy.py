@@ -50,7 +50,7 @@ IMAGE = "shuffledp:latest"
 BASE_IMAGE = "shuffledp-base:bookworm"
 SERVICE_UID = 10001
 USER_ID_RE = re.compile(rb"n\d+-u\d+")  # shuffledp.data.user_shard ids: "n{node}-u{j}"
-NODE_ID_RE = re.compile(rb"node-\d+")  # client node ids (shuffledp serve client: node-<index>)
+NODE_ID_RE = re.compile(rb"client-\d+")  # client node ids (a node's id is its certificate name, client-<index>)
 UP_TIMEOUT_S = 240  # compose.sh up: until every container is healthy
 DEPLOY_TIMEOUT_S = 900  # per test, including the module's image build and compose up on a loaded 2-core machine
 
@@ -382,8 +382,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 CALLS = {
     "analyzer.GetBudget": lambda ch: pbg.AnalyzerStub(ch).GetBudget(pb.RunRef(run_id="probe"), timeout=10),
     "shuffler.GetPopulation": lambda ch: pbg.ShufflerStub(ch).GetPopulation(pb.PopulationRequest(), timeout=10),
-    "shuffler.RegisterUsers": lambda ch: pbg.ShufflerStub(ch).RegisterUsers(
-        pb.RegisterUsersRequest(node_id="intruder"), timeout=10),
+    "shuffler.RegisterUsers": lambda ch: pbg.ShufflerStub(ch).RegisterUsers(pb.RegisterUsersRequest(), timeout=10),
+    # a node-scoped call naming client-1: only client-1's certificate may make it (issue 10 item 1)
+    "shuffler.RegisterUsersAsClient1": lambda ch: pbg.ShufflerStub(ch).RegisterUsers(
+        pb.RegisterUsersRequest(node_id="client-1"), timeout=10),
     "client.GetNodeStatus": lambda ch: pbg.ClientNodeStub(ch).GetNodeStatus(pb.NodeStatusRequest(), timeout=10),
     "health.Check": lambda ch: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10),
 }
@@ -433,9 +435,10 @@ def _stranger_cases(root: str, targets: dict[str, tuple[str, str]]) -> list[dict
         "analyzer.GetBudget": ("operator", ["client-0", "shuffler", "analyzer"]),
         "shuffler.GetPopulation": ("analyzer", ["client-0", "operator"]),
         "shuffler.RegisterUsers": ("client-0", ["analyzer", "operator"]),
+        "shuffler.RegisterUsersAsClient1": ("client-1", ["client-0", "analyzer", "operator"]),
         "client.GetNodeStatus": ("operator", ["client-1", "analyzer", "shuffler"]),
     }
-    claims = {"operator": "operator", "analyzer": "analyzer", "client-0": "client-0"}  # self-signed / foreign twins
+    claims = {"operator": "operator", "analyzer": "analyzer"}  # self-signed / foreign twins (else client-0's)
     cases = []
     for call, (target, server_name) in targets.items():
         right, wrong = allowed[call]
@@ -474,6 +477,7 @@ def test_strangers_are_refused_by_every_service(deployment: Deployment, stranger
         "analyzer.GetBudget": ("analyzer:50051", "analyzer"),
         "shuffler.GetPopulation": ("shuffler:50052", "shuffler"),
         "shuffler.RegisterUsers": ("shuffler:50052", "shuffler"),
+        "shuffler.RegisterUsersAsClient1": ("shuffler:50052", "shuffler"),
         "client.GetNodeStatus": ("client-0:50053", "client-0"),
     }
     cases = _stranger_cases("/m", inside)

@@ -112,6 +112,7 @@ class Cluster:
         self.node_ports = []
         for i in range(2):
             argv = ["client", "--shuffler", self.shuffler, "--config", str(cfg_path)]
+            argv += ["--state-dir", str(workdir / f"node{i}")]  # the users' spend: here, not ./state of the checkout
             self.procs[f"node{i}"], port = _spawn(
                 workdir, f"node{i}", [*argv, "--node-index", str(i), "--num-nodes", "2"]
             )
@@ -223,7 +224,7 @@ def test_pgd_fully_interactive_end_to_end(cluster, test_split):
     # ledger total == the accountant's figure recomputed independently for the rounds actually run
     rounds = _events(result)
     assert [r["state"] for r in rounds] == ["committed"] * 6
-    delta = 1.0 / N_USERS
+    delta = min(1.0 / N_USERS, 1e-3)  # privacy.delta unset: min(1/n, the default policy.max_delta_per_round)
     recomputed = composed_epsilon([(PvecParams(**r["event"]["params"]), r["contributors"]) for r in rounds], delta)
     assert st.budget.eps_spent == pytest.approx(recomputed, rel=1e-12)
     assert st.budget.eps_spent <= 4.0 and st.budget.delta_spent <= delta
@@ -248,6 +249,18 @@ def test_psgd_sequential_end_to_end(cluster, test_split):
     per_round = [pvec_round_epsilon(PvecParams(**r["event"]["params"]), r["contributors"], 1e-4) for r in rounds]
     assert st.budget.eps_spent == pytest.approx(max(per_round), rel=1e-12) and st.budget.eps_spent <= 4.0
     _assert_trust_boundary(cluster, run_id, d=D, rounds=3)
+
+
+def test_small_sequential_run_with_default_delta_is_accepted_by_the_default_users(cluster):
+    # issue 10: 225 < 1000 users, privacy.delta unset. The delta was 1/n = 1/225 per round, above the default
+    # policy.max_delta_per_round = 1e-3 the nodes enforce: every user refused every round and nothing was released.
+    toml = DATA + '[schedule]\nkind = "sequential"\ncohort_size = 75\n[deployment]\nround_deadline_seconds = 10\n'
+    run_id, result = cluster.run(toml)
+    st = result.status
+    assert [(m.released, m.contributors, m.refused) for m in st.metrics] == [(True, 75, 0)] * 3, st.message
+    assert st.state == pb.COMPLETED, st.message
+    limit = json.loads(result.ledger_json)["run"]["limit"]
+    assert limit["delta"] == 1e-3 and 0 < st.budget.delta_spent <= 1e-3
 
 
 def test_budget_refusal_happens_before_any_client_is_contacted(cluster):

@@ -377,6 +377,7 @@ def test_served_client_node_checks_the_callers_role(pki_dir: Path, tmp_path: Pat
     cmd = [sys.executable, "-m", "shuffledp.cli", "serve", "client", "--pki", str(pki_dir), "--config", str(config)]
     # no shuffler listens on port 9: the node keeps retrying in the background, its own server still answers
     cmd += ["--shuffler", "127.0.0.1:9", "--listen", "127.0.0.1:0", "--port-file", str(port_file)]
+    cmd += ["--state-dir", str(tmp_path / "state")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60

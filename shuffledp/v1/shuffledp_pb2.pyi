@@ -396,16 +396,20 @@ class RunStatus(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., rounds_done: _Optional[int] = ..., rounds_planned: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., metrics: _Optional[_Iterable[_Union[RoundMetrics, _Mapping]]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RunResult(_message.Message):
-    __slots__ = ("status", "model", "ledger_json", "config_toml")
+    __slots__ = ("status", "model", "ledger_json", "config_toml", "loss", "accuracy")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LEDGER_JSON_FIELD_NUMBER: _ClassVar[int]
     CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
     status: RunStatus
     model: Tensor
     ledger_json: str
     config_toml: str
-    def __init__(self, status: _Optional[_Union[RunStatus, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., ledger_json: _Optional[str] = ..., config_toml: _Optional[str] = ...) -> None: ...
+    loss: float
+    accuracy: float
+    def __init__(self, status: _Optional[_Union[RunStatus, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., ledger_json: _Optional[str] = ..., config_toml: _Optional[str] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ...) -> None: ...
 
 class NodeStatusRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,58 @@
+"""Shared helper of the multi-process tests: start one `shuffledp serve ...` as an OS process and wait for its port."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shuffledp.rng import make_rng
+
+STARTUP_S = 60.0
+
+
+def serve(workdir: Path, name: str, argv: list[str]) -> tuple[subprocess.Popen, int]:
+    """`shuffledp serve ARGV --port-file ...` (give --insecure or --pki in argv); returns (process, bound port).
+    The log is workdir/<name>.log (appended, so a restarted service keeps one log)."""
+    port_file = workdir / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    log = open(workdir / f"{name}.log", "ab")  # noqa: SIM115 (the process owns it)
+    cmd = [sys.executable, "-m", "shuffledp.cli", "serve", *argv, "--port-file", str(port_file)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    end = time.monotonic() + STARTUP_S
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            raise RuntimeError(f"{name} did not start:\n{log_text(workdir, name)[-3000:]}")
+        time.sleep(0.05)
+    return proc, int(port_file.read_text())
+
+
+def log_text(workdir: Path, name: str) -> str:
+    path = workdir / f"{name}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def write_blobs(path: Path, n: int = 300, seed: int = 2024) -> str:
+    """Two Gaussian blobs in R^3 (labels 0/1), n examples; returns the [data] section for it (d = 8 for logreg)."""
+    rng = make_rng(seed)
+    y = np.arange(n) % 2
+    X = rng.normal(size=(n, 3)) * 0.5 + np.where(y[:, None] == 1, 0.6, -0.6)
+    np.savez(path, X=X, y=y)
+    return f'[data]\ndataset = "path"\npath = "{path}"\n'

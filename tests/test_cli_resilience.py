@@ -1,0 +1,268 @@
+"""The operator CLI (`shuffledp run`) when the analyzer dies or stalls mid-run, over real processes on loopback
+(shuffledp.run.start_local_cluster) and real signals: SIGKILL ends the CLI with one line naming the run and how to
+fetch it (exit 3, no traceback), and `--fetch` gets the results from an analyzer restarted on the same state; SIGSTOP
+for longer than the per-call timeout is waited out and the run completes; a local run whose analyzer process dies
+ends with one line and the log's path.
+
+A ghost participant (registers users, never answers) makes every round last its deadline (2 s), so a run is still
+RUNNING when the signal arrives (a round the client node misses is not released: still a round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from _runs import wait_for_run
+
+from shuffledp.cli import build_parser
+from shuffledp.cli import main as cli_main
+from shuffledp.run import _run_command, start_local_cluster
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+pytestmark = pytest.mark.timeout(120)
+
+ROUNDS = 6
+CONFIG = f"""
+[data]
+dataset = "digits"
+max_users = 200
+[privacy]
+eps = 8.0
+[schedule]
+kind = "fully_interactive"
+rounds = {ROUNDS}
+learning_rate = 8.0
+[deployment]
+client_nodes = 1
+round_deadline_seconds = 2.0
+"""
+
+
+class GhostNode:
+    """Registers users and subscribes but never answers: each round then lasts until its deadline."""
+
+    def __init__(self, shuffler: str, users: int):
+        self.channel = grpc.insecure_channel(shuffler)
+        stub = pbg.ShufflerStub(self.channel)
+        stub.RegisterUsers(pb.RegisterUsersRequest(node_id="ghost", user_ids=[f"g-u{i}" for i in range(users)]))
+        self.stream = stub.Subscribe(pb.SubscribeRequest(node_id="ghost"))
+        self.pool = futures.ThreadPoolExecutor(1)
+        self.pool.submit(lambda: [None for _ in self.stream])
+
+    def close(self) -> None:
+        self.stream.cancel()
+        self.pool.shutdown(wait=False)
+        self.channel.close()
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["run", *argv])
+
+
+def _ledger_rows(db: Path, sql: str) -> list[tuple]:
+    if not db.exists():
+        return []
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            return con.execute(sql).fetchall()
+    except sqlite3.OperationalError:  # created but not yet initialised
+        return []
+
+
+class OnLedger:
+    """Once the analyzer's ledger answers `sql` with a row, run `action`, in a thread (the CLI blocks the test);
+    `join()` stops watching (the run may have ended without the row) and returns whether `action` ran."""
+
+    def __init__(self, db: Path, sql: str, action: Callable[[], None]):
+        self.stop, self.done = threading.Event(), threading.Event()
+
+        def watch() -> None:
+            while not _ledger_rows(db, sql):
+                if self.stop.wait(0.05):
+                    return
+            action()
+            self.done.set()
+
+        self.thread = threading.Thread(target=watch, daemon=True)
+        self.thread.start()
+
+    def join(self) -> bool:
+        self.stop.set()
+        self.thread.join()
+        return self.done.is_set()
+
+
+# a round was committed: the run is planned and RUNNING, rounds 2.. still ahead
+ROUND_COMMITTED = "SELECT run_id FROM rounds WHERE state = 'committed'"
+
+
+def _errors(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("shuffledp run:")]
+
+
+@pytest.fixture
+def deployment(tmp_path: Path):
+    """An already running deployment (shuffler, analyzer, one client node) plus the ghost."""
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    work = tmp_path / "deployment"
+    cluster, shuffler, analyzer = start_local_cluster(config, work, client_nodes=1)
+    ghost = GhostNode(shuffler, users=5)
+    try:
+        yield cluster, shuffler, analyzer, config, work
+    finally:
+        ghost.close()
+        cluster.stop()
+
+
+def test_analyzer_killed_mid_run_one_line_exit_3_then_fetch_from_restarted_analyzer(deployment, tmp_path, capsys):
+    cluster, shuffler, analyzer, config, work = deployment
+    db = work / "state" / "ledger.sqlite"
+
+    def kill() -> None:
+        cluster.procs["analyzer"].send_signal(signal.SIGKILL)
+        cluster.procs["analyzer"].wait()
+
+    killer = OnLedger(db, ROUND_COMMITTED, kill)
+    started = time.monotonic()
+    args = _args(str(config), "--analyzer", analyzer, "--out", str(tmp_path / "results"))
+    code = _run_command(args, give_up_s=3.0, call_timeout_s=2.0)
+    elapsed = time.monotonic() - started
+    assert killer.join(), "the analyzer was not killed mid-run"
+    out, err = capsys.readouterr()
+    assert code == 3, out + err
+    assert "Traceback" not in out + err
+    run_id = re.search(r"^run id: (\w+)", out, re.M).group(1)
+    assert out.count("analyzer unreachable (UNAVAILABLE), retrying for up to 3 s...") == 1, out
+    [line] = _errors(err)
+    assert f"lost contact with the analyzer at {analyzer} (UNAVAILABLE" in line
+    assert re.search(rf"while run {run_id} was RUNNING \(round \d/{ROUNDS}\)\. The run continues", line), line
+    assert line.endswith(f"fetch its results later with: shuffledp run --analyzer {analyzer} --fetch {run_id}")
+    assert elapsed < 40  # gave up after the short window, not the default 120 s
+
+    # a new analyzer on the same state resumes the run; --fetch (a real CLI process) writes its results
+    port_file = cluster.spawn(
+        "analyzer", ["analyzer", "--insecure", "--shuffler", shuffler, "--state-dir", str(work / "state")]
+    )
+    again = f"127.0.0.1:{cluster.wait_port('analyzer', port_file)}"
+    with grpc.insecure_channel(again) as channel:
+        assert wait_for_run(pbg.AnalyzerStub(channel), run_id, timeout=60).state == pb.COMPLETED
+    fetched = tmp_path / "fetched"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shuffledp.cli", "run", "--analyzer", again, "--fetch", run_id, "--out", str(fetched)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"run {run_id}: COMPLETED, {ROUNDS}/{ROUNDS} rounds" in proc.stdout
+    for name in ("metrics.json", "ledger.json", "config.toml", "model.npz"):
+        assert (fetched / name).stat().st_size > 0, name
+    assert run_id in (fetched / "ledger.json").read_text()
+
+    # an unknown run id: one line, exit 2
+    capsys.readouterr()
+    assert cli_main(["run", "--analyzer", again, "--fetch", "0000000000000000"]) == 2
+    _, err = capsys.readouterr()
+    assert _errors(err) == [f"shuffledp run: the analyzer at {again} has no run '0000000000000000'"]
+
+
+def test_analyzer_paused_longer_than_the_call_timeout_is_waited_for(deployment, tmp_path, capsys):
+    cluster, _, analyzer, config, work = deployment
+    proc = cluster.procs["analyzer"]
+
+    def pause() -> None:
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(6.0)  # three per-call timeouts
+        proc.send_signal(signal.SIGCONT)
+
+    pauser = OnLedger(work / "state" / "ledger.sqlite", ROUND_COMMITTED, pause)
+    try:
+        args = _args(str(config), "--analyzer", analyzer, "--out", str(tmp_path / "results"))
+        code = _run_command(args, give_up_s=60.0, call_timeout_s=2.0)
+    finally:
+        paused = pauser.join()
+        proc.send_signal(signal.SIGCONT)  # never leave it stopped, even if the CLI failed
+    assert paused, "the analyzer was not paused mid-run"
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "Traceback" not in out + err and _errors(err) == []
+    lines = out.splitlines()
+    unreachable = [i for i, s in enumerate(lines) if s.startswith("analyzer unreachable")]
+    assert [lines[i] for i in unreachable] == ["analyzer unreachable (DEADLINE_EXCEEDED), retrying for up to 60 s..."]
+    assert lines.count("analyzer reachable again") == 1 and lines.index("analyzer reachable again") > unreachable[0]
+    # the analyzer's status message, once (it does not change while the population is awaited)
+    assert lines.count("  [analyzer] waiting for the population") == 1, out
+    assert "state: COMPLETED" in lines
+    assert len([s for s in lines if s.startswith("round ")]) == ROUNDS
+
+
+def _child_analyzer(state_dir: Path) -> int | None:
+    """Pid of the analyzer process this test's CLI started (a child of this process serving `state_dir`)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"analyzer" in argv and str(state_dir).encode() in argv:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the CLI's analyzer process through /proc")
+def test_local_run_whose_analyzer_dies_ends_with_one_line_and_the_log_path(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    out_dir = tmp_path / "results"
+    killed: list[int] = []
+
+    def kill() -> None:
+        pid = _child_analyzer(out_dir / "state")
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    killer = OnLedger(out_dir / "state" / "ledger.sqlite", "SELECT run_id FROM runs", kill)
+    started = time.monotonic()
+    code = _run_command(_args(str(config), "--out", str(out_dir)), give_up_s=60.0, call_timeout_s=5.0)
+    killer.join()
+    out, err = capsys.readouterr()
+    assert killed, f"the analyzer process was not killed mid-run:\n{out}{err}"
+    assert code == 3, out + err
+    assert "Traceback" not in out + err
+    assert _errors(err) == [
+        "shuffledp run: analyzer exited unexpectedly (status -9); all services stopped; "
+        f"its log: {out_dir / 'logs' / 'analyzer.log'}"
+    ]
+    assert time.monotonic() - started < 40  # seen by the process check, not after the 60 s retry window
+
+
+def test_fetch_usage_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    assert cli_main(["run", "--fetch", "abc"]) == 2
+    assert cli_main(["run", str(tmp_path / "x.toml"), "--analyzer", "127.0.0.1:1", "--fetch", "abc"]) == 2
+    assert cli_main(["run", "--analyzer", "127.0.0.1:1", "--fetch", " "]) == 2
+    out, err = capsys.readouterr()
+    assert _errors(err) == [
+        "shuffledp run: --fetch RUN_ID needs --analyzer HOST:PORT (the analyzer that holds the run)",
+        "shuffledp run: --fetch takes no CONFIG (the run's own configuration is fetched with its results)",
+        "shuffledp run: --fetch needs a RUN_ID (printed by `shuffledp run` as 'run id: ...')",
+    ]
+    assert out == "" and not (tmp_path / "results").exists()
