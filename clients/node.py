@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2
-from shuffledp.clients.policy import PolicyTable, UserPolicy, pvec_params_from_spec
+from shuffledp.clients.policy import PolicyTable, UserPolicy, noise_key, pvec_params_from_spec
 from shuffledp.clients.spend_store import MemorySpendStore, SpendStore, SqliteSpendStore
 
 from shuffledp import grpc_options, tls
@@ -105,10 +105,9 @@ class NodeCore:
         kw = {} if verifier is None else {"verifier": verifier}
         # the users' spend so far: durable with a SqliteSpendStore (issue 10 item 3)
         self._spend = spend_store if spend_store is not None else MemorySpendStore()
-        spent = self._spend.load(shard.user_ids)
-        self.policy = PolicyTable(
-            policy if policy is not None else UserPolicy(), len(shard.user_ids), spent=spent, **kw
-        )
+        eps, delta, history = self._spend.load(shard.user_ids)
+        policies = policy if policy is not None else UserPolicy()
+        self.policy = PolicyTable(policies, len(shard.user_ids), spent=(eps, delta), history=history, **kw)
         self._rng = rng if rng is not None else make_rng()
         self._lock = threading.Lock()
         self.rounds_joined = 0
@@ -158,11 +157,12 @@ class NodeCore:
                     # charged, durably, before sending: a message that may have arrived is spent. If the store
                     # fails, the exception leaves handle() and nothing of the round is sent.
                     charged = idx[join]
-                    self.policy.charge(charged, cost[join], float(spec.per_user_cost.delta))
+                    keys = self.policy.charge(charged, cost[join], float(spec.per_user_cost.delta), noise_key(spec))
                     self._spend.save(
                         [self.shard.user_ids[i] for i in charged],
                         self.policy.eps_spent[charged],
                         self.policy.delta_spent[charged],
+                        keys,
                     )
                     self.rounds_joined += 1
             for u, why in zip(np.asarray(ids)[~join], reasons[~join], strict=True):
@@ -208,7 +208,8 @@ class NodeCore:
             )
 
     def spent(self, user_id: str) -> tuple[float, float]:
-        """(eps, delta) charged to this user so far, over every run of this node (basic composition)."""
+        """(eps, delta) charged to this user so far, over every run of this node (basic composition; the RDP
+        figure is self.policy.tight_spent)."""
         i = self._index[user_id]
         with self._lock:
             return float(self.policy.eps_spent[i]), float(self.policy.delta_spent[i])

@@ -7,10 +7,12 @@ Every logical user decides for itself whether to join a round, from the RoundSpe
 - the randomizer itself must be no weaker than the user's per-round eps: for PVEC the user recomputes the
   round's eps from (g, m, p) with the numerical accountant at n' = min_contributors, the fewest contributors
   the shuffler will ever release (the worst case for the shuffle amplification), instead of trusting the claim;
-- the user's total spend after the round must stay within its limits. Totals add up per-round (eps, delta):
-  basic composition (Dwork-Roth Thm 3.16), an upper bound that is valid whatever the analyzer's accountant.
-  A round is charged at the larger of the analyzer's claim and the eps the user verified itself (issue 10 item 2):
-  never at a figure only the analyzer vouches for. Sums are rounded up (never below the true total).
+- the user's total spend after the round must stay within its limits, by either of two valid upper bounds:
+  basic composition of the per-round (eps, delta) (Dwork-Roth Thm 3.16), each round charged at the larger of the
+  analyzer's claim and the eps the user verified itself (issue 10 item 2; sums rounded up), or, for a user whose
+  every round was a verified PVEC round, RDP composition of those rounds with the ledger's own accountant
+  (calibrated_pvec.epsilon_of_rounds, from the user's history of round_noise_keys) at delta = max_total_delta:
+  the same tight arithmetic the analyzer's ledger uses (issue 10), computed from what the user verified.
 
 Decisions are vectorized over the node's invited users (one numpy pass, no per-user Python loop).
 """
@@ -18,11 +20,13 @@ Decisions are vectorized over the node's invited users (one numpy pass, no per-u
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
 
+from shuffledp.accountants.calibrated_pvec import NoiseKey, epsilon_of_rounds, round_noise_key
 from shuffledp.config import PolicyConfig
 from shuffledp.protocols.pvec import PvecParams
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -33,6 +37,7 @@ __all__ = [
     "Refusal",
     "pvec_params_from_spec",
     "verify_round_epsilon",
+    "noise_key",
     "TRUST_NAMES",
     "TRANSPORT_NAMES",
 ]
@@ -129,6 +134,17 @@ def verify_round_epsilon(spec: pb.RoundSpec) -> float:
     return float(pvec_round_epsilon(pvec_params_from_spec(spec), n_release, float(spec.per_user_cost.delta)))
 
 
+def noise_key(spec: pb.RoundSpec) -> NoiseKey | None:
+    """The round's round_noise_key (what its RDP depends on) at n' = min_contributors, as verify_round_epsilon sees
+    the round; None when the round has none (not PVEC, or invalid parameters)."""
+    if spec.randomizer.protocol != "pvec":
+        return None
+    try:
+        return round_noise_key(pvec_params_from_spec(spec), max(int(spec.min_contributors), 1))
+    except ValueError:
+        return None
+
+
 class PolicyTable:
     """The policies of a node's users as arrays, for vectorized decisions, plus each user's running spend."""
 
@@ -138,6 +154,7 @@ class PolicyTable:
         num_users: int,
         verifier: Callable[[pb.RoundSpec], float] = verify_round_epsilon,
         spent: tuple[np.ndarray, np.ndarray] | None = None,
+        history: Sequence[Counter | None] | None = None,
     ) -> None:
         if isinstance(policies, UserPolicy):
             policies = [policies] * num_users
@@ -163,6 +180,10 @@ class PolicyTable:
             self.eps_spent, self.delta_spent = (np.array(a, dtype=np.float64) for a in spent)
             if self.eps_spent.shape != (num_users,) or self.delta_spent.shape != (num_users,):
                 raise ValueError(f"spent must hold {num_users} values each")
+        # each user's verified PVEC rounds (round_noise_key -> count); None: some round was not, basic only
+        self.history: list[Counter | None] = [Counter() for _ in range(num_users)] if history is None else list(history)
+        if len(self.history) != num_users:
+            raise ValueError(f"history must hold {num_users} entries")
 
     def decide(self, spec: pb.RoundSpec, idx: np.ndarray, supported: bool) -> tuple[np.ndarray, np.ndarray]:
         """(refusal reason per invited user as an object array, "" = join; eps each user is charged if it joins).
@@ -189,6 +210,7 @@ class PolicyTable:
         refuse(eps > self.max_eps_per_round[idx], Refusal.ROUND_EPS)
         refuse(delta > self.max_delta_per_round[idx], Refusal.ROUND_DELTA)
         need = self.verify[idx] & (out == "")
+        tight = np.zeros(idx.size, dtype=bool)  # users whose round is verified: RDP composition applies
         if np.any(need):
             try:
                 verified = float(self._verifier(spec))
@@ -200,17 +222,60 @@ class PolicyTable:
                 else:
                     # what this user pays is what it verified, whatever the analyzer claims (issue 10 item 2)
                     cost[need] = max(eps, verified)
+                    tight = need.copy()
                 refuse(need & (verified > self.max_eps_per_round[idx]), Refusal.WEAK_RANDOMIZER)
-        refuse(_sum_up(self.eps_spent[idx], cost) > self.max_total_eps[idx], Refusal.TOTAL_EPS)
-        refuse(_sum_up(self.delta_spent[idx], delta) > self.max_total_delta[idx], Refusal.TOTAL_DELTA)
+        eps_ok = _sum_up(self.eps_spent[idx], cost) <= self.max_total_eps[idx]
+        basic_ok = eps_ok & (_sum_up(self.delta_spent[idx], delta) <= self.max_total_delta[idx])
+        key = noise_key(spec)
+        check = (out == "") & ~basic_ok & tight
+        if key is not None and np.any(check):
+            basic_ok[check] = self._tight_ok(idx[check], key)
+        refuse(~basic_ok & ~eps_ok, Refusal.TOTAL_EPS)
+        refuse(~basic_ok, Refusal.TOTAL_DELTA)
         return out, cost
 
-    def charge(self, idx: np.ndarray, eps: np.ndarray | float, delta: float) -> None:
+    def _tight_ok(self, users: np.ndarray, key: NoiseKey) -> np.ndarray:
+        """Whether each user's RDP-composed spend with one more round `key`, at delta = its max_total_delta, stays
+        within its max_total_eps. Users with equal histories and limits share one evaluation (fully interactive
+        runs: one per round)."""
+        ok = np.zeros(users.size, dtype=bool)
+        memo: dict[tuple, float] = {}
+        for j, u in enumerate(users.tolist()):
+            h = self.history[u]
+            if h is None:
+                continue  # joined a round without a noise key: basic composition only
+            hk = (tuple(sorted(h.items())), float(self.max_total_delta[u]))
+            if hk not in memo:
+                after = Counter(h)
+                after[key] += 1
+                memo[hk] = epsilon_of_rounds(after, hk[1]) if hk[1] > 0.0 else math.inf
+            ok[j] = memo[hk] <= self.max_total_eps[u]
+        return ok
+
+    def tight_spent(self, u: int) -> float:
+        """User u's RDP-composed eps at its max_total_delta (inf if it cannot be accounted so)."""
+        h, dlt = self.history[u], float(self.max_total_delta[u])
+        return math.inf if h is None or dlt <= 0.0 else epsilon_of_rounds(h, dlt)
+
+    def charge(
+        self, idx: np.ndarray, eps: np.ndarray | float, delta: float, key: NoiseKey | None = None
+    ) -> list[NoiseKey | None]:
         """Add a round's cost (eps per user, as decide() returned it) to the users who sent a message (basic
-        composition, Dwork-Roth Thm 3.16). idx holds distinct indices (one message per user per round)."""
+        composition, Dwork-Roth Thm 3.16), and the round's noise_key to the history of those who verified it.
+        idx holds distinct indices (one message per user per round). Returns the key recorded per user."""
         idx = np.asarray(idx, dtype=np.int64)
         self.eps_spent[idx] = _sum_up(self.eps_spent[idx], eps)
         self.delta_spent[idx] = _sum_up(self.delta_spent[idx], delta)
+        recorded: list[NoiseKey | None] = []
+        for u in idx.tolist():
+            k = key if self.verify[u] else None  # a round only trusted, not verified, has no place in RDP
+            h = self.history[u]
+            if k is None or h is None:
+                self.history[u] = None
+            else:
+                h[k] += 1
+            recorded.append(k)
+        return recorded
 
 
 def _sum_up(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:

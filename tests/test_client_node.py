@@ -217,3 +217,48 @@ def test_node_service_status_health_and_registration():
         for h in handles:
             h.stop()
         server.stop(0).wait()
+
+
+def test_users_compose_their_spend_like_the_ledger_and_keep_it_across_restarts(tmp_path):
+    """A user may join as many rounds as the ledger's own RDP accountant allows at its max_total_delta (issue 10:
+    basic composition stopped a default 100-round run at round 85 while the ledger showed eps 6.66), never more;
+    and the history it composes survives a node restart (real SQLite)."""
+    from shuffledp.clients.spend_store import SqliteSpendStore
+
+    from shuffledp.accountants.calibrated_pvec import calibrate_pvec, composed_epsilon
+
+    n_release, total_delta, limit = 50, 1e-2, 6.0
+    params = calibrate_pvec(1.0, 1e-4, n_release, D, 1.0)
+    extra = {"eps": params.eps, "delta": params.delta, "n": float(n_release)}
+    shard = make_shard(n=4)
+    policy = UserPolicy(max_total_eps=limit, max_total_delta=total_delta)
+
+    def spec(r: int) -> pb.RoundSpec:
+        s = make_spec(r, g=params.g, m=params.m, p=params.p, eps=1.0, delta=1e-4, min_contributors=n_release)
+        s.randomizer.extra.update(extra)
+        return s
+
+    def joined_until_refused(core: NodeCore, start: int) -> int:
+        for r in range(start, start + 200):
+            con = core.handle(invite(spec(r), shard))
+            if not con.messages:
+                assert {x.reason for x in con.refusals} == {Refusal.TOTAL_EPS}
+                return r - start
+            assert len(con.messages) == 4
+        raise AssertionError("never refused")
+
+    store = SqliteSpendStore(tmp_path / "spend.sqlite")
+    core = NodeCore("node", shard, policy, rng=make_rng(8), spend_store=store)
+    joined = joined_until_refused(core, 0)
+    # exactly as many rounds as the ledger's accountant certifies within the limit at the user's total delta
+    assert composed_epsilon([(params, n_release, joined)], total_delta) <= limit
+    assert composed_epsilon([(params, n_release, joined + 1)], total_delta) > limit
+    assert joined > limit / 1.0  # basic composition (eps 1 per round) would have stopped at 6 rounds
+    assert core.policy.tight_spent(0) == composed_epsilon([(params, n_release, joined)], total_delta)
+    assert core.spent("u0")[0] >= joined * 1.0  # the basic totals are still kept (an upper bound too)
+    store.close()
+    restarted = NodeCore(
+        "node", shard, policy, rng=make_rng(9), spend_store=SqliteSpendStore(tmp_path / "spend.sqlite")
+    )
+    assert joined_until_refused(restarted, joined) == 0
+    assert restarted.policy.tight_spent(0) == core.policy.tight_spent(0)

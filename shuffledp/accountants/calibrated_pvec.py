@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -97,6 +97,9 @@ __all__ = [
     "pvec_round_delta0",
     "pvec_round_epsilon",
     "composed_epsilon",
+    "NoiseKey",
+    "round_noise_key",
+    "epsilon_of_rounds",
     "calibrate_pvec",
     "default_g",
     "gaussian_variance",
@@ -487,19 +490,35 @@ def composed_epsilon(
     Renyi order) (order nan when eps is inf, 0.0 for no rounds).
     """
     delta = _check_delta(delta)
-    counts: Counter[tuple[int, float, int, int]] = Counter()
+    counts: Counter[NoiseKey] = Counter()
     for item in rounds:
         if not isinstance(item, tuple) or len(item) not in (2, 3) or not isinstance(item[0], PvecParams):
             raise ValueError(f"each round must be a (PvecParams, n_contrib[, count]) tuple, got {item!r}")
-        params = item[0]
         c = _check_pos_int("count", item[2], 0) if len(item) == 3 else 1
         if c:
-            counts[(params.m * _n_contrib(params, item[1]), params.p, params.g, params.d)] += c
-    if not counts:
-        return (0.0, 0.0) if return_order else 0.0
-    key = tuple(sorted((*k, c) for k, c in counts.items()))
-    res = _composed(key, delta)
+            counts[round_noise_key(item[0], item[1])] += c
+    res = _composed_counts(counts, delta)
     return res if return_order else res[0]
+
+
+NoiseKey = tuple[int, float, int, int]  # (N, p, g, d): one round's privacy is that of noise Bin(N, p) at g, d
+
+
+def round_noise_key(params: PvecParams, n_contrib: int) -> NoiseKey:
+    """What one PVEC round's RDP depends on: (N = m n', p, g, d). Rounds with equal keys have equal RDP curves, so
+    a history of rounds is a Counter of keys (e.g. a user's own record of the rounds it joined)."""
+    return (params.m * _n_contrib(params, n_contrib), float(params.p), int(params.g), int(params.d))
+
+
+def epsilon_of_rounds(counts: Mapping[NoiseKey, int], delta: float) -> float:
+    """eps at ``delta`` of the rounds counted in ``counts`` (round_noise_key -> number of rounds), composed by RDP
+    exactly as composed_epsilon (the ledger's accountant)."""
+    return _composed_counts(counts, _check_delta(delta))[0]
+
+
+def _composed_counts(counts: Mapping[NoiseKey, int], delta: float) -> tuple[float, float]:
+    key = tuple(sorted((*k, int(c)) for k, c in counts.items() if c))
+    return _composed(key, delta) if key else (0.0, 0.0)
 
 
 def pvec_round_epsilon(params: PvecParams, n_contrib: int, delta: float) -> float:
