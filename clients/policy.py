@@ -198,8 +198,9 @@ class PolicyTable:
             out[(out == "") & mask] = reason
 
         none = np.zeros(idx.size, dtype=bool)
-        refuse(~self.trust_ok.get(spec.trust_model, none)[idx], Refusal.TRUST_MODEL)
-        refuse(~self.transport_ok.get(spec.transport, none)[idx], Refusal.TRANSPORT)
+        nobody = np.zeros(self.verify.size, dtype=bool)  # an unknown trust model or transport: no user allows it
+        refuse(~self.trust_ok.get(spec.trust_model, nobody)[idx], Refusal.TRUST_MODEL)
+        refuse(~self.transport_ok.get(spec.transport, nobody)[idx], Refusal.TRANSPORT)
         if not supported:
             refuse(~none, Refusal.PROTOCOL)
         eps, delta = float(spec.per_user_cost.eps), float(spec.per_user_cost.delta)
@@ -281,7 +282,8 @@ class PolicyTable:
 def _sum_up(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:
     """a + b rounded up: a spent total is never below the exact sum (float addition rounds to nearest)."""
     a, b = np.broadcast_arrays(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
-    s = a + b
-    bb = s - a
-    err = (a - (s - bb)) + (b - bb)  # the exact a + b - s (Knuth's TwoSum); > 0 means s rounded down
+    with np.errstate(invalid="ignore"):  # inf operands give nan errors; s is then inf already
+        s = a + b
+        bb = s - a
+        err = (a - (s - bb)) + (b - bb)  # the exact a + b - s (Knuth's TwoSum); > 0 means s rounded down
     return np.where(err > 0, np.nextafter(s, np.inf), s)

@@ -72,6 +72,9 @@ class SqliteSpendStore:
                 "CREATE TABLE IF NOT EXISTS spend (user_id TEXT PRIMARY KEY, eps REAL NOT NULL, delta REAL NOT NULL, "
                 "tight INTEGER NOT NULL)"
             )
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(spend)")}
+            if "tight" not in columns:  # a store written before the histories existed: its users are basic-only
+                self._db.execute("ALTER TABLE spend ADD COLUMN tight INTEGER NOT NULL DEFAULT 0")
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS history (user_id TEXT NOT NULL, n_total INTEGER NOT NULL, "
                 "p REAL NOT NULL, g INTEGER NOT NULL, d INTEGER NOT NULL, rounds INTEGER NOT NULL, "

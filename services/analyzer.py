@@ -52,7 +52,7 @@ _STATES = {
 def _abort(context: grpc.ServicerContext, exc: BaseException):
     for cls, code in _STATUS:
         if isinstance(exc, cls):
-            context.abort(code, str(exc))
+            context.abort(code, tls.clip_details(str(exc)))
     raise exc
 
 

@@ -29,7 +29,7 @@ import math
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -92,6 +92,7 @@ _REFUSED_BEFORE_HANDLER = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UN
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _PROBE_SECONDS = 10.0  # GetPopulation before each round: is the shuffler there at all?
 _MAX_BACKOFF_SECONDS = 30.0
+_TEST_DATA_CACHE = 4  # held-out splits kept in memory
 _RPC_GRACE_SECONDS = 30.0  # ExecuteRound returns at the deadline; allow this much for transfer and aggregation
 _MAX_CONSECUTIVE_FAILURES = 3
 _POPULATION_WAIT_SECONDS = 60.0
@@ -377,7 +378,9 @@ class RunManager:
         self._population_wait = population_wait_seconds
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
-        self._test_data: dict[str, tuple[Model, np.ndarray, np.ndarray]] = {}
+        # held-out splits by data source: a few, least recently used first (every CreateRun loads one, and
+        # configurations that differ elsewhere must not each keep a copy)
+        self._test_data: OrderedDict[str, tuple[Model, np.ndarray, np.ndarray]] = OrderedDict()
 
     # -------------------------------------------------------------------------------------- lifecycle
     def create_run(self, config_toml: str) -> str:
@@ -468,15 +471,22 @@ class RunManager:
     # ------------------------------------------------------------------------------------------ helpers
     def _evaluation_data(self, cfg: RunConfig) -> tuple[Model, np.ndarray, np.ndarray]:
         """Model and the public held-out split (the analyzer never uses the training split)."""
-        key = cfg.toml_text
-        if key not in self._test_data:
-            try:
-                ds = load_dataset(cfg.data, cfg.model.task)
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"data: {exc}") from exc
-            model = make_model(cfg.model.task, ds.num_features, ds.num_classes)
-            self._test_data[key] = (model, ds.X_test, ds.y_test)
-        return self._test_data[key]
+        key = repr((cfg.data, cfg.model.task))
+        with self._lock:
+            hit = self._test_data.get(key)
+            if hit is not None:
+                self._test_data.move_to_end(key)
+                return hit
+        try:
+            ds = load_dataset(cfg.data, cfg.model.task)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"data: {exc}") from exc
+        entry = (make_model(cfg.model.task, ds.num_features, ds.num_classes), ds.X_test, ds.y_test)
+        with self._lock:
+            self._test_data[key] = entry
+            while len(self._test_data) > _TEST_DATA_CACHE:
+                self._test_data.popitem(last=False)
+        return entry
 
     def _population(self, run_id: str, want_nodes: int, cancel: threading.Event) -> pb.PopulationStatus:
         """Wait (bounded) until the configured client nodes are connected and the admitted count is stable."""

@@ -66,7 +66,7 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, round_refused: boo
                 context.set_trailing_metadata(((REASON_METADATA_KEY, exc.reason.value),))
             elif round_refused:
                 context.set_trailing_metadata(((grpc_options.ROUND_REFUSED_METADATA_KEY, code.name),))
-            context.abort(code, str(exc))
+            context.abort(code, tls.clip_details(str(exc)))
     raise exc
 
 
@@ -81,7 +81,9 @@ def _node_id(claimed: str, context: grpc.ServicerContext) -> str:
     if claimed and claimed != ident.name:
         context.abort(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"node_id {claimed!r} is not the caller's certificate name {ident.name!r}: a node speaks only for itself",
+            tls.clip_details(
+                f"node_id {claimed!r} is not the caller's certificate name {ident.name!r}: nodes speak for themselves"
+            ),
         )
     return ident.name
 

@@ -190,6 +190,15 @@ class RoleInterceptor(DecodeInterceptor):
         return check
 
 
+MAX_STATUS_DETAILS = 512  # characters of a status message: it must never carry a caller's unbounded input back
+
+
+def clip_details(text: str) -> str:
+    """A status message cut to MAX_STATUS_DETAILS characters (gRPC drops a call whose trailing metadata is too large,
+    so an error echoing a 17 KB id would reach the caller as RESOURCE_EXHAUSTED instead of its real status)."""
+    return text if len(text) <= MAX_STATUS_DETAILS else text[: MAX_STATUS_DETAILS - 3] + "..."
+
+
 def _wrap_handler(
     handler: grpc.RpcMethodHandler, method: str, check: Callable[[grpc.ServicerContext], None] | None
 ) -> grpc.RpcMethodHandler:
@@ -205,13 +214,19 @@ def _wrap_handler(
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
 
     def guard(behaviour: Callable[[Any, grpc.ServicerContext], Any], streaming_request: bool) -> Callable:
-        def guarded(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+        def guarded(request_or_iterator: Any, context: grpc.ServicerContext, *rest: Any) -> Any:
+            # rest: the response callback grpcio passes to a non-blocking behaviour
             if check is not None:
                 check(context)
             if streaming_request:
-                return behaviour((parse(raw, context) for raw in request_or_iterator), context)
-            return behaviour(parse(request_or_iterator, context), context)
+                return behaviour((parse(raw, context) for raw in request_or_iterator), context, *rest)
+            return behaviour(parse(request_or_iterator, context), context, *rest)
 
+        # grpcio reads these from the behaviour: the health service's Watch is non-blocking (no thread per open
+        # stream); dropping the flag would let a few open Watch streams take every worker thread
+        for attr in ("experimental_non_blocking", "experimental_thread_pool"):
+            if hasattr(behaviour, attr):
+                setattr(guarded, attr, getattr(behaviour, attr))
         return guarded
 
     kw = {"request_deserializer": None, "response_serializer": handler.response_serializer}
