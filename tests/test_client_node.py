@@ -262,3 +262,17 @@ def test_users_compose_their_spend_like_the_ledger_and_keep_it_across_restarts(t
     )
     assert joined_until_refused(restarted, joined) == 0
     assert restarted.policy.tight_spent(0) == core.policy.tight_spent(0)
+
+
+@pytest.mark.parametrize(
+    "field, value, reason", [("trust_model", 17, Refusal.TRUST_MODEL), ("transport", 9, Refusal.TRANSPORT)]
+)
+def test_unknown_enum_values_are_refused_not_a_crash(field, value, reason):
+    """An analyzer may send enum values no user knows: every user refuses (found by the RPC fuzz test: the node
+    raised IndexError and sent nothing, so the round waited for its deadline)."""
+    shard = make_shard(n=5)
+    core = NodeCore("node", shard, NO_VERIFY, rng=make_rng(3))
+    spec = make_spec(1)
+    setattr(spec, field, value)
+    con = core.handle(pb.Invitation(spec=spec, user_ids=shard.user_ids[1:4]))
+    assert not con.messages and [r.reason for r in con.refusals] == [reason] * 3

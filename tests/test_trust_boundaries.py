@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from _procs import log_text, serve, stop, write_blobs
 from _runs import wait_for_run
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shuffledp.clients.node import start_node_with_shard
 from shuffledp.clients.policy import UserPolicy
 from shuffledp.services.shuffler import ShufflerServicer
@@ -469,6 +470,14 @@ def test_8_subscribe_streams_cannot_starve_the_analyzer(tmp_path: Path, pki_dir:
         assert p.GetPopulation(pb.PopulationRequest(), timeout=3).connected_nodes == 48  # 64 - RESERVED_WORKERS
         assert codes.count(grpc.StatusCode.PERMISSION_DENIED) == 64
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 16
+        # health Watch streams (open to every role) hold no thread each behind the role check
+        watch = health_pb2_grpc.HealthStub(c0).Watch
+        for _ in range(80):
+            call = watch(health_pb2.HealthCheckRequest())
+            calls.append(call)
+            threading.Thread(target=lambda c=call: next(c, None), daemon=True).start()
+        time.sleep(1.0)
+        assert pbg.ShufflerStub(an).GetPopulation(pb.PopulationRequest(), timeout=3).connected_nodes == 0
     finally:
         for call in calls:
             call.cancel()
