@@ -103,7 +103,8 @@ class Rpc:
 
 def _rpcs() -> list[Rpc]:
     """Every method of the three services from the proto descriptors (a new RPC is fuzzed without edits here),
-    with who may call it (design section 1), plus Health.Check/Watch on each server (open to every role)."""
+    with who may call it (design section 1), plus Health.Check (open to every role) and Health.Watch (refused to
+    every role) on each server."""
     right = {
         "/shuffledp.v1.Analyzer/": "operator",
         "/shuffledp.v1.Shuffler/ExecuteRound": "analyzer",
@@ -123,10 +124,9 @@ def _rpcs() -> list[Rpc]:
             out.append(Rpc(server_of[svc.name], method, cls, m.server_streaming, caller, wrong))
     for server in SERVER_NAMES:
         caller = "client-1" if server == "shuffler" else "operator"
-        for name, streaming in (("Check", False), ("Watch", True)):
-            out.append(
-                Rpc(server, f"/grpc.health.v1.Health/{name}", health_pb2.HealthCheckRequest, streaming, caller, ())
-            )
+        out.append(Rpc(server, "/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest, False, caller, ()))
+        # Watch is refused to every role (tls.DEFAULT_POLICY): no right caller
+        out.append(Rpc(server, "/grpc.health.v1.Health/Watch", health_pb2.HealthCheckRequest, True, "", PARTIES))
     return out
 
 
@@ -297,12 +297,17 @@ def _call(ch: grpc.Channel, rpc: Rpc, data: bytes, may_stay_open: bool = True) -
             return exc.code(), exc.details() or ""
     call = ch.unary_stream(rpc.method)(data, timeout=RPC_TIMEOUT_S)
     if not may_stay_open:
+        # a watchdog, should the stream outlive its own deadline: the test reports it instead of hanging
+        watchdog = threading.Timer(RPC_TIMEOUT_S + 5.0, call.cancel)
+        watchdog.start()
         try:
             for _ in call:
                 pass
             return OK, ""
         except grpc.RpcError as exc:
             return exc.code(), exc.details() or ""
+        finally:
+            watchdog.cancel()
     timed_out = threading.Event()
 
     def give_up() -> None:
@@ -432,8 +437,13 @@ def _run_batch(
         pid = cluster.procs[rpc.server].pid
         rss0 = rss_bytes(pid)
         n = max(1, int(per_kind * (STREAM_FACTOR if rpc.streaming else 1)))
-        todo = [(rpc.right, kind, data) for kind, data in _inputs(fz, rpc, n, cluster.run_id)]
-        if oversized and not rpc.streaming and rpc.method.endswith(("/CreateRun", "/Submit", "/GetNodeStatus")):
+        todo = [(rpc.right, kind, data) for kind, data in _inputs(fz, rpc, n, cluster.run_id)] if rpc.right else []
+        if (
+            oversized
+            and rpc.right
+            and not rpc.streaming
+            and rpc.method.endswith(("/CreateRun", "/Submit", "/GetNodeStatus"))
+        ):
             # one per process: undecodable and over any receive limit a service may set (4 MiB default)
             todo.append((rpc.right, "oversized", b"\x0a" + bytes(OVERSIZED)))
         for caller in rpc.wrong:
