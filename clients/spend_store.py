@@ -13,7 +13,6 @@ who ever joined a round without such a key ("tight" = False) is accounted by bas
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+from shuffledp.durable import open_durable, transaction
 
 __all__ = ["SpendStore", "MemorySpendStore", "SqliteSpendStore", "History"]
 
@@ -63,11 +64,9 @@ class SqliteSpendStore:
     """Tables spend(user_id, eps, delta, tight) and history(user_id, n_total, p, g, d, rounds)."""
 
     def __init__(self, path: str | Path) -> None:
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db = open_durable(path)  # a charge must survive a crash before the message leaves
         self._lock = threading.Lock()
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")  # a charge must survive a crash before the message leaves
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS spend (user_id TEXT PRIMARY KEY, eps REAL NOT NULL, delta REAL NOT NULL, "
                 "tight INTEGER NOT NULL)"
@@ -96,24 +95,18 @@ class SqliteSpendStore:
     def save(self, user_ids: Sequence[str], eps: np.ndarray, delta: np.ndarray, keys: Sequence[tuple | None]) -> None:
         triples = zip(user_ids, eps.tolist(), delta.tolist(), keys, strict=True)
         rows = [(u, e, d, int(k is not None)) for u, e, d, k in triples]
-        with self._lock:
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                # tight stays 0 once a round without a noise key was joined
-                self._db.executemany(
-                    "INSERT INTO spend (user_id, eps, delta, tight) VALUES (?, ?, ?, ?) ON CONFLICT(user_id) DO UPDATE "
-                    "SET eps = excluded.eps, delta = excluded.delta, tight = MIN(tight, excluded.tight)",
-                    rows,
-                )
-                self._db.executemany(
-                    "INSERT INTO history (user_id, n_total, p, g, d, rounds) VALUES (?, ?, ?, ?, ?, 1) "
-                    "ON CONFLICT(user_id, n_total, p, g, d) DO UPDATE SET rounds = rounds + 1",
-                    [(u, *k) for u, k in zip(user_ids, keys, strict=True) if k is not None],
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._lock, transaction(self._db) as db:
+            # tight stays 0 once a round without a noise key was joined
+            db.executemany(
+                "INSERT INTO spend (user_id, eps, delta, tight) VALUES (?, ?, ?, ?) ON CONFLICT(user_id) DO UPDATE "
+                "SET eps = excluded.eps, delta = excluded.delta, tight = MIN(tight, excluded.tight)",
+                rows,
+            )
+            db.executemany(
+                "INSERT INTO history (user_id, n_total, p, g, d, rounds) VALUES (?, ?, ?, ?, ?, 1) "
+                "ON CONFLICT(user_id, n_total, p, g, d) DO UPDATE SET rounds = rounds + 1",
+                [(u, *k) for u, k in zip(user_ids, keys, strict=True) if k is not None],
+            )
 
     def close(self) -> None:
         with self._lock:

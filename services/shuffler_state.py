@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from shuffledp.durable import open_durable, transaction
 from shuffledp.grpc_options import BATCH_MESSAGE_BYTES
 from shuffledp.protocols.pvec import count_wire_dtype
 from shuffledp.rng import make_rng
@@ -286,11 +287,9 @@ class SqliteParticipationStore:
     """Durable participation record (WAL): after a shuffler restart no sequential user is invited again."""
 
     def __init__(self, path: str | Path) -> None:
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db = open_durable(path)  # a consumed user must survive a crash
         self._lock = threading.Lock()
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")  # a consumed user must survive a crash
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS rounds (run_id TEXT NOT NULL, round INTEGER NOT NULL, "
                 "schedule INTEGER NOT NULL, started REAL NOT NULL, PRIMARY KEY (run_id, round))"
@@ -315,24 +314,19 @@ class SqliteParticipationStore:
     def record_round(self, run_id: str, round_index: int, schedule: int, sequential_users: Iterable[str]) -> None:
         with self._lock:
             try:
-                self._db.execute("BEGIN IMMEDIATE")
-                self._db.execute(
-                    "INSERT INTO rounds (run_id, round, schedule, started) VALUES (?, ?, ?, ?)",
-                    (run_id, int(round_index), int(schedule), time.time()),
-                )
-                self._db.executemany(
-                    "INSERT INTO participation (run_id, user_id, round) VALUES (?, ?, ?)",
-                    [(run_id, u, int(round_index)) for u in sequential_users],
-                )
-                self._db.execute("COMMIT")
+                with transaction(self._db) as db:
+                    db.execute(
+                        "INSERT INTO rounds (run_id, round, schedule, started) VALUES (?, ?, ?, ?)",
+                        (run_id, int(round_index), int(schedule), time.time()),
+                    )
+                    db.executemany(
+                        "INSERT INTO participation (run_id, user_id, round) VALUES (?, ?, ?)",
+                        [(run_id, u, int(round_index)) for u in sequential_users],
+                    )
             except sqlite3.IntegrityError as exc:
-                self._db.execute("ROLLBACK")
                 raise RoundExistsError(
                     f"round {round_index} of run {run_id!r} was already executed (or a user was reused): {exc}"
                 ) from exc
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
 
     def close(self) -> None:
         with self._lock:

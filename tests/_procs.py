@@ -6,11 +6,15 @@ import os
 import subprocess
 import sys
 import time
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from shuffledp.rng import make_rng
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
 STARTUP_S = 60.0
 
@@ -56,3 +60,20 @@ def write_blobs(path: Path, n: int = 300, seed: int = 2024) -> str:
     X = rng.normal(size=(n, 3)) * 0.5 + np.where(y[:, None] == 1, 0.6, -0.6)
     np.savez(path, X=X, y=y)
     return f'[data]\ndataset = "path"\npath = "{path}"\n'
+
+
+class GhostNode:
+    """A node that registers users and subscribes but never answers: rounds then last until their deadline."""
+
+    def __init__(self, shuffler: str, users: int):
+        self.channel = grpc.insecure_channel(shuffler)
+        stub = pbg.ShufflerStub(self.channel)
+        stub.RegisterUsers(pb.RegisterUsersRequest(node_id="ghost", user_ids=[f"g-u{i}" for i in range(users)]))
+        self.stream = stub.Subscribe(pb.SubscribeRequest(node_id="ghost"))
+        self.pool = futures.ThreadPoolExecutor(1)
+        self.pool.submit(lambda: [None for _ in self.stream])
+
+    def close(self) -> None:
+        self.stream.cancel()
+        self.pool.shutdown(wait=False)
+        self.channel.close()

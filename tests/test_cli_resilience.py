@@ -20,11 +20,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
+from _procs import GhostNode
 from _runs import wait_for_run
 
 from shuffledp.cli import build_parser
@@ -50,23 +50,6 @@ learning_rate = 8.0
 client_nodes = 1
 round_deadline_seconds = 2.0
 """
-
-
-class GhostNode:
-    """Registers users and subscribes but never answers: each round then lasts until its deadline."""
-
-    def __init__(self, shuffler: str, users: int):
-        self.channel = grpc.insecure_channel(shuffler)
-        stub = pbg.ShufflerStub(self.channel)
-        stub.RegisterUsers(pb.RegisterUsersRequest(node_id="ghost", user_ids=[f"g-u{i}" for i in range(users)]))
-        self.stream = stub.Subscribe(pb.SubscribeRequest(node_id="ghost"))
-        self.pool = futures.ThreadPoolExecutor(1)
-        self.pool.submit(lambda: [None for _ in self.stream])
-
-    def close(self) -> None:
-        self.stream.cancel()
-        self.pool.shutdown(wait=False)
-        self.channel.close()
 
 
 def _args(*argv: str) -> argparse.Namespace:

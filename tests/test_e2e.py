@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from _procs import GhostNode, stop
 
 from shuffledp.accountants.calibrated_pvec import composed_epsilon, pvec_round_epsilon
 from shuffledp.config import parse_config
@@ -159,14 +160,7 @@ class Cluster:
 
     def stop(self) -> None:
         self.proxy_server.stop(0)
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(*self.procs.values())
 
 
 @pytest.fixture(scope="module")
@@ -286,23 +280,6 @@ def test_budget_refusal_happens_before_any_client_is_contacted(cluster):
     assert cluster.proxy.execute_calls(run_id) == k
     assert [s.rounds_joined for s in cluster.node_status()] == [b + k for b in before]
     assert st.budget.eps_spent <= 2.5
-
-
-class GhostNode:
-    """A node that registers users and subscribes but never answers: rounds then last until their deadline."""
-
-    def __init__(self, shuffler: str, users: int):
-        self.channel = grpc.insecure_channel(shuffler)
-        stub = pbg.ShufflerStub(self.channel)
-        stub.RegisterUsers(pb.RegisterUsersRequest(node_id="ghost", user_ids=[f"g-u{i}" for i in range(users)]))
-        self.stream = stub.Subscribe(pb.SubscribeRequest(node_id="ghost"))
-        self.pool = futures.ThreadPoolExecutor(1)
-        self.pool.submit(lambda: [None for _ in self.stream])
-
-    def close(self) -> None:
-        self.stream.cancel()
-        self.pool.shutdown(wait=False)
-        self.channel.close()
 
 
 def test_sigkill_mid_round_counts_the_round_as_spent_and_the_run_resumes(cluster):

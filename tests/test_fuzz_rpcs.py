@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 import pytest
 from _fuzz import Fuzzer, cpu_seconds, rss_bytes
+from _procs import stop
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2
 
@@ -239,15 +240,7 @@ class Cluster:
     def stop(self) -> None:
         for ch in self._channels.values():
             ch.close()
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop(*self.procs.values())
         for log in self._logs:
             log.close()
 
