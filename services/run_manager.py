@@ -13,8 +13,9 @@ in its own background thread:
     restart        Ledger.recover() turns rounds left "reserved" into "spent_unknown"; RUNNING runs resume after the
                    last round ever reserved, from the last checkpoint (no round index is ever reused).
 
-Planning (spec 000 sec 4): sequential = PSGD, T = floor(unused users / B) fresh cohorts, parameters sized for one
-round at (eps, delta) (parallel composition); fully interactive = PGD, all n users for T rounds, per-round
+Planning (spec 000 sec 4): sequential = PSGD, T = floor(unused users / B) fresh cohorts (at most schedule.rounds
+when set), parameters sized for one round at (eps, delta) (parallel composition); fully interactive = PGD, all n
+users for T rounds, per-round
 parameters from calibrate_pvec(eps, delta, ..., rounds=T) (calibrated) or the paper's (eps_r, delta_r).
 The PVEC noise is sized for the threshold n_min = ceil(min_contributors_fraction * cohort) contributors: a
 released batch has n' >= n_min, and fewer contributors means less binomial noise, so sizing at n_min makes the
