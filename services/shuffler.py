@@ -8,7 +8,9 @@ round) end the Submit call with FAILED_PRECONDITION, details "<reason>: ..." and
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -41,12 +43,58 @@ __all__ = [
     "start_shuffler",
     "REASON_METADATA_KEY",
     "RESERVED_WORKERS",
+    "InFlightLimit",
 ]
 
 log = logging.getLogger(__name__)
 
 REASON_METADATA_KEY = "shuffledp-reason"
 RESERVED_WORKERS = 16  # server threads never taken by Subscribe streams: rounds, submissions, GetPopulation
+# Requests a node may have in flight at once (RegisterUsers and Submit: a node sends its Submits one after another).
+# Each can be up to 64 MiB and ~10x that once decoded, so this, not the thread pool, bounds what one node identity
+# can make the shuffler hold (issue 10). Plain text has no identities: all callers share one such budget.
+NODE_REQUESTS_IN_FLIGHT = 2
+_LIMITED_METHODS = ("/shuffledp.v1.Shuffler/RegisterUsers", "/shuffledp.v1.Shuffler/Submit")
+
+
+class InFlightLimit(grpc.ServerInterceptor):
+    """At most NODE_REQUESTS_IN_FLIGHT RegisterUsers/Submit per caller identity at once; more are refused with
+    RESOURCE_EXHAUSTED before their request is decoded. Install it first, ahead of the role check's interceptor."""
+
+    def __init__(self, limit: int = NODE_REQUESTS_IN_FLIGHT) -> None:
+        self._limit = int(limit)
+        self._lock = threading.Lock()
+        self._in_flight: Counter = Counter()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method not in _LIMITED_METHODS or not handler.unary_unary:
+            return handler
+        inner = handler.unary_unary
+
+        def limited(request, context):
+            ident = tls.peer_identity(context)
+            who = ident.name if ident is not None else ""
+            with self._lock:
+                if self._in_flight[who] >= self._limit:
+                    context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{self._limit} requests of this node are in flight already; send one after another",
+                    )
+                self._in_flight[who] += 1
+            try:
+                return inner(request, context)
+            finally:
+                with self._lock:
+                    self._in_flight[who] -= 1
+                    if not self._in_flight[who]:
+                        del self._in_flight[who]
+
+        return grpc.unary_unary_rpc_method_handler(
+            limited,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
 # one table: domain exception -> status code (first match wins, subclasses first)
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -224,7 +272,7 @@ def serve_shuffler(
     state.set_max_streams(max_workers - RESERVED_WORKERS)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shuffler"),
-        interceptors=list(interceptors),
+        interceptors=[InFlightLimit(), *interceptors],  # first: refuses before the request is decoded
         options=grpc_options.server_options(),
     )
     pbg.add_ShufflerServicer_to_server(ShufflerServicer(state), server)

@@ -144,15 +144,16 @@ class Cluster:
 
 
 def start_local_cluster(
-    config_path: Path, workdir: Path, client_nodes: int, with_analyzer: bool = True
+    config_path: Path, workdir: Path, client_nodes: int, with_analyzer: bool = True, pki: Path | None = None
 ) -> tuple[Cluster, str, str | None]:
     """Start shuffler, analyzer (unless with_analyzer=False: the caller plays it) and client nodes as processes;
-    returns (cluster, shuffler address, analyzer address or None)."""
+    returns (cluster, shuffler address, analyzer address or None). With `pki` (a `shuffledp pki init` directory)
+    every hop is mTLS with role checks, as in a deployment; without it, plain text on loopback."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     cluster = Cluster(workdir)
     analyzer = None
     try:
-        sec = ["--insecure"]
+        sec = ["--insecure"] if pki is None else ["--pki", str(pki.resolve())]
         pf = cluster.spawn("shuffler", ["shuffler", *sec, "--state-dir", str(workdir / "state")])
         shuffler = f"127.0.0.1:{cluster.wait_port('shuffler', pf)}"
         if with_analyzer:
@@ -559,13 +560,15 @@ def _run_command(
             return _rpc_failed(exc, args.analyzer, "the run")
     else:
         print(f"shuffledp run: {label}: {config.deployment.client_nodes} client node(s); results in {out}")
+        # [deployment] insecure = false: the local processes talk mTLS from pki_dir too (and so does the operator)
+        pki = None if config.deployment.insecure else Path(config.deployment.pki_dir)
         try:
-            cluster, _, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes)
+            cluster, _, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes, pki=pki)
         except ServiceFailed as exc:  # start_local_cluster stopped the others already
             print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
             return EXIT_LOST
         try:
-            result = drive_run(analyzer, config_toml, cluster, echo, **timing)
+            result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
         except KeyboardInterrupt:
             print("stopped by Ctrl-C; services shut down; partial logs in", out / "logs", file=sys.stderr)
             return 130

@@ -637,7 +637,8 @@ def _invited_by_node(dep: Deployment, run_id: str, round_index: int) -> dict[str
     counts: dict[str, int] = {}
     for user, r in _participation(dep, run_id):
         if r == round_index:
-            node = user.split("-", 1)[0]
+            # the shuffler keys a user by its node's identity and its id there ("client-0\nn0-u5")
+            node = user.split("\n", 1)[-1].split("-", 1)[0]
             counts[node] = counts.get(node, 0) + 1
     return counts
 

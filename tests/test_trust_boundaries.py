@@ -590,3 +590,61 @@ def test_registration_is_capped_per_node_identity_and_all_or_nothing() -> None:
         state.register_users("a", ["u3", "u4", "u5"])
     assert state.register_users("a", ["u0", "u3", "u4"]) == (3, 5)  # re-registering costs nothing
     assert state.register_users("b", ["u0", "u1", "u2", "u3", "u4"]) == (5, 10)  # another node: its own quota
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_concurrent_large_requests_of_one_node_are_bounded(tmp_path: Path, pki_dir: Path) -> None:
+    """8 RegisterUsers of 1.5M ids (~34 MiB, ~10x that decoded) from one node certificate at once: at most
+    NODE_REQUESTS_IN_FLIGHT are decoded together, the rest are refused before decoding, another node is served."""
+    proc, addr = _shuffler(tmp_path, "--pki", str(pki_dir))
+    try:
+        c0 = _secure(pki_dir, pki.ROLE_CLIENT_NODE, "client-0", addr, "shuffler")
+        c1 = _secure(pki_dir, pki.ROLE_CLIENT_NODE, "client-1", addr, "shuffler")
+        s0, s1 = pbg.ShufflerStub(c0), pbg.ShufflerStub(c1)
+        big = pb.RegisterUsersRequest(user_ids=[f"user-{i:020d}" for i in range(1_500_000)])  # over the 2^20 cap
+        base = _vm_hwm_kib(proc.pid)
+        with futures.ThreadPoolExecutor(8) as pool:
+            calls = [pool.submit(s0.RegisterUsers, big, timeout=120) for _ in range(8)]
+            assert s1.RegisterUsers(pb.RegisterUsersRequest(user_ids=["a"]), timeout=60).admitted == 1
+            codes = []
+            for f in calls:
+                try:
+                    f.result()
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append((exc.code(), "in flight" in exc.details()))
+        assert all(c[0] == grpc.StatusCode.RESOURCE_EXHAUSTED for c in codes), codes  # the cap, or in flight
+        grown_mib = (_vm_hwm_kib(proc.pid) - base) / 1024
+        # one decoded request is ~400 MiB here; 8 at once went past 2.5 GiB before the limit
+        assert grown_mib < 1200, f"shuffler peak grew by {grown_mib:.0f} MiB"
+        assert sum(1 for c in codes if c[1]) >= 1, codes
+        c0.close()
+        c1.close()
+    finally:
+        stop(proc)
+
+
+def test_shuffledp_run_honours_insecure_false(tmp_path: Path) -> None:
+    """`[deployment] insecure = false` with a pki_dir: every local process serves and dials mTLS (it was validated
+    and then ignored: every hop ran in plain text)."""
+    pki.init_pki(tmp_path / "pki", client_nodes=2)
+    cfg = tmp_path / "tls.toml"
+    cfg.write_text(
+        write_blobs(tmp_path / "blobs.npz")
+        + f'[schedule]\nrounds = 2\n[deployment]\ninsecure = false\npki_dir = "{tmp_path / "pki"}"\n'
+    )
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "shuffledp.cli", "run", str(cfg), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    logs = {p.name: p.read_text() for p in (out / "logs").iterdir()}
+    assert set(logs) == {"shuffler.log", "analyzer.log", "client-0.log", "client-1.log"}
+    for name, text in [*logs.items(), ("cli", proc.stdout + proc.stderr)]:
+        assert "WITHOUT TLS" not in text and "insecure" not in text.lower(), name
+    assert "state: COMPLETED" in proc.stdout
