@@ -96,6 +96,7 @@ class InFlightLimit(grpc.ServerInterceptor):
             response_serializer=handler.response_serializer,
         )
 
+
 # one table: domain exception -> status code (first match wins, subclasses first)
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (RoundRejected, grpc.StatusCode.FAILED_PRECONDITION),
