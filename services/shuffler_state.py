@@ -723,15 +723,16 @@ class ShufflerState:
             return Reason.BAD_NONCE
         if nonce in rnd.nonces:
             return Reason.REPLAYED_NONCE
-        # a re-sent copy of this message (accepted or not) is a replay; nonces live as long as their round (after
-        # it closes every message to it is refused as expired), so what a sender can make us hold is bounded
-        rnd.nonces.add(nonce)
         if ukey not in self._admitted:
             return Reason.UNKNOWN_USER
         if ukey not in rnd.invited:
             return Reason.NOT_INVITED
         if ukey in rnd.answered:
             return Reason.DUPLICATE_USER
+        # a re-sent copy of this message (accepted or not) is a replay. Kept only for an invitee's one answer and
+        # only while the round is open (then every message to it is refused as expired): at most one nonce per
+        # invited user, whatever a sender sends
+        rnd.nonces.add(nonce)
         if rnd.req.transport == Transport.COUNTS:
             # exactly one COUNTS encoding: both set would leave open which one is the user's answer
             if msg.ciphertexts is not None or (msg.counts is None) == (msg.counts_packed is None):

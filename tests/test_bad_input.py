@@ -233,6 +233,21 @@ def test_replayed_nonce(cl):
     assert batch.report.rejected["replayed_nonce"] == 1
 
 
+def test_nonces_held_are_bounded_by_the_invitees(cl):
+    """Messages of unknown or uninvited users, each with a fresh nonce, leave nothing behind (issue 10: 1.6M
+    rejected messages kept +300 MB of nonces); only an invitee's one answer is remembered, until the round closes."""
+    node = cl.node("node-a", USERS)
+    fut = cl.execute(counts_spec(1))
+    node.next()
+    spam = [cmsg(f"stranger-{i}", BAD) for i in range(2000)]
+    ack = cl.stub.Submit(contribution(node, 1, spam))
+    assert ack.accepted == 0 and dict(ack.rejected) == {"unknown_user": 2000}
+    (open_round,) = cl.state._open.values()  # the round's own state: the only place nonces live
+    assert len(open_round.nonces) == 0
+    finish_counts_round(cl, node, fut, 1, USERS)
+    assert len(open_round.nonces) == len(USERS) and not cl.state._open
+
+
 def test_duplicate_user(cl):
     node = cl.node("node-a", USERS)
     fut = cl.execute(counts_spec(1))
