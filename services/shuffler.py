@@ -52,7 +52,7 @@ REASON_METADATA_KEY = "shuffledp-reason"
 RESERVED_WORKERS = 16  # server threads never taken by Subscribe streams: rounds, submissions, GetPopulation
 # Requests a node may have in flight at once (RegisterUsers and Submit: a node sends its Submits one after another).
 # Each can be up to 64 MiB and ~10x that once decoded, so this, not the thread pool, bounds what one node identity
-# can make the shuffler hold (issue 10). Plain text has no identities: all callers share one such budget.
+# can make the shuffler hold (issue 10). Plain text (loopback) has no identities: the budget is per connection.
 NODE_REQUESTS_IN_FLIGHT = 2
 _LIMITED_METHODS = ("/shuffledp.v1.Shuffler/RegisterUsers", "/shuffledp.v1.Shuffler/Submit")
 
@@ -74,7 +74,8 @@ class InFlightLimit(grpc.ServerInterceptor):
 
         def limited(request, context):
             ident = tls.peer_identity(context)
-            who = ident.name if ident is not None else ""
+            # plain text has no identities: each connection (one per node process) gets its own budget
+            who = ident.name if ident is not None else f"peer:{context.peer()}"
             with self._lock:
                 if self._in_flight[who] >= self._limit:
                     context.abort(

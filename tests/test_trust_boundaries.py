@@ -649,3 +649,25 @@ def test_shuffledp_run_honours_insecure_false(tmp_path: Path) -> None:
     for name, text in [*logs.items(), ("cli", proc.stdout + proc.stderr)]:
         assert "WITHOUT TLS" not in text and "insecure" not in text.lower(), name
     assert "state: COMPLETED" in proc.stdout
+
+
+def test_plain_text_nodes_each_have_their_own_in_flight_budget(tmp_path: Path) -> None:
+    """Six plain-text nodes (own connections) submitting at once are all served: the per-identity limit must not
+    become one budget shared by every node of a local run."""
+    shuffler, addr = _shuffler(tmp_path)
+    # one connection each, as separate node processes have (gRPC would share one connection inside a process)
+    channels = [grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(6)]
+    try:
+        stubs = [pbg.ShufflerStub(ch) for ch in channels]
+        ids = [f"u{j}" for j in range(200_000)]  # a request that takes a moment to decode, so they overlap
+        with futures.ThreadPoolExecutor(6) as pool:
+            replies = list(
+                pool.map(
+                    lambda i: stubs[i].RegisterUsers(pb.RegisterUsersRequest(node_id=f"n{i}", user_ids=ids)), range(6)
+                )
+            )
+        assert [r.admitted for r in replies] == [200_000] * 6
+    finally:
+        for ch in channels:
+            ch.close()
+        stop(shuffler)
