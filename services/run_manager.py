@@ -48,7 +48,7 @@ from shuffledp.services.ledger import (
 )
 
 from shuffledp import grpc_options, sealing
-from shuffledp.config import ConfigError, RunConfig, parse_config
+from shuffledp.config import DEFAULT_ROUNDS, ConfigError, RunConfig, parse_config
 from shuffledp.data import load_dataset
 from shuffledp.models import Model, make_model
 from shuffledp.optimizers.pgd import pgd, pgd_round_privacy
@@ -176,8 +176,6 @@ def plan_run(cfg: RunConfig, admitted: int, unused: int, model: Model) -> dict[s
         if s.rounds is not None:
             T = min(T, s.rounds)  # schedule.rounds set: at most that many of them (issue 10)
     else:
-        from shuffledp.config import DEFAULT_ROUNDS
-
         B, T = admitted, (s.rounds if s.rounds is not None else DEFAULT_ROUNDS)  # all n users for T rounds (Alg 5)
     n_min = max(1, math.ceil(p.min_contributors_fraction * B))
     slack = 0.0
