@@ -73,5 +73,6 @@ def analyzer_channel_options() -> Options:
 
 
 def operator_channel_options() -> Options:
-    """The operator's channel to the analyzer: RunResult carries the model and the whole ledger."""
-    return [("grpc.max_receive_message_length", BATCH_MESSAGE_BYTES)]
+    """The operator's channel to the analyzer: RunResult carries the model and the whole ledger; a restarted
+    analyzer is found again within seconds (gRPC's default reconnect backoff grows to 120 s)."""
+    return [("grpc.max_receive_message_length", BATCH_MESSAGE_BYTES), ("grpc.max_reconnect_backoff_ms", 5000)]

@@ -211,10 +211,9 @@ def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
 
 def operator_channel(analyzer: str, pki: Path | None = None, server_name: str = "analyzer") -> grpc.Channel:
     """Channel of the operator to the analyzer: mTLS with the operator certificate, or plain text on loopback."""
-    from shuffledp import tls
+    from shuffledp import grpc_options, tls
 
-    # a restarted analyzer is found again within seconds (gRPC's default reconnect backoff grows to 120 s)
-    options = [("grpc.max_reconnect_backoff_ms", 5000)]
+    options = grpc_options.operator_channel_options()
     if pki is None:
         return tls.ChannelSecurity.insecure_loopback("operator", "operator").channel(analyzer, options=options)
     return tls.ChannelSecurity(pki, "operator", "operator").channel(analyzer, server_name=server_name, options=options)

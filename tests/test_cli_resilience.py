@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -249,3 +250,26 @@ def test_fetch_usage_errors_are_one_line_and_exit_2(tmp_path, capsys):
         "shuffledp run: --fetch needs a RUN_ID (printed by `shuffledp run` as 'run id: ...')",
     ]
     assert out == "" and not (tmp_path / "results").exists()
+
+
+def test_operator_channel_receives_results_above_4_mib() -> None:
+    """A RunResult carries the whole ledger: the operator's channel takes what the analyzer may send
+    (grpc_options.BATCH_MESSAGE_BYTES), not gRPC's default 4 MiB."""
+    from shuffledp.run import operator_channel
+
+    big = pb.RunResult(ledger_json="x" * (5 * 2**20))
+
+    class Analyzer(pbg.AnalyzerServicer):
+        def GetRunResult(self, request, context):
+            return big
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pbg.add_AnalyzerServicer_to_server(Analyzer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with operator_channel(f"127.0.0.1:{port}") as ch:
+            result = pbg.AnalyzerStub(ch).GetRunResult(pb.RunRef(run_id="r"), timeout=30)
+        assert len(result.ledger_json) == 5 * 2**20
+    finally:
+        server.stop(0)
