@@ -147,6 +147,12 @@ def user_key(node_id: str, user_id: str) -> str:
     return f"{node_id}\n{user_id}"
 
 
+def split_user_key(key: str) -> tuple[str, str]:
+    """(node_id, user_id) of a user_key."""
+    node_id, user_id = key.split("\n", 1)
+    return node_id, user_id
+
+
 @dataclass(frozen=True)
 class RoundRequest:
     """What the shuffler needs from a RoundSpec; `relay` is the spec itself, forwarded to the invited nodes."""
@@ -586,7 +592,7 @@ class ShufflerState:
             rnd = _OpenRound(
                 req=req,
                 deadline=self._clock() + req.deadline_seconds,
-                invited={k: k.split("\n", 1)[0] for k in invited},
+                invited={k: split_user_key(k)[0] for k in invited},
                 expected_messages=per_user,
                 expected_ct_len=ct_len,
                 bound=bound,
@@ -596,8 +602,9 @@ class ShufflerState:
                 rnd.totals = np.zeros(req.dim, dtype=np.uint64)
             self._open[key] = rnd
             by_node: dict[str, list[str]] = {}
-            for k, node in rnd.invited.items():
-                by_node.setdefault(node, []).append(k[len(node) + 1 :])  # the node's own id of the user
+            for k in rnd.invited:
+                node, user = split_user_key(k)
+                by_node.setdefault(node, []).append(user)  # the node's own id of the user
             for node, users in by_node.items():
                 self._subs[node].put(Invite(req.relay, users))
             try:
