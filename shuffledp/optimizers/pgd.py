@@ -20,20 +20,16 @@ import math
 
 import numpy as np
 
-from shuffledp.optimizers.psgd import AveragingState, Optimizer, _check_lr_radius, _init, projected_step
+from shuffledp.optimizers.base import Optimizer
+from shuffledp.optimizers.psgd import averaging_optimizer
 from shuffledp.optimizers.psgd import theory_learning_rate as _lr_from_noise
 
 __all__ = ["pgd", "pgd_round_privacy", "theory_learning_rate"]
 
 
 def pgd(learning_rate: float, radius: float) -> Optimizer:
-    """Projected gradient descent with iterate averaging (paper 000 Alg 5)."""
-    _check_lr_radius(learning_rate, radius)
-
-    def step(grad: np.ndarray, state: AveragingState, params: np.ndarray) -> tuple[np.ndarray, AveragingState]:
-        return projected_step(grad, state, params, learning_rate, radius)
-
-    return Optimizer(_init, step)
+    """Projected gradient descent with iterate averaging (paper 000 Alg 5): the same update as PSGD, over all users."""
+    return averaging_optimizer(learning_rate, radius)
 
 
 def theory_learning_rate(diameter: float, lipschitz: float, rounds: int, noise_sq: float, n: int) -> float:

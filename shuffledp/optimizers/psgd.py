@@ -18,14 +18,14 @@ from the exact PVEC variance; we use its data-free upper bound so eta is never t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
 from shuffledp.models import project_l2_ball
+from shuffledp.optimizers.base import Optimizer
 
-__all__ = ["AveragingState", "Optimizer", "psgd", "theory_learning_rate", "projected_step"]
+__all__ = ["AveragingState", "Optimizer", "psgd", "theory_learning_rate", "projected_step", "averaging_optimizer"]
 
 
 class AveragingState(NamedTuple):
@@ -47,11 +47,6 @@ class AveragingState(NamedTuple):
     @classmethod
     def from_arrays(cls, a: dict[str, np.ndarray]) -> AveragingState:
         return cls(int(a["steps"]), np.asarray(a["iterate_sum"], dtype=np.float64), np.asarray(a["last"]))
-
-
-class Optimizer(NamedTuple):
-    init: Callable[[np.ndarray], AveragingState]
-    step: Callable[[np.ndarray, AveragingState, np.ndarray], tuple[np.ndarray, AveragingState]]
 
 
 def projected_step(
@@ -80,14 +75,29 @@ def _init(params: np.ndarray) -> AveragingState:
     return AveragingState(0, np.zeros_like(params), params.copy())
 
 
-def psgd(learning_rate: float, radius: float) -> Optimizer:
-    """Projected SGD with iterate averaging (paper 000 Alg 3). Iterates stay in the l2 ball of `radius`."""
+def _release(state: AveragingState, output: str) -> np.ndarray:
+    return state.mean() if output == "mean" else state.last.copy()
+
+
+def _monitor(state: AveragingState) -> dict[str, np.ndarray]:
+    # "mean" includes the newest iterate, mean(theta_0..theta_k), so round 0 already shows a trained model; the
+    # released output stays the papers' mean(theta_0..theta_{T-1}) (_release)
+    return {"mean": (state.iterate_sum + state.last) / (state.steps + 1), "last": state.last}
+
+
+def averaging_optimizer(learning_rate: float, radius: float) -> Optimizer:
+    """Projected (S)GD with a fixed step and iterate averaging: the update of Alg 3 and Alg 5 of paper 000."""
     _check_lr_radius(learning_rate, radius)
 
     def step(grad: np.ndarray, state: AveragingState, params: np.ndarray) -> tuple[np.ndarray, AveragingState]:
         return projected_step(grad, state, params, learning_rate, radius)
 
-    return Optimizer(_init, step)
+    return Optimizer(_init, step, lambda s: s.last.copy(), _release, _monitor, AveragingState.from_arrays)
+
+
+def psgd(learning_rate: float, radius: float) -> Optimizer:
+    """Projected SGD with iterate averaging (paper 000 Alg 3). Iterates stay in the l2 ball of `radius`."""
+    return averaging_optimizer(learning_rate, radius)
 
 
 def theory_learning_rate(diameter: float, lipschitz: float, rounds: int, noise_sq: float, batch: int) -> float:
