@@ -28,15 +28,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2
-from shuffledp.clients.policy import PolicyTable, UserPolicy, noise_key, pvec_params_from_spec
+from shuffledp.clients.policy import PolicyTable, UserPolicy, noise_key
 from shuffledp.clients.spend_store import MemorySpendStore, SpendStore, SqliteSpendStore
 
 from shuffledp import grpc_options, tls
 from shuffledp.health import start_with_health
 from shuffledp.models import make_model
-from shuffledp.protocols import pvec
+from shuffledp.protocols.registry import ROUND_PROTOCOLS, round_protocol
 from shuffledp.rng import make_rng
-from shuffledp.sealing import BIT_MESSAGE_BYTES, pack_labelled_bits, round_info, seal_many
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -118,7 +117,8 @@ class NodeCore:
         """Mean loss gradient of each user's local batch at the broadcast iterate, shape (len(idx), dim)."""
         X, y = self.shard.X[idx], self.shard.y[idx]
         n, k, f = X.shape
-        model = make_model(spec.task, f, spec.num_classes)
+        # the loss the analyzer asks for: its l2 term (strongly convex task) and Moreau smoothing (spec 000 sec 4)
+        model = make_model(spec.task, f, spec.num_classes, l2=spec.l2, smoothing=spec.smoothing)
         params = tensor_to_array(spec.model).ravel()
         if params.shape != (model.dim,) or spec.randomizer.dim != model.dim:
             raise ValueError(
@@ -141,7 +141,8 @@ class NodeCore:
         out = pb.Contribution(run_id=spec.run_id, round=spec.round, node_id=self.node_id)
         ids = [u for u in inv.user_ids if u in self._index]
         idx = np.fromiter((self._index[u] for u in ids), dtype=np.int64, count=len(ids))
-        supported = spec.randomizer.protocol == "pvec" and spec.transport in (pb.COUNTS, pb.BITS)
+        protocol = ROUND_PROTOCOLS.get(spec.randomizer.protocol)
+        supported = protocol is not None and protocol.supports(spec)
         with self._lock:
             reasons, cost = self.policy.decide(spec, idx, supported)
             join = reasons == ""
@@ -171,32 +172,10 @@ class NodeCore:
         return out
 
     def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray, out: pb.Contribution) -> None:
-        """Append one UserMessage per user of idx to out.messages (in idx order)."""
-        params = pvec_params_from_spec(spec)
-        # clip to ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7; Alg 2 of paper 000)
-        G = pvec.clip_rows(self._gradients(spec, idx), params.delta2)
+        """Append one UserMessage per user of idx to out.messages (in idx order), by the round's protocol plug-in."""
         ids = [self.shard.user_ids[i] for i in idx]
-        nonces = _nonces(len(ids))
-        if spec.transport == pb.COUNTS:
-            counts = pvec.encode_counts(G, params, self._rng)  # (k, d) int64 in [0, g+m]
-            # CountVector.packed: each user's d counts in the round's wire width, cut from one buffer (no
-            # per-count Python objects on either side of the wire)
-            dtype = pvec.count_wire_dtype(params.g + params.m)
-            rows = np.ascontiguousarray(counts, dtype=dtype).tobytes()
-            width = dtype.itemsize * counts.shape[1]
-            add = out.messages.add
-            for i, u in enumerate(ids):
-                add(user_id=u, nonce=nonces[i]).counts.packed = rows[i * width : (i + 1) * width]
-            return
-        if spec.randomizer.message_bytes not in (0, BIT_MESSAGE_BYTES):
-            raise ValueError(
-                f"BITS needs randomizer.message_bytes = {BIT_MESSAGE_BYTES}, got {spec.randomizer.message_bytes}"
-            )
-        info = round_info(spec.run_id, spec.round)
-        for u, nonce, row in zip(ids, nonces, G, strict=True):  # one HPKE seal per labelled bit: per message
-            labels, bits = pvec.encode_bits(row, params, self._rng)
-            cts = seal_many(spec.analyzer_public_key, pack_labelled_bits(labels, bits), info)
-            out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=cts))
+        protocol = round_protocol(spec.randomizer.protocol)
+        protocol.randomize(spec, self._gradients(spec, idx), ids, _nonces(len(ids)), self._rng, out)
 
     def status(self) -> pb.NodeStatus:
         with self._lock:

@@ -26,9 +26,10 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from shuffledp.accountants.calibrated_pvec import NoiseKey, epsilon_of_rounds, round_noise_key
+from shuffledp.accountants.calibrated_pvec import NoiseKey, epsilon_of_rounds
 from shuffledp.config import PolicyConfig
-from shuffledp.protocols.pvec import PvecParams
+from shuffledp.protocols.pvec_round import pvec_params_from_spec
+from shuffledp.protocols.registry import ROUND_PROTOCOLS, round_protocol
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = [
@@ -98,51 +99,20 @@ class UserPolicy:
             )
 
 
-def pvec_params_from_spec(spec: pb.RoundSpec) -> PvecParams:
-    """The round's PVEC parameters as the analyzer derived them (randomizer fields; eps/delta/n from
-    randomizer.extra when given, else per_user_cost and the cohort). method="calibrated" makes it a plain
-    container for (g, m, p): what privacy they give is recomputed by verify_round_epsilon, never assumed."""
-    r = spec.randomizer
-    extra = dict(r.extra)
-    n = int(extra.get("n", 0)) or max(int(spec.cohort_size), int(spec.min_contributors), 1)
-    return PvecParams(
-        d=int(r.dim),
-        n=n,
-        delta2=float(r.clip_norm),
-        g=int(r.g),
-        m=int(r.m),
-        p=float(r.p),
-        eps=float(extra.get("eps", 0.0)) or float(spec.per_user_cost.eps),
-        delta=float(extra.get("delta", 0.0)) or float(spec.per_user_cost.delta),
-        method="calibrated",
-    )
-
-
 def verify_round_epsilon(spec: pb.RoundSpec) -> float:
-    """The eps of this round's randomizer for one user, recomputed from its parameters (not the claim).
-
-    PVEC: the calibrated numerical accountant (shuffledp.accountants.calibrated_pvec.pvec_round_epsilon) on
-    (d, g, m, p) at n' = min_contributors, the fewest contributors the shuffler will release (the worst case
-    of the shuffle amplification), and the claimed delta. Raises LookupError when the protocol has no verifier
-    here, ValueError when the parameters are invalid, ImportError when the accountant is missing.
+    """The eps of this round's randomizer for one user, recomputed from its parameters (not the claim), by the
+    round protocol's plug-in (PVEC: the calibrated numerical accountant on (d, g, m, p) at n' = min_contributors,
+    the worst case of the shuffle amplification, shuffledp.protocols.pvec_round). Raises LookupError when the
+    protocol is unknown here, ValueError when the parameters are invalid, ImportError when the accountant is missing.
     """
-    if spec.randomizer.protocol != "pvec":
-        raise LookupError(f"no randomizer verifier for protocol {spec.randomizer.protocol!r}")
-    from shuffledp.accountants.calibrated_pvec import pvec_round_epsilon  # H3 (issue 4 contract)
-
-    n_release = max(int(spec.min_contributors), 1)
-    return float(pvec_round_epsilon(pvec_params_from_spec(spec), n_release, float(spec.per_user_cost.delta)))
+    return round_protocol(spec.randomizer.protocol).verify_epsilon(spec)
 
 
 def noise_key(spec: pb.RoundSpec) -> NoiseKey | None:
-    """The round's round_noise_key (what its RDP depends on) at n' = min_contributors, as verify_round_epsilon sees
-    the round; None when the round has none (not PVEC, or invalid parameters)."""
-    if spec.randomizer.protocol != "pvec":
-        return None
-    try:
-        return round_noise_key(pvec_params_from_spec(spec), max(int(spec.min_contributors), 1))
-    except ValueError:
-        return None
+    """The round's noise key (what its RDP depends on), as verify_round_epsilon sees the round; None when the
+    round has none (unknown protocol, or invalid parameters)."""
+    protocol = ROUND_PROTOCOLS.get(spec.randomizer.protocol)
+    return None if protocol is None else protocol.noise_key(spec)
 
 
 class PolicyTable:

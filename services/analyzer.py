@@ -69,6 +69,8 @@ def _budget(b: BudgetTotals | None) -> pb.BudgetStatus:
         accountant=b.accountant,
         trust_model=pb.SHUFFLE,
         rounds_committed=b.rounds_committed,
+        honest_fraction=b.honest_fraction,
+        eps_spent_robust=b.eps_spent_robust,
     )
 
 
@@ -87,6 +89,7 @@ def _status(v: RunView, output: str = "mean") -> pb.RunStatus:
             refused=m.get("refused", 0),
             refused_reasons=m.get("refused_reasons", {}),
             failure=m.get("failure", ""),
+            excess_risk=m.get(f"excess_risk_{output}"),
         )
         for m in v.metrics
     ]
@@ -141,6 +144,7 @@ class AnalyzerServicer(pbg.AnalyzerServicer):
                 config_toml=v.config_toml,
                 loss=v.loss,
                 accuracy=v.accuracy,
+                excess_risk=v.excess_risk,
             )
             if v.model is not None:
                 result.model.CopyFrom(pb.Tensor(shape=[v.model.size], f64=v.model.astype("<f8").tobytes()))

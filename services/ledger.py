@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shuffledp.events import PvecRound
 from shuffledp.protocols.pvec import PvecParams
 
 __all__ = [
@@ -129,67 +128,42 @@ class BudgetTotals:
     delta_limit: float
     accountant: str
     rounds_committed: int
+    honest_fraction: float = 1.0  # robust figure (spec 000 A.3): eps_spent if only this fraction is honest
+    eps_spent_robust: float = math.nan
 
 
 # --------------------------------------------------------------------------------------------- arithmetic
+# The arithmetic of an event belongs to its protocol plug-in (design 3.1: the protocol owns the privacy event the
+# ledger charges); the ledger only stores events and asks the plug-in of their mechanism.
+def _protocol(events: Sequence[PrivacyEvent]):
+    from shuffledp.protocols.registry import round_protocol
+
+    mechanisms = {e.mechanism for e in events}
+    if len(mechanisms) != 1:
+        raise LedgerError(f"a run's rounds must share one mechanism, got {sorted(mechanisms)}")
+    try:
+        return round_protocol(mechanisms.pop())
+    except LookupError as exc:
+        raise LedgerError(str(exc)) from exc
+
+
 def accountant_name(event: PrivacyEvent, composition: str) -> str:
-    method = event.params.get("method", "?")
-    per_round = "pvec-calibrated" if method == "calibrated" else "pvec-lemma-3.1+3.3"
-    across = {"parallel": "parallel", "rdp": "rdp-composition", "advanced": "advanced-composition"}[composition]
-    return f"{per_round}/{across}"
-
-
-def _pvec_round(event: PrivacyEvent, schedule: str) -> PvecRound:
-    """The event for the accountant. More contributors than the parameters' n are charged as n: the extra users'
-    noise Bin(m (n' - n), p) is independent of the rest, so dropping it is post-processing (an upper bound)."""
-    params = event.pvec_params()
-    return PvecRound.from_params(params, min(event.contributors, params.n), schedule)
-
-
-def _account(rounds: Sequence[PvecRound], delta: float, accountant: str) -> float:
-    # imported on first use: the accountants pull in dp_accounting and scipy (~1 s), not needed to open a ledger
-    from shuffledp.accountants.ledger_accounting import account
-
-    return account(rounds, delta, accountant).eps  # type: ignore[arg-type]
-
-
-def _accountant(events: Sequence[PrivacyEvent]) -> str:
-    """The paper's parameters: the paper's bounds ("paper", Thm 3.2 and Dwork-Roth 3.20); otherwise the exact
-    binomial accountant ("tight"). RDP composition is always the tight accountant's."""
-    return "paper" if all(e.params.get("method") == "paper" for e in events) else "tight"
+    return _protocol([event]).accountant_name(event, composition)
 
 
 def round_cost(event: PrivacyEvent) -> tuple[float, float]:
-    """(eps, delta) of one round on its own at the params' delta, for the contributors recorded in the event.
-
-    calibrated: the exact accountant of calibrated_pvec for n' contributors (its noise is Bin(n' m, p), so fewer
-    contributors cost more). paper: the params' (eps, delta) (Thm 3.2 / Lemma 3.1 of paper 000), or the Lemma
-    chain for n' contributors where that is larger (ledger_accounting's paper accountant).
-    """
-    delta = event.pvec_params().delta
-    return _account([_pvec_round(event, event.schedule)], delta, _accountant([event])), delta
+    """(eps, delta) of one round on its own at its parameters' delta, for the contributors recorded in the event."""
+    return _protocol([event]).round_cost(event)
 
 
-def compose_events(events: Sequence[PrivacyEvent], limit: BudgetLimit) -> tuple[float, float]:
-    """Run total (eps, delta) of the counted rounds under the run's composition rule (module docstring).
-
-    parallel: at the rounds' delta (disjoint cohorts: the max over rounds, spec 000 sec 5); rdp: at the limit's
-    delta; advanced: at sum delta_r + delta', so the slack of Dwork-Roth 3.20 is the run's fixed delta'.
-    """
+def compose_events(
+    events: Sequence[PrivacyEvent], limit: BudgetLimit, honest_fraction: float = 1.0
+) -> tuple[float, float]:
+    """Run total (eps, delta) of the counted rounds under the run's composition rule; honest_fraction h < 1: the
+    robust figure when only a fraction h of each round's contributors are honest (spec 000 A.3)."""
     if not events:
         return 0.0, 0.0
-    schedule = "sequential" if limit.composition == "parallel" else "fully_interactive"
-    rounds = [_pvec_round(e, schedule) for e in events]
-    if limit.composition == "parallel":
-        delta = max(r.target_delta for r in rounds)
-    elif limit.composition == "rdp":
-        delta = limit.delta
-    else:
-        delta = math.fsum(r.target_delta for r in rounds) + limit.advanced_slack
-    if delta >= 1.0:  # the rounds alone spend all of delta: no guarantee
-        return math.inf, delta
-    acc = "tight" if limit.composition == "rdp" else _accountant(events)
-    return _account(rounds, delta, acc), delta
+    return _protocol(events).compose(events, limit, honest_fraction)
 
 
 # ------------------------------------------------------------------------------------------------ storage
@@ -434,7 +408,11 @@ class Ledger:
         spent = compose_events(spent_ev, limit)
         reserved = compose_events(all_ev, limit)
         name = accountant_name(all_ev[0], limit.composition) if all_ev else limit.composition
-        return BudgetTotals(spent[0], spent[1], reserved[0], reserved[1], limit.eps, limit.delta, name, n_committed)
+        h = float((self.run(run_id)["plan"] or {}).get("honest_fraction", 1.0))
+        robust = compose_events(spent_ev, limit, h)[0] if h < 1.0 else spent[0]
+        return BudgetTotals(
+            spent[0], spent[1], reserved[0], reserved[1], limit.eps, limit.delta, name, n_committed, h, robust
+        )
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, run_id: str, round_index: int, blob: bytes, metrics: dict[str, Any]) -> None:

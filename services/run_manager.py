@@ -1,25 +1,26 @@
 """The analyzer's run manager: run lifecycle, round planning, budget reservation, decoding, optimizer, checkpoints.
 
-Transport-independent (the gRPC servicer in services/analyzer.py only converts messages). Each started run executes
-in its own background thread:
+Transport-independent (the gRPC servicer in services/analyzer.py only converts messages). A round is one protocol
+plug-in (shuffledp.protocols.registry: sizing, the spec's randomizer, decoding, the privacy event's arithmetic) plus
+one optimizer (shuffledp.optimizers.registry: init / query / step / release); this module holds no branch for
+either. Each started run executes in its own background thread:
 
-    plan (once)    population from the shuffler (sizes only) -> T, cohort B, threshold n_min, delta, PVEC params,
-                   composition rule, step size; stored in the ledger with the (eps, delta) limit.
+    plan (once)    population from the shuffler (sizes only) -> T, cohort B (the optimizer's theory), threshold
+                   n_min, delta, the protocol's parameters and composition rule, the optimizer's step sizes; stored
+                   in the ledger with the (eps, delta) limit.
     each round r   reserve the worst-case cost in the ledger (BudgetExceeded -> the run stops BUDGET_EXHAUSTED and
                    no spec leaves) -> ExecuteRound at the shuffler (blocks until the deadline) -> released batch:
-                   (BITS: open and validate every ciphertext, skipping and counting bad ones, see open_bit_messages)
-                   commit with the actual contributors n', decode (decode_counts / decode_bits), optimizer step,
-                   evaluate on the public test split, checkpoint; not released: release the reservation.
+                   the protocol decodes it (skipping and counting bad messages), commit with the contributors it
+                   used, optimizer step, evaluate on the public test split, checkpoint; not released: release the
+                   reservation.
     restart        Ledger.recover() turns rounds left "reserved" into "spent_unknown"; RUNNING runs resume after the
                    last round ever reserved, from the last checkpoint (no round index is ever reused).
 
-Planning (spec 000 sec 4): sequential = PSGD, T = floor(unused users / B) fresh cohorts (at most schedule.rounds
-when set), parameters sized for one round at (eps, delta) (parallel composition); fully interactive = PGD, all n
-users for T rounds, per-round
-parameters from calibrate_pvec(eps, delta, ..., rounds=T) (calibrated) or the paper's (eps_r, delta_r).
-The PVEC noise is sized for the threshold n_min = ceil(min_contributors_fraction * cohort) contributors: a
-released batch has n' >= n_min, and fewer contributors means less binomial noise, so sizing at n_min makes the
-reserved (worst-case) cost an upper bound on every committed cost (the robust variant of spec 000 sec 3 / A.3).
+Schedules (spec 000 sec 4): sequential = disjoint fresh cohorts (PSGD, AC-SA, their strongly convex phases),
+T = floor(unused users / B) (at most schedule.rounds when set); fully interactive = all n users for T rounds (PGD).
+The protocol's noise is sized for the threshold n_min = ceil(min_contributors_fraction * cohort) contributors: a
+released batch has n' >= n_min, and fewer contributors means less noise, so sizing at n_min makes the reserved
+(worst-case) cost an upper bound on every committed cost (the robust variant of spec 000 sec 3 / A.3).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import math
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -44,18 +45,22 @@ from shuffledp.services.ledger import (
     Ledger,
     LedgerError,
     PrivacyEvent,
-    round_cost,
 )
 
 from shuffledp import grpc_options, sealing
 from shuffledp.config import DEFAULT_ROUNDS, ConfigError, RunConfig, parse_config
 from shuffledp.data import load_dataset
 from shuffledp.models import Model, make_model
-from shuffledp.optimizers.pgd import pgd, pgd_round_privacy
-from shuffledp.optimizers.pgd import theory_learning_rate as pgd_lr
-from shuffledp.optimizers.psgd import AveragingState, psgd
-from shuffledp.optimizers.psgd import theory_learning_rate as psgd_lr
-from shuffledp.protocols.pvec import PvecParams, decode_bits, decode_counts, pvec_params, pvec_variance_bound
+from shuffledp.optimizers import registry as optimizers
+from shuffledp.optimizers.base import Optimizer
+from shuffledp.optimizers.psgd import AveragingState
+from shuffledp.protocols.base import BatchError, PlanRequest, RoundProtocol
+from shuffledp.protocols.pvec_round import (  # noqa: F401 (re-exported: the names' former home)
+    MALFORMED_PLAINTEXT,
+    UNDECRYPTABLE,
+    open_bit_messages,
+)
+from shuffledp.protocols.registry import round_protocol
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -97,9 +102,6 @@ _TEST_DATA_CACHE = 4  # held-out splits kept in memory
 _RPC_GRACE_SECONDS = 30.0  # ExecuteRound returns at the deadline; allow this much for transfer and aggregation
 _MAX_CONSECUTIVE_FAILURES = 3
 _POPULATION_WAIT_SECONDS = 60.0
-# The analyzer's own rejection reasons (design 5.3), counted per message in the round's metrics["rejected"]
-UNDECRYPTABLE = "undecryptable"  # HPKE open failed: wrong key, wrong run/round, tampered or truncated
-MALFORMED_PLAINTEXT = "malformed_plaintext"  # opened, but not one labelled bit of this round (length, bit, label)
 
 
 def _refused_before_collection(exc: grpc.RpcError) -> bool:
@@ -124,88 +126,88 @@ class PlanError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------- planning
-def _pvec_sized(method: str, eps: float, delta: float, n_min: int, n_max: int, d: int, clip: float, rounds: int):
-    """PVEC parameters whose noise is sized for n_min contributors, valid for up to n_max (module docstring)."""
-    if method == "calibrated":
-        # extension beyond the paper (spec 000 sec 8): exact numerical accountant for the binomial view
-        from shuffledp.accountants.calibrated_pvec import calibrate_pvec
+def _resolve_delta(cfg: RunConfig, admitted: int) -> float:
+    p = cfg.privacy
+    if p.delta is not None:
+        return p.delta
+    # Unset delta: 1/n (issue 4: practitioner-acceptable delta <= 1/n), capped by the users' own [policy] so that
+    # default users accept every round (issue 10). A user's per-round delta is <= delta (per_user_claim of the
+    # protocol: sequential rounds claim delta, calibrated fully interactive ones delta/T, paper ones
+    # delta_r = delta/(T+1), Alg 5) and its run total is <= delta (sequential: one round; fully interactive: T such
+    # claims, basic composition as in clients/policy.py). The total cap is shrunk by 1e-9 (relative) so that a
+    # client's float sum of T claims delta/T (up to T ulps above delta) still fits it.
+    pol = cfg.policy
+    delta = min(1.0 / admitted, pol.max_delta_per_round, pol.max_total_delta * (1.0 - 1e-9))
+    if not delta > 0.0:
+        raise PlanError(
+            "privacy.delta is unset and [policy] max_delta_per_round or max_total_delta is 0, so every user "
+            "would refuse every round: set privacy.delta or raise those limits"
+        )
+    return delta
 
-        params = calibrate_pvec(eps, delta, n_min, d, clip, rounds=rounds)
-    else:
-        params = pvec_params(eps, delta, n_min, d, clip)  # proof of Thm 3.2, paper 000
-    return replace(params, n=n_max)
 
-
-def plan_run(cfg: RunConfig, admitted: int, unused: int, model: Model) -> dict[str, Any]:
+def plan_run(
+    cfg: RunConfig, admitted: int, unused: int, model: Model, feature_bound: float | None | str = "load"
+) -> dict[str, Any]:
     """The round plan of a run from the population sizes (JSON-able dict, stored in the ledger).
 
-    Resolves the run-dependent defaults of the configuration: an unset privacy.delta and schedule.rounds (below).
+    Resolves the run-dependent defaults of the configuration: an unset privacy.delta and schedule.rounds, the
+    sequential cohort (the optimizer's theory), the protocol's per-round parameters (the protocol plug-in) and the
+    optimizer's step sizes (optimizers/registry.py).
     """
     p, s = cfg.privacy, cfg.schedule
     d = model.dim
     if admitted < 1:
         raise PlanError("no users are admitted at the shuffler")
-    if p.delta is not None:
-        delta = p.delta
-    else:
-        # Unset delta: 1/n (issue 4: practitioner-acceptable delta <= 1/n), capped by the users' own [policy] so that
-        # default users accept every round (issue 10). A user's per-round delta is <= delta (_per_user_claim:
-        # sequential rounds claim delta, calibrated fully interactive ones delta/T, paper ones delta_r = delta/(T+1),
-        # Alg 5) and its run total is <= delta (sequential: one round; fully interactive: T such claims, basic
-        # composition as in clients/policy.py). The total cap is shrunk by 1e-9 (relative) so that a client's float
-        # sum of T claims delta/T (up to T ulps above delta) still fits it.
-        pol = cfg.policy
-        delta = min(1.0 / admitted, pol.max_delta_per_round, pol.max_total_delta * (1.0 - 1e-9))
-        if not delta > 0.0:
-            raise PlanError(
-                "privacy.delta is unset and [policy] max_delta_per_round or max_total_delta is 0, so every user "
-                "would refuse every round: set privacy.delta or raise those limits"
-            )
+    delta = _resolve_delta(cfg, admitted)
+    name = optimizers.resolve(s.optimizer, s.kind)
+    smoothing = _smoothing(cfg, model, s.kind, admitted if s.kind != "sequential" else unused, d, delta)
+    model = replace(model, smoothing=smoothing) if smoothing else model
+    if feature_bound == "load":
+        feature_bound = load_dataset(cfg.data, cfg.model.task).feature_norm_bound if name == "acsa" else None
+    smoothness = _smoothness(cfg, model, name, feature_bound)
     sequential = s.kind == "sequential"
     if sequential:
         n_pool = unused
         if s.cohort_size:
             B = s.cohort_size
         else:
-            # Thm 4.1 of paper 000: B = sqrt(d) ln(d/delta) / eps
-            B = math.ceil(math.sqrt(d) * math.log(d / delta) / p.eps)
+            B = optimizers.cohort_size(
+                name, n_pool, d, p.eps, delta, p.clip_norm, smoothness, 2 * cfg.model.radius, smoothing > 0
+            )
         B = min(B, n_pool)
         if B < 1:
             raise PlanError(f"no unused users left for a sequential run (unused={unused})")
-        T = n_pool // B  # T = n / B fresh cohorts (spec 000 sec 4, Alg 3)
+        T = n_pool // B  # T = n / B fresh cohorts (spec 000 sec 4, Alg 3 / Alg 4)
         if s.rounds is not None:
             T = min(T, s.rounds)  # schedule.rounds set: at most that many of them (issue 10)
     else:
         B, T = admitted, (s.rounds if s.rounds is not None else DEFAULT_ROUNDS)  # all n users for T rounds (Alg 5)
+    if s.phases > T:
+        raise PlanError(f"schedule.phases = {s.phases} needs at least {s.phases} rounds; the plan has {T}")
     n_min = max(1, math.ceil(p.min_contributors_fraction * B))
-    slack = 0.0
-    if sequential:
-        composition = "parallel"  # disjoint cohorts (spec 000 sec 5)
-        eps_r, delta_r, rounds_for_calibration = (p.round_eps or p.eps), delta, 1
-    elif p.calibration == "calibrated":
-        composition = "rdp"
-        if p.round_eps is not None:
-            eps_r, delta_r, rounds_for_calibration = p.round_eps, delta, 1
-        else:
-            eps_r, delta_r, rounds_for_calibration = p.eps, delta, T
-    else:
-        composition = "advanced"
-        slack = delta / (T + 1)  # delta' of advanced composition (spec 000 sec 4)
-        eps_r, delta_r = pgd_round_privacy(p.eps, delta, T)  # Alg 5 per-round budget
-        if p.round_eps is not None:
-            eps_r = p.round_eps
-        rounds_for_calibration = 1
+    protocol = round_protocol(p.protocol)
+    request = PlanRequest(
+        s.kind, p.calibration, p.eps, delta, p.round_eps, T, B, n_min, d, p.clip_norm, cfg.transport.mode
+    )
     try:
-        params = _pvec_sized(p.calibration, eps_r, delta_r, n_min, B, d, p.clip_norm, rounds_for_calibration)
+        sized = protocol.plan(request)
+        hyper = optimizers.hyperparameters(
+            name,
+            rounds=T,
+            n_min=n_min,
+            noise_sq=sized.noise_sq,
+            lipschitz=p.clip_norm,
+            radius=cfg.model.radius,
+            smoothness=smoothness,
+            learning_rate=s.learning_rate,
+            phases=s.phases,
+            l2=cfg.model.l2,
+        )
     except ValueError as exc:
-        raise PlanError(f"cannot size PVEC for eps={eps_r}, delta={delta_r}, n={n_min}, d={d}: {exc}") from exc
-    if s.learning_rate is not None:
-        lr = s.learning_rate
-    else:
-        noise_sq = d * pvec_variance_bound(params, n_min)  # E||decoded sum - sum||^2 (spec 000 sec 2, exact bound)
-        rule = psgd_lr if sequential else pgd_lr
-        lr = rule(2.0 * cfg.model.radius, p.clip_norm, T, noise_sq, n_min)
+        raise PlanError(str(exc)) from exc
     return {
+        "protocol": protocol.name,
         "kind": s.kind,
         "admitted": admitted,
         "cohort": B,
@@ -213,13 +215,17 @@ def plan_run(cfg: RunConfig, admitted: int, unused: int, model: Model) -> dict[s
         "min_contributors": n_min,
         "eps": p.eps,
         "delta": delta,
-        "composition": composition,
-        "advanced_slack": slack,
-        "params": asdict(params),
-        "learning_rate": lr,
+        "honest_fraction": p.honest_fraction or p.min_contributors_fraction,
+        "composition": sized.composition,
+        "advanced_slack": sized.advanced_slack,
+        "params": sized.params,
+        "optimizer": hyper,
+        "learning_rate": hyper.get("learning_rate"),
         "radius": cfg.model.radius,
         "dim": d,
         "task": model.task,
+        "l2": cfg.model.l2,
+        "smoothing": smoothing,
         "num_features": model.num_features,
         "num_classes": model.num_classes,
         "transport": cfg.transport.mode,
@@ -228,93 +234,67 @@ def plan_run(cfg: RunConfig, admitted: int, unused: int, model: Model) -> dict[s
     }
 
 
-def _per_user_claim(plan: dict[str, Any], params: PvecParams, event: PrivacyEvent) -> tuple[float, float]:
-    """What one round costs a participating user on its own (RoundSpec.per_user_cost; clients check it).
+def _smoothing(cfg: RunConfig, model: Model, kind: str, n: int, d: int, delta: float) -> float:
+    """beta of the Moreau envelope the users differentiate (0: none). model.smoothing = "paper": Thm 4.7's beta
+    for sequential runs, Thm 4.9's for fully interactive ones (spec 000 sec 4)."""
+    beta = cfg.model.smoothing
+    if beta != "paper":
+        return float(beta)
+    from shuffledp.optimizers import acsa
 
-    Sequential and paper rounds: the round's own (eps, delta). Fully interactive calibrated rounds are composed in
-    RDP by the ledger; for the clients' per-round policy (which adds deltas over rounds) we state the round's eps
-    at delta/T, so T such claims add up to at most the run's delta. Clients can recompute the eps from (g, m, p).
-    """
-    if plan["kind"] == "sequential" or params.method != "calibrated":
-        return round_cost(event)
-    from shuffledp.accountants.calibrated_pvec import pvec_round_epsilon
-
-    delta_claim = plan["delta"] / plan["rounds"]
-    return float(pvec_round_epsilon(params, event.contributors, delta_claim)), delta_claim
+    L, D, eps = cfg.privacy.clip_norm, 2 * cfg.model.radius, cfg.privacy.eps
+    if kind == "sequential":
+        return acsa.smoothing_beta(max(n, 1), d, L, D, eps, delta)
+    return acsa.pgd_smoothing_beta(max(n, 1), d, L, D, eps, delta)
 
 
-# ---------------------------------------------------------------------------------------------- BITS batches
-def open_bit_messages(
-    private_key: Any, ciphertexts: Sequence[bytes], info: bytes, d: int
-) -> tuple[np.ndarray, np.ndarray, Counter[str]]:
-    """Open and validate a BITS batch message by message (design 5.1, 5.3): (labels, bits, rejected by reason).
-
-    A ciphertext that does not open (SealingError) counts as UNDECRYPTABLE; one that opens to anything but a
-    5-byte (label < d, bit in {0, 1}) message counts as MALFORMED_PLAINTEXT; both are skipped, so one bad message
-    cannot void the others. Nothing of a message (ciphertext, plaintext) is logged or kept.
-    """
-    labels: list[int] = []
-    bits: list[int] = []
-    rejected: Counter[str] = Counter()
-    for c in ciphertexts:
-        try:
-            plain = sealing.open_sealed(private_key, c, info)
-        except sealing.SealingError:
-            rejected[UNDECRYPTABLE] += 1
-            continue
-        try:
-            (label,), (bit,) = sealing.unpack_labelled_bits([plain])
-        except ValueError:
-            rejected[MALFORMED_PLAINTEXT] += 1
-            continue
-        if label >= d:
-            rejected[MALFORMED_PLAINTEXT] += 1
-            continue
-        labels.append(int(label))
-        bits.append(int(bit))
-    return np.asarray(labels, dtype=np.int64), np.asarray(bits, dtype=np.uint8), rejected
+def _smoothness(cfg: RunConfig, model: Model, name: str, bound: float | None) -> float:
+    """beta of the loss the optimizer descends (AC-SA's step rule needs it): model.smoothness when set, else from
+    the data set's public domain bound on ||x|| (models.Model.smoothness)."""
+    if name != "acsa":
+        return 0.0
+    if cfg.model.smoothness:
+        return cfg.model.smoothness
+    if bound is None and model.smoothing == 0:
+        raise PlanError(
+            'schedule.optimizer = "acsa" needs the smoothness of the loss: data.dataset = "path" has no public bound '
+            "on ||x||, so set model.smoothness"
+        )
+    beta = model.smoothness(bound if bound is not None else 0.0)
+    if not math.isfinite(beta):
+        raise PlanError(
+            f'schedule.optimizer = "acsa" needs a smooth loss: model.task = "{model.task}" is not smooth; set '
+            'model.smoothing (e.g. "paper", the Moreau smoothing of Thm 4.7)'
+        )
+    return float(beta)
 
 
 def round_spec(
     run_id: str,
     r: int,
     plan: dict[str, Any],
-    params: PvecParams,
+    params: Any,
     event: PrivacyEvent,
     theta: np.ndarray,
     analyzer_public_key: bytes = b"",
 ) -> pb.RoundSpec:
-    """The RoundSpec the analyzer sends for round r of a planned run at model theta (the key is used in BITS)."""
-    eps_r, delta_r = _per_user_claim(plan, params, event)
-    bits = plan["transport"] == "bits"
+    """The RoundSpec the analyzer sends for round r of a planned run at model theta: the schedule's fields here, the
+    protocol's (randomizer, transport, trust model, per-user claim, key) from its plug-in."""
+    protocol = round_protocol(plan.get("protocol", "pvec"))
     return pb.RoundSpec(
         run_id=run_id,
         round=r,
         schedule=pb.SEQUENTIAL if plan["kind"] == "sequential" else pb.FULLY_INTERACTIVE,
-        trust_model=pb.SHUFFLE,
-        transport=pb.BITS if bits else pb.COUNTS,
-        randomizer=pb.RandomizerSpec(
-            protocol="pvec",
-            clip_norm=params.delta2,
-            dim=params.d,
-            g=params.g,
-            m=params.m,
-            p=params.p,
-            messages_per_user=params.messages_per_user if bits else params.d,
-            message_bytes=sealing.BIT_MESSAGE_BYTES if bits else 0,
-            extra={"eps": params.eps, "delta": params.delta, "n": float(params.n)},
-        ),
         model=_tensor(theta),
         task=plan["task"],
         num_classes=plan["num_classes"] if plan["task"] == "logreg" else 0,
         cohort_size=plan["cohort"] if plan["kind"] == "sequential" else 0,
         min_contributors=plan["min_contributors"],
         deadline_seconds=plan["deadline"],
-        per_user_cost=pb.PrivacyCost(
-            eps=eps_r, delta=delta_r, accountant=f"pvec-{params.method}", trust_model=pb.SHUFFLE
-        ),
-        analyzer_public_key=analyzer_public_key if bits else b"",
         local_batch=1,
+        l2=plan.get("l2", 0.0),
+        smoothing=plan.get("smoothing", 0.0),
+        **protocol.spec_fields(plan, params, event, analyzer_public_key),
     )
 
 
@@ -333,6 +313,26 @@ class RunView:
     ledger_json: str = ""
     loss: float = float("nan")  # of `model` on the held-out split
     accuracy: float = float("nan")
+    excess_risk: float | None = None  # of `model`, when the population optimum is known
+
+
+class _EvalData(NamedTuple):
+    model: Model
+    X: np.ndarray
+    y: np.ndarray
+    feature_bound: float | None
+    optimum: np.ndarray | None
+
+
+class _Round(NamedTuple):
+    """What every round of a run uses, resolved once per run (plug-ins, parameters, model)."""
+
+    plan: dict[str, Any]
+    protocol: RoundProtocol
+    params: Any
+    opt: Optimizer
+    model: Model
+    cfg: RunConfig
 
 
 @dataclass
@@ -343,15 +343,28 @@ class _Live:
     public_key: bytes = b""
 
 
-def _encode_state(state: AveragingState) -> bytes:
+def _encode_state(state: Any) -> bytes:
     buf = io.BytesIO()
     np.savez(buf, **state.to_arrays())
     return buf.getvalue()
 
 
-def _decode_state(blob: bytes) -> AveragingState:
+def _decode_state(blob: bytes, from_arrays: Callable[[dict[str, np.ndarray]], Any] = AveragingState.from_arrays) -> Any:
     with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-        return AveragingState.from_arrays({k: z[k] for k in z.files})
+        return from_arrays({k: z[k] for k in z.files})
+
+
+def _optimizer(plan: dict[str, Any]) -> Optimizer:
+    """The planned run's optimizer (plans written before optimizers were plug-ins: PSGD / PGD, one phase)."""
+    hyper = plan.get("optimizer") or {
+        "name": "psgd" if plan["kind"] == "sequential" else "pgd",
+        "radius": plan["radius"],
+        "rounds": plan["rounds"],
+        "phases": 0,
+        "phase_rounds": [plan["rounds"]],
+        "learning_rates": [plan["learning_rate"]],
+    }
+    return optimizers.make_optimizer(hyper)
 
 
 def _tensor(x: np.ndarray) -> pb.Tensor:
@@ -379,7 +392,7 @@ class RunManager:
         self._lock = threading.Lock()
         # held-out splits by data source: a few, least recently used first (every CreateRun loads one, and
         # configurations that differ elsewhere must not each keep a copy)
-        self._test_data: OrderedDict[str, tuple[Model, np.ndarray, np.ndarray]] = OrderedDict()
+        self._test_data: OrderedDict[str, _EvalData] = OrderedDict()
 
     # -------------------------------------------------------------------------------------- lifecycle
     def create_run(self, config_toml: str) -> str:
@@ -455,11 +468,13 @@ class RunManager:
         )
         if with_result:
             ck = self.ledger.last_checkpoint(run_id)
-            if ck is not None:
-                st = _decode_state(ck[1])
-                view.model = st.last if plan.get("output") == "last" else st.mean()
-                model, X, y = self._evaluation_data(parse_config(run["config_toml"]))
+            if ck is not None and plan:  # a plan is stored before the first checkpoint
+                opt = _optimizer(plan)
+                view.model = opt.release(_decode_state(ck[1], opt.state_from_arrays), plan.get("output", "mean"))
+                model, X, y, _, optimum = self._evaluation_data(parse_config(run["config_toml"]))
                 view.loss, view.accuracy = model.loss(view.model, X, y), model.accuracy(view.model, X, y)
+                if optimum is not None:
+                    view.excess_risk = view.loss - model.loss(optimum, X, y)
             view.ledger_json = self.ledger.export_json(run_id)
         return view
 
@@ -468,9 +483,10 @@ class RunManager:
         return self.ledger.totals(run_id) if run["limit"] else None
 
     # ------------------------------------------------------------------------------------------ helpers
-    def _evaluation_data(self, cfg: RunConfig) -> tuple[Model, np.ndarray, np.ndarray]:
-        """Model and the public held-out split (the analyzer never uses the training split)."""
-        key = repr((cfg.data, cfg.model.task))
+    def _evaluation_data(self, cfg: RunConfig) -> _EvalData:
+        """Model and the public held-out split (the analyzer never uses the training split), the data's public
+        bound on ||x|| and, for synthetic data, the population optimum (excess risk)."""
+        key = repr((cfg.data, cfg.model.task, cfg.model.l2))
         with self._lock:
             hit = self._test_data.get(key)
             if hit is not None:
@@ -480,7 +496,10 @@ class RunManager:
             ds = load_dataset(cfg.data, cfg.model.task)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"data: {exc}") from exc
-        entry = (make_model(cfg.model.task, ds.num_features, ds.num_classes), ds.X_test, ds.y_test)
+        model = make_model(cfg.model.task, ds.num_features, ds.num_classes, l2=cfg.model.l2)
+        # the excess risk of the regularised objective would need its own optimum: reported for l2 = 0 only
+        optimum = ds.optimum if cfg.model.l2 == 0 else None
+        entry = _EvalData(model, ds.X_test, ds.y_test, ds.feature_norm_bound, optimum)
         with self._lock:
             self._test_data[key] = entry
             while len(self._test_data) > _TEST_DATA_CACHE:
@@ -517,32 +536,34 @@ class RunManager:
         run = self._run(run_id)
         if run["plan"]:
             return run["plan"]
-        model, _, _ = self._evaluation_data(cfg)
+        model, _, _, bound, _ = self._evaluation_data(cfg)
         pop = self._population(run_id, cfg.deployment.client_nodes, live.cancel)
-        plan = plan_run(cfg, pop.admitted_users, pop.unused_users, model)
+        plan = plan_run(cfg, pop.admitted_users, pop.unused_users, model, bound)
         limit = BudgetLimit(plan["eps"], plan["delta"], plan["composition"], plan["advanced_slack"])
         self.ledger.set_budget(run_id, limit, plan)
-        state = psgd(plan["learning_rate"], plan["radius"]).init(model.init_params())
-        self.ledger.save_checkpoint(run_id, -1, _encode_state(state), self._evaluate(model, cfg, state, -1))
+        state = _optimizer(plan).init(model.init_params())
+        self.ledger.save_checkpoint(run_id, -1, _encode_state(state), self._evaluate(model, cfg, plan, state, -1))
         return plan
 
-    def _evaluate(self, model: Model, cfg: RunConfig, state: AveragingState, r: int) -> dict[str, Any]:
+    def _evaluate(self, model: Model, cfg: RunConfig, plan: dict[str, Any], state: Any, r: int) -> dict[str, Any]:
         """Held-out loss/accuracy of the model after round r (r = -1: the initial model theta_0).
 
-        After k steps the iterates are theta_0..theta_k. "last" is theta_k; "mean" is mean(theta_0..theta_k), which
-        includes the iterate round r produced, so round 0 already shows a trained model. The released output (view)
-        stays the papers' mean(theta_0..theta_{T-1}) (spec 000 sec 4, Alg 3 / Alg 5), i.e. state.mean().
+        The optimizer's monitor() says what to evaluate: for PSGD / PGD after k steps "last" is theta_k and "mean"
+        is mean(theta_0..theta_k), which includes the iterate round r produced, so round 0 already shows a trained
+        model (the released output stays the papers' mean(theta_0..theta_{T-1}), spec 000 sec 4); for AC-SA
+        "mean" is the aggregated iterate theta_ag (its output) and "last" the prox iterate. With a known optimum
+        (synthetic data) the excess risk of each is reported too.
         """
-        _, X, y = self._evaluation_data(cfg)
-        last = state.last
-        mean = (state.iterate_sum + last) / (state.steps + 1)  # mean(theta_0..theta_k), k = state.steps
-        return {
-            "round": r,
-            "loss_mean": model.loss(mean, X, y),
-            "accuracy_mean": model.accuracy(mean, X, y),
-            "loss_last": model.loss(last, X, y),
-            "accuracy_last": model.accuracy(last, X, y),
-        }
+        _, X, y, _, _ = self._evaluation_data(cfg)
+        views = _optimizer(plan).monitor(state)
+        out: dict[str, Any] = {"round": r}
+        optimum = self._evaluation_data(cfg).optimum
+        for which in ("mean", "last"):
+            out[f"loss_{which}"] = model.loss(views[which], X, y)
+            out[f"accuracy_{which}"] = model.accuracy(views[which], X, y)
+            if optimum is not None:
+                out[f"excess_risk_{which}"] = out[f"loss_{which}"] - model.loss(optimum, X, y)
+        return out
 
     # ------------------------------------------------------------------------------------------ the loop
     def _thread_main(self, run_id: str, live: _Live) -> None:
@@ -559,13 +580,13 @@ class RunManager:
     def _execute(self, run_id: str, live: _Live) -> None:
         cfg = parse_config(self._run(run_id)["config_toml"])
         plan = self._plan(run_id, cfg, live)
-        model, _, _ = self._evaluation_data(cfg)
-        params = PvecParams(**plan["params"])
-        step_fn = (psgd if plan["kind"] == "sequential" else pgd)(plan["learning_rate"], plan["radius"]).step
+        protocol = round_protocol(plan.get("protocol", "pvec"))
+        opt = _optimizer(plan)
+        rd = _Round(plan, protocol, protocol.params(plan), opt, self._evaluation_data(cfg).model, cfg)
         ck = self.ledger.last_checkpoint(run_id)
         assert ck is not None  # _plan always writes the initial checkpoint
-        state = _decode_state(ck[1])
-        if plan["transport"] == "bits":
+        state = _decode_state(ck[1], opt.state_from_arrays)
+        if protocol.needs_keypair(plan):
             # a fresh key per analyzer process: a round in flight during a crash is charged anyway
             live.private_key, live.public_key = sealing.generate_keypair()
         self.ledger.set_state(run_id, "RUNNING", "")
@@ -577,10 +598,10 @@ class RunManager:
             if live.cancel.is_set() or not self._await_shuffler(run_id, live, need):
                 self.ledger.set_state(run_id, "CANCELLED", "cancelled by the operator")
                 return
-            event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])
+            event = PrivacyEvent(protocol.name, plan["params"], plan["min_contributors"], plan["kind"])
             self.ledger.reserve(run_id, r, event)  # BudgetExceeded propagates: no spec leaves
             t0 = self._clock()
-            outcome, state = self._round(run_id, r, cfg, plan, params, model, state, step_fn, event, live)
+            outcome, state = self._round(run_id, r, rd, state, event, live)
             failures = 0 if outcome == "ok" else failures + 1
             if outcome == "exhausted":
                 self.ledger.set_state(run_id, "COMPLETED", f"stopped after round {r}: no fresh cohort left")
@@ -627,9 +648,11 @@ class RunManager:
             return True
         return False
 
-    def _round(self, run_id, r, cfg, plan, params, model, state, step_fn, event, live):
+    def _round(self, run_id: str, r: int, rd: _Round, state: Any, event: PrivacyEvent, live: _Live):
         """One round after its reservation. Returns (outcome, state)."""
-        spec = round_spec(run_id, r, plan, params, event, state.last, live.public_key)
+        plan = rd.plan
+        theta = rd.opt.query(state)  # where the users take their gradients this round
+        spec = round_spec(run_id, r, plan, rd.params, event, theta, live.public_key)
         t0 = self._clock()
         try:
             batch = self.shuffler.ExecuteRound(spec, timeout=plan["deadline"] + _RPC_GRACE_SECONDS)
@@ -639,7 +662,7 @@ class RunManager:
                 # the shuffler refused the spec: no batch exists -> nothing to charge
                 why = f"shuffler refused the round: {code.name}: {exc.details()}"
                 self.ledger.release(run_id, r, why)
-                self._metrics(run_id, r, model, cfg, state, False, 0, self._clock() - t0, failure=why)
+                self._metrics(run_id, r, rd, state, False, 0, self._clock() - t0, failure=why)
                 exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED and plan["kind"] == "sequential"
                 return ("exhausted" if exhausted else "refused"), state
             # unknown outcome (the batch may have left the shuffler): charged, never released
@@ -652,7 +675,7 @@ class RunManager:
             self.ledger.mark_spent(run_id, r, f"{why}: outcome unknown, counted as spent")
             log.warning("run %s round %d: %s; counted as spent", run_id, r, why)
             failure = f"{why}; counted as spent"
-            self._metrics(run_id, r, model, cfg, state, False, 0, self._clock() - t0, failure=failure)
+            self._metrics(run_id, r, rd, state, False, 0, self._clock() - t0, failure=failure)
             return "error", state
         rep = batch.report
         if not batch.released:
@@ -660,8 +683,7 @@ class RunManager:
                 raise RuntimeError("the shuffler sent data in a batch marked not released")
             self.ledger.release(run_id, r, f"below threshold: {rep.contributors} contributors")
             seconds = self._clock() - t0
-            n_rep, rejected = rep.contributors, dict(rep.rejected)
-            self._metrics(run_id, r, model, cfg, state, False, n_rep, seconds, rejected, rep)
+            self._metrics(run_id, r, rd, state, False, rep.contributors, seconds, dict(rep.rejected), rep)
             return "below_threshold", state
         n = int(rep.contributors)
         if batch.run_id != run_id or batch.round != r:
@@ -670,70 +692,31 @@ class RunManager:
             # the threshold is what bounds the cost; a batch outside it is charged honestly and the run stops
             self.ledger.commit(run_id, r, max(n, 1))
             raise RuntimeError(f"batch has {n} contributors, outside [{plan['min_contributors']}, {plan['cohort']}]")
-        if plan["transport"] == "bits":
-            return self._bits_round(run_id, r, batch, n, cfg, plan, params, model, state, step_fn, live, t0)
-        self.ledger.commit(run_id, r, n)  # the batch is used from here on
-        total = decode_counts(np.asarray(batch.label_totals, dtype=np.int64), n, params)
-        return self._step(run_id, r, total, n, cfg, model, state, step_fn, t0, dict(rep.rejected), rep)
-
-    def _step(self, run_id, r, total, n, cfg, model, state, step_fn, t0, rejected: dict[str, int], report):
-        grad = total / n  # paper divides by B; n' keeps the estimate unbiased under dropouts (spec 000 sec 3)
-        _, state = step_fn(grad, state, state.last)
-        self._metrics(run_id, r, model, cfg, state, True, n, self._clock() - t0, rejected, report)
-        return "ok", state
-
-    def _bits_round(self, run_id, r, batch, n, cfg, plan, params, model, state, step_fn, live, t0):
-        """A released BITS batch: open every ciphertext, skip and count bad ones, decode the rest with their n'.
-
-        Messages cannot be attributed to users (that is the shuffle), so the good messages are decoded only when
-        they form whole contributions: n' = good / (d (g + m)) with every label carrying n' (g + m) messages, which
-        is what a contributor whose messages all fail (wrong key, stale round, corrupt node) leaves. The batch was
-        delivered and opened, so the round is always charged (never released, design 6), with the contributors
-        whose messages the analyzer could read: n' when n' >= n_min (cost <= reservation); a round with
-        n' < n_min fails like a below-threshold batch (nothing released, no optimizer step) but is committed at
-        max(n', 1), which may cost MORE than the reservation: those n' users' messages were read with only n' users'
-        noise. Scattered bad messages (labels unbalanced) cannot be decoded without bias: the round fails, charged
-        at the contributions certainly intact, max(n - bad, 1) (each bad message spoils at most one contribution).
-        """
-        per_user = params.messages_per_user
-        if len(batch.ciphertexts) != n * per_user:
-            self.ledger.commit(run_id, r, n)  # delivered: charged at what the shuffler reported; the run stops
-            raise RuntimeError(f"{len(batch.ciphertexts)} bit messages do not match {n} contributors")
-        info = sealing.round_info(run_id, r)
-        labels, bits, rejected_counter = open_bit_messages(live.private_key, batch.ciphertexts, info, params.d)
-        n_bad = sum(rejected_counter.values())
-        rejected = dict(Counter(dict(batch.report.rejected)) + rejected_counter)  # the shuffler's and ours
-        if n_bad:
-            log.warning("run %s round %d: skipped %d of %d bit messages %s", run_id, r, n_bad, n * per_user, rejected)
-        n_min = plan["min_contributors"]
-        whole = labels.size % per_user == 0
-        n_good, total = (labels.size // per_user if whole else 0), None
-        if n_good:
-            try:
-                # also checks every label carries n'(g+m) messages; the estimate is used only if n' >= n_min
-                total = decode_bits(labels, bits, params)
-            except ValueError:
-                whole, n_good = False, 0
-        if total is None or n_good < n_min:
-            if whole:
-                failure, charged = f"below threshold after rejecting bad messages: {n_good} < {n_min}", max(n_good, 1)
-            else:
-                failure, charged = "bad messages left incomplete contributions: not decodable", max(n - n_bad, 1)
-            self.ledger.commit(run_id, r, charged)
-            log.warning("run %s round %d failed: %s; charged with %d contributors", run_id, r, failure, charged)
-            seconds = self._clock() - t0
-            self._metrics(run_id, r, model, cfg, state, False, n_good, seconds, rejected, batch.report, failure=failure)
+        try:
+            dec = rd.protocol.decode(batch, n, plan, rd.params, live.private_key, sealing.round_info(run_id, r))
+        except BatchError as exc:
+            self.ledger.commit(run_id, r, exc.charged)  # delivered: charged; the run stops
+            raise
+        # the batch was delivered and used from here on: always committed, never released (design 6)
+        self.ledger.commit(run_id, r, dec.charged)
+        seconds = self._clock() - t0
+        if sum(dec.rejected.values()):
+            log.warning("run %s round %d: skipped messages, by reason: %s", run_id, r, dec.rejected)
+        if dec.total is None:
+            log.warning("run %s round %d failed: %s; charged with %d contributors", run_id, r, dec.failure, dec.charged)
+            self._metrics(run_id, r, rd, state, False, dec.used, seconds, dec.rejected, rep, failure=dec.failure)
             return "below_threshold", state
-        self.ledger.commit(run_id, r, n_good)  # the batch is used from here on
-        return self._step(run_id, r, total, n_good, cfg, model, state, step_fn, t0, rejected, batch.report)
+        grad = dec.total / dec.used  # the paper divides by B; n' keeps it unbiased under dropouts (spec 000 sec 3)
+        _, state = rd.opt.step(grad, state, theta)
+        self._metrics(run_id, r, rd, state, True, dec.used, self._clock() - t0, dec.rejected, rep)
+        return "ok", state
 
     def _metrics(
         self,
-        run_id,
-        r,
-        model,
-        cfg,
-        state,
+        run_id: str,
+        r: int,
+        rd: _Round,
+        state: Any,
         released: bool,
         n: int,
         seconds: float,
@@ -741,7 +724,7 @@ class RunManager:
         report: pb.BatchReport | None = None,
         failure: str = "",
     ) -> None:
-        m = self._evaluate(model, cfg, state, r)
+        m = self._evaluate(rd.model, rd.cfg, rd.plan, state, r)
         totals = self.ledger.totals(run_id)
         m.update(
             released=released,
@@ -749,6 +732,7 @@ class RunManager:
             seconds=seconds,
             eps_spent=totals.eps_spent,
             delta_spent=totals.delta_spent,
+            eps_spent_robust=totals.eps_spent_robust,
             rejected=dict(rejected or {}),  # messages rejected by reason, by the shuffler and the analyzer
             # users who refused the round (their policy, or their node could not deliver), total and by reason
             refused=int(report.refused) if report is not None else 0,

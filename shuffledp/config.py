@@ -49,7 +49,7 @@ DEFAULT_TOML = """\
 # (its comment says what unset means); remove the "#" to set it.
 
 [data]
-dataset = "digits"          # "digits" (ships with scikit-learn) or "path" (your file: path, format, labels_path)
+dataset = "digits"          # "digits" (scikit-learn's), "path" (your file) or "synthetic" (known optimum: n, dim, ...)
 # path = "train.csv"        # dataset = "path": the data file (format idx: the images file)
 # format = "csv"            # "csv" (label last), "npz" (arrays X, y), "libsvm" or "idx"; unset = from the extension
 # labels_path = "labels.idx"  # format = "idx" only: the labels file
@@ -57,10 +57,19 @@ test_fraction = 0.25        # fixed public held-out split (every 4th example)
 examples_per_user = 1
 # classes = [3, 8]          # keep only these labels (relabelled 0..k-1 in this order); unset = every label
 # max_users = 300           # only the first max_users training users; unset (0) = every training user
+# n = 10000                 # dataset = "synthetic": training examples (unset: 10000; the test set is 20000 more)
+# dim = 20                  # dataset = "synthetic": features, ||x|| <= 1 (unset: 20)
+# noise = 0.5               # dataset = "synthetic": label noise scale (unset: 0.5; logreg needs > 0)
+# seed = 0                  # dataset = "synthetic": generator seed (public data; unset: 0)
 
 [model]
-task = "logreg"             # "logreg" (multinomial) or "leastsq"
+task = "logreg"             # "logreg" (multinomial), "leastsq"; non-smooth: "hinge", "absolute", "distance"
 radius = 10.0               # iterates are projected onto the l2 ball of this radius
+# l2 = 0.01                 # strongly convex task: adds l2/2 ||theta||^2 to the loss (unset: 0)
+# smoothing = "paper"       # non-smooth tasks: users send gradients of the Moreau envelope with this beta: a
+                            # number, or "paper" (Thm 4.7's beta for acsa, Thm 4.9's for pgd); unset (0) = off
+# smoothness = 65.0         # acsa: beta of the loss for its step rule; unset (0) = from the data's public bound
+                            # on ||x|| (digits, synthetic); required for dataset = "path" with a smooth task
 
 [privacy]
 eps = 8.0
@@ -70,9 +79,15 @@ calibration = "calibrated"  # "calibrated" (exact numerical accountant) or "pape
 clip_norm = 1.0             # l2 bound on each user's gradient (Delta2 of PVEC)
 min_contributors_fraction = 0.9
 # round_eps = 1.0           # fixed eps per round, rounds run while the total fits eps; unset = from eps and rounds
+# honest_fraction = 0.9     # robust figure: eps when only this fraction of each round's contributors is honest
+                            # (the rest collude with the analyzer; spec 000 A.3); unset = min_contributors_fraction
 
 [schedule]
 kind = "fully_interactive"  # "sequential" (PSGD, disjoint cohorts) or "fully_interactive" (PGD, all users)
+optimizer = "auto"          # "auto" (sequential: psgd, fully interactive: pgd), "psgd" (Alg 3), "acsa" (accelerated
+                            # AC-SA, Alg 4; sequential only) or "pgd" (Alg 5; fully interactive only)
+# phases = 3                # strongly convex restarts (Thm 4.8; needs model.l2 > 0, sequential): phase i starts at
+                            # phase i-1's output with its own cohorts; unset (0) = one phase
 # cohort_size = 100         # sequential: users per round; unset (0) = Thm 4.1's B = sqrt(d) ln(d/delta) / eps
 # rounds = 16               # fully interactive: T (unset: 16); sequential: at most T (unset: floor(unused users / B))
 learning_rate = 8.0
@@ -99,12 +114,18 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range; the message names the key."""
 
 
-_DATASETS = ("digits", "path")
+_DATASETS = ("digits", "path", "synthetic")
 _FORMATS = ("csv", "npz", "libsvm", "idx")
-_TASKS = ("logreg", "leastsq")
+_TASKS = ("logreg", "leastsq", "hinge", "absolute", "distance")  # = shuffledp.models.TASKS
+_NONSMOOTH_TASKS = ("hinge", "absolute", "distance")  # = shuffledp.models.NONSMOOTH_TASKS
+# data.dataset = "synthetic": values of unset keys, and the size of its test set (shuffledp.data.SYNTHETIC_TEST_SIZE)
+_SYNTHETIC_DEFAULTS = {"n": 10_000, "dim": 20, "noise": 0.5}
+_SYNTHETIC_TEST_SIZE = 20_000
+_SYNTHETIC_MAX_ELEMENTS = 250_000_000  # (n + test size) * dim float64 = 2 GB in every process that loads the data
 _PROTOCOLS = ("pvec",)
 _CALIBRATIONS = ("calibrated", "paper")
 _KINDS = ("sequential", "fully_interactive")
+_OPTIMIZERS = ("auto", "psgd", "pgd", "acsa")  # shuffledp.optimizers.registry.OPTIMIZERS
 _MODES = ("counts", "bits")
 _OUTPUTS = ("mean", "last")
 DEFAULT_ROUNDS = 16  # fully interactive T when schedule.rounds is unset (the embedded default's tuned schedule)
@@ -120,12 +141,22 @@ class DataConfig:
     examples_per_user: int = 1
     classes: tuple[int, ...] = ()  # keep only these labels (relabelled 0..k-1); () = all
     max_users: int = 0  # 0 = every training user; else the first max_users users
+    # dataset = "synthetic" only (the parser fills unset ones from _SYNTHETIC_DEFAULTS; 0 / None = unset)
+    n: int = 0  # training examples
+    dim: int = 0  # features
+    noise: float | None = None  # label noise scale
+    seed: int = 0  # generator seed (public data)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     task: str = "logreg"
     radius: float = 4.0  # radius of the l2 ball Theta (diameter D = 2 radius)
+    l2: float = 0.0  # lambda: adds lambda/2 ||theta||^2 (strongly convex task, spec 000 Thm 4.8)
+    # beta of the Moreau envelope (spec 000 Def 4.5), non-smooth tasks only; 0 = off; "paper" = Thm 4.7's beta
+    # (AC-SA) or Thm 4.9's (PGD), resolved by the analyzer when it plans
+    smoothing: float | str = 0.0
+    smoothness: float = 0.0  # beta of the loss for AC-SA's step rule; 0 = from the data's public bound on ||x||
 
 
 @dataclass(frozen=True)
@@ -141,11 +172,15 @@ class PrivacyConfig:
     # Optional fixed per-round eps (the ledger then enforces the total and stops the run when the next round
     # would exceed it). None = derive the per-round parameters from the total budget and the planned rounds.
     round_eps: float | None = None
+    # robust accounting (spec 000 A.3): None = min_contributors_fraction
+    honest_fraction: float | None = None
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
     kind: str = "fully_interactive"
+    optimizer: str = "auto"  # auto = psgd (sequential) / pgd (fully interactive)
+    phases: int = 0  # strongly convex phased restarts (Thm 4.8); 0 = one phase
     cohort_size: int = 0  # sequential: users per round; 0 = Thm 4.1's B = sqrt(d) ln(d/delta)/eps
     # fully interactive: T (None = DEFAULT_ROUNDS); sequential: at most T rounds (None = floor(unused users / B))
     rounds: int | None = None
@@ -269,13 +304,53 @@ def _data(t: dict[str, Any]) -> DataConfig:
         raise ConfigError('data.path is required when data.dataset = "path"')
     if out["dataset"] == "digits" and (out["path"] or out["format"] or out["labels_path"]):
         raise ConfigError('data.path / data.format / data.labels_path only apply to data.dataset = "path"')
+    # synthetic data (shuffledp.data.synthetic_dataset): its own keys, and no file or class subset
+    synthetic = {
+        "n": lambda v: _int("data.n", v, 1, 10**7),
+        "dim": lambda v: _int("data.dim", v, 1, 10**5),
+        "noise": lambda v: _float("data.noise", v, 0.0, 1e3),
+        "seed": lambda v: _int("data.seed", v, 0, 2**63 - 1),
+    }
+    for key, read in synthetic.items():
+        if key in t:
+            out[key] = read(t[key])
+    if out["dataset"] != "synthetic":
+        for key in synthetic:
+            if key in t:
+                raise ConfigError(f'data.{key} only applies to data.dataset = "synthetic"')
+    else:
+        for key in ("path", "format", "labels_path", "classes", "test_fraction"):
+            if key in t:
+                why = " (its test set is a fixed 20000 fresh examples)" if key == "test_fraction" else ""
+                raise ConfigError(f'data.{key} does not apply to data.dataset = "synthetic"{why}')
+        for key, value in _SYNTHETIC_DEFAULTS.items():
+            out.setdefault(key, value)
+        if (out["n"] + _SYNTHETIC_TEST_SIZE) * out["dim"] > _SYNTHETIC_MAX_ELEMENTS:
+            raise ConfigError(
+                f"data.n + {_SYNTHETIC_TEST_SIZE} test examples times data.dim must be <= {_SYNTHETIC_MAX_ELEMENTS}"
+                f" (2 GB of features), got ({out['n']} + {_SYNTHETIC_TEST_SIZE}) * {out['dim']}"
+            )
     return DataConfig(**out)
 
 
 def _model(t: dict[str, Any]) -> ModelConfig:
+    m = ModelConfig()
+    task = _choice("model.task", t.get("task", m.task), _TASKS)
+    # model.smoothing: a number >= 0 (0 = off) or "paper" (the theorems' beta, resolved when the run is planned)
+    smoothing = t.get("smoothing", m.smoothing)
+    if smoothing != "paper":
+        smoothing = _float("model.smoothing", smoothing, 0.0, 1e12)
+    if smoothing != 0 and task not in _NONSMOOTH_TASKS:
+        raise ConfigError(
+            f"model.smoothing applies to non-smooth tasks ({', '.join(_NONSMOOTH_TASKS)}); model.task = {task!r}"
+            " is smooth"
+        )
     return ModelConfig(
-        task=_choice("model.task", t.get("task", "logreg"), _TASKS),
-        radius=_float("model.radius", t.get("radius", ModelConfig.radius), 0.0, 1e6, lo_open=True),
+        task=task,
+        radius=_float("model.radius", t.get("radius", m.radius), 0.0, 1e6, lo_open=True),
+        l2=_float("model.l2", t.get("l2", m.l2), 0.0, 1e6),
+        smoothing=smoothing,
+        smoothness=_float("model.smoothness", t.get("smoothness", m.smoothness), 0.0, 1e12),
     )
 
 
@@ -290,6 +365,9 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
     round_eps = t.get("round_eps")
     if round_eps is not None:
         round_eps = _float("privacy.round_eps", round_eps, 0.0, 64.0, lo_open=True)
+    honest = t.get("honest_fraction")
+    if honest is not None:
+        honest = _float("privacy.honest_fraction", honest, 0.0, 1.0, lo_open=True)
     return PrivacyConfig(
         eps=eps,
         delta=delta,
@@ -304,6 +382,7 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
             lo_open=True,
         ),
         round_eps=round_eps,
+        honest_fraction=honest,
     )
 
 
@@ -315,8 +394,30 @@ def _schedule(t: dict[str, Any]) -> ScheduleConfig:
     rounds = t.get("rounds")  # TOML has no null: present means set explicitly
     if rounds is not None:
         rounds = _int("schedule.rounds", rounds, 1, 100_000)
+    kind = _choice("schedule.kind", t.get("kind", s.kind), _KINDS)
+    optimizer = _choice("schedule.optimizer", t.get("optimizer", s.optimizer), _OPTIMIZERS)
+    # the analyses pair each optimizer with one participation schedule (spec 000 sec 4): AC-SA and PSGD need
+    # fresh cohorts (Alg 3 / Alg 4), PGD all users every round (Alg 5)
+    if optimizer in ("psgd", "acsa") and kind != "sequential":
+        raise ConfigError(
+            f'schedule.optimizer = "{optimizer}" needs schedule.kind = "sequential" (disjoint cohorts, paper 000 '
+            f'Alg {3 if optimizer == "psgd" else 4}), got schedule.kind = "{kind}"; fully interactive runs use "pgd"'
+        )
+    if optimizer == "pgd" and kind != "fully_interactive":
+        raise ConfigError(
+            'schedule.optimizer = "pgd" needs schedule.kind = "fully_interactive" (all users every round, paper 000 '
+            f'Alg 5), got schedule.kind = "{kind}"; sequential runs use "psgd" or "acsa"'
+        )
+    phases = _int("schedule.phases", t.get("phases", s.phases), 0, 64)
+    if phases and kind != "sequential":
+        raise ConfigError(
+            f'schedule.phases = {phases} needs schedule.kind = "sequential" (Thm 4.8 restarts over disjoint '
+            f'cohorts), got schedule.kind = "{kind}"'
+        )
     return ScheduleConfig(
-        kind=_choice("schedule.kind", t.get("kind", s.kind), _KINDS),
+        kind=kind,
+        optimizer=optimizer,
+        phases=phases,
         cohort_size=_int("schedule.cohort_size", t.get("cohort_size", s.cohort_size), 0, 10**9),
         rounds=rounds,
         learning_rate=lr,
@@ -388,7 +489,29 @@ def parse_config(text: str) -> RunConfig:
     cfg = RunConfig(**parts, toml_text=text)
     if cfg.deployment.pki_dir == "" and not cfg.deployment.insecure:
         raise ConfigError("deployment.pki_dir is required when deployment.insecure = false")
+    _check_combinations(cfg)
     return cfg
+
+
+def _check_combinations(cfg: RunConfig) -> None:
+    """Keys that are valid alone but not together: one line naming both."""
+    s, m = cfg.schedule, cfg.model
+    if s.phases and m.l2 == 0:
+        raise ConfigError(
+            f"schedule.phases = {s.phases} is the strongly convex reduction (Thm 4.8): it needs model.l2 > 0, got 0"
+        )
+    optimizer = s.optimizer if s.optimizer != "auto" else ("psgd" if s.kind == "sequential" else "pgd")
+    if m.smoothing == "paper" and optimizer == "psgd":
+        raise ConfigError(
+            'model.smoothing = "paper" is the beta of Thm 4.7 (AC-SA) or Thm 4.9 (PGD); schedule.optimizer resolves '
+            'to "psgd": use optimizer = "acsa", or a numeric model.smoothing'
+        )
+    if m.smoothness and optimizer != "acsa":
+        raise ConfigError(f'model.smoothness is used by schedule.optimizer = "acsa" only; it resolves to "{optimizer}"')
+    if cfg.data.dataset == "synthetic" and m.task == "logreg" and not cfg.data.noise:
+        raise ConfigError(
+            'data.noise must be > 0 for model.task = "logreg" on synthetic data (the logistic label model)'
+        )
 
 
 def load_config(path: str | Path | None = None) -> RunConfig:

@@ -7,20 +7,41 @@ training split is cut into users, one example per user by default, and spread ov
 
 Digits features are the 8x8 pixel intensities 0..16 divided by 16 (a data-independent scaling: standardizing
 with statistics of the training data would itself leak private data).
+
+Synthetic data (data.dataset = "synthetic", design 7: convex problems with a known optimum for excess-risk curves)
+is generated from a public seed for the model's task, with a well-specified label model so that the population
+risk minimizer is known in closed form; see synthetic_dataset. Its test set is SYNTHETIC_TEST_SIZE fresh
+examples from the same distribution, so the held-out loss estimates the population risk.
 """
 
 from __future__ import annotations
 
 import gzip
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from shuffledp.config import DataConfig
+from shuffledp.config import _SYNTHETIC_DEFAULTS, _SYNTHETIC_TEST_SIZE, DataConfig
+from shuffledp.models import TASKS, Model
 
-__all__ = ["Dataset", "load_dataset", "user_shard", "load_csv", "load_npz", "load_libsvm", "load_idx", "split_indices"]
+__all__ = [
+    "Dataset",
+    "load_dataset",
+    "user_shard",
+    "num_users",
+    "load_csv",
+    "load_npz",
+    "load_libsvm",
+    "load_idx",
+    "split_indices",
+    "synthetic_dataset",
+    "excess_risk",
+    "SYNTHETIC_TEST_SIZE",
+]
+
+SYNTHETIC_TEST_SIZE = _SYNTHETIC_TEST_SIZE  # 20000 fresh test examples of a synthetic data set
 
 
 @dataclass(frozen=True)
@@ -33,6 +54,10 @@ class Dataset:
     X_test: np.ndarray
     y_test: np.ndarray
     num_classes: int  # distinct labels (classification); 1 for regression targets
+    # synthetic data: the population risk minimizer in the model's parameter layout for the task (None: unknown)
+    optimum: np.ndarray | None = None
+    # a public bound on ||x||_2 of every example (None: no bound known), e.g. for lipschitz_bound/smoothness
+    feature_norm_bound: float | None = None
 
     @property
     def num_features(self) -> int:
@@ -127,12 +152,20 @@ def split_indices(k: int, test_fraction: float) -> tuple[np.ndarray, np.ndarray]
 
 
 def load_dataset(cfg: DataConfig, task: str = "logreg") -> Dataset:
-    """Load the configured data set and apply the class subset, the public split and label encoding."""
+    """Load the configured data set and apply the class subset, the public split and label encoding (synthetic data:
+    generate it for the task)."""
+    if cfg.dataset == "synthetic":
+        # the parser fills unset keys; a DataConfig built in code may leave them 0 / None: same defaults
+        n, dim = cfg.n or _SYNTHETIC_DEFAULTS["n"], cfg.dim or _SYNTHETIC_DEFAULTS["dim"]
+        noise = cfg.noise if cfg.noise is not None else _SYNTHETIC_DEFAULTS["noise"]
+        return synthetic_dataset(task, n, dim, noise, cfg.seed)
+    bound = None
     if cfg.dataset == "digits":
         from sklearn.datasets import load_digits
 
         dg = load_digits()
         X, y, name = dg.data / 16.0, dg.target.astype(np.int64), "digits"
+        bound = 8.0  # 64 pixels in [0, 1]: ||x|| <= sqrt(64)
     else:
         fmt = _format_of(cfg)
         if not Path(cfg.path).is_file():
@@ -161,17 +194,116 @@ def load_dataset(cfg: DataConfig, task: str = "logreg") -> Dataset:
         cls = np.asarray(cfg.classes)
         order = np.argsort(cls)
         y = order[np.searchsorted(cls[order], y)]
-    if task == "logreg":
+    if task in ("logreg", "hinge"):
         if not np.all(y == np.floor(y)):
-            raise ValueError("data: logreg needs integer class labels")
+            raise ValueError(f"data: {task} needs integer class labels")
         values, y = np.unique(y, return_inverse=True)
-        num_classes = int(max(len(values), 2))
+        if task == "hinge" and len(values) > 2:
+            raise ValueError(f"data: hinge needs two classes (set data.classes), got {len(values)}")
+        num_classes = int(max(len(values), 2))  # hinge: the smaller label becomes 0, the larger 1 (e.g. -1/+1)
         y = y.astype(np.int64)
     else:
-        y = y.astype(np.float64)
+        y = y.astype(np.float64)  # distance: labels are ignored by the model
         num_classes = 1
     train, test = split_indices(X.shape[0], cfg.test_fraction)
-    return Dataset(name, X[train], y[train], X[test], y[test], num_classes)
+    return Dataset(name, X[train], y[train], X[test], y[test], num_classes, feature_norm_bound=bound)
+
+
+# ---------------------------------------------------------------------------------------------- synthetic
+def _unit(rng: np.random.Generator, k: int) -> np.ndarray:
+    v = rng.standard_normal(k)
+    return v / np.linalg.norm(v)
+
+
+def _features(rng: np.random.Generator, k: int, dim: int) -> np.ndarray:
+    """x ~ N(0, I/dim) shrunk radially onto the unit ball: ||x|| <= 1 by construction (the public bound)."""
+    X = rng.standard_normal((k, dim)) / np.sqrt(dim)
+    X /= np.maximum(1.0, np.linalg.norm(X, axis=1))[:, None]
+    return X
+
+
+def _draw(
+    task: str, k: int, dim: int, noise: float, w: np.ndarray, rng_x: np.random.Generator, rng_y: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """k examples of the task's distribution (features from rng_x, label noise from rng_y)."""
+    if task == "distance":
+        X = w[None, :] + noise * rng_x.standard_normal((k, dim)) / np.sqrt(dim)
+        return X, np.zeros(k)
+    X = _features(rng_x, k, dim)
+    s = X @ w[:-1] + w[-1]  # w . [x; 1]
+    if task == "leastsq":
+        return X, s + noise * rng_y.standard_normal(k)
+    if task == "absolute":
+        return X, s + noise * rng_y.laplace(0.0, 1.0, k)
+    if task == "logreg":
+        return X, (s + noise * rng_y.logistic(0.0, 1.0, k) > 0).astype(np.int64)
+    return X, (s + noise * rng_y.standard_normal(k) > 0).astype(np.int64)  # hinge
+
+
+def synthetic_dataset(task: str, n: int, dim: int, noise: float, seed: int = 0) -> Dataset:
+    """A synthetic convex problem with a known population optimum (design 7), deterministic in (task, n, dim, noise,
+    seed). The data are public, so numpy's PCG64 is fine (no CSPRNG needed).
+
+    A direction w* (norm 1, bias included as the last coordinate; distance: mu in R^dim) is drawn from the seed.
+    Features x ~ N(0, I/dim) shrunk onto the unit ball (||x|| <= 1), z = [x; 1]; labels follow a well-specified
+    model of the task, so the population minimizer is known:
+    - leastsq: y = w*.z + noise N(0,1)              -> optimum w* (E[y|x] = w*.z)
+    - absolute: y = w*.z + noise Laplace(0,1)       -> optimum w* (median of y|x is w*.z)
+    - logreg: y = 1[w*.z + noise Logistic(0,1) > 0] -> P(y=1|x) = sigmoid(w*.z / noise); the cross-entropy
+      minimizers are the W with W[1] - W[0] = w*/noise; optimum = the minimum-norm one, rows -w*/(2 noise) and
+      w*/(2 noise) (layout (2, dim + 1) row-major). Needs noise > 0 (else the minimizer is at infinity).
+    - distance: x = mu + noise N(0, I)/sqrt(dim), labels 0 -> optimum mu (the distribution is symmetric about mu,
+      so mu is its geometric median); no norm bound (feature_norm_bound None).
+    - hinge: y = 1[w*.z + noise N(0,1) > 0]; the hinge risk minimizer has no closed form: optimum None.
+    Streams (SeedSequence spawn keys of the seed): 0 the optimum, 1/2 training features/label noise, 3/4 test
+    features/label noise; so the optimum and the test set do not depend on n, and a smaller n gives a prefix of the
+    training set of a larger one.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+        raise ValueError(f"data.n must be an integer >= 1 for synthetic data, got {n!r}")
+    if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim < 1:
+        raise ValueError(f"data.dim must be an integer >= 1 for synthetic data, got {dim!r}")
+    if not (np.isfinite(noise) and noise >= 0):
+        raise ValueError(f"data.noise must be a finite number >= 0, got {noise!r}")
+    if task == "logreg" and noise <= 0:
+        raise ValueError(
+            "data.noise must be > 0 for model.task = 'logreg' with data.dataset = 'synthetic' (noise 0 separates the"
+            " classes and the optimum is at infinity)"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ValueError(f"data.seed must be an integer >= 0, got {seed!r}")
+    rngs = [np.random.default_rng(s) for s in np.random.SeedSequence(int(seed)).spawn(5)]
+    n, dim = int(n), int(dim)
+    w = _unit(rngs[0], dim if task == "distance" else dim + 1)
+    X_train, y_train = _draw(task, n, dim, noise, w, rngs[1], rngs[2])
+    X_test, y_test = _draw(task, SYNTHETIC_TEST_SIZE, dim, noise, w, rngs[3], rngs[4])
+    if task == "logreg":
+        optimum: np.ndarray | None = np.concatenate([-w, w]) / (2.0 * noise)
+    elif task == "hinge":
+        optimum = None
+    else:
+        optimum = w.copy()
+    num_classes = 2 if task in ("logreg", "hinge") else 1
+    name = f"synthetic-{task}-n{n}-d{dim}-noise{noise:g}-seed{seed}"
+    bound = None if task == "distance" else 1.0
+    return Dataset(name, X_train, y_train, X_test, y_test, num_classes, optimum=optimum, feature_norm_bound=bound)
+
+
+def excess_risk(model: Model, params: np.ndarray, dataset: Dataset) -> float:
+    """Held-out estimate of the excess population risk L(params) - L(optimum), both on the same test examples (common
+    random numbers, so the estimate's noise is that of the difference only). The l2 term of the model is left out:
+    the stated optimum minimizes the task's unregularized risk. ValueError when the optimum is unknown."""
+    if dataset.optimum is None:
+        raise ValueError(f"data set {dataset.name!r} has no known optimum (only synthetic data, not hinge, has one)")
+    plain = replace(model, l2=0.0)
+    if dataset.optimum.shape != (plain.dim,):
+        raise ValueError(
+            f"the optimum of {dataset.name!r} has shape {dataset.optimum.shape}, the model dim {plain.dim}"
+        )
+    X, y = dataset.X_test, dataset.y_test
+    return plain.loss(params, X, y) - plain.loss(dataset.optimum, X, y)
 
 
 def num_users(dataset: Dataset, examples_per_user: int = 1, max_users: int = 0) -> int:

@@ -1,30 +1,45 @@
-"""Convex models on flat float64 parameter vectors: multinomial logistic regression and least squares.
+"""Convex models on flat float64 parameter vectors: smooth (logistic regression, least squares) and non-smooth
+(hinge, absolute error, distance) losses, with an optional l2 term and optional Moreau smoothing.
 
 Both parties use this module: client nodes compute per-example gradients at the broadcast iterate, the analyzer
 evaluates loss and accuracy on the public test split and projects iterates onto the l2 ball Theta (the convex
 set of the SCO problem, spec 000 section 0).
 
-Parameter layout (public, part of the wire contract through RoundSpec.model):
+Parameter layout (public, part of the wire contract through RoundSpec.model). z = [x; 1] (bias last):
 - logreg: a (num_classes, num_features + 1) matrix W flattened row-major; column num_features is the bias.
-  Scores z = W [x; 1]; loss = cross-entropy of softmax(z).
-- leastsq: a vector w of length num_features + 1 (bias last); loss = (w . [x; 1] - y)^2 / 2.
+  Scores W z; loss = cross-entropy of softmax(W z).
+- leastsq: a vector w of length num_features + 1; loss = (w . z - y)^2 / 2.
+- hinge: w of length num_features + 1; labels y in {0, 1}, s = 2y - 1; loss = max(0, 1 - s w . z) (linear SVM).
+- absolute: w of length num_features + 1; loss = |w . z - y|.
+- distance: theta of length num_features (no bias); loss = ||theta - x||_2, labels ignored (spec 000 section 4,
+  the paper's test loss).
+
+Options (spec 000 section 4): l2 = lambda adds lambda/2 ||theta||^2 to every example's loss (the strongly convex
+task of Thm 4.8); smoothing = beta > 0 (non-smooth tasks only) makes per_example_gradients return the gradient
+of each example's Moreau envelope (Def 4.5 / Lem 4.6) instead of a subgradient, while loss() stays the original
+loss so that reported losses are comparable across runs.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TASKS", "Model", "make_model", "project_l2_ball"]
+__all__ = ["TASKS", "SMOOTH_TASKS", "NONSMOOTH_TASKS", "Model", "make_model", "project_l2_ball"]
 
-TASKS = ("logreg", "leastsq")
+SMOOTH_TASKS = ("logreg", "leastsq")
+NONSMOOTH_TASKS = ("hinge", "absolute", "distance")
+TASKS = SMOOTH_TASKS + NONSMOOTH_TASKS
 
 
-def _design(X: np.ndarray, num_features: int) -> np.ndarray:
+def _design(X: np.ndarray, num_features: int, bias: bool = True) -> np.ndarray:
     X = np.asarray(X, dtype=np.float64)
     if X.ndim != 2 or X.shape[1] != num_features:
         raise ValueError(f"X must have shape (k, num_features={num_features}), got {X.shape}")
+    if not bias:
+        return X
     return np.concatenate([X, np.ones((X.shape[0], 1))], axis=1)
 
 
@@ -34,7 +49,9 @@ class Model:
 
     task: str
     num_features: int
-    num_classes: int = 1  # logreg: number of classes (>= 2); leastsq: 1
+    num_classes: int = 1  # logreg: number of classes (>= 2); every other task: 1
+    l2: float = 0.0  # lambda >= 0: adds lambda/2 ||theta||^2 (strongly convex task, spec 000 Thm 4.8)
+    smoothing: float = 0.0  # beta >= 0: Moreau-envelope gradients (spec 000 Def 4.5); 0 = subgradients
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -43,12 +60,29 @@ class Model:
             raise ValueError(f"num_features must be an integer >= 1, got {self.num_features!r}")
         if self.task == "logreg" and self.num_classes < 2:
             raise ValueError(f"num_classes must be >= 2 for logreg, got {self.num_classes}")
-        if self.task == "leastsq" and self.num_classes != 1:
-            raise ValueError(f"num_classes must be 1 for leastsq, got {self.num_classes}")
+        if self.task != "logreg" and self.num_classes != 1:
+            raise ValueError(f"num_classes must be 1 for {self.task}, got {self.num_classes}")
+        for name in ("l2", "smoothing"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float | np.floating | np.integer) or not v >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+            if not math.isfinite(v):
+                raise ValueError(f"{name} must be finite, got {v!r}")
+        if self.smoothing > 0 and self.smooth:
+            raise ValueError(
+                f"smoothing applies to non-smooth tasks ({', '.join(NONSMOOTH_TASKS)}); task {self.task!r} is smooth"
+            )
+
+    @property
+    def smooth(self) -> bool:
+        """True when the task's loss is differentiable with a Lipschitz gradient (logreg, leastsq)."""
+        return self.task in SMOOTH_TASKS
 
     @property
     def dim(self) -> int:
         """Length of the flat parameter vector (d of PVEC)."""
+        if self.task == "distance":
+            return self.num_features
         return self.num_classes * (self.num_features + 1)
 
     def init_params(self) -> np.ndarray:
@@ -61,6 +95,9 @@ class Model:
             raise ValueError(f"params must have shape ({self.dim},), got {params.shape}")
         return params
 
+    def _inputs(self, X: np.ndarray) -> np.ndarray:
+        return _design(X, self.num_features, bias=self.task != "distance")
+
     def _labels(self, y: np.ndarray, k: int) -> np.ndarray:
         y = np.asarray(y)
         if y.shape != (k,):
@@ -72,6 +109,13 @@ class Model:
             if k and (yi.min() < 0 or yi.max() >= self.num_classes):
                 raise ValueError(f"logreg labels must lie in [0, {self.num_classes}), got [{yi.min()}, {yi.max()}]")
             return yi
+        if self.task == "hinge":
+            yf = y.astype(np.float64)
+            if not np.all((yf == 0) | (yf == 1)):
+                raise ValueError("hinge labels must be 0 or 1")
+            return 2.0 * yf - 1.0  # the sign s in {-1, +1}
+        if self.task == "distance":
+            return np.zeros(k)  # labels ignored
         return y.astype(np.float64)
 
     def _softmax(self, params: np.ndarray, Z: np.ndarray) -> np.ndarray:
@@ -82,60 +126,186 @@ class Model:
         return e / e.sum(axis=1, keepdims=True)
 
     def predict(self, params: np.ndarray, X: np.ndarray) -> np.ndarray:
-        """logreg: argmax class; leastsq: the real-valued prediction."""
+        """logreg: argmax class; hinge: 1 where w . z > 0 else 0; leastsq/absolute: the real-valued prediction;
+        distance: ||theta - x|| (there is nothing to predict)."""
         params = self._check(params)
-        Z = _design(X, self.num_features)
+        Z = self._inputs(X)
         if self.task == "logreg":
             return np.argmax(Z @ params.reshape(self.num_classes, -1).T, axis=1)
+        if self.task == "hinge":
+            return (Z @ params > 0).astype(np.int64)
+        if self.task == "distance":
+            return np.linalg.norm(params[None, :] - Z, axis=1)
         return Z @ params
 
+    # ------------------------------------------------------------------------------------- gradients
     def per_example_gradients(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """Gradients of the loss of each example at params: shape (k, dim)."""
+        """Gradients of the loss of each example at params: shape (k, dim). Non-smooth tasks: a subgradient when
+        smoothing = 0, else the gradient of the example's Moreau envelope. The l2 term adds lambda theta."""
         params = self._check(params)
-        Z = _design(X, self.num_features)
+        Z = self._inputs(X)
         y = self._labels(y, Z.shape[0])
         if self.task == "logreg":
             # d/dW of cross-entropy = (softmax(Wz) - onehot(y)) z^T, flattened row-major like W
             P = self._softmax(params, Z)
             P[np.arange(Z.shape[0]), y] -= 1.0
-            return (P[:, :, None] * Z[:, None, :]).reshape(Z.shape[0], self.dim)
-        r = Z @ params - y
-        return r[:, None] * Z
+            G = (P[:, :, None] * Z[:, None, :]).reshape(Z.shape[0], self.dim)
+        elif self.task == "leastsq":
+            G = (Z @ params - y)[:, None] * Z
+        elif self.smoothing > 0:
+            G = self._moreau(params, Z, y)[0]
+        elif self.task == "hinge":
+            active = y * (Z @ params) < 1.0  # subgradient -s z where the margin is violated, 0 elsewhere
+            G = -(active * y)[:, None] * Z
+        elif self.task == "absolute":
+            G = np.sign(Z @ params - y)[:, None] * Z  # sign(0) = 0 is a valid subgradient
+        else:  # distance: (theta - x) / ||theta - x||, 0 at theta = x
+            D = params[None, :] - Z
+            r = np.linalg.norm(D, axis=1)
+            G = D / np.where(r > 0, r, 1.0)[:, None]
+        if self.l2 > 0:
+            G = G + self.l2 * params[None, :]
+        return G
+
+    def _moreau(self, params: np.ndarray, Z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(gradients, envelope values) of each example's Moreau envelope f_beta(th) = min_u f(u) + beta/2 ||th - u||^2.
+
+        grad f_beta(th) = beta (th - prox_{f/beta}(th)) (spec 000 Def 4.5 / Lem 4.6; Beck, First-Order Methods in
+        Optimization, 2017, Thm 6.60). The prox is the closed form of each loss, taken over all of R^d rather than
+        over Theta as in the spec's Def 4.5: the unconstrained envelope is then L-Lipschitz (its gradient is a
+        subgradient of f at the prox) and beta-smooth, needs no knowledge of Theta on the clients, and the clients'
+        clipping to clip_norm bounds the sensitivity whatever the envelope.
+        """
+        beta = self.smoothing
+        if self.task == "distance":
+            # prox = x + max(0, 1 - 1/(beta r)) (th - x), r = ||th - x|| (spec 000 section 4): the Huber function
+            D = params[None, :] - Z
+            r = np.linalg.norm(D, axis=1)
+            G = D * np.minimum(beta, 1.0 / np.where(r > 0, r, 1.0))[:, None]
+            value = np.where(beta * r >= 1.0, r - 0.5 / beta, 0.5 * beta * r * r)
+            return G, value
+        zz = np.einsum("ij,ij->i", Z, Z)  # ||z||^2 >= 1 (bias coordinate), no division by 0
+        u = Z @ params
+        if self.task == "hinge":
+            # prox moves th along s z by t: t = 1/beta (still violated), (1 - s th.z)/||z||^2 (onto the hinge) or 0
+            t = np.clip((1.0 - y * u) / zz, 0.0, 1.0 / beta)
+            G = -(beta * t * y)[:, None] * Z
+            value = np.maximum(0.0, 1.0 - y * u - t * zz) + 0.5 * beta * t * t * zz
+            return G, value
+        # absolute: prox moves th along -z by c = clip(r/||z||^2, -1/beta, 1/beta), r = th.z - y
+        r = u - y
+        c = np.clip(r / zz, -1.0 / beta, 1.0 / beta)
+        G = (beta * c)[:, None] * Z
+        value = np.abs(r - c * zz) + 0.5 * beta * c * c * zz
+        return G, value
 
     def gradient(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Mean gradient over the examples (the non-private full-batch gradient)."""
         return self.per_example_gradients(params, X, y).mean(axis=0)
 
+    # ------------------------------------------------------------------------------------------ losses
+    def _l2_term(self, params: np.ndarray) -> float:
+        return 0.5 * self.l2 * float(params @ params) if self.l2 > 0 else 0.0
+
     def loss(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
-        """Mean loss over the examples."""
+        """Mean loss over the examples (the original loss, never the smoothed one) plus lambda/2 ||theta||^2."""
         params = self._check(params)
-        Z = _design(X, self.num_features)
+        Z = self._inputs(X)
         y = self._labels(y, Z.shape[0])
         if self.task == "logreg":
             W = params.reshape(self.num_classes, -1)
             s = Z @ W.T
             smax = s.max(axis=1)
             lse = smax + np.log(np.exp(s - smax[:, None]).sum(axis=1))
-            return float(np.mean(lse - s[np.arange(Z.shape[0]), y]))
-        r = Z @ params - y
-        return float(np.mean(0.5 * r * r))
+            per = lse - s[np.arange(Z.shape[0]), y]
+        elif self.task == "leastsq":
+            r = Z @ params - y
+            per = 0.5 * r * r
+        elif self.task == "hinge":
+            per = np.maximum(0.0, 1.0 - y * (Z @ params))
+        elif self.task == "absolute":
+            per = np.abs(Z @ params - y)
+        else:
+            per = np.linalg.norm(params[None, :] - Z, axis=1)
+        return float(np.mean(per)) + self._l2_term(params)
+
+    def smoothed_loss(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
+        """Mean Moreau envelope f_beta (beta = smoothing > 0, non-smooth tasks) plus lambda/2 ||theta||^2: the
+        function whose gradient per_example_gradients returns when smoothing > 0."""
+        if self.smoothing <= 0:
+            raise ValueError(f"smoothed_loss needs smoothing > 0, got {self.smoothing}")
+        params = self._check(params)
+        Z = self._inputs(X)
+        y = self._labels(y, Z.shape[0])
+        return float(np.mean(self._moreau(params, Z, y)[1])) + self._l2_term(params)
 
     def accuracy(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
-        """logreg: fraction classified correctly. leastsq: fraction whose rounded prediction equals y (meaningful
-        when y holds integer labels, e.g. 0/1 regression); nan when y is not integer-valued."""
+        """logreg/hinge: fraction classified correctly (hinge: sign agreement). leastsq/absolute: fraction whose
+        rounded prediction equals y (meaningful when y holds integer labels, e.g. 0/1 regression); nan when y is not
+        integer-valued. distance: nan."""
+        if self.task == "distance":
+            return float("nan")
         pred = self.predict(params, X)
         y = np.asarray(y)
-        if self.task == "logreg":
+        if self.task in ("logreg", "hinge"):
             return float(np.mean(pred == y))
         yf = y.astype(np.float64)
         if not np.all(yf == np.round(yf)):
             return float("nan")
         return float(np.mean(np.round(pred) == yf))
 
+    # ------------------------------------------------------------------------------------- constants
+    def lipschitz_bound(self, feature_norm_bound: float, radius: float = math.inf) -> float:
+        """Lipschitz constant L of one example's loss in theta over inputs with ||x|| <= feature_norm_bound (and
+        over theta with ||theta|| <= radius, which only matters for the l2 term: + lambda radius).
 
-def make_model(task: str, num_features: int, num_classes: int) -> Model:
-    """The model of a task; num_classes is ignored (forced to 1) for leastsq."""
-    return Model(task=task, num_features=int(num_features), num_classes=int(num_classes) if task == "logreg" else 1)
+        ||z||^2 = ||x||^2 + 1 (bias). logreg: ||(p - e_y) z^T||_F <= sqrt(2) ||z|| since ||p - e_y||^2 =
+        (1 - p_y)^2 + sum_{j != y} p_j^2 <= 2 (1 - p_y)^2. leastsq: the residual is unbounded, so inf. hinge,
+        absolute: ||z||. distance: 1. A Moreau envelope over R^d keeps the constant L of its loss (its gradient is
+        a subgradient at the prox; Beck 2017 Thm 6.60), so smoothing does not change it.
+        """
+        B = _bound("feature_norm_bound", feature_norm_bound)
+        R = _bound("radius", radius)
+        zn = math.sqrt(B * B + 1.0)
+        base = {"logreg": math.sqrt(2.0) * zn, "leastsq": math.inf, "hinge": zn, "absolute": zn, "distance": 1.0}
+        extra = self.l2 * R if self.l2 > 0 else 0.0
+        return base[self.task] + extra
+
+    def smoothness(self, feature_norm_bound: float) -> float:
+        """Smoothness beta (Lipschitz constant of the gradient) of one example's loss over ||x|| <= the bound.
+
+        logreg: the Hessian is (diag(p) - p p^T) kron z z^T and diag(p) - p p^T <= (1/2)(I - 11^T/K) (Boehning 1992,
+        Ann. Inst. Statist. Math. 44), whose largest eigenvalue is 1/2, so beta <= ||z||^2 / 2. leastsq: Hessian
+        z z^T, beta = ||z||^2. Non-smooth tasks: inf, or the smoothing parameter beta of the Moreau envelope (spec
+        000 Lem 4.6). The l2 term adds lambda.
+        """
+        B = _bound("feature_norm_bound", feature_norm_bound)
+        zz = B * B + 1.0
+        if self.task == "logreg":
+            base = zz / 2.0
+        elif self.task == "leastsq":
+            base = zz
+        else:
+            base = self.smoothing if self.smoothing > 0 else math.inf
+        return base + self.l2
+
+
+def _bound(name: str, v: float) -> float:
+    v = float(v)
+    if not v >= 0:  # also refuses nan
+        raise ValueError(f"{name} must be >= 0, got {v!r}")
+    return v
+
+
+def make_model(task: str, num_features: int, num_classes: int, l2: float = 0.0, smoothing: float = 0.0) -> Model:
+    """The model of a task; num_classes is ignored (forced to 1) for every task but logreg."""
+    return Model(
+        task=task,
+        num_features=int(num_features),
+        num_classes=int(num_classes) if task == "logreg" else 1,
+        l2=float(l2),
+        smoothing=float(smoothing),
+    )
 
 
 def project_l2_ball(params: np.ndarray, radius: float) -> np.ndarray:

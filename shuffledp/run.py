@@ -428,6 +428,7 @@ def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
             "accuracy": m.accuracy,
             "eps_spent": m.eps_spent,
             "delta_spent": m.delta_spent,
+            **({"excess_risk": m.excess_risk} if m.HasField("excess_risk") else {}),
             "seconds": m.seconds,
             "refused": m.refused,
             "rejected": dict(sorted(m.rejected.items())),
@@ -587,11 +588,17 @@ def _run_command(
     budget = status.budget
     print(f"state: {pb.RunState.Name(status.state)}  {status.message}".rstrip())
     if final is not None:  # the released model's figures (model.npz), not the last round's
-        print(f"test accuracy: {result.accuracy:.4f}  test loss: {result.loss:.4f}")
+        risk = f"  excess risk: {result.excess_risk:.4g}" if result.HasField("excess_risk") else ""
+        print(f"test accuracy: {result.accuracy:.4f}  test loss: {result.loss:.4f}{risk}")
     print(
         f"privacy spent: eps = {budget.eps_spent:.4f}, delta = {budget.delta_spent:.3g}  "
         f"(limit eps = {budget.eps_limit:g}, delta = {budget.delta_limit:.3g}; accountant: {budget.accountant}; "
         f"trust model: {pb.TrustModel.Name(budget.trust_model)})"
     )
+    if budget.honest_fraction < 1.0:  # spec 000 A.3: if some contributors collude with the analyzer
+        print(
+            f"  robust: eps = {budget.eps_spent_robust:.4f} if only {budget.honest_fraction:g} of each round's "
+            "contributors are honest"
+        )
     print(f"wall time: {time.monotonic() - started:.1f} s; results: {out}")
     return 0 if status.state == pb.COMPLETED else 1

@@ -113,7 +113,7 @@ class PrivacyCost(_message.Message):
     def __init__(self, eps: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch")
+    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,8 @@ class RoundSpec(_message.Message):
     PER_USER_COST_FIELD_NUMBER: _ClassVar[int]
     ANALYZER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    L2_FIELD_NUMBER: _ClassVar[int]
+    SMOOTHING_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     schedule: Schedule
@@ -144,7 +146,9 @@ class RoundSpec(_message.Message):
     per_user_cost: PrivacyCost
     analyzer_public_key: bytes
     local_batch: int
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ...) -> None: ...
+    l2: float
+    smoothing: float
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ...) -> None: ...
 
 class Invitation(_message.Message):
     __slots__ = ("spec", "user_ids")
@@ -314,7 +318,7 @@ class RunRef(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class BudgetStatus(_message.Message):
-    __slots__ = ("eps_spent", "delta_spent", "eps_reserved", "delta_reserved", "eps_limit", "delta_limit", "accountant", "trust_model", "rounds_committed")
+    __slots__ = ("eps_spent", "delta_spent", "eps_reserved", "delta_reserved", "eps_limit", "delta_limit", "accountant", "trust_model", "rounds_committed", "honest_fraction", "eps_spent_robust")
     EPS_SPENT_FIELD_NUMBER: _ClassVar[int]
     DELTA_SPENT_FIELD_NUMBER: _ClassVar[int]
     EPS_RESERVED_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +328,8 @@ class BudgetStatus(_message.Message):
     ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
     TRUST_MODEL_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    HONEST_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    EPS_SPENT_ROBUST_FIELD_NUMBER: _ClassVar[int]
     eps_spent: float
     delta_spent: float
     eps_reserved: float
@@ -333,10 +339,12 @@ class BudgetStatus(_message.Message):
     accountant: str
     trust_model: TrustModel
     rounds_committed: int
-    def __init__(self, eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., eps_reserved: _Optional[float] = ..., delta_reserved: _Optional[float] = ..., eps_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., rounds_committed: _Optional[int] = ...) -> None: ...
+    honest_fraction: float
+    eps_spent_robust: float
+    def __init__(self, eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., eps_reserved: _Optional[float] = ..., delta_reserved: _Optional[float] = ..., eps_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., rounds_committed: _Optional[int] = ..., honest_fraction: _Optional[float] = ..., eps_spent_robust: _Optional[float] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
-    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure")
+    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure", "excess_risk")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +371,7 @@ class RoundMetrics(_message.Message):
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_REASONS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    EXCESS_RISK_FIELD_NUMBER: _ClassVar[int]
     round: int
     contributors: int
     loss: float
@@ -375,7 +384,8 @@ class RoundMetrics(_message.Message):
     refused: int
     refused_reasons: _containers.ScalarMap[str, int]
     failure: str
-    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ...) -> None: ...
+    excess_risk: float
+    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ..., excess_risk: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "state", "rounds_done", "rounds_planned", "budget", "metrics", "message")
@@ -396,20 +406,22 @@ class RunStatus(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., rounds_done: _Optional[int] = ..., rounds_planned: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., metrics: _Optional[_Iterable[_Union[RoundMetrics, _Mapping]]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RunResult(_message.Message):
-    __slots__ = ("status", "model", "ledger_json", "config_toml", "loss", "accuracy")
+    __slots__ = ("status", "model", "ledger_json", "config_toml", "loss", "accuracy", "excess_risk")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LEDGER_JSON_FIELD_NUMBER: _ClassVar[int]
     CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    EXCESS_RISK_FIELD_NUMBER: _ClassVar[int]
     status: RunStatus
     model: Tensor
     ledger_json: str
     config_toml: str
     loss: float
     accuracy: float
-    def __init__(self, status: _Optional[_Union[RunStatus, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., ledger_json: _Optional[str] = ..., config_toml: _Optional[str] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ...) -> None: ...
+    excess_risk: float
+    def __init__(self, status: _Optional[_Union[RunStatus, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., ledger_json: _Optional[str] = ..., config_toml: _Optional[str] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., excess_risk: _Optional[float] = ...) -> None: ...
 
 class NodeStatusRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,99 @@
+"""The round-protocol plug-in interface (design sec 3.1): what the analyzer, the client node and the shuffler call.
+
+A protocol is one module with one class implementing RoundProtocol, registered in shuffledp.protocols.registry.
+The run manager (services/run_manager.py), the client node (clients/node.py, clients/policy.py) and the ledger
+(services/ledger.py) call a protocol only through these methods; none of them holds a protocol-specific branch.
+The shuffler needs no plug-in: what it does is fixed by RoundSpec.transport (COUNTS: add per-label counts and
+forward the totals; BITS / SEALED: permute fixed-length ciphertexts and forward them without identities).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from shuffledp.v1 import shuffledp_pb2 as pb
+
+__all__ = ["RoundProtocol", "PlanRequest", "RoundPlan", "Decoded", "BatchError"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the run manager knows when it sizes a protocol (all public: sizes and configuration only)."""
+
+    kind: str  # "sequential" | "fully_interactive"
+    calibration: str  # "calibrated" | "paper"
+    eps: float  # the run's eps
+    delta: float  # the run's delta
+    round_eps: float | None  # privacy.round_eps
+    rounds: int  # T
+    cohort: int  # users invited per round (B, or n when fully interactive)
+    min_contributors: int  # n_min
+    dim: int
+    clip_norm: float
+    transport: str  # "counts" | "bits"
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    params: dict[str, Any]  # the protocol's parameters (JSON-able; the ledger's event params)
+    composition: str  # across rounds: "parallel" | "rdp" | "advanced" (services/ledger.py)
+    advanced_slack: float  # delta' of advanced composition, else 0
+    noise_sq: float  # E||decoded sum - true sum||^2 at n_min contributors: what the optimizer's step size needs
+
+
+class Decoded(NamedTuple):
+    """A delivered batch, decoded: total = estimate of the sum of the `used` users' vectors, or None (failure)."""
+
+    total: np.ndarray | None
+    used: int  # contributors whose messages were decoded (n')
+    charged: int  # contributors the round is committed with in the ledger
+    rejected: dict[str, int]  # messages the analyzer skipped, by reason (design 5.3)
+    failure: str = ""
+
+
+class BatchError(RuntimeError):
+    """The batch cannot belong to this round (the shuffler broke the protocol): charged with `charged`, run stops."""
+
+    def __init__(self, charged: int, message: str):
+        self.charged = charged
+        super().__init__(message)
+
+
+class RoundProtocol(Protocol):
+    """One protocol's plug-in. `plan` is the run's plan dict (JSON, stored in the ledger); `params` the protocol's
+    parameter object (params(plan)); events are services.ledger.PrivacyEvent (mechanism = name)."""
+
+    name: str  # RandomizerSpec.protocol and PrivacyEvent.mechanism
+    trust_model: int  # pb.TrustModel the protocol claims
+
+    # ---- analyzer: sizing, the spec, decoding
+    def plan(self, req: PlanRequest) -> RoundPlan: ...
+    def params(self, plan: dict[str, Any]) -> Any: ...
+    def needs_keypair(self, plan: dict[str, Any]) -> bool: ...
+    def spec_fields(self, plan: dict[str, Any], params: Any, event: Any, analyzer_public_key: bytes) -> dict: ...
+    def decode(
+        self, batch: pb.ShuffledBatch, n: int, plan: dict[str, Any], params: Any, private_key: Any, info: bytes
+    ) -> Decoded: ...
+
+    # ---- ledger: the privacy event's arithmetic
+    def accountant_name(self, event: Any, composition: str) -> str: ...
+    def round_cost(self, event: Any) -> tuple[float, float]: ...
+    def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]: ...
+
+    # ---- client node: the randomizer and what a round costs its users, recomputed from the spec
+    def supports(self, spec: pb.RoundSpec) -> bool: ...
+    def randomize(
+        self,
+        spec: pb.RoundSpec,
+        G: np.ndarray,
+        user_ids: Sequence[str],
+        nonces: Sequence[bytes],
+        rng: np.random.Generator,
+        out: pb.Contribution,
+    ) -> None: ...
+    def verify_epsilon(self, spec: pb.RoundSpec) -> float: ...
+    def noise_key(self, spec: pb.RoundSpec) -> Any: ...

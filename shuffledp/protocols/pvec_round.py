@@ -1,0 +1,360 @@
+"""PVEC as a round plug-in (design sec 3.1): everything about a PVEC round that is not the optimizer.
+
+Each party calls the plug-in through shuffledp.protocols.registry.round_protocol(name), never by name:
+
+    analyzer  plan(request) -> RoundPlan           sizing from the budget and the population (once per run)
+              spec_fields(plan, params, event, key) the RoundSpec's randomizer, transport, trust model and claim
+              decode(batch, n, plan, params, key, info) -> Decoded   the estimate of the sum of the users' vectors
+    client    randomize(spec, G, user_ids, nonces, rng, out)   one UserMessage per user (clipped here)
+              verify_epsilon(spec), noise_key(spec)  what the round costs a user, recomputed from the spec
+    shuffler  nothing protocol-specific: it sums counts (COUNTS) or permutes and forwards ciphertexts (BITS,
+              SEALED) by RoundSpec.transport, the only thing it needs to know (design 5).
+
+Sizing (spec 000 sec 4/5): sequential rounds are sized for one round at (eps, delta) (disjoint cohorts compose in
+parallel); fully interactive rounds per round from calibrate_pvec(eps, delta, ..., rounds=T) (calibrated, RDP
+composition) or the paper's (eps_r, delta_r) of Alg 5 (advanced composition). The noise is sized for the threshold
+n_min contributors: a released batch has n' >= n_min and fewer contributors means less binomial noise, so the
+reserved (worst-case) cost bounds every committed cost (the robust variant of spec 000 sec 3 / A.3).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from typing import Any
+
+import numpy as np
+
+from shuffledp import sealing
+from shuffledp.protocols import pvec
+from shuffledp.protocols.base import BatchError, Decoded, PlanRequest, RoundPlan
+from shuffledp.protocols.pvec import PvecParams
+from shuffledp.v1 import shuffledp_pb2 as pb
+
+__all__ = [
+    "PvecRound",
+    "open_bit_messages",
+    "pvec_params_from_spec",
+    "UNDECRYPTABLE",
+    "MALFORMED_PLAINTEXT",
+]
+
+# The analyzer's own rejection reasons (design 5.3), counted per message in the round's metrics["rejected"]
+UNDECRYPTABLE = "undecryptable"  # HPKE open failed: wrong key, wrong run/round, tampered or truncated
+MALFORMED_PLAINTEXT = "malformed_plaintext"  # opened, but not one labelled bit of this round (length, bit, label)
+
+
+def _sized(method: str, eps: float, delta: float, n_min: int, n_max: int, d: int, clip: float, rounds: int):
+    """PVEC parameters whose noise is sized for n_min contributors, valid for up to n_max (module docstring)."""
+    if method == "calibrated":
+        # extension beyond the paper (spec 000 sec 8): exact numerical accountant for the binomial view
+        from shuffledp.accountants.calibrated_pvec import calibrate_pvec
+
+        params = calibrate_pvec(eps, delta, n_min, d, clip, rounds=rounds)
+    else:
+        params = pvec.pvec_params(eps, delta, n_min, d, clip)  # proof of Thm 3.2, paper 000
+    return replace(params, n=n_max)
+
+
+def pvec_params_from_spec(spec: pb.RoundSpec) -> PvecParams:
+    """The round's PVEC parameters as the analyzer derived them (randomizer fields; eps/delta/n from
+    randomizer.extra when given, else per_user_cost and the cohort). method="calibrated" makes it a plain
+    container for (g, m, p): what privacy they give is recomputed by verify_epsilon, never assumed."""
+    r = spec.randomizer
+    extra = dict(r.extra)
+    n = int(extra.get("n", 0)) or max(int(spec.cohort_size), int(spec.min_contributors), 1)
+    return PvecParams(
+        d=int(r.dim),
+        n=n,
+        delta2=float(r.clip_norm),
+        g=int(r.g),
+        m=int(r.m),
+        p=float(r.p),
+        eps=float(extra.get("eps", 0.0)) or float(spec.per_user_cost.eps),
+        delta=float(extra.get("delta", 0.0)) or float(spec.per_user_cost.delta),
+        method="calibrated",
+    )
+
+
+def open_bit_messages(
+    private_key: Any, ciphertexts: Sequence[bytes], info: bytes, d: int
+) -> tuple[np.ndarray, np.ndarray, Counter[str]]:
+    """Open and validate a BITS batch message by message (design 5.1, 5.3): (labels, bits, rejected by reason).
+
+    A ciphertext that does not open (SealingError) counts as UNDECRYPTABLE; one that opens to anything but a
+    5-byte (label < d, bit in {0, 1}) message counts as MALFORMED_PLAINTEXT; both are skipped, so one bad message
+    cannot void the others. Nothing of a message (ciphertext, plaintext) is logged or kept.
+    """
+    labels: list[int] = []
+    bits: list[int] = []
+    rejected: Counter[str] = Counter()
+    for c in ciphertexts:
+        try:
+            plain = sealing.open_sealed(private_key, c, info)
+        except sealing.SealingError:
+            rejected[UNDECRYPTABLE] += 1
+            continue
+        try:
+            (label,), (bit,) = sealing.unpack_labelled_bits([plain])
+        except ValueError:
+            rejected[MALFORMED_PLAINTEXT] += 1
+            continue
+        if label >= d:
+            rejected[MALFORMED_PLAINTEXT] += 1
+            continue
+        labels.append(int(label))
+        bits.append(int(bit))
+    return np.asarray(labels, dtype=np.int64), np.asarray(bits, dtype=np.uint8), rejected
+
+
+def _accounted_round(event: Any, schedule: str, honest_fraction: float):
+    """The event for the accountant. More contributors than the parameters' n are charged as n: the extra users'
+    noise Bin(m (n' - n), p) is independent of the rest, so dropping it is post-processing (an upper bound).
+    honest_fraction h < 1 (robust variant, spec 000 A.3): only floor(h n') contributors' noise is counted, the rest
+    may be known to the adversary (colluding users); the binomial view of floor(h n') users is exact for that."""
+    from shuffledp.events import PvecRound as AccountedRound
+
+    params = PvecParams(**event.params)
+    n = min(event.contributors, params.n)
+    if honest_fraction < 1.0:
+        n = max(1, math.floor(honest_fraction * n))
+    return AccountedRound.from_params(params, n, schedule)
+
+
+def _account(rounds: Sequence[Any], delta: float, accountant: str) -> float:
+    # imported on first use: the accountants pull in dp_accounting and scipy (~1 s), not needed to open a ledger
+    from shuffledp.accountants.ledger_accounting import account
+
+    return account(rounds, delta, accountant).eps  # type: ignore[arg-type]
+
+
+def _accountant(events: Sequence[Any]) -> str:
+    """The paper's parameters: the paper's bounds ("paper", Thm 3.2 and Dwork-Roth 3.20); otherwise the exact
+    binomial accountant ("tight"). RDP composition is always the tight accountant's."""
+    return "paper" if all(e.params.get("method") == "paper" for e in events) else "tight"
+
+
+class PvecRound:
+    """The PVEC plug-in (paper 000 Alg 2 over the shuffler; count mode or sealed labelled bits)."""
+
+    name = "pvec"
+    trust_model = pb.SHUFFLE
+
+    def needs_keypair(self, plan: dict[str, Any]) -> bool:
+        """BITS: the analyzer opens the ciphertexts with a key of its own (design 5.1)."""
+        return plan["transport"] == "bits"
+
+    # ------------------------------------------------------------------------------------------ analyzer
+    def plan(self, req: PlanRequest) -> RoundPlan:
+        """Per-round parameters, composition rule and noise of a run (module docstring; spec 000 sec 4, 5)."""
+        slack = 0.0
+        if req.kind == "sequential":
+            composition = "parallel"  # disjoint cohorts (spec 000 sec 5)
+            eps_r, delta_r, rounds = (req.round_eps or req.eps), req.delta, 1
+        elif req.calibration == "calibrated":
+            composition = "rdp"
+            if req.round_eps is not None:
+                eps_r, delta_r, rounds = req.round_eps, req.delta, 1
+            else:
+                eps_r, delta_r, rounds = req.eps, req.delta, req.rounds
+        else:
+            from shuffledp.optimizers.pgd import pgd_round_privacy
+
+            composition = "advanced"
+            slack = req.delta / (req.rounds + 1)  # delta' of advanced composition (spec 000 sec 4)
+            eps_r, delta_r = pgd_round_privacy(req.eps, req.delta, req.rounds)  # Alg 5 per-round budget
+            if req.round_eps is not None:
+                eps_r = req.round_eps
+            rounds = 1
+        n_min, d = req.min_contributors, req.dim
+        try:
+            params = _sized(req.calibration, eps_r, delta_r, n_min, req.cohort, d, req.clip_norm, rounds)
+        except ValueError as exc:
+            raise ValueError(f"cannot size PVEC for eps={eps_r}, delta={delta_r}, n={n_min}, d={d}: {exc}") from exc
+        noise_sq = d * pvec.pvec_variance_bound(params, n_min)  # E||decoded sum - sum||^2 (spec 000 sec 2)
+        return RoundPlan(asdict(params), composition, slack, noise_sq)
+
+    def per_user_claim(self, plan: dict[str, Any], params: PvecParams, event: Any) -> tuple[float, float]:
+        """What one round costs a participating user on its own (RoundSpec.per_user_cost; clients check it).
+
+        Sequential and paper rounds: the round's own (eps, delta). Fully interactive calibrated rounds are composed
+        in RDP by the ledger; for the clients' per-round policy (which adds deltas over rounds) we state the round's
+        eps at delta/T, so T such claims add up to at most the run's delta. Clients can recompute it from (g, m, p).
+        """
+        if plan["kind"] == "sequential" or params.method != "calibrated":
+            return self.round_cost(event)
+        from shuffledp.accountants.calibrated_pvec import pvec_round_epsilon
+
+        delta_claim = plan["delta"] / plan["rounds"]
+        return float(pvec_round_epsilon(params, event.contributors, delta_claim)), delta_claim
+
+    def params(self, plan: dict[str, Any]) -> PvecParams:
+        return PvecParams(**plan["params"])
+
+    def spec_fields(
+        self, plan: dict[str, Any], params: PvecParams, event: Any, analyzer_public_key: bytes
+    ) -> dict[str, Any]:
+        """The RoundSpec fields this protocol owns."""
+        eps_r, delta_r = self.per_user_claim(plan, params, event)
+        bits = plan["transport"] == "bits"
+        return {
+            "trust_model": self.trust_model,
+            "transport": pb.BITS if bits else pb.COUNTS,
+            "randomizer": pb.RandomizerSpec(
+                protocol=self.name,
+                clip_norm=params.delta2,
+                dim=params.d,
+                g=params.g,
+                m=params.m,
+                p=params.p,
+                messages_per_user=params.messages_per_user if bits else params.d,
+                message_bytes=sealing.BIT_MESSAGE_BYTES if bits else 0,
+                extra={"eps": params.eps, "delta": params.delta, "n": float(params.n)},
+            ),
+            "per_user_cost": pb.PrivacyCost(
+                eps=eps_r, delta=delta_r, accountant=f"pvec-{params.method}", trust_model=self.trust_model
+            ),
+            "analyzer_public_key": analyzer_public_key if bits else b"",
+        }
+
+    def decode(
+        self, batch: pb.ShuffledBatch, n: int, plan: dict[str, Any], params: PvecParams, private_key: Any, info: bytes
+    ) -> Decoded:
+        """The released batch of n contributors (n in [n_min, cohort], checked by the caller), decoded."""
+        if plan["transport"] != "bits":
+            total = pvec.decode_counts(np.asarray(batch.label_totals, dtype=np.int64), n, params)
+            return Decoded(total, n, n, dict(batch.report.rejected))
+        return self._decode_bits(batch, n, plan, params, private_key, info)
+
+    def _decode_bits(self, batch, n, plan, params: PvecParams, private_key, info: bytes) -> Decoded:
+        """A released BITS batch: open every ciphertext, skip and count bad ones, decode the rest with their n'.
+
+        Messages cannot be attributed to users (that is the shuffle), so the good messages are decoded only when
+        they form whole contributions: n' = good / (d (g + m)) with every label carrying n' (g + m) messages, which
+        is what a contributor whose messages all fail (wrong key, stale round, corrupt node) leaves. The batch was
+        delivered and opened, so the round is always charged (never released, design 6), with the contributors
+        whose messages the analyzer could read: n' when n' >= n_min (cost <= reservation); a round with
+        n' < n_min fails like a below-threshold batch (nothing released, no optimizer step) but is committed at
+        max(n', 1), which may cost MORE than the reservation: those n' users' messages were read with only n' users'
+        noise. Scattered bad messages (labels unbalanced) cannot be decoded without bias: the round fails, charged
+        at the contributions certainly intact, max(n - bad, 1) (each bad message spoils at most one contribution).
+        """
+        per_user = params.messages_per_user
+        if len(batch.ciphertexts) != n * per_user:
+            # delivered: charged at what the shuffler reported; the run stops
+            raise BatchError(n, f"{len(batch.ciphertexts)} bit messages do not match {n} contributors")
+        labels, bits, rejected_counter = open_bit_messages(private_key, batch.ciphertexts, info, params.d)
+        n_bad = sum(rejected_counter.values())
+        rejected = dict(Counter(dict(batch.report.rejected)) + rejected_counter)  # the shuffler's and ours
+        n_min = plan["min_contributors"]
+        whole = labels.size % per_user == 0
+        n_good, total = (labels.size // per_user if whole else 0), None
+        if n_good:
+            try:
+                # also checks every label carries n'(g+m) messages; the estimate is used only if n' >= n_min
+                total = pvec.decode_bits(labels, bits, params)
+            except ValueError:
+                whole, n_good = False, 0
+        if total is None or n_good < n_min:
+            if whole:
+                failure, charged = f"below threshold after rejecting bad messages: {n_good} < {n_min}", max(n_good, 1)
+            else:
+                failure, charged = "bad messages left incomplete contributions: not decodable", max(n - n_bad, 1)
+            return Decoded(None, n_good, charged, rejected, failure)
+        return Decoded(total, n_good, n_good, rejected)
+
+    # ------------------------------------------------------------------------------------ ledger arithmetic
+    # Events are the ledger's PrivacyEvent (mechanism "pvec", params = PvecParams fields, contributors, schedule).
+    def accountant_name(self, event: Any, composition: str) -> str:
+        per_round = "pvec-calibrated" if event.params.get("method") == "calibrated" else "pvec-lemma-3.1+3.3"
+        across = {"parallel": "parallel", "rdp": "rdp-composition", "advanced": "advanced-composition"}[composition]
+        return f"{per_round}/{across}"
+
+    def round_cost(self, event: Any) -> tuple[float, float]:
+        """(eps, delta) of one round on its own at the params' delta, for the contributors recorded in the event.
+
+        calibrated: the exact accountant of calibrated_pvec for n' contributors (its noise is Bin(n' m, p), so
+        fewer contributors cost more). paper: the params' (eps, delta) (Thm 3.2 / Lemma 3.1 of paper 000), or the
+        Lemma chain for n' contributors where that is larger (ledger_accounting's paper accountant).
+        """
+        delta = float(event.params["delta"])
+        return _account([_accounted_round(event, event.schedule, 1.0)], delta, _accountant([event])), delta
+
+    def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]:
+        """Run total (eps, delta) of the counted rounds under the run's composition rule (services/ledger.py).
+
+        parallel: at the rounds' delta (disjoint cohorts: the max over rounds, spec 000 sec 5); rdp: at the limit's
+        delta; advanced: at sum delta_r + delta', so the slack of Dwork-Roth 3.20 is the run's fixed delta'.
+        """
+        schedule = "sequential" if limit.composition == "parallel" else "fully_interactive"
+        rounds = [_accounted_round(e, schedule, honest_fraction) for e in events]
+        if limit.composition == "parallel":
+            delta = max(r.target_delta for r in rounds)
+        elif limit.composition == "rdp":
+            delta = limit.delta
+        else:
+            delta = math.fsum(r.target_delta for r in rounds) + limit.advanced_slack
+        if delta >= 1.0:  # the rounds alone spend all of delta: no guarantee
+            return math.inf, delta
+        acc = "tight" if limit.composition == "rdp" else _accountant(events)
+        # identical rounds as (round, count): a run of thousands of equal rounds is accounted in one step
+        return _account(list(Counter(rounds).items()), delta, acc), delta
+
+    # -------------------------------------------------------------------------------------------- client
+    def supports(self, spec: pb.RoundSpec) -> bool:
+        return spec.transport in (pb.COUNTS, pb.BITS)
+
+    def randomize(
+        self,
+        spec: pb.RoundSpec,
+        G: np.ndarray,
+        user_ids: Sequence[str],
+        nonces: Sequence[bytes],
+        rng: np.random.Generator,
+        out: pb.Contribution,
+    ) -> None:
+        """Append one UserMessage per row of G (the users' gradients, in user_ids order) to out.messages."""
+        params = pvec_params_from_spec(spec)
+        # clip to ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7; Alg 2 of paper 000)
+        G = pvec.clip_rows(G, params.delta2)
+        if spec.transport == pb.COUNTS:
+            counts = pvec.encode_counts(G, params, rng)  # (k, d) int64 in [0, g+m]
+            # CountVector.packed: each user's d counts in the round's wire width, cut from one buffer (no
+            # per-count Python objects on either side of the wire)
+            dtype = pvec.count_wire_dtype(params.g + params.m)
+            rows = np.ascontiguousarray(counts, dtype=dtype).tobytes()
+            width = dtype.itemsize * counts.shape[1]
+            add = out.messages.add
+            for i, u in enumerate(user_ids):
+                add(user_id=u, nonce=nonces[i]).counts.packed = rows[i * width : (i + 1) * width]
+            return
+        if spec.randomizer.message_bytes not in (0, sealing.BIT_MESSAGE_BYTES):
+            raise ValueError(
+                f"BITS needs randomizer.message_bytes = {sealing.BIT_MESSAGE_BYTES}, "
+                f"got {spec.randomizer.message_bytes}"
+            )
+        info = sealing.round_info(spec.run_id, spec.round)
+        for u, nonce, row in zip(user_ids, nonces, G, strict=True):  # one HPKE seal per labelled bit: per message
+            labels, bits = pvec.encode_bits(row, params, rng)
+            cts = sealing.seal_many(spec.analyzer_public_key, sealing.pack_labelled_bits(labels, bits), info)
+            out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=cts))
+
+    def verify_epsilon(self, spec: pb.RoundSpec) -> float:
+        """The eps of this round's randomizer for one user, recomputed from its parameters (not the claim):
+        the calibrated numerical accountant on (d, g, m, p) at n' = min_contributors, the fewest contributors the
+        shuffler will release (the worst case of the shuffle amplification), and the claimed delta."""
+        from shuffledp.accountants.calibrated_pvec import pvec_round_epsilon  # H3 (issue 4 contract)
+
+        n_release = max(int(spec.min_contributors), 1)
+        return float(pvec_round_epsilon(pvec_params_from_spec(spec), n_release, float(spec.per_user_cost.delta)))
+
+    def noise_key(self, spec: pb.RoundSpec):
+        """The round's round_noise_key (what its RDP depends on) at n' = min_contributors; None if invalid."""
+        from shuffledp.accountants.calibrated_pvec import round_noise_key
+
+        try:
+            return round_noise_key(pvec_params_from_spec(spec), max(int(spec.min_contributors), 1))
+        except ValueError:
+            return None

@@ -1,0 +1,21 @@
+"""Round protocols by name (design 3.1): every party finds a protocol's plug-in here, never by a branch of its own.
+
+Adding a protocol = one module with a class like shuffledp.protocols.pvec_round.PvecRound, plus one line below.
+"""
+
+from __future__ import annotations
+
+from shuffledp.protocols.base import RoundProtocol
+from shuffledp.protocols.pvec_round import PvecRound
+
+__all__ = ["round_protocol", "ROUND_PROTOCOLS"]
+
+ROUND_PROTOCOLS: dict[str, RoundProtocol] = {p.name: p for p in (PvecRound(),)}
+
+
+def round_protocol(name: str) -> RoundProtocol:
+    """The plug-in of protocol `name`; LookupError names the known ones."""
+    try:
+        return ROUND_PROTOCOLS[name]
+    except KeyError:
+        raise LookupError(f"unknown round protocol {name!r}; known: {', '.join(sorted(ROUND_PROTOCOLS))}") from None
