@@ -280,7 +280,7 @@ def round_spec(
 ) -> pb.RoundSpec:
     """The RoundSpec the analyzer sends for round r of a planned run at model theta: the schedule's fields here, the
     protocol's (randomizer, transport, trust model, per-user claim, key) from its plug-in."""
-    protocol = round_protocol(plan.get("protocol", "pvec"))
+    protocol = _protocol(plan)
     return pb.RoundSpec(
         run_id=run_id,
         round=r,
@@ -352,6 +352,11 @@ def _encode_state(state: Any) -> bytes:
 def _decode_state(blob: bytes, from_arrays: Callable[[dict[str, np.ndarray]], Any] = AveragingState.from_arrays) -> Any:
     with np.load(io.BytesIO(blob), allow_pickle=False) as z:
         return from_arrays({k: z[k] for k in z.files})
+
+
+def _protocol(plan: dict[str, Any]) -> RoundProtocol:
+    """The planned run's protocol plug-in (plans written before protocols were plug-ins are PVEC's)."""
+    return round_protocol(plan.get("protocol", "pvec"))
 
 
 def _optimizer(plan: dict[str, Any]) -> Optimizer:
@@ -580,7 +585,7 @@ class RunManager:
     def _execute(self, run_id: str, live: _Live) -> None:
         cfg = parse_config(self._run(run_id)["config_toml"])
         plan = self._plan(run_id, cfg, live)
-        protocol = round_protocol(plan.get("protocol", "pvec"))
+        protocol = _protocol(plan)
         opt = _optimizer(plan)
         rd = _Round(plan, protocol, protocol.params(plan), opt, self._evaluation_data(cfg).model, cfg)
         ck = self.ledger.last_checkpoint(run_id)

@@ -9,6 +9,8 @@ order stands in for the shuffler's secret selection. Randomness from make_rng(se
 from __future__ import annotations
 
 import numpy as np
+from shuffledp.services.ledger import PrivacyEvent
+from shuffledp.services.run_manager import _optimizer, plan_run, round_spec
 
 from shuffledp.config import parse_config
 from shuffledp.data import excess_risk, load_dataset, num_users
@@ -16,8 +18,6 @@ from shuffledp.models import make_model
 from shuffledp.protocols.pvec import count_wire_dtype
 from shuffledp.protocols.registry import round_protocol
 from shuffledp.rng import make_rng
-from shuffledp.services.ledger import PrivacyEvent
-from shuffledp.services.run_manager import _optimizer, plan_run, round_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 

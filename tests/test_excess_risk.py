@@ -43,4 +43,3 @@ def test_acsa_excess_risk_is_at_most_psgd_on_the_synthetic_problem():
         assert plan["optimizer"]["name"] == opt and plan["eps"] == 4.0 and plan["dim"] == 42  # 2 x (20 + 1)
     assert np.all(risks["psgd"] > 0) and np.all(risks["acsa"] > -1e-3)  # a released model, not the optimum
     assert risks["acsa"].mean() <= 0.8 * risks["psgd"].mean(), risks
-
