@@ -31,3 +31,27 @@ def test_bench_pvec_prints_count_mode_ratios():
     out = _run("bench_pvec.py", "--users", "300", "--d", "20", "--repeats", "1")
     ratios = [float(r) for r in re.findall(r"PVEC count mode .*ratio\s+([0-9.]+)", out)]
     assert len(ratios) == 3 and all(r > 0 for r in ratios), out
+
+
+def test_excess_risk_benchmark_runs_over_the_services(tmp_path):
+    # issue 11 item 7: a tiny grid (2 sizes, 2 optimizers) over real local clusters; the script prints one row per
+    # run with a finite excess risk and one slope line per optimizer, and writes the CSV and the PNG
+    out = _run(
+        "excess_risk.py",
+        "--ns",
+        "600",
+        "1200",
+        "--eps",
+        "4",
+        "--optimizers",
+        "psgd",
+        "acsa",
+        "--dim",
+        "3",
+        "--out",
+        str(tmp_path),
+    )
+    rows = re.findall(r"^\s*(600|1200)\s+4\s+(psgd|acsa)\s+\d+\s+(-?[0-9.]+)\s", out, re.MULTILINE)
+    assert len(rows) == 4 and all(abs(float(r[2])) < 1.0 for r in rows), out
+    assert len(re.findall(r"slope [+-][0-9.]+ \(theory -0\.(50|80)\)", out)) == 2, out
+    assert (tmp_path / "excess_risk.csv").read_text().count("\n") == 5 and (tmp_path / "excess_risk.png").exists()
