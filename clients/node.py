@@ -393,7 +393,8 @@ def start_node(
     ds = load_dataset(config.data, config.model.task)
     ids, X, y = user_shard(ds, node_index, num_nodes, config.data.examples_per_user, config.data.max_users)
     if policy is None:
-        policy = UserPolicy(**asdict(config.policy))
+        fields = asdict(config.policy)
+        policy = UserPolicy(**{**fields, "allowed_protocols": frozenset(fields["allowed_protocols"])})
     return start_node_with_shard(
         node_id,
         UserShard(ids, X, y),

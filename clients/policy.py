@@ -54,6 +54,7 @@ class Refusal:
     TRUST_MODEL = "trust_model_not_allowed"
     TRANSPORT = "transport_not_allowed"
     PROTOCOL = "protocol_not_supported"
+    PROTOCOL_NOT_ALLOWED = "protocol_not_in_allowed_protocols"
     INVALID_SPEC = "invalid_round_spec"
     ROUND_EPS = "round_eps_above_max_eps_per_round"
     ROUND_DELTA = "round_delta_above_max_delta_per_round"
@@ -76,6 +77,8 @@ class UserPolicy:
     max_total_delta: float = PolicyConfig.max_total_delta
     allowed_trust_models: frozenset[str] = frozenset({"shuffle", "local", "central"})
     allowed_transports: frozenset[str] = frozenset({"counts", "bits", "sealed"})  # drop "counts" to refuse it
+    # the round protocols (randomizers) this user runs; empty = every protocol its node knows (design 6)
+    allowed_protocols: frozenset[str] = frozenset()
     verify_randomizer: bool = True  # recompute the randomizer's eps rather than trust PrivacyCost
 
     def __post_init__(self) -> None:
@@ -92,6 +95,9 @@ class UserPolicy:
             raise ValueError(
                 f"allowed_trust_models has unknown names {sorted(bad)}; allowed: {sorted(TRUST_NAMES.values())}"
             )
+        bad = set(self.allowed_protocols) - set(ROUND_PROTOCOLS)
+        if bad:
+            raise ValueError(f"allowed_protocols has unknown names {sorted(bad)}; known: {sorted(ROUND_PROTOCOLS)}")
         bad = set(self.allowed_transports) - set(TRANSPORT_NAMES.values())
         if bad:
             raise ValueError(
@@ -144,6 +150,10 @@ class PolicyTable:
             t: np.array([name in p.allowed_transports for p in self.policies], dtype=bool)
             for t, name in TRANSPORT_NAMES.items()
         }
+        self.protocol_ok = {
+            name: np.array([not p.allowed_protocols or name in p.allowed_protocols for p in self.policies], dtype=bool)
+            for name in ROUND_PROTOCOLS
+        }
         if spent is None:
             self.eps_spent, self.delta_spent = np.zeros(num_users), np.zeros(num_users)
         else:  # what the users spent before this process (the node's spend store)
@@ -173,6 +183,7 @@ class PolicyTable:
         refuse(~self.transport_ok.get(spec.transport, nobody)[idx], Refusal.TRANSPORT)
         if not supported:
             refuse(~none, Refusal.PROTOCOL)
+        refuse(~self.protocol_ok.get(spec.randomizer.protocol, nobody)[idx], Refusal.PROTOCOL_NOT_ALLOWED)
         eps, delta = float(spec.per_user_cost.eps), float(spec.per_user_cost.delta)
         cost = np.full(idx.size, eps)
         if not (math.isfinite(eps) and eps >= 0.0 and 0.0 <= delta <= 1.0):

@@ -71,6 +71,7 @@ def _budget(b: BudgetTotals | None) -> pb.BudgetStatus:
         rounds_committed=b.rounds_committed,
         honest_fraction=b.honest_fraction,
         eps_spent_robust=b.eps_spent_robust,
+        views=b.views,
     )
 
 
@@ -90,6 +91,7 @@ def _status(v: RunView, output: str = "mean") -> pb.RunStatus:
             refused_reasons=m.get("refused_reasons", {}),
             failure=m.get("failure", ""),
             excess_risk=m.get(f"excess_risk_{output}"),
+            eps_spent_local=m.get("eps_spent_local"),
         )
         for m in v.metrics
     ]

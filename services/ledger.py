@@ -32,7 +32,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,8 @@ class BudgetTotals:
     rounds_committed: int
     honest_fraction: float = 1.0  # robust figure (spec 000 A.3): eps_spent if only this fraction is honest
     eps_spent_robust: float = math.nan
+    # the spent rounds under other bounds or trust views, by name (e.g. "local", "thm1"; the protocol's views())
+    views: dict[str, float] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------- arithmetic
@@ -410,8 +412,9 @@ class Ledger:
         name = accountant_name(all_ev[0], limit.composition) if all_ev else limit.composition
         h = float((self.run(run_id)["plan"] or {}).get("honest_fraction", 1.0))
         robust = compose_events(spent_ev, limit, h)[0] if h < 1.0 else spent[0]
+        views = _protocol(spent_ev).views(spent_ev, limit) if spent_ev else {}
         return BudgetTotals(
-            spent[0], spent[1], reserved[0], reserved[1], limit.eps, limit.delta, name, n_committed, h, robust
+            spent[0], spent[1], reserved[0], reserved[1], limit.eps, limit.delta, name, n_committed, h, robust, views
         )
 
     # ------------------------------------------------------------------------------------ checkpoints

@@ -167,7 +167,13 @@ def plan_run(
         feature_bound = load_dataset(cfg.data, cfg.model.task).feature_norm_bound if name == "acsa" else None
     smoothness = _smoothness(cfg, model, name, feature_bound)
     sequential = s.kind == "sequential"
-    if sequential:
+    if s.kind == "subsampled":
+        # k of the n admitted users per round, drawn secretly by the shuffler (spec 001 sec 1); T from the config
+        # or, unset, from the budget (the protocol's plan)
+        B, T = s.cohort_size, s.rounds or 0
+        if not 1 <= B <= admitted:
+            raise PlanError(f"schedule.cohort_size = {B} must lie in [1, admitted users = {admitted}]")
+    elif sequential:
         n_pool = unused
         if s.cohort_size:
             B = s.cohort_size
@@ -183,15 +189,30 @@ def plan_run(
             T = min(T, s.rounds)  # schedule.rounds set: at most that many of them (issue 10)
     else:
         B, T = admitted, (s.rounds if s.rounds is not None else DEFAULT_ROUNDS)  # all n users for T rounds (Alg 5)
-    if s.phases > T:
-        raise PlanError(f"schedule.phases = {s.phases} needs at least {s.phases} rounds; the plan has {T}")
-    n_min = max(1, math.ceil(p.min_contributors_fraction * B))
+    # the threshold: a subsampled round releases exactly k reports or nothing (spec 001 sec 1)
+    n_min = B if s.kind == "subsampled" else max(1, math.ceil(p.min_contributors_fraction * B))
     protocol = round_protocol(p.protocol)
     request = PlanRequest(
-        s.kind, p.calibration, p.eps, delta, p.round_eps, T, B, n_min, d, p.clip_norm, cfg.transport.mode
+        s.kind,
+        p.calibration,
+        p.eps,
+        delta,
+        p.round_eps,
+        T,
+        B,
+        n_min,
+        d,
+        p.clip_norm,
+        cfg.transport.mode,
+        admitted=admitted,
+        eps0=p.eps0,
+        rounds_requested=s.rounds,
     )
     try:
         sized = protocol.plan(request)
+        T = sized.rounds or T
+        if s.phases > T:
+            raise PlanError(f"schedule.phases = {s.phases} needs at least {s.phases} rounds; the plan has {T}")
         hyper = optimizers.hyperparameters(
             name,
             rounds=T,
@@ -203,6 +224,8 @@ def plan_run(
             learning_rate=s.learning_rate,
             phases=s.phases,
             l2=cfg.model.l2,
+            lr_steps=s.lr_steps,
+            lr_step_factor=s.lr_step_factor,
         )
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
@@ -269,6 +292,9 @@ def _smoothness(cfg: RunConfig, model: Model, name: str, bound: float | None) ->
     return float(beta)
 
 
+_SCHEDULES = {"sequential": pb.SEQUENTIAL, "fully_interactive": pb.FULLY_INTERACTIVE, "subsampled": pb.SUBSAMPLED}
+
+
 def round_spec(
     run_id: str,
     r: int,
@@ -284,11 +310,11 @@ def round_spec(
     return pb.RoundSpec(
         run_id=run_id,
         round=r,
-        schedule=pb.SEQUENTIAL if plan["kind"] == "sequential" else pb.FULLY_INTERACTIVE,
+        schedule=_SCHEDULES[plan["kind"]],
         model=_tensor(theta),
         task=plan["task"],
         num_classes=plan["num_classes"] if plan["task"] == "logreg" else 0,
-        cohort_size=plan["cohort"] if plan["kind"] == "sequential" else 0,
+        cohort_size=plan["cohort"] if plan["kind"] != "fully_interactive" else 0,
         min_contributors=plan["min_contributors"],
         deadline_seconds=plan["deadline"],
         local_batch=1,
@@ -738,6 +764,7 @@ class RunManager:
             eps_spent=totals.eps_spent,
             delta_spent=totals.delta_spent,
             eps_spent_robust=totals.eps_spent_robust,
+            **({"eps_spent_local": totals.views["local"]} if "local" in totals.views else {}),
             rejected=dict(rejected or {}),  # messages rejected by reason, by the shuffler and the analyzer
             # users who refused the round (their policy, or their node could not deliver), total and by reason
             refused=int(report.refused) if report is not None else 0,

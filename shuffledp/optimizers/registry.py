@@ -19,15 +19,17 @@ from shuffledp.optimizers.base import Optimizer
 
 __all__ = ["OPTIMIZERS", "resolve", "cohort_size", "hyperparameters", "make_optimizer", "SEQUENTIAL_ONLY"]
 
-OPTIMIZERS = ("auto", "psgd", "pgd", "acsa")  # schedule.optimizer
+OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd")  # schedule.optimizer
 SEQUENTIAL_ONLY = ("psgd", "acsa")
 
 
+_AUTO = {"sequential": "psgd", "fully_interactive": "pgd", "subsampled": "sgd"}
+
+
 def resolve(name: str, kind: str) -> str:
-    """schedule.optimizer "auto": PSGD when sequential, PGD when fully interactive (the paper's pairing)."""
-    if name == "auto":
-        return "psgd" if kind == "sequential" else "pgd"
-    return name
+    """schedule.optimizer "auto": PSGD when sequential, PGD when fully interactive (paper 000's pairing), SGD with a
+    step-change learning rate when subsampled (CLDP-SGD, paper 001)."""
+    return _AUTO[kind] if name == "auto" else name
 
 
 def cohort_size(
@@ -66,6 +68,8 @@ def hyperparameters(
     learning_rate: float | None,
     phases: int = 0,
     l2: float = 0.0,
+    lr_steps: tuple[int, ...] = (),
+    lr_step_factor: float = 0.1,
 ) -> dict[str, Any]:
     """The optimizer part of a run's plan (JSON-able). noise_sq = E||decoded sum - true sum||^2 of one round at
     n_min contributors (the protocol's sizing); lipschitz = the clip norm; diameter D = 2 radius."""
@@ -91,6 +95,8 @@ def hyperparameters(
             theory_learning_rate(D, lipschitz, T, noise_sq, n_min) for D, T in zip(ds, per_phase, strict=True)
         ]
     out["learning_rate"] = out["learning_rates"][0]
+    if name == "sgd":
+        out.update(lr_steps=list(lr_steps), lr_step_factor=lr_step_factor)
     return out
 
 
@@ -124,6 +130,10 @@ def _one_phase(name: str, hyper: dict[str, Any], i: int) -> Optimizer:
         from shuffledp.optimizers.acsa import acsa
 
         return acsa(radius, T, float(hyper["sigma"]), float(hyper["diameters"][i]), float(hyper["smoothness"]))
+    if name == "sgd":
+        from shuffledp.optimizers.sgd import sgd
+
+        return sgd(float(hyper["learning_rates"][i]), radius, hyper["lr_steps"], float(hyper["lr_step_factor"]))
     from shuffledp.optimizers.psgd import averaging_optimizer
 
     return averaging_optimizer(float(hyper["learning_rates"][i]), radius)

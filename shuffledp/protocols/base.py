@@ -34,7 +34,10 @@ class PlanRequest:
     min_contributors: int  # n_min
     dim: int
     clip_norm: float
-    transport: str  # "counts" | "bits"
+    transport: str  # "counts" | "bits" | "sealed"
+    admitted: int = 0  # users admitted at the shuffler (n)
+    eps0: float | None = None  # privacy.eps0: local eps of LDP reports; None = the largest that fits
+    rounds_requested: int | None = None  # schedule.rounds as configured (None: as many as fit, for LDP protocols)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class RoundPlan:
     composition: str  # across rounds: "parallel" | "rdp" | "advanced" (services/ledger.py)
     advanced_slack: float  # delta' of advanced composition, else 0
     noise_sq: float  # E||decoded sum - true sum||^2 at n_min contributors: what the optimizer's step size needs
+    rounds: int | None = None  # T when the protocol sizes it from the budget (None: the schedule's T stands)
 
 
 class Decoded(NamedTuple):
@@ -83,6 +87,7 @@ class RoundProtocol(Protocol):
     def accountant_name(self, event: Any, composition: str) -> str: ...
     def round_cost(self, event: Any) -> tuple[float, float]: ...
     def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]: ...
+    def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]: ...
 
     # ---- client node: the randomizer and what a round costs its users, recomputed from the spec
     def supports(self, spec: pb.RoundSpec) -> bool: ...

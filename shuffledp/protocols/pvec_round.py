@@ -149,6 +149,11 @@ class PvecRound:
     # ------------------------------------------------------------------------------------------ analyzer
     def plan(self, req: PlanRequest) -> RoundPlan:
         """Per-round parameters, composition rule and noise of a run (module docstring; spec 000 sec 4, 5)."""
+        if req.kind not in ("sequential", "fully_interactive") or req.transport not in ("counts", "bits"):
+            raise ValueError(
+                f'privacy.protocol = "pvec" runs sequential or fully interactive rounds in transport.mode "counts" or '
+                f'"bits", got schedule.kind = "{req.kind}", transport.mode = "{req.transport}"'
+            )
         slack = 0.0
         if req.kind == "sequential":
             composition = "parallel"  # disjoint cohorts (spec 000 sec 5)
@@ -301,6 +306,10 @@ class PvecRound:
         acc = "tight" if limit.composition == "rdp" else _accountant(events)
         # identical rounds as (round, count): a run of thousands of equal rounds is accounted in one step
         return _account(list(Counter(rounds).items()), delta, acc), delta
+
+    def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]:
+        """No other figure of a PVEC run is reported (its local view is not a guarantee: PVEC is not LDP)."""
+        return {}
 
     # -------------------------------------------------------------------------------------------- client
     def supports(self, spec: pb.RoundSpec) -> bool:

@@ -6,11 +6,12 @@ Adding a protocol = one module with a class like shuffledp.protocols.pvec_round.
 from __future__ import annotations
 
 from shuffledp.protocols.base import RoundProtocol
+from shuffledp.protocols.ldp_round import LDP_PROTOCOLS, LdpRound
 from shuffledp.protocols.pvec_round import PvecRound
 
 __all__ = ["round_protocol", "ROUND_PROTOCOLS"]
 
-ROUND_PROTOCOLS: dict[str, RoundProtocol] = {p.name: p for p in (PvecRound(),)}
+ROUND_PROTOCOLS: dict[str, RoundProtocol] = {p.name: p for p in (PvecRound(), *map(LdpRound, LDP_PROTOCOLS))}
 
 
 def round_protocol(name: str) -> RoundProtocol:

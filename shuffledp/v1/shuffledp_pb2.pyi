@@ -318,7 +318,14 @@ class RunRef(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class BudgetStatus(_message.Message):
-    __slots__ = ("eps_spent", "delta_spent", "eps_reserved", "delta_reserved", "eps_limit", "delta_limit", "accountant", "trust_model", "rounds_committed", "honest_fraction", "eps_spent_robust")
+    __slots__ = ("eps_spent", "delta_spent", "eps_reserved", "delta_reserved", "eps_limit", "delta_limit", "accountant", "trust_model", "rounds_committed", "honest_fraction", "eps_spent_robust", "views")
+    class ViewsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     EPS_SPENT_FIELD_NUMBER: _ClassVar[int]
     DELTA_SPENT_FIELD_NUMBER: _ClassVar[int]
     EPS_RESERVED_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +337,7 @@ class BudgetStatus(_message.Message):
     ROUNDS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     HONEST_FRACTION_FIELD_NUMBER: _ClassVar[int]
     EPS_SPENT_ROBUST_FIELD_NUMBER: _ClassVar[int]
+    VIEWS_FIELD_NUMBER: _ClassVar[int]
     eps_spent: float
     delta_spent: float
     eps_reserved: float
@@ -341,10 +349,11 @@ class BudgetStatus(_message.Message):
     rounds_committed: int
     honest_fraction: float
     eps_spent_robust: float
-    def __init__(self, eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., eps_reserved: _Optional[float] = ..., delta_reserved: _Optional[float] = ..., eps_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., rounds_committed: _Optional[int] = ..., honest_fraction: _Optional[float] = ..., eps_spent_robust: _Optional[float] = ...) -> None: ...
+    views: _containers.ScalarMap[str, float]
+    def __init__(self, eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., eps_reserved: _Optional[float] = ..., delta_reserved: _Optional[float] = ..., eps_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., rounds_committed: _Optional[int] = ..., honest_fraction: _Optional[float] = ..., eps_spent_robust: _Optional[float] = ..., views: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
-    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure", "excess_risk")
+    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure", "excess_risk", "eps_spent_local")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +381,7 @@ class RoundMetrics(_message.Message):
     REFUSED_REASONS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     EXCESS_RISK_FIELD_NUMBER: _ClassVar[int]
+    EPS_SPENT_LOCAL_FIELD_NUMBER: _ClassVar[int]
     round: int
     contributors: int
     loss: float
@@ -385,7 +395,8 @@ class RoundMetrics(_message.Message):
     refused_reasons: _containers.ScalarMap[str, int]
     failure: str
     excess_risk: float
-    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ..., excess_risk: _Optional[float] = ...) -> None: ...
+    eps_spent_local: float
+    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ..., excess_risk: _Optional[float] = ..., eps_spent_local: _Optional[float] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "state", "rounds_done", "rounds_planned", "budget", "metrics", "message")
