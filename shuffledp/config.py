@@ -582,6 +582,11 @@ def _check_combinations(cfg: RunConfig) -> None:
             'model.smoothing = "paper" is the beta of Thm 4.7 (AC-SA) or Thm 4.9 (PGD); schedule.optimizer resolves '
             'to "psgd": use optimizer = "acsa", or a numeric model.smoothing'
         )
+    if optimizer == "acsa" and m.task in _NONSMOOTH_TASKS and m.smoothing == 0:
+        raise ConfigError(
+            f'schedule.optimizer = "acsa" needs a smooth loss: model.task = "{m.task}" is not smooth; set '
+            'model.smoothing (e.g. "paper", the Moreau smoothing of Thm 4.7)'
+        )
     if m.smoothness and optimizer != "acsa":
         raise ConfigError(f'model.smoothness is used by schedule.optimizer = "acsa" only; it resolves to "{optimizer}"')
     if cfg.data.dataset == "synthetic" and m.task == "logreg" and not cfg.data.noise:

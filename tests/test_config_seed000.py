@@ -25,6 +25,7 @@ SEQ = '[schedule]\nkind = "sequential"\n'
         ("[model]\nsmoothing = 5.0\n", ["model.smoothing", "model.task"]),  # logreg is smooth
         ('[model]\ntask = "hinge"\nsmoothing = "paper"\n' + SEQ, ["model.smoothing", "schedule.optimizer"]),
         ("[model]\nsmoothness = 2.0\n", ["model.smoothness", "schedule.optimizer"]),
+        ('[model]\ntask = "hinge"\n' + SEQ + 'optimizer = "acsa"\n', ["schedule.optimizer", "model.task"]),
         ("[privacy]\nhonest_fraction = 0.0\n", ["privacy.honest_fraction"]),
         ("[privacy]\nhonest_fraction = 1.5\n", ["privacy.honest_fraction"]),
         ('[data]\ndataset = "synthetic"\nn = 0\n', ["data.n"]),
