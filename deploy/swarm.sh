@@ -1,0 +1,528 @@
+#!/usr/bin/env bash
+# shuffledp as a Docker Swarm stack (deploy/stack.yml): one host for a try-out, many for real populations.
+#
+# Usage: deploy/swarm.sh [options] COMMAND [args]
+#   init [--advertise-addr ADDR]  create a swarm on this engine if there is none (default address 127.0.0.1: this
+#                          host only; give an address the other hosts can reach to add them later), and label
+#                          this host with every role
+#   label HOST ROLES       give HOST exactly these roles: a comma-separated list of analyzer, shuffler, clients, or
+#                          `all` or `none` (node labels shuffledp.role.<role>=true; HOST: a node name or ID,
+#                          `self` for this one). Only one host at a time may hold analyzer, and only one shuffler
+#                          (their state volumes live there)
+#   up [--build] [--new-state]
+#                          build the image if it is missing, create the PKI if it is missing, prepare the state
+#                          volumes on the labelled hosts, deploy the stack with the keys as secrets, and wait until
+#                          every task is healthy. --new-state: the analyzer or shuffler role moved to another host
+#                          on purpose, so start an empty state there (the old host's ledger is then not used)
+#   run [CONFIG] [--out DIR] [-- shuffledp-run options]
+#                          drive an experiment as the operator: `shuffledp run` in a one-off container on
+#                          operator-net, with the operator certificate. Shows progress per round, then a results
+#                          directory (default results/<name>-<time>)
+#   results RUN_ID [--out DIR]   fetch a run's results again (RUN_ID: printed by run)
+#   scale N                client-node replicas (1..max client nodes; new replicas get the next task slots)
+#   status                 hosts and their roles, services, tasks (with the error of any failed task)
+#   logs SERVICE           follow one service's log (analyzer, shuffler, clients)
+#   down [--volumes]       remove the stack, its secrets, configs and networks. --volumes: also the state
+#                          volumes on this host (the ledger too) and the state records
+#   pki [--force]          create (or replace) the PKI only
+# Options (or environment):
+#   --stack NAME       (SHUFFLEDP_STACK, default shuffledp)  stack name; several can run side by side
+#   --config FILE      (SHUFFLEDP_CONFIG, default deploy/example.toml)  the client nodes read its [data] section
+#   --pki DIR          (SHUFFLEDP_PKI, default deploy/swarm/pki)  CA, service and operator certificates
+#   --image NAME       (SHUFFLEDP_IMAGE, default shuffledp:latest)  loaded on every host (there is no registry)
+#   --clients N        (SHUFFLEDP_CLIENT_NODES) client-node replicas at `up`; default: [deployment] client_nodes
+#                      of CONFIG (or the running stack's count)
+#   --max-clients S    (SHUFFLEDP_MAX_CLIENT_NODES) how far `scale` can go: the users are split into S data
+#                      shards, and certificates client-0..client-(S-1) exist. Fixed while the stack runs.
+#                      Default: the running stack's value, else N
+#   --timeout S        (SHUFFLEDP_UP_TIMEOUT, default 240)  seconds up and scale wait for healthy tasks
+set -euo pipefail
+
+DEPLOY="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$DEPLOY/.." && pwd)"
+STACK="${SHUFFLEDP_STACK:-shuffledp}"
+CONFIG="${SHUFFLEDP_CONFIG:-$DEPLOY/example.toml}"
+PKI="${SHUFFLEDP_PKI:-$DEPLOY/swarm/pki}"
+IMAGE="${SHUFFLEDP_IMAGE:-shuffledp:latest}"
+CLIENTS="${SHUFFLEDP_CLIENT_NODES:-}"
+MAX_CLIENTS="${SHUFFLEDP_MAX_CLIENT_NODES:-}"
+TIMEOUT="${SHUFFLEDP_UP_TIMEOUT:-240}"
+SERVICES=(analyzer shuffler clients)
+STATEFUL=(analyzer shuffler)
+MARKER=.shuffledp-state  # in the analyzer's and the shuffler's state volume (deploy/stack.yml)
+
+die() { echo "swarm.sh: $*" >&2; exit 1; }
+log() { echo "[swarm] $*" >&2; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+abspath() { (cd "$(dirname "$1")" && echo "$(pwd)/$(basename "$1")"); }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --stack) STACK="${2:?--stack needs a name}"; shift 2 ;;
+    --config) CONFIG="${2:?--config needs a file}"; shift 2 ;;
+    --pki) PKI="${2:?--pki needs a directory}"; shift 2 ;;
+    --image) IMAGE="${2:?--image needs a name}"; shift 2 ;;
+    --clients) CLIENTS="${2:?--clients needs a number}"; shift 2 ;;
+    --max-clients) MAX_CLIENTS="${2:?--max-clients needs a number}"; shift 2 ;;
+    --timeout) TIMEOUT="${2:?--timeout needs seconds}"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    -*) die "unknown option '$1' (see --help)" ;;
+    *) break ;;
+  esac
+done
+[[ $# -ge 1 ]] || { usage >&2; exit 2; }
+CMD="$1"; shift
+
+# stack names prefix services, networks, volumes, secrets and node labels
+[[ $STACK =~ ^[a-z0-9][a-z0-9_-]{0,30}$ ]] || die "--stack '$STACK' must match [a-z0-9][a-z0-9_-]* (at most 31 characters)"
+[[ $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout '$TIMEOUT' must be a number of seconds"
+for n in "$CLIENTS" "$MAX_CLIENTS"; do
+  [[ -z $n ]] || { [[ $n =~ ^[0-9]+$ ]] && (( n >= 1 && n <= 1000 )); } || die "client nodes '$n' must be 1..1000"
+done
+[[ -f $CONFIG ]] || die "configuration $CONFIG not found"
+CONFIG="$(abspath "$CONFIG")"
+[[ $PKI == /* ]] || PKI="$PWD/$PKI"
+
+command -v docker >/dev/null 2>&1 || die "the docker CLI is not installed"
+docker info >/dev/null 2>&1 || die "no Docker engine reachable (docker info failed)"
+
+# ----------------------------------------------------------------------------------------------------- helpers
+swarm_state() { docker info --format '{{.Swarm.LocalNodeState}}'; }
+
+require_manager() {
+  [[ $(swarm_state) == active ]] || die "this engine is not in a swarm: run '$0 init' (one-host try-out) or join one"
+  [[ $(docker info --format '{{.Swarm.ControlAvailable}}') == true ]] ||
+    die "this host is a swarm worker: run swarm.sh on a manager (docker node ls there)"
+}
+
+service_exists() { docker service inspect "${STACK}_$1" >/dev/null 2>&1; }
+
+# an environment variable of the running clients service ('' if there is none)
+clients_env() {
+  service_exists clients || return 0
+  docker service inspect --format '{{range .Spec.TaskTemplate.ContainerSpec.Env}}{{println .}}{{end}}' \
+    "${STACK}_clients" | sed -n "s/^$1=//p"
+}
+
+# [deployment] client_nodes of the configuration
+config_clients() {
+  awk '/^[[:space:]]*\[/ { sec = $0; gsub(/[][[:space:]]/, "", sec); next }
+       sec == "deployment" && $1 == "client_nodes" { v = $0; sub(/^[^=]*=[[:space:]]*/, "", v); sub(/[[:space:]#].*$/, "", v); print v; exit }' "$1"
+}
+
+# IDs of the nodes labelled with a role
+role_nodes() { docker node ls -q --filter "node.label=shuffledp.role.$1=true"; }
+
+node_name() { docker node inspect --format '{{.Description.Hostname}}' "$1"; }
+
+# the host that holds the prepared state of a stateful role (node label written by up), '' if none
+state_label() { echo "shuffledp.state.${STACK}.$1"; }
+state_node() { docker node ls -q --filter "node.label=$(state_label "$1")" | head -n 1; }
+
+# The operator's shuffledp CLI on the host, or '' (then the image's CLI in a container is used).
+host_cli() {
+  if [[ -n ${SHUFFLEDP_CLI:-} ]]; then echo "$SHUFFLEDP_CLI"
+  elif [[ -x $ROOT/.venv/bin/shuffledp ]]; then echo "$ROOT/.venv/bin/shuffledp"
+  elif command -v shuffledp >/dev/null 2>&1; then command -v shuffledp
+  fi
+}
+
+ensure_image() {
+  if [[ ${1:-} == --build ]] || ! docker image inspect "$IMAGE" >/dev/null 2>&1; then
+    log "building $IMAGE (deploy/build_image.sh)"
+    bash "$DEPLOY/build_image.sh" --tag "$IMAGE" >/dev/null
+  fi
+}
+
+# CA, analyzer, shuffler, client-0..client-(S-1) and operator certificates (keys readable by the caller only)
+ensure_pki() {
+  local force=${2:-} want=$1 i
+  if [[ -z $force && -f $PKI/ca.crt ]]; then
+    for name in analyzer shuffler operator; do
+      [[ -f $PKI/$name/cert.pem && -f $PKI/$name/key.pem ]] || die "$PKI has no certificate for $name; run: $0 pki --force"
+    done
+    for ((i = 0; i < want; i++)); do
+      [[ -f $PKI/client-$i/cert.pem ]] ||
+        die "$PKI has certificates for fewer than $want client nodes; run: $0 --max-clients $want pki --force (and down first if the stack runs)"
+    done
+    return 0
+  fi
+  local cli args=(pki init --client-nodes "$want" ${force:+--force})
+  cli="$(host_cli)"
+  mkdir -p "$PKI"
+  if [[ -n $cli ]]; then
+    log "creating the PKI in $PKI ($want client-node certificates)"
+    "$cli" "${args[@]}" --out "$PKI" >/dev/null
+  else
+    ensure_image
+    log "creating the PKI in $PKI ($want client-node certificates, in a container)"
+    docker run --rm --user "$(id -u):$(id -g)" --network none --read-only -v "$PKI:/out" --entrypoint shuffledp \
+      "$IMAGE" "${args[@]}" --out /out >/dev/null
+  fi
+}
+
+# The secret files deploy/stack.yml reads: the CA certificate, each service's own certificate and key, and for the
+# client nodes two golang templates that Swarm renders per task, so that the replica in slot s receives only
+# client-(s-1)'s certificate and key.
+write_secrets() {
+  local dir=$1 max=$2 i kind
+  cp "$PKI/ca.crt" "$dir/ca.crt"
+  for p in analyzer shuffler; do
+    cp "$PKI/$p/cert.pem" "$dir/$p.crt"
+    cp "$PKI/$p/key.pem" "$dir/$p.key"
+  done
+  for kind in crt key; do
+    local file=cert.pem
+    [[ $kind == key ]] && file=key.pem
+    {
+      for ((i = 0; i < max; i++)); do
+        if grep -q '{{' "$PKI/client-$i/$file"; then die "$PKI/client-$i/$file is not a PEM file"; fi
+        if ((i == 0)); then printf '{{if eq .Task.Slot "%d"}}' 1; else printf '{{else if eq .Task.Slot "%d"}}' $((i + 1)); fi
+        cat "$PKI/client-$i/$file"
+      done
+      printf '{{end}}'
+    } >"$dir/clients.$kind.tmpl"
+  done
+  chmod 600 "$dir"/*
+}
+
+# Before the first deployment on a host, write the marker into the analyzer's (shuffler's) state volume there, by a
+# one-off service pinned to that host (replicated, run once: a replicated-job would leave its container behind after
+# `docker service rm` on Docker 20.10). The services refuse to start on a volume without the marker
+# (deploy/stack.yml), so a task that Swarm reschedules onto another host never starts with an empty ledger. Only
+# `up` prepares a volume, and it records the host in a node label; a role moved to another host needs --new-state.
+prepare_state() {
+  local new_state=$1 role node old job jobs=() script
+  # shellcheck disable=SC2016  # expanded by the job's shell
+  script='m=/var/lib/shuffledp/'"$MARKER"'
+if [ -f "$m" ]; then echo "existing state: $(cat "$m")"; exit 0; fi
+held=""; [ -d /var/lib/shuffledp/state ] && held=" (adopted a state directory that had no marker)"
+printf "stack=%s role=%s host=%s prepared=%s\n" "$1" "$0" "$SHUFFLEDP_HOST" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$m"
+echo "new state$held: $(cat "$m")"'
+  for role in "${STATEFUL[@]}"; do
+    node="$(role_nodes "$role")"
+    old="$(state_node "$role")"
+    if [[ -n $old && $old != "$node" ]]; then
+      [[ $new_state == 1 ]] || die "the $role state of stack $STACK is on host $(node_name "$old"), but host \
+$(node_name "$node") has the $role role: label $(node_name "$old") $role again, or pass up --new-state to start \
+an empty state on $(node_name "$node") (what the old one recorded is then not used)"
+      docker node update --label-rm "$(state_label "$role")" "$old" >/dev/null
+    fi
+    job="${STACK}_prepare-$role"
+    docker service rm "$job" >/dev/null 2>&1 || true
+    docker service create --quiet --detach --no-resolve-image --name "$job" --replicas 1 --restart-condition none \
+      --label "org.shuffledp.stack=$STACK" --constraint "node.id == $node" --read-only --no-healthcheck \
+      --mount "type=volume,source=${STACK}_${role}-state,target=/var/lib/shuffledp,volume-label=com.docker.stack.namespace=$STACK" \
+      --mount "type=tmpfs,target=/results" --env "SHUFFLEDP_HOST={{.Node.Hostname}}" \
+      --entrypoint /bin/sh "$IMAGE" -c "$script" "$role" "$STACK" >/dev/null
+    jobs+=("$job")
+  done
+  local deadline=$((SECONDS + 120)) state
+  for job in "${jobs[@]}"; do
+    role="${job##*_prepare-}"
+    while :; do
+      state="$(docker service ps --format '{{.CurrentState}}' "$job" 2>/dev/null | head -n 1)"
+      case "$state" in
+        Complete*) break ;;
+        Failed*|Rejected*)
+          docker service ps --no-trunc --format '{{.Error}}' "$job" >&2 || true
+          docker service rm "$job" >/dev/null 2>&1 || true
+          die "preparing the $role state volume failed (is $IMAGE loaded on $(node_name "$(role_nodes "$role")")?)" ;;
+      esac
+      if (( SECONDS >= deadline )); then
+        docker service rm "$job" >/dev/null 2>&1 || true
+        die "preparing the $role state volume did not finish in 120 s (task: ${state:-none}); is $IMAGE loaded on \
+$(node_name "$(role_nodes "$role")")? (docker save $IMAGE | ssh HOST docker load)"
+      fi
+      sleep 0.5
+    done
+    log "$role: $(docker service logs --raw "$job" 2>/dev/null | tail -n 1)"
+    docker service rm "$job" >/dev/null
+    docker node update --label-add "$(state_label "$role")=true" "$(role_nodes "$role")" >/dev/null
+  done
+}
+
+check_roles() {
+  local role nodes count
+  for role in "${SERVICES[@]}"; do
+    nodes="$(role_nodes "$role")"
+    count=$(grep -c . <<<"$nodes" || true)
+    (( count >= 1 )) || die "no host has the $role role: $0 label HOST $role (or '$0 label self all' on one host)"
+    if [[ $role != clients ]] && (( count > 1 )); then
+      die "$count hosts have the $role role; exactly one may (its state volume lives there): $0 label HOST none"
+    fi
+  done
+}
+
+# until every service runs as many tasks as it should, each past its health check (Swarm reports a task with a
+# health check as running only once it is healthy)
+wait_ready() {
+  local deadline=$((SECONDS + TIMEOUT)) svc want have pending
+  while :; do
+    pending=()
+    for svc in "$@"; do
+      want="$(docker service inspect --format '{{.Spec.Mode.Replicated.Replicas}}' "${STACK}_$svc" 2>/dev/null || echo "?")"
+      have="$(docker service ps --filter desired-state=running --format '{{.CurrentState}}' "${STACK}_$svc" 2>/dev/null |
+        grep -c '^Running' || true)"
+      [[ $have == "$want" ]] || pending+=("$svc:$have/$want")
+    done
+    if [[ ${#pending[@]} -eq 0 ]]; then
+      log "ready: $(for svc in "$@"; do printf '%s ' "$svc:$(docker service inspect --format '{{.Spec.Mode.Replicated.Replicas}}' "${STACK}_$svc")"; done)"
+      return 0
+    fi
+    if (( SECONDS >= deadline )); then
+      for svc in "$@"; do
+        docker service ps --no-trunc --format '  {{.Name}} on {{.Node}}: {{.CurrentState}} {{.Error}}' "${STACK}_$svc" >&2 || true
+      done
+      die "not ready after ${TIMEOUT} s: ${pending[*]} (see: $0 --stack $STACK status; $0 --stack $STACK logs SERVICE)"
+    fi
+    sleep 1
+  done
+}
+
+config_name() { echo "${STACK}_config-$(sha256sum "$CONFIG" | cut -c1-12)"; }
+
+# -------------------------------------------------------------------------------------------------- commands
+cmd_init() {
+  local addr=127.0.0.1
+  case "${1:-}" in
+    "") ;;
+    --advertise-addr) addr="${2:?--advertise-addr needs an address}" ;;
+    *) die "init takes only --advertise-addr ADDR" ;;
+  esac
+  case "$(swarm_state)" in
+    inactive)
+      docker swarm init --advertise-addr "$addr" >/dev/null
+      log "created a swarm with this host as its manager (advertising $addr)" ;;
+    active) log "this engine is in a swarm already; only labelling" ;;
+    *) die "this engine's swarm state is '$(swarm_state)'; fix it first (docker info)" ;;
+  esac
+  cmd_label self all
+  log "other hosts join with: $(docker swarm join-token worker 2>/dev/null | grep -o 'docker swarm join .*' || echo 'docker swarm join-token worker')"
+}
+
+cmd_label() {
+  [[ $# -eq 2 ]] || die "usage: label HOST ROLES (ROLES: analyzer,shuffler,clients | all | none)"
+  require_manager
+  local host=$1 id want=() role other args=()
+  [[ $host == self ]] && host="$(docker info --format '{{.Swarm.NodeID}}')"
+  id="$(docker node inspect --format '{{.ID}}' "$host" 2>/dev/null)" || die "no swarm node '$1' (docker node ls)"
+  case "$2" in
+    all) want=("${SERVICES[@]}") ;;
+    none) want=() ;;
+    *) IFS=, read -r -a want <<<"$2"
+       for role in "${want[@]}"; do
+         [[ " ${SERVICES[*]} " == *" $role "* ]] || die "unknown role '$role' (analyzer, shuffler, clients, all, none)"
+       done ;;
+  esac
+  for role in "${SERVICES[@]}"; do
+    local has
+    has="$(docker node inspect --format "{{index .Spec.Labels \"shuffledp.role.$role\"}}" "$id")"
+    if [[ " ${want[*]} " == *" $role "* ]]; then
+      if [[ $role != clients ]]; then
+        for other in $(role_nodes "$role"); do
+          [[ $other == "$id" ]] || die "host $(node_name "$other") has the $role role already, and only one host \
+may (its state volume lives there): move it with '$0 label $(node_name "$other") none' first"
+        done
+      fi
+      [[ $has == true ]] || args+=(--label-add "shuffledp.role.$role=true")
+    elif [[ -n $has ]]; then
+      args+=(--label-rm "shuffledp.role.$role")
+    fi
+  done
+  [[ ${#args[@]} -eq 0 ]] || docker node update "${args[@]}" "$id" >/dev/null
+  log "host $(node_name "$id"): roles ${want[*]:-none}"
+}
+
+cmd_up() {
+  local build="" new_state=0
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      --build) build=--build ;;
+      --new-state) new_state=1 ;;
+      *) die "up takes only --build and --new-state" ;;
+    esac
+    shift
+  done
+  require_manager
+  local running_max running_clients
+  running_max="$(clients_env SHUFFLEDP_MAX_CLIENT_NODES)"
+  running_clients="$(docker service inspect --format '{{.Spec.Mode.Replicated.Replicas}}' "${STACK}_clients" 2>/dev/null || true)"
+  if [[ -z $CLIENTS ]]; then
+    CLIENTS="${running_clients:-$(config_clients "$CONFIG")}"
+    CLIENTS="${CLIENTS:-2}"
+    if ! [[ $CLIENTS =~ ^[0-9]+$ ]] || (( CLIENTS < 1 )); then
+      die "[deployment] client_nodes '$CLIENTS' of $CONFIG must be >= 1"
+    fi
+  fi
+  if [[ -n $running_max && -n $MAX_CLIENTS && $MAX_CLIENTS != "$running_max" ]]; then
+    die "the running stack $STACK has --max-clients $running_max (its data shards and certificates); down first to change it"
+  fi
+  MAX_CLIENTS="${MAX_CLIENTS:-${running_max:-$CLIENTS}}"
+  (( CLIENTS <= MAX_CLIENTS )) || die "--clients $CLIENTS exceeds --max-clients $MAX_CLIENTS"
+  ensure_image $build
+  check_roles
+  ensure_pki "$MAX_CLIENTS"
+  prepare_state "$new_state"
+
+  local secrets
+  secrets="$(mktemp -d /tmp/shuffledp-secrets.XXXXXX)"
+  # shellcheck disable=SC2064  # the directory is fixed now
+  trap "rm -rf '$secrets'" EXIT
+  chmod 700 "$secrets"
+  write_secrets "$secrets" "$MAX_CLIENTS"
+  local cfg_name out
+  cfg_name="$(config_name)"
+  log "deploying stack $STACK: analyzer, shuffler, $CLIENTS of at most $MAX_CLIENTS client nodes; configuration $CONFIG"
+  # --resolve-image never: there is no registry; every host uses its own loaded copy of the image
+  if ! out="$(SHUFFLEDP_STACK="$STACK" SHUFFLEDP_IMAGE="$IMAGE" SHUFFLEDP_SECRETS="$secrets" SHUFFLEDP_CONFIG="$CONFIG" \
+    SHUFFLEDP_CONFIG_NAME="$cfg_name" SHUFFLEDP_CLIENT_NODES="$CLIENTS" SHUFFLEDP_MAX_CLIENT_NODES="$MAX_CLIENTS" \
+    docker stack deploy --detach=true --resolve-image never --prune -c "$DEPLOY/stack.yml" "$STACK" 2>&1)"; then
+    echo "$out" >&2
+    if grep -q "only updates to Labels are allowed" <<<"$out"; then
+      die "the secrets of the running stack $STACK differ from $PKI (a new PKI?): '$0 --stack $STACK down' first"
+    fi
+    die "docker stack deploy failed (above)"
+  fi
+  rm -rf "$secrets"
+  # configurations of earlier deployments that no task uses any more (immutable, so each content has its own)
+  docker config ls --filter "label=com.docker.stack.namespace=$STACK" --format '{{.Name}}' | while read -r c; do
+    [[ $c == "$cfg_name" ]] || docker config rm "$c" >/dev/null 2>&1 || true
+  done
+  wait_ready "${SERVICES[@]}"
+}
+
+# Any shuffledp-run command line as the operator: a one-off container on operator-net (the analyzer publishes no
+# port), holding the operator certificate that no service holds; results land in $1 on this host.
+operator() {
+  local results=$1 conf=$2; shift 2
+  service_exists analyzer || die "stack $STACK is not deployed (run: $0 --stack $STACK up)"
+  [[ -f $PKI/operator/key.pem ]] || die "$PKI has no operator certificate (the stack was deployed from another --pki?)"
+  local mounts=(-v "$PKI/ca.crt:/pki/ca.crt:ro" -v "$PKI/operator:/pki/operator:ro" -v "$results:/results")
+  [[ -z $conf ]] || mounts+=(-v "$conf:/etc/shuffledp/run.toml:ro")
+  exec docker run --rm -i --network "${STACK}_operator-net" --read-only --tmpfs /tmp --cap-drop ALL \
+    --security-opt no-new-privileges --user "$(id -u):$(id -g)" "${mounts[@]}" --entrypoint shuffledp "$IMAGE" \
+    run "$@" --analyzer analyzer:50051 --pki /pki --out /results
+}
+
+cmd_run() {
+  local conf=$CONFIG out=""
+  if [[ $# -gt 0 && $1 != -* ]]; then [[ -f $1 ]] || die "configuration $1 not found"; conf="$(abspath "$1")"; shift; fi
+  if [[ ${1:-} == --out ]]; then out="${2:?--out needs a directory}"; shift 2; fi
+  [[ ${1:-} == -- ]] && shift
+  service_exists analyzer || die "stack $STACK is not deployed (run: $0 --stack $STACK up)"
+  out="${out:-$ROOT/results/$(basename "$conf" .toml)-$(date +%Y%m%d-%H%M%S)}"
+  mkdir -p "$out"
+  log "operator: $conf on stack $STACK; results in $(abspath "$out")"
+  operator "$(abspath "$out")" "$conf" /etc/shuffledp/run.toml "$@"
+}
+
+cmd_results() {
+  local run_id="${1:?results needs a RUN_ID (printed by run)}" out; shift
+  [[ $run_id =~ ^[A-Za-z0-9_-]+$ ]] || die "RUN_ID '$run_id' is not a run id"
+  service_exists analyzer || die "stack $STACK is not deployed (run: $0 --stack $STACK up)"
+  out="$ROOT/results/$run_id"
+  if [[ ${1:-} == --out ]]; then out="${2:?--out needs a directory}"; fi
+  mkdir -p "$out"
+  operator "$(abspath "$out")" "" --fetch "$run_id"
+}
+
+cmd_scale() {
+  [[ $# -eq 1 && $1 =~ ^[0-9]+$ ]] || die "usage: scale N (client-node replicas)"
+  require_manager
+  service_exists clients || die "stack $STACK is not deployed (run: $0 --stack $STACK up)"
+  local max
+  max="$(clients_env SHUFFLEDP_MAX_CLIENT_NODES)"
+  (( $1 >= 1 && $1 <= max )) || die "scale $1: this stack has certificates and data shards for 1..$max client \
+nodes (--max-clients at up); to go further: down, then up --max-clients N (the users are then re-split)"
+  docker service scale --detach "${STACK}_clients=$1" >/dev/null
+  log "client nodes: $1 replicas"
+  wait_ready clients
+}
+
+cmd_status() {
+  require_manager
+  echo "hosts:"
+  docker node ls -q | while read -r id; do
+    docker node inspect --format '  {{.Description.Hostname}} ({{.Status.State}}, {{.Spec.Availability}}): roles {{range $k, $v := .Spec.Labels}}{{$k}} {{end}}' "$id" |
+      sed 's/shuffledp\.role\.//g; s/shuffledp\.state\.[^ ]* \{0,1\}//g; s/ *$//'
+  done
+  service_exists analyzer || { echo "stack $STACK: not deployed"; return 0; }
+  echo "services:"
+  docker stack services --format '  {{.Name}} {{.Replicas}} {{.Image}}' "$STACK"
+  echo "tasks:"
+  docker stack ps --no-trunc --format '  {{.Name}} on {{.Node}}: {{.DesiredState}} / {{.CurrentState}} {{.Error}}' "$STACK"
+}
+
+cmd_logs() {
+  [[ $# -eq 1 && " ${SERVICES[*]} " == *" $1 "* ]] || die "usage: logs SERVICE (analyzer, shuffler, clients)"
+  exec docker service logs -f --tail 100 "${STACK}_$1"
+}
+
+cmd_down() {
+  local volumes=0
+  case "${1:-}" in
+    "") ;;
+    --volumes) volumes=1 ;;
+    *) die "down takes only --volumes" ;;
+  esac
+  require_manager
+  local label="label=com.docker.stack.namespace=$STACK"
+  if service_exists analyzer || service_exists shuffler || service_exists clients; then
+    docker stack rm "$STACK" >/dev/null
+  fi
+  docker service ls -q --filter "label=org.shuffledp.stack=$STACK" | xargs -r docker service rm >/dev/null
+  # stack rm returns at once: wait until the tasks' containers and the networks are gone
+  local deadline=$((SECONDS + 120))
+  while [[ -n "$(docker ps -aq --filter "$label")$(docker network ls -q --filter "$label")" ]]; do
+    (( SECONDS < deadline )) || die "stack $STACK not gone after 120 s: $(docker ps -a --filter "$label" --format '{{.Names}}' | tr '\n' ' ')"
+    sleep 1
+  done
+  docker secret ls -q --filter "$label" | xargs -r docker secret rm >/dev/null
+  docker config ls -q --filter "$label" | xargs -r docker config rm >/dev/null
+  if [[ $volumes == 1 ]]; then
+    # a container Swarm is still removing may hold a volume for a moment
+    local vol
+    deadline=$((SECONDS + 60))
+    for vol in $(docker volume ls -q --filter "$label"); do
+      until docker volume rm "$vol" >/dev/null 2>&1; do
+        (( SECONDS < deadline )) || die "volume $vol still in use: $(docker ps -a --filter "volume=$vol" --format '{{.Names}}' | tr '\n' ' ')"
+        sleep 1
+      done
+    done
+    local role node
+    for role in "${STATEFUL[@]}"; do
+      node="$(state_node "$role")"
+      [[ -z $node ]] || docker node update --label-rm "$(state_label "$role")" "$node" >/dev/null
+    done
+    if [[ $(docker node ls -q | wc -l) -gt 1 ]]; then
+      log "removed the volumes on this host; on other hosts: docker volume ls --filter $label (then docker volume rm)"
+    fi
+    log "stack $STACK removed with its state"
+  else
+    log "stack $STACK removed; the ledger, participation record and users' spend stay in volumes (down --volumes: delete)"
+  fi
+}
+
+cmd_pki() {
+  local count="${MAX_CLIENTS:-${CLIENTS:-$(config_clients "$CONFIG")}}"
+  case "${1:-}" in
+    "") ensure_pki "${count:-2}" ;;
+    --force) ensure_pki "${count:-2}" force ;;
+    *) die "pki takes only --force" ;;
+  esac
+}
+
+case "$CMD" in
+  init) cmd_init "$@" ;;
+  label) cmd_label "$@" ;;
+  up) cmd_up "$@" ;;
+  run) cmd_run "$@" ;;
+  results) cmd_results "$@" ;;
+  scale) cmd_scale "$@" ;;
+  status) cmd_status ;;
+  logs) cmd_logs "$@" ;;
+  down) cmd_down "$@" ;;
+  pki) cmd_pki "$@" ;;
+  *) die "unknown command '$CMD' (init, label, up, run, results, scale, status, logs, down, pki)" ;;
+esac
