@@ -1,8 +1,12 @@
-"""Shared helper of the analyzer tests: wait for a run to end through the real operator API."""
+"""Shared helpers of the analyzer tests: wait for a run to end through the real operator API; `shuffledp run`."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
@@ -17,3 +21,19 @@ def wait_for_run(stub: pbg.AnalyzerStub, run_id: str, timeout: float = 30) -> pb
             return st
         time.sleep(0.1)
     raise AssertionError(f"run {run_id} did not finish in {timeout} s")
+
+
+def run_cli(tmp_path: Path, name: str, toml: str) -> tuple[dict, list[dict], str]:
+    """`shuffledp run` of the configuration over real local processes; (ledger export, metrics rows, stdout)."""
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(toml)
+    out = tmp_path / name
+    proc = subprocess.run(
+        [sys.executable, "-m", "shuffledp.cli", "run", str(cfg), "--out", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ledger = json.loads((out / "ledger.json").read_text())
+    return ledger, json.loads((out / "metrics.json").read_text()), proc.stdout

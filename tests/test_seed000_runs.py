@@ -7,14 +7,11 @@ never above the limit); the robust figure (honest fraction h, spec 000 A.3) like
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from _runs import run_cli
 
 from shuffledp.accountants.calibrated_pvec import composed_epsilon, pvec_round_epsilon
 from shuffledp.protocols.pvec import PvecParams
@@ -23,22 +20,6 @@ pytestmark = pytest.mark.timeout(240)
 
 DATA = '[data]\ndataset = "synthetic"\nn = 3000\ndim = 5\nnoise = 0.5\nseed = 3\n'
 FAST = "[deployment]\nround_deadline_seconds = 20\n[policy]\nmax_eps_per_round = 16\n"
-
-
-def run_cli(tmp_path: Path, name: str, toml: str) -> tuple[dict, list[dict], str]:
-    """`shuffledp run` of the configuration; returns (ledger export, metrics rows, stdout)."""
-    cfg = tmp_path / f"{name}.toml"
-    cfg.write_text(toml)
-    out = tmp_path / name
-    proc = subprocess.run(
-        [sys.executable, "-m", "shuffledp.cli", "run", str(cfg), "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ledger = json.loads((out / "ledger.json").read_text())
-    return ledger, json.loads((out / "metrics.json").read_text()), proc.stdout
 
 
 def check_ledger(ledger: dict) -> dict:

@@ -3,13 +3,11 @@ and a one-number task with randomized response over the real services (`shuffled
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _runs import run_cli
 from shuffledp.clients.node import NodeCore, UserShard
 from shuffledp.clients.policy import Refusal, UserPolicy
 from shuffledp.services.ledger import PrivacyEvent
@@ -116,26 +114,15 @@ def test_randomized_response_on_a_one_number_task_over_the_services(tmp_path: Pa
         '[schedule]\nkind = "subsampled"\ncohort_size = 300\nlearning_rate = 0.5\nlr_steps = [6]\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 20\n'
     )
-    cfg = tmp_path / "rr.toml"
-    cfg.write_text(toml)
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "shuffledp.cli", "run", str(cfg), "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ledger = json.loads((out / "ledger.json").read_text())
+    ledger, rows, stdout = run_cli(tmp_path, "rr", toml)
     plan, totals = ledger["run"]["plan"], ledger["totals"]
     T = la.max_rounds(LdpShuffleRound("rr", 2.0, 1500, 300), 3.0, 1e-5, ldp_bound="tight-pld")  # as many as fit
     assert plan["rounds"] == T == len(ledger["rounds"]) and plan["optimizer"]["lr_steps"] == [6]
     assert totals["eps_spent"] == pytest.approx(tight_pld_epsilon(2.0, 1500, 300, T, 1e-5), rel=1e-12)
     assert totals["eps_spent"] <= 3.0 and totals["views"]["local"] == 2.0 * T
-    rows = json.loads((out / "metrics.json").read_text())
     assert all(r["released"] and r["contributors"] == 300 for r in rows)
     assert rows[-1]["excess_risk"] < rows[0]["excess_risk"]  # the 1-d median moves towards the optimum
-    assert "local view (a party that sees senders): eps = " in proc.stdout
+    assert "local view (a party that sees senders): eps = " in stdout
 
 
 def test_r_inf_over_the_services_improves_the_model(tmp_path: Path):
@@ -147,21 +134,10 @@ def test_r_inf_over_the_services_improves_the_model(tmp_path: Path):
         '[schedule]\nkind = "subsampled"\ncohort_size = 1000\nrounds = 10\nlearning_rate = 1.0\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 20\n'
     )
-    cfg = tmp_path / "rinf.toml"
-    cfg.write_text(toml)
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "shuffledp.cli", "run", str(cfg), "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ledger = json.loads((out / "ledger.json").read_text())
+    ledger, rows, stdout = run_cli(tmp_path, "rinf", toml)
     assert ledger["totals"]["eps_spent"] == pytest.approx(tight_pld_epsilon(2.0, 3000, 1000, 10, 1e-5), rel=1e-12)
-    rows = json.loads((out / "metrics.json").read_text())
     assert len(rows) == 10 and all(r["released"] and r["contributors"] == 1000 for r in rows)
-    final = float(proc.stdout.split("test loss: ")[1].split()[0])
+    final = float(stdout.split("test loss: ")[1].split()[0])
     assert final < np.log(2), (final, [r["loss"] for r in rows])
 
 
