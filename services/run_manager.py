@@ -54,12 +54,14 @@ from shuffledp.models import Model, make_model
 from shuffledp.optimizers import registry as optimizers
 from shuffledp.optimizers.base import Optimizer
 from shuffledp.optimizers.psgd import AveragingState
-from shuffledp.protocols.base import BatchError, PlanRequest, RoundProtocol
-from shuffledp.protocols.pvec_round import (  # noqa: F401 (re-exported: the names' former home)
+from shuffledp.protocols.base import (  # noqa: F401 (the rejection reasons are re-exported: their former home)
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
-    open_bit_messages,
+    BatchError,
+    PlanRequest,
+    RoundProtocol,
 )
+from shuffledp.protocols.pvec_round import open_bit_messages  # noqa: F401 (re-exported: its former home)
 from shuffledp.protocols.registry import round_protocol
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
@@ -347,17 +349,16 @@ class _EvalData(NamedTuple):
     X: np.ndarray
     y: np.ndarray
     feature_bound: float | None
-    optimum: np.ndarray | None
+    optimum_loss: float | None  # held-out loss of the population optimum (synthetic data): excess risk = loss - it
 
 
 class _Round(NamedTuple):
-    """What every round of a run uses, resolved once per run (plug-ins, parameters, model)."""
+    """What every round of a run uses, resolved once per run (plug-ins, parameters)."""
 
     plan: dict[str, Any]
     protocol: RoundProtocol
     params: Any
     opt: Optimizer
-    model: Model
     cfg: RunConfig
 
 
@@ -502,10 +503,10 @@ class RunManager:
             if ck is not None and plan:  # a plan is stored before the first checkpoint
                 opt = _optimizer(plan)
                 view.model = opt.release(_decode_state(ck[1], opt.state_from_arrays), plan.get("output", "mean"))
-                model, X, y, _, optimum = self._evaluation_data(parse_config(run["config_toml"]))
+                model, X, y, _, optimum_loss = self._evaluation_data(parse_config(run["config_toml"]))
                 view.loss, view.accuracy = model.loss(view.model, X, y), model.accuracy(view.model, X, y)
-                if optimum is not None:
-                    view.excess_risk = view.loss - model.loss(optimum, X, y)
+                if optimum_loss is not None:
+                    view.excess_risk = view.loss - optimum_loss
             view.ledger_json = self.ledger.export_json(run_id)
         return view
 
@@ -529,8 +530,9 @@ class RunManager:
             raise ConfigError(f"data: {exc}") from exc
         model = make_model(cfg.model.task, ds.num_features, ds.num_classes, l2=cfg.model.l2)
         # the excess risk of the regularised objective would need its own optimum: reported for l2 = 0 only
-        optimum = ds.optimum if cfg.model.l2 == 0 else None
-        entry = _EvalData(model, ds.X_test, ds.y_test, ds.feature_norm_bound, optimum)
+        known = ds.optimum is not None and cfg.model.l2 == 0
+        optimum_loss = model.loss(ds.optimum, ds.X_test, ds.y_test) if known else None
+        entry = _EvalData(model, ds.X_test, ds.y_test, ds.feature_norm_bound, optimum_loss)
         with self._lock:
             self._test_data[key] = entry
             while len(self._test_data) > _TEST_DATA_CACHE:
@@ -572,11 +574,12 @@ class RunManager:
         plan = plan_run(cfg, pop.admitted_users, pop.unused_users, model, bound)
         limit = BudgetLimit(plan["eps"], plan["delta"], plan["composition"], plan["advanced_slack"])
         self.ledger.set_budget(run_id, limit, plan)
-        state = _optimizer(plan).init(model.init_params())
-        self.ledger.save_checkpoint(run_id, -1, _encode_state(state), self._evaluate(model, cfg, plan, state, -1))
+        opt = _optimizer(plan)
+        state = opt.init(model.init_params())
+        self.ledger.save_checkpoint(run_id, -1, _encode_state(state), self._evaluate(cfg, opt, state, -1))
         return plan
 
-    def _evaluate(self, model: Model, cfg: RunConfig, plan: dict[str, Any], state: Any, r: int) -> dict[str, Any]:
+    def _evaluate(self, cfg: RunConfig, opt: Optimizer, state: Any, r: int) -> dict[str, Any]:
         """Held-out loss/accuracy of the model after round r (r = -1: the initial model theta_0).
 
         The optimizer's monitor() says what to evaluate: for PSGD / PGD after k steps "last" is theta_k and "mean"
@@ -585,15 +588,14 @@ class RunManager:
         "mean" is the aggregated iterate theta_ag (its output) and "last" the prox iterate. With a known optimum
         (synthetic data) the excess risk of each is reported too.
         """
-        _, X, y, _, _ = self._evaluation_data(cfg)
-        views = _optimizer(plan).monitor(state)
+        model, X, y, _, optimum_loss = self._evaluation_data(cfg)
+        views = opt.monitor(state)
         out: dict[str, Any] = {"round": r}
-        optimum = self._evaluation_data(cfg).optimum
         for which in ("mean", "last"):
             out[f"loss_{which}"] = model.loss(views[which], X, y)
             out[f"accuracy_{which}"] = model.accuracy(views[which], X, y)
-            if optimum is not None:
-                out[f"excess_risk_{which}"] = out[f"loss_{which}"] - model.loss(optimum, X, y)
+            if optimum_loss is not None:
+                out[f"excess_risk_{which}"] = out[f"loss_{which}"] - optimum_loss
         return out
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -613,7 +615,7 @@ class RunManager:
         plan = self._plan(run_id, cfg, live)
         protocol = _protocol(plan)
         opt = _optimizer(plan)
-        rd = _Round(plan, protocol, protocol.params(plan), opt, self._evaluation_data(cfg).model, cfg)
+        rd = _Round(plan, protocol, protocol.params(plan), opt, cfg)
         ck = self.ledger.last_checkpoint(run_id)
         assert ck is not None  # _plan always writes the initial checkpoint
         state = _decode_state(ck[1], opt.state_from_arrays)
@@ -755,7 +757,7 @@ class RunManager:
         report: pb.BatchReport | None = None,
         failure: str = "",
     ) -> None:
-        m = self._evaluate(rd.model, rd.cfg, rd.plan, state, r)
+        m = self._evaluate(rd.cfg, rd.opt, state, r)
         totals = self.ledger.totals(run_id)
         m.update(
             released=released,

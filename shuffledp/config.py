@@ -577,10 +577,10 @@ def _check_combinations(cfg: RunConfig) -> None:
             raise ConfigError(f'privacy.eps0 applies to LDP protocols; privacy.protocol = "{p.protocol}" has none')
     if s.lr_steps and optimizer != "sgd":
         raise ConfigError(f'schedule.lr_steps applies to schedule.optimizer = "sgd"; it resolves to "{optimizer}"')
-    if m.smoothing == "paper" and optimizer == "psgd":
+    if m.smoothing == "paper" and optimizer not in ("acsa", "pgd"):
         raise ConfigError(
             'model.smoothing = "paper" is the beta of Thm 4.7 (AC-SA) or Thm 4.9 (PGD); schedule.optimizer resolves '
-            'to "psgd": use optimizer = "acsa", or a numeric model.smoothing'
+            f'to "{optimizer}": use optimizer = "acsa" or "pgd", or a numeric model.smoothing'
         )
     if optimizer == "acsa" and m.task in _NONSMOOTH_TASKS and m.smoothing == 0:
         raise ConfigError(

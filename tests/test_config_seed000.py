@@ -24,6 +24,11 @@ SEQ = '[schedule]\nkind = "sequential"\n'
         ('[model]\nsmoothing = "auto"\n', ["model.smoothing"]),
         ("[model]\nsmoothing = 5.0\n", ["model.smoothing", "model.task"]),  # logreg is smooth
         ('[model]\ntask = "hinge"\nsmoothing = "paper"\n' + SEQ, ["model.smoothing", "schedule.optimizer"]),
+        (
+            '[model]\ntask = "distance"\nsmoothing = "paper"\n[privacy]\nprotocol = "rr"\n[schedule]\n'
+            'kind = "subsampled"\ncohort_size = 10\n[transport]\nmode = "sealed"\n',
+            ["model.smoothing", "schedule.optimizer", '"sgd"'],
+        ),
         ("[model]\nsmoothness = 2.0\n", ["model.smoothness", "schedule.optimizer"]),
         ('[model]\ntask = "hinge"\n' + SEQ + 'optimizer = "acsa"\n', ["schedule.optimizer", "model.task"]),
         ("[privacy]\nhonest_fraction = 0.0\n", ["privacy.honest_fraction"]),

@@ -17,7 +17,34 @@ import numpy as np
 
 from shuffledp.v1 import shuffledp_pb2 as pb
 
-__all__ = ["RoundProtocol", "PlanRequest", "RoundPlan", "Decoded", "BatchError"]
+__all__ = [
+    "RoundProtocol",
+    "PlanRequest",
+    "RoundPlan",
+    "Decoded",
+    "BatchError",
+    "open_each",
+    "UNDECRYPTABLE",
+    "MALFORMED_PLAINTEXT",
+]
+
+# The analyzer's own rejection reasons (design 5.3), counted per message in the round's metrics["rejected"]
+UNDECRYPTABLE = "undecryptable"  # HPKE open failed: wrong key, wrong run/round (a replay), tampered or truncated
+MALFORMED_PLAINTEXT = "malformed_plaintext"  # opened, but not a message of this round's randomizer
+
+
+def open_each(private_key: Any, ciphertexts: Sequence[bytes], info: bytes) -> tuple[list[bytes], int]:
+    """(plaintexts of the ciphertexts that open, in order; how many did not, each an UNDECRYPTABLE message). A
+    message that does not open is skipped, so one bad message cannot void the others; nothing of it is kept."""
+    from shuffledp import sealing
+
+    opened: list[bytes] = []
+    for c in ciphertexts:
+        try:
+            opened.append(sealing.open_sealed(private_key, c, info))
+        except sealing.SealingError:
+            pass
+    return opened, len(ciphertexts) - len(opened)
 
 
 @dataclass(frozen=True)

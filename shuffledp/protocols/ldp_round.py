@@ -34,7 +34,15 @@ from typing import Any
 import numpy as np
 
 from shuffledp import sealing
-from shuffledp.protocols.base import BatchError, Decoded, PlanRequest, RoundPlan
+from shuffledp.protocols.base import (
+    MALFORMED_PLAINTEXT,
+    UNDECRYPTABLE,
+    BatchError,
+    Decoded,
+    PlanRequest,
+    RoundPlan,
+    open_each,
+)
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = ["LdpRound", "LDP_PROTOCOLS", "UNDECRYPTABLE", "MALFORMED_PLAINTEXT", "clip_rows_in_norm"]
@@ -44,8 +52,6 @@ __all__ = ["LdpRound", "LDP_PROTOCOLS", "UNDECRYPTABLE", "MALFORMED_PLAINTEXT", 
 # baseline at n = 60000, k in {1000, 10000}, eps0 in {1, 2}, eps = 4, delta = 1e-5, and 3-4x below Thm 1's eps.
 # `shuffledp account subsampled-shuffle --bound tight-pld` gives the same figure.
 BOUND = "tight-pld"
-UNDECRYPTABLE = "undecryptable"  # HPKE open failed: wrong key, wrong run/round (a replay), tampered or truncated
-MALFORMED_PLAINTEXT = "malformed_plaintext"  # opened, but not a message of this randomizer (length or alphabet)
 # the four randomizers and the norm each clips in (spec 001 sec 3)
 LDP_PROTOCOLS = {"r_inf": np.inf, "r_one": 1, "privunit": 2, "rr": np.inf}
 
@@ -211,18 +217,9 @@ class LdpRound:
             raise BatchError(n, f"{len(batch.ciphertexts)} ciphertexts do not match {n} contributors (one per user)")
         rnd = _Randomizer.of(self.name, params["eps0"], params["d"], params["radius"])
         fmt = rnd.params.message_format
-        good: list[bytes] = []
-        rejected: Counter[str] = Counter()
-        for c in batch.ciphertexts:
-            try:
-                plain = sealing.open_sealed(private_key, c, info)
-            except sealing.SealingError:
-                rejected[UNDECRYPTABLE] += 1
-                continue
-            if len(plain) != fmt.message_bytes:
-                rejected[MALFORMED_PLAINTEXT] += 1
-                continue
-            good.append(plain)
+        opened, undecryptable = open_each(private_key, batch.ciphertexts, info)
+        good = [plain for plain in opened if len(plain) == fmt.message_bytes]
+        rejected: Counter[str] = Counter({UNDECRYPTABLE: undecryptable, MALFORMED_PLAINTEXT: len(opened) - len(good)})
         messages = np.zeros((0, *fmt.shape), dtype=fmt.dtype)
         if good:
             raw = np.frombuffer(b"".join(good), dtype=np.uint8).reshape(len(good), fmt.message_bytes)

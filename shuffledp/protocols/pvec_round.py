@@ -29,7 +29,15 @@ import numpy as np
 
 from shuffledp import sealing
 from shuffledp.protocols import pvec
-from shuffledp.protocols.base import BatchError, Decoded, PlanRequest, RoundPlan
+from shuffledp.protocols.base import (
+    MALFORMED_PLAINTEXT,
+    UNDECRYPTABLE,
+    BatchError,
+    Decoded,
+    PlanRequest,
+    RoundPlan,
+    open_each,
+)
 from shuffledp.protocols.pvec import PvecParams
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -40,10 +48,6 @@ __all__ = [
     "UNDECRYPTABLE",
     "MALFORMED_PLAINTEXT",
 ]
-
-# The analyzer's own rejection reasons (design 5.3), counted per message in the round's metrics["rejected"]
-UNDECRYPTABLE = "undecryptable"  # HPKE open failed: wrong key, wrong run/round, tampered or truncated
-MALFORMED_PLAINTEXT = "malformed_plaintext"  # opened, but not one labelled bit of this round (length, bit, label)
 
 
 def _sized(method: str, eps: float, delta: float, n_min: int, n_max: int, d: int, clip: float, rounds: int):
@@ -89,13 +93,9 @@ def open_bit_messages(
     """
     labels: list[int] = []
     bits: list[int] = []
-    rejected: Counter[str] = Counter()
-    for c in ciphertexts:
-        try:
-            plain = sealing.open_sealed(private_key, c, info)
-        except sealing.SealingError:
-            rejected[UNDECRYPTABLE] += 1
-            continue
+    opened, undecryptable = open_each(private_key, ciphertexts, info)
+    rejected: Counter[str] = Counter({UNDECRYPTABLE: undecryptable} if undecryptable else {})
+    for plain in opened:
         try:
             (label,), (bit,) = sealing.unpack_labelled_bits([plain])
         except ValueError:
