@@ -29,6 +29,7 @@ from shuffledp.services.shuffler_state import (
     SqliteParticipationStore,
     Submission,
     Transport,
+    TreeLimits,
     UserMessage,
 )
 
@@ -158,8 +159,13 @@ def _request(spec: pb.RoundSpec) -> RoundRequest:
         min_contributors=spec.min_contributors,
         deadline_seconds=spec.deadline_seconds,
         analyzer_public_key=spec.analyzer_public_key,
+        limits=_limits(spec.participation) if spec.HasField("participation") else None,
         relay=spec,
     )
+
+
+def _limits(p: pb.ParticipationLimit) -> TreeLimits:
+    return TreeLimits(int(p.max_per_tree), int(p.min_separation), int(p.rounds_per_tree))
 
 
 def _submission(c: pb.Contribution, node_id: str) -> Submission:
@@ -193,6 +199,7 @@ def _batch(b: BatchResult) -> pb.ShuffledBatch:
         refused=b.refused,
         below_threshold=b.below_threshold,
         refused_reasons=b.refused_reasons,
+        not_in_run=b.not_in_run,
     )
     out = pb.ShuffledBatch(run_id=b.run_id, round=b.round, released=b.released, report=report)
     if b.released:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -44,6 +44,7 @@ __all__ = [
     "CohortUnavailable",
     "QuotaExceeded",
     "RoundRequest",
+    "TreeLimits",
     "UserMessage",
     "Submission",
     "Ack",
@@ -170,7 +171,28 @@ class RoundRequest:
     min_contributors: int = 1
     deadline_seconds: float = 30.0
     analyzer_public_key: bytes = b""
+    limits: TreeLimits | None = None  # DP-FTRL's per-tree participation limits, or None
     relay: Any = None
+
+
+class TreeLimits(NamedTuple):
+    """Per-tree participation limits (spec 003 sec 3; RoundSpec.participation): in one tree of rounds_per_tree
+    consecutive rounds (0: one tree), a user joins at most max_per_tree rounds, with at least min_separation
+    rounds strictly between two of them (the tree accountant's convention, tree_aggregation module docstring)."""
+
+    max_per_tree: int
+    min_separation: int
+    rounds_per_tree: int
+
+    def position(self, round_index: int) -> tuple[int, int]:
+        """(tree, leaf) of a round."""
+        if self.rounds_per_tree == 0:
+            return 0, round_index
+        return divmod(round_index, self.rounds_per_tree)
+
+    def allows(self, leaves: Sequence[int], leaf: int) -> bool:
+        """Whether a user with these leaves in the tree may also take `leaf`."""
+        return len(leaves) < self.max_per_tree and all(abs(leaf - x) - 1 >= self.min_separation for x in leaves)
 
 
 @dataclass(frozen=True)
@@ -214,6 +236,7 @@ class BatchResult:
     refused: int
     below_threshold: bool
     refused_reasons: dict[str, int] = field(default_factory=dict)  # the nodes' reasons, sanitized and bounded
+    not_in_run: int = 0  # FULLY_INTERACTIVE: connected users who joined after the run's first round, not invited
 
 
 @dataclass(frozen=True)
@@ -264,10 +287,33 @@ class Subscription:
 class ParticipationStore(Protocol):
     def used_users(self, run_id: str) -> set[str]: ...
 
+    def run_population(self, run_id: str) -> set[str] | None:
+        """A fully interactive run's users, fixed at its first round; None before it."""
+        ...
+
+    def run_limits(self, run_id: str) -> TreeLimits | None:
+        """The run's participation limits, fixed at its first limited round; None before it."""
+        ...
+
+    def tree_leaves(self, run_id: str, tree: int) -> dict[str, list[int]]:
+        """Each user's leaves (rounds) in one tree of the run."""
+        ...
+
     def round_exists(self, run_id: str, round_index: int) -> bool: ...
 
-    def record_round(self, run_id: str, round_index: int, schedule: int, sequential_users: Iterable[str]) -> None:
-        """Atomically record that the round ran and which users it consumed; RoundExistsError if it ran."""
+    def record_round(
+        self,
+        run_id: str,
+        round_index: int,
+        schedule: int,
+        sequential_users: Iterable[str],
+        population: Iterable[str] = (),
+        limits: TreeLimits | None = None,
+        tree_users: Iterable[str] = (),
+    ) -> None:
+        """Atomically record that the round ran, which users it consumed, (a fully interactive run's first round)
+        the run's population, and (limited rounds) the limits and the users who took the round's leaf;
+        RoundExistsError if it ran."""
         ...
 
 
@@ -275,18 +321,51 @@ class MemoryParticipationStore:
     def __init__(self) -> None:
         self._rounds: set[tuple[str, int]] = set()
         self._used: dict[str, set[str]] = {}
+        self._population: dict[str, set[str]] = {}
+        self._limits: dict[str, TreeLimits] = {}
+        self._leaves: dict[tuple[str, int], dict[str, list[int]]] = {}
 
     def used_users(self, run_id: str) -> set[str]:
         return set(self._used.get(run_id, ()))
 
+    def run_population(self, run_id: str) -> set[str] | None:
+        pop = self._population.get(run_id)
+        return None if pop is None else set(pop)
+
+    def run_limits(self, run_id: str) -> TreeLimits | None:
+        return self._limits.get(run_id)
+
+    def tree_leaves(self, run_id: str, tree: int) -> dict[str, list[int]]:
+        return {u: list(v) for u, v in self._leaves.get((run_id, tree), {}).items()}
+
     def round_exists(self, run_id: str, round_index: int) -> bool:
         return (run_id, round_index) in self._rounds
 
-    def record_round(self, run_id: str, round_index: int, schedule: int, sequential_users: Iterable[str]) -> None:
+    def record_round(
+        self,
+        run_id: str,
+        round_index: int,
+        schedule: int,
+        sequential_users: Iterable[str],
+        population: Iterable[str] = (),
+        limits: TreeLimits | None = None,
+        tree_users: Iterable[str] = (),
+    ) -> None:
         if (run_id, round_index) in self._rounds:
             raise RoundExistsError(f"round {round_index} of run {run_id!r} was already executed")
+        pop = set(population)
+        if pop and run_id in self._population:
+            raise RoundExistsError(f"the population of run {run_id!r} was already fixed")
         self._rounds.add((run_id, round_index))
         self._used.setdefault(run_id, set()).update(sequential_users)
+        if pop:
+            self._population[run_id] = pop
+        if limits is not None:
+            self._limits.setdefault(run_id, limits)
+            tree, leaf = limits.position(round_index)
+            leaves = self._leaves.setdefault((run_id, tree), {})
+            for u in tree_users:
+                leaves.setdefault(u, []).append(leaf)
 
 
 class SqliteParticipationStore:
@@ -304,11 +383,45 @@ class SqliteParticipationStore:
                 "CREATE TABLE IF NOT EXISTS participation (run_id TEXT NOT NULL, user_id TEXT NOT NULL, "
                 "round INTEGER NOT NULL, PRIMARY KEY (run_id, user_id))"
             )
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS population (run_id TEXT NOT NULL, user_id TEXT NOT NULL, "
+                "PRIMARY KEY (run_id, user_id))"
+            )
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS tree_limits (run_id TEXT PRIMARY KEY, max_per_tree INTEGER NOT NULL, "
+                "min_separation INTEGER NOT NULL, rounds_per_tree INTEGER NOT NULL)"
+            )
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS tree_leaves (run_id TEXT NOT NULL, tree INTEGER NOT NULL, "
+                "user_id TEXT NOT NULL, leaf INTEGER NOT NULL, PRIMARY KEY (run_id, tree, user_id, leaf))"
+            )
 
     def used_users(self, run_id: str) -> set[str]:
         with self._lock:
             rows = self._db.execute("SELECT user_id FROM participation WHERE run_id = ?", (run_id,)).fetchall()
         return {r[0] for r in rows}
+
+    def run_population(self, run_id: str) -> set[str] | None:
+        with self._lock:
+            rows = self._db.execute("SELECT user_id FROM population WHERE run_id = ?", (run_id,)).fetchall()
+        return {r[0] for r in rows} or None
+
+    def run_limits(self, run_id: str) -> TreeLimits | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT max_per_tree, min_separation, rounds_per_tree FROM tree_limits WHERE run_id = ?", (run_id,)
+            ).fetchone()
+        return None if row is None else TreeLimits(*map(int, row))
+
+    def tree_leaves(self, run_id: str, tree: int) -> dict[str, list[int]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT user_id, leaf FROM tree_leaves WHERE run_id = ? AND tree = ?", (run_id, int(tree))
+            ).fetchall()
+        out: dict[str, list[int]] = {}
+        for u, leaf in rows:
+            out.setdefault(u, []).append(int(leaf))
+        return out
 
     def round_exists(self, run_id: str, round_index: int) -> bool:
         with self._lock:
@@ -317,7 +430,16 @@ class SqliteParticipationStore:
             ).fetchone()
         return row is not None
 
-    def record_round(self, run_id: str, round_index: int, schedule: int, sequential_users: Iterable[str]) -> None:
+    def record_round(
+        self,
+        run_id: str,
+        round_index: int,
+        schedule: int,
+        sequential_users: Iterable[str],
+        population: Iterable[str] = (),
+        limits: TreeLimits | None = None,
+        tree_users: Iterable[str] = (),
+    ) -> None:
         with self._lock:
             try:
                 with transaction(self._db) as db:
@@ -329,6 +451,16 @@ class SqliteParticipationStore:
                         "INSERT INTO participation (run_id, user_id, round) VALUES (?, ?, ?)",
                         [(run_id, u, int(round_index)) for u in sequential_users],
                     )
+                    db.executemany(
+                        "INSERT INTO population (run_id, user_id) VALUES (?, ?)", [(run_id, u) for u in population]
+                    )
+                    if limits is not None:
+                        db.execute("INSERT OR IGNORE INTO tree_limits VALUES (?, ?, ?, ?)", (run_id, *limits))
+                        tree, leaf = limits.position(int(round_index))
+                        db.executemany(
+                            "INSERT INTO tree_leaves (run_id, tree, user_id, leaf) VALUES (?, ?, ?, ?)",
+                            [(run_id, tree, u, leaf) for u in tree_users],
+                        )
             except sqlite3.IntegrityError as exc:
                 raise RoundExistsError(
                     f"round {round_index} of run {run_id!r} was already executed (or a user was reused): {exc}"
@@ -342,6 +474,13 @@ class SqliteParticipationStore:
 # ---------------------------------------------------------------------------------------------------------------
 # the shuffler
 # ---------------------------------------------------------------------------------------------------------------
+class _Selection(NamedTuple):
+    invited: list[str]
+    consumed: list[str]  # SEQUENTIAL: the users this round uses up
+    population: list[str]  # FULLY_INTERACTIVE, first round: the run's users from now on
+    not_in_run: int  # FULLY_INTERACTIVE: connected users outside the run's population, not invited
+
+
 @dataclass
 class _OpenRound:
     req: RoundRequest
@@ -350,6 +489,7 @@ class _OpenRound:
     expected_messages: int
     expected_ct_len: int
     bound: int  # g + m
+    not_in_run: int
     wire_dtype: np.dtype | None  # COUNTS: CountVector.packed is count_wire_dtype(g + m); None otherwise
     answered: set[str] = field(default_factory=set)  # user keys (user_key)
     nonces: set[bytes] = field(default_factory=set)  # replay protection; dropped with the round (design 5.3)
@@ -360,6 +500,11 @@ class _OpenRound:
     refused_reasons: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)
     closed: bool = False
+
+
+def _limits_text(t: TreeLimits) -> str:
+    per = f"trees of {t.rounds_per_tree} rounds" if t.rounds_per_tree else "one tree"
+    return f"(at most {t.max_per_tree} rounds per user per tree, >= {t.min_separation} rounds apart, {per})"
 
 
 def _refusal_reason(rnd: _OpenRound, why: str) -> str:
@@ -498,6 +643,11 @@ class ShufflerState:
             raise ValueError(f"deadline_seconds must lie in (0, {self._max_deadline}], got {req.deadline_seconds}")
         if req.min_contributors < 0:
             raise ValueError(f"min_contributors must be >= 0, got {req.min_contributors}")
+        if req.limits is not None:
+            if req.schedule != Schedule.SUBSAMPLED:
+                raise ValueError(f"participation limits apply to SUBSAMPLED rounds, not {req.schedule.name}")
+            if req.limits.max_per_tree < 1 or req.limits.min_separation < 0 or req.limits.rounds_per_tree < 0:
+                raise ValueError(f"participation limits need max_per_tree >= 1, got {tuple(req.limits)}")
         bound = int(req.g) + int(req.m)
         if bound >= _U64:  # no count of any transport can reach it; refused here, before any state changes
             raise ValueError(f"g + m must be < 2^64, got g={req.g}, m={req.m}")
@@ -533,34 +683,56 @@ class ShufflerState:
             raise ValueError(f"randomizer.message_bytes must be >= 1 for SEALED, got {req.message_bytes}")
         return per_user, sealed_length(req.message_bytes), bound
 
-    def _select(self, req: RoundRequest) -> tuple[list[str], list[str]]:
-        """(invited users, sequential users consumed). Caller holds the lock."""
+    def _select(self, req: RoundRequest) -> _Selection:
+        """Who is invited, which sequential users it consumes, the population it fixes. Caller holds the lock."""
         eligible = self._eligible_users()
         k = req.cohort_size
         if req.schedule == Schedule.FULLY_INTERACTIVE:
-            # every admitted user in every round (PGD, Alg 5); a nonzero cohort_size must match the population,
-            # otherwise the analyzer's accounting (n users per round) would not describe what ran
-            if not eligible:
-                raise CohortUnavailable("no admitted users on connected nodes")
-            if k not in (0, len(eligible)):
+            # every user of the run in every round (PGD, Alg 5). The run's users are those connected at its first
+            # round: PGD optimises over one fixed data set, and the analyzer sized every round's noise and its
+            # contributor bound for that population. A node that joins later is not invited to this run (its
+            # users are counted in the report, under NOT_IN_RUN); one that left and came back is.
+            fixed = self._store.run_population(req.run_id)
+            invited = eligible if fixed is None else [u for u in eligible if u in fixed]
+            if not invited:
+                raise CohortUnavailable(
+                    "no admitted users on connected nodes"
+                    if fixed is None
+                    else f"none of the run's {len(fixed)} users is connected"
+                )
+            if k not in (0, len(eligible)) and fixed is None:
                 raise CohortUnavailable(
                     f"FULLY_INTERACTIVE cohort_size={k} but {len(eligible)} admitted users are connected"
                 )
-            return eligible, []
+            return _Selection(invited, [], eligible if fixed is None else [], len(eligible) - len(invited))
         if k < 1:
             raise ValueError(f"cohort_size must be >= 1 for {req.schedule.name}, got {k}")
+        limited = ""
         if req.schedule == Schedule.SEQUENTIAL:
             used = self._store.used_users(req.run_id)
             pool = [u for u in eligible if u not in used]  # fresh users only: disjoint cohorts
+        elif req.limits is not None:
+            # DP-FTRL (spec 003 sec 3-4): only users whose leaves in this tree leave room for this one. The limits
+            # are the run's from its first round on: the tree accountant's (E, xi) describe every tree
+            fixed = self._store.run_limits(req.run_id)
+            if fixed is not None and fixed != req.limits:
+                raise ValueError(
+                    f"run {req.run_id!r} has participation limits {_limits_text(fixed)}; this round asks for "
+                    f"{_limits_text(req.limits)}"
+                )
+            tree, leaf = req.limits.position(int(req.round))
+            leaves = self._store.tree_leaves(req.run_id, tree)
+            pool = [u for u in eligible if req.limits.allows(leaves.get(u, ()), leaf)]
+            limited = f" under the limits {_limits_text(req.limits)} (tree {tree}, round {leaf} in it)"
         else:
             pool = eligible  # SUBSAMPLED: uniform k of n, secret (seed 001)
         if len(pool) < k:
             raise CohortUnavailable(
-                f"{req.schedule.name} round needs cohort_size={k} users but only {len(pool)} are eligible"
+                f"{req.schedule.name} round needs cohort_size={k} users but only {len(pool)} are eligible{limited}"
             )
         idx = self._rng.choice(len(pool), size=k, replace=False)  # uniform k-subset from the CSPRNG
         chosen = [pool[i] for i in np.sort(idx)]
-        return chosen, (chosen if req.schedule == Schedule.SEQUENTIAL else [])
+        return _Selection(chosen, chosen if req.schedule == Schedule.SEQUENTIAL else [], [], 0)
 
     def _check_batch_size(self, req: RoundRequest, invited: int, per_user: int, ct_len: int) -> None:
         """A released SEALED / BITS batch holds up to invited * per_user ciphertexts: it must fit one gRPC message
@@ -584,11 +756,20 @@ class ShufflerState:
         with self._lock:
             if key in self._open or key in self._closed or self._store.round_exists(*key):
                 raise RoundExistsError(f"round {req.round} of run {req.run_id!r} was already executed")
-            invited, consumed = self._select(req)
+            sel = self._select(req)
+            invited = sel.invited
             self._check_batch_size(req, len(invited), per_user, ct_len)
             # the last state-free check is above; record before anyone is invited: a sequential user counts as
             # used once asked (even if silent)
-            self._store.record_round(req.run_id, int(req.round), int(req.schedule), consumed)
+            self._store.record_round(
+                req.run_id,
+                int(req.round),
+                int(req.schedule),
+                sel.consumed,
+                sel.population,
+                req.limits,
+                invited if req.limits is not None else (),
+            )
             rnd = _OpenRound(
                 req=req,
                 deadline=self._clock() + req.deadline_seconds,
@@ -596,6 +777,7 @@ class ShufflerState:
                 expected_messages=per_user,
                 expected_ct_len=ct_len,
                 bound=bound,
+                not_in_run=sel.not_in_run,
                 wire_dtype=wire_dtype,
             )
             if req.transport == Transport.COUNTS:
@@ -647,6 +829,7 @@ class ShufflerState:
             refused=rnd.refused,
             below_threshold=below,
             refused_reasons=dict(rnd.refused_reasons),
+            not_in_run=rnd.not_in_run,
         )
 
     # ----- collection ------------------------------------------------------------------------------------------

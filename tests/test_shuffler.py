@@ -21,6 +21,7 @@ from shuffledp.clients.node import UserShard, start_node_with_shard
 from shuffledp.clients.policy import UserPolicy
 from shuffledp.services.shuffler import serve_shuffler
 from shuffledp.services.shuffler_state import (
+    CohortUnavailable,
     RoundRequest,
     Schedule,
     ShufflerState,
@@ -409,3 +410,41 @@ def test_fully_interactive_cohort_must_match_population(shuffler, nodes):
     assert "11 admitted users" in err.value.details()
     batch = shuffler.stub.ExecuteRound(spec(2, cohort=11), timeout=30)
     assert batch.report.contributors == 11
+
+
+def test_fully_interactive_population_is_fixed_at_the_first_round(tmp_path):
+    """A node that connects after a fully interactive run's first round is not invited to that run (PGD optimises
+    over the data set it started with, and the analyzer sized the noise and its contributor bound for it); the
+    report counts its users as not_in_run. The population is durable: a restarted shuffler keeps it."""
+    db = tmp_path / "shuffler.sqlite"
+
+    def fi(state: ShufflerState, r: int, run: str = "run"):
+        req = RoundRequest(run, r, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=2, g=1, m=1, deadline_seconds=1e-4)
+        return state.execute_round(req)
+
+    store = SqliteParticipationStore(db)
+    state = ShufflerState(store, rng=make_rng(3), poll_seconds=0.001)
+    state.register_users("a", ["a0", "a1", "a2"])
+    sub_a = state.subscribe("a")
+    res = fi(state, 0)
+    assert (res.invited, res.not_in_run) == (3, 0)
+    state.register_users("b", ["b0", "b1"])  # scaled up during the run
+    sub_b = state.subscribe("b")
+    res = fi(state, 1)
+    assert (res.invited, res.not_in_run) == (3, 2)
+    assert sub_a.get(timeout=1) is not None and sub_a.get(timeout=1) is not None
+    assert sub_b.get(timeout=0.05) is None  # never invited to this run
+    assert fi(state, 0, run="other").invited == 5  # a run that starts now has everybody
+    store.close()
+
+    store = SqliteParticipationStore(db)  # the shuffler restarts on its state
+    state = ShufflerState(store, rng=make_rng(3), poll_seconds=0.001)
+    state.register_users("b", ["b0", "b1"])
+    state.subscribe("b")
+    with pytest.raises(CohortUnavailable, match="none of the run's 3 users is connected"):
+        fi(state, 2)
+    state.register_users("a", ["a0", "a1", "a2"])
+    state.subscribe("a")
+    res = fi(state, 3)
+    assert (res.invited, res.not_in_run) == (3, 2)
+    store.close()

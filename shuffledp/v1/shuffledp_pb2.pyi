@@ -113,7 +113,7 @@ class PrivacyCost(_message.Message):
     def __init__(self, eps: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing")
+    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class RoundSpec(_message.Message):
     LOCAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     L2_FIELD_NUMBER: _ClassVar[int]
     SMOOTHING_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPATION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     schedule: Schedule
@@ -148,7 +149,18 @@ class RoundSpec(_message.Message):
     local_batch: int
     l2: float
     smoothing: float
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ...) -> None: ...
+    participation: ParticipationLimit
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ...) -> None: ...
+
+class ParticipationLimit(_message.Message):
+    __slots__ = ("max_per_tree", "min_separation", "rounds_per_tree")
+    MAX_PER_TREE_FIELD_NUMBER: _ClassVar[int]
+    MIN_SEPARATION_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_PER_TREE_FIELD_NUMBER: _ClassVar[int]
+    max_per_tree: int
+    min_separation: int
+    rounds_per_tree: int
+    def __init__(self, max_per_tree: _Optional[int] = ..., min_separation: _Optional[int] = ..., rounds_per_tree: _Optional[int] = ...) -> None: ...
 
 class Invitation(_message.Message):
     __slots__ = ("spec", "user_ids")
@@ -222,7 +234,7 @@ class ContributionAck(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class BatchReport(_message.Message):
-    __slots__ = ("invited", "contributors", "rejected", "refused", "below_threshold", "refused_reasons")
+    __slots__ = ("invited", "contributors", "rejected", "refused", "below_threshold", "refused_reasons", "not_in_run")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -243,13 +255,15 @@ class BatchReport(_message.Message):
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     BELOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     REFUSED_REASONS_FIELD_NUMBER: _ClassVar[int]
+    NOT_IN_RUN_FIELD_NUMBER: _ClassVar[int]
     invited: int
     contributors: int
     rejected: _containers.ScalarMap[str, int]
     refused: int
     below_threshold: bool
     refused_reasons: _containers.ScalarMap[str, int]
-    def __init__(self, invited: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., below_threshold: _Optional[bool] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    not_in_run: int
+    def __init__(self, invited: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., below_threshold: _Optional[bool] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., not_in_run: _Optional[int] = ...) -> None: ...
 
 class ShuffledBatch(_message.Message):
     __slots__ = ("run_id", "round", "released", "label_totals", "ciphertexts", "report")
@@ -353,7 +367,7 @@ class BudgetStatus(_message.Message):
     def __init__(self, eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., eps_reserved: _Optional[float] = ..., delta_reserved: _Optional[float] = ..., eps_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., rounds_committed: _Optional[int] = ..., honest_fraction: _Optional[float] = ..., eps_spent_robust: _Optional[float] = ..., views: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
-    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure", "excess_risk", "eps_spent_local")
+    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure", "excess_risk", "eps_spent_local", "not_in_run")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +396,7 @@ class RoundMetrics(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     EXCESS_RISK_FIELD_NUMBER: _ClassVar[int]
     EPS_SPENT_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    NOT_IN_RUN_FIELD_NUMBER: _ClassVar[int]
     round: int
     contributors: int
     loss: float
@@ -396,7 +411,8 @@ class RoundMetrics(_message.Message):
     failure: str
     excess_risk: float
     eps_spent_local: float
-    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ..., excess_risk: _Optional[float] = ..., eps_spent_local: _Optional[float] = ...) -> None: ...
+    not_in_run: int
+    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ..., excess_risk: _Optional[float] = ..., eps_spent_local: _Optional[float] = ..., not_in_run: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "state", "rounds_done", "rounds_planned", "budget", "metrics", "message")
