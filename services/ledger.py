@@ -132,6 +132,7 @@ class BudgetTotals:
     eps_spent_robust: float = math.nan
     # the spent rounds under other bounds or trust views, by name (e.g. "local", "thm1"; the protocol's views())
     views: dict[str, float] = field(default_factory=dict)
+    trust_model: str = "shuffle"  # whom the guarantee holds against (design 2): "shuffle", "local" or "central"
 
 
 # --------------------------------------------------------------------------------------------- arithmetic
@@ -413,8 +414,20 @@ class Ledger:
         h = float((self.run(run_id)["plan"] or {}).get("honest_fraction", 1.0))
         robust = compose_events(spent_ev, limit, h)[0] if h < 1.0 else spent[0]
         views = _protocol(spent_ev).views(spent_ev, limit) if spent_ev else {}
+        trust = all_ev[0].trust_model if all_ev else "shuffle"
         return BudgetTotals(
-            spent[0], spent[1], reserved[0], reserved[1], limit.eps, limit.delta, name, n_committed, h, robust, views
+            spent[0],
+            spent[1],
+            reserved[0],
+            reserved[1],
+            limit.eps,
+            limit.delta,
+            name,
+            n_committed,
+            h,
+            robust,
+            views,
+            trust,
         )
 
     # ------------------------------------------------------------------------------------ checkpoints

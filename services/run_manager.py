@@ -63,6 +63,7 @@ from shuffledp.protocols.base import (  # noqa: F401 (the rejection reasons are 
 )
 from shuffledp.protocols.pvec_round import open_bit_messages  # noqa: F401 (re-exported: its former home)
 from shuffledp.protocols.registry import round_protocol
+from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -162,7 +163,7 @@ def plan_run(
     if admitted < 1:
         raise PlanError("no users are admitted at the shuffler")
     delta = _resolve_delta(cfg, admitted)
-    name = optimizers.resolve(s.optimizer, s.kind)
+    name = optimizers.resolve(s.optimizer, s.kind, p.protocol)
     smoothing = _smoothing(cfg, model, s.kind, admitted if s.kind != "sequential" else unused, d, delta)
     model = replace(model, smoothing=smoothing) if smoothing else model
     if feature_bound == "load":
@@ -209,10 +210,13 @@ def plan_run(
         admitted=admitted,
         eps0=p.eps0,
         rounds_requested=s.rounds,
+        min_contributors_fraction=p.min_contributors_fraction,
+        options=_protocol_options(cfg),
     )
     try:
         sized = protocol.plan(request)
         T = sized.rounds or T
+        n_min = sized.min_contributors or n_min
         if s.phases > T:
             raise PlanError(f"schedule.phases = {s.phases} needs at least {s.phases} rounds; the plan has {T}")
         hyper = optimizers.hyperparameters(
@@ -228,6 +232,7 @@ def plan_run(
             l2=cfg.model.l2,
             lr_steps=s.lr_steps,
             lr_step_factor=s.lr_step_factor,
+            momentum=s.momentum,
         )
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
@@ -240,7 +245,10 @@ def plan_run(
         "min_contributors": n_min,
         "eps": p.eps,
         "delta": delta,
-        "honest_fraction": p.honest_fraction or p.min_contributors_fraction,
+        # robust accounting (spec 000 A.3) is about users' own noise; where the analyzer adds it, it does not apply
+        "honest_fraction": (p.honest_fraction or p.min_contributors_fraction)
+        if protocol.trust_model == pb.SHUFFLE
+        else 1.0,
         "composition": sized.composition,
         "advanced_slack": sized.advanced_slack,
         "params": sized.params,
@@ -257,6 +265,21 @@ def plan_run(
         "deadline": cfg.deployment.round_deadline_seconds,
         "output": s.output,
     }
+
+
+def _protocol_options(cfg: RunConfig) -> dict[str, Any]:
+    """The [privacy] keys only central protocols read (DP-FTRL's tree, central DP-SGD); unset ones left out."""
+    p = cfg.privacy
+    out: dict[str, Any] = {
+        "max_participations": p.max_participations,
+        "min_separation": p.min_separation,
+        "rounds_per_tree": p.rounds_per_tree,
+        "completion": p.completion,
+        "efficient": p.tree_estimator == "efficient",
+    }
+    if p.noise_multiplier is not None:
+        out["noise_multiplier"] = p.noise_multiplier
+    return out
 
 
 def _smoothing(cfg: RunConfig, model: Model, kind: str, n: int, d: int, delta: float) -> float:
@@ -368,6 +391,24 @@ class _Live:
     cancel: threading.Event = field(default_factory=threading.Event)
     private_key: Any = None
     public_key: bytes = b""
+    rng: np.random.Generator | None = None  # the analyzer's own noise (central protocols), from the CSPRNG
+
+
+_NOISE_PREFIX = "noise."
+
+
+class _RunState(NamedTuple):
+    """A run between rounds: the optimizer's state, and the noise state of a protocol whose analyzer adds the
+    noise (DP-FTRL's tree) or None. Both go into every checkpoint, so a restart redraws no released noise."""
+
+    opt: Any
+    noise: Any = None
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        out = dict(self.opt.to_arrays())
+        if self.noise is not None:
+            out.update({_NOISE_PREFIX + k: v for k, v in self.noise.to_arrays().items()})
+        return out
 
 
 def _encode_state(state: Any) -> bytes:
@@ -377,8 +418,16 @@ def _encode_state(state: Any) -> bytes:
 
 
 def _decode_state(blob: bytes, from_arrays: Callable[[dict[str, np.ndarray]], Any] = AveragingState.from_arrays) -> Any:
+    """The optimizer's state of a checkpoint."""
     with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-        return from_arrays({k: z[k] for k in z.files})
+        return from_arrays({k: z[k] for k in z.files if not k.startswith(_NOISE_PREFIX)})
+
+
+def _decode_run_state(blob: bytes, opt: Optimizer, protocol: RoundProtocol, plan: dict[str, Any]) -> _RunState:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+        noise = {k[len(_NOISE_PREFIX) :]: z[k] for k in z.files if k.startswith(_NOISE_PREFIX)}
+    restored = protocol.noise_from_arrays(plan, noise) if noise else protocol.noise_state(plan)
+    return _RunState(_decode_state(blob, opt.state_from_arrays), restored)
 
 
 def _protocol(plan: dict[str, Any]) -> RoundProtocol:
@@ -576,7 +625,10 @@ class RunManager:
         self.ledger.set_budget(run_id, limit, plan)
         opt = _optimizer(plan)
         state = opt.init(model.init_params())
-        self.ledger.save_checkpoint(run_id, -1, _encode_state(state), self._evaluate(cfg, opt, state, -1))
+        noise = _protocol(plan).noise_state(plan)
+        self.ledger.save_checkpoint(
+            run_id, -1, _encode_state(_RunState(state, noise)), self._evaluate(cfg, opt, state, -1)
+        )
         return plan
 
     def _evaluate(self, cfg: RunConfig, opt: Optimizer, state: Any, r: int) -> dict[str, Any]:
@@ -618,7 +670,8 @@ class RunManager:
         rd = _Round(plan, protocol, protocol.params(plan), opt, cfg)
         ck = self.ledger.last_checkpoint(run_id)
         assert ck is not None  # _plan always writes the initial checkpoint
-        state = _decode_state(ck[1], opt.state_from_arrays)
+        state = _decode_run_state(ck[1], opt, protocol, plan)
+        live.rng = make_rng()
         if protocol.needs_keypair(plan):
             # a fresh key per analyzer process: a round in flight during a crash is charged anyway
             live.private_key, live.public_key = sealing.generate_keypair()
@@ -631,7 +684,13 @@ class RunManager:
             if live.cancel.is_set() or not self._await_shuffler(run_id, live, need):
                 self.ledger.set_state(run_id, "CANCELLED", "cancelled by the operator")
                 return
-            event = PrivacyEvent(protocol.name, plan["params"], plan["min_contributors"], plan["kind"])
+            event = PrivacyEvent(
+                protocol.name,
+                protocol.event_params(plan, r),
+                plan["min_contributors"],
+                plan["kind"],
+                pb.TrustModel.Name(protocol.trust_model).lower(),
+            )
             self.ledger.reserve(run_id, r, event)  # BudgetExceeded propagates: no spec leaves
             t0 = self._clock()
             outcome, state = self._round(run_id, r, rd, state, event, live)
@@ -684,7 +743,7 @@ class RunManager:
     def _round(self, run_id: str, r: int, rd: _Round, state: Any, event: PrivacyEvent, live: _Live):
         """One round after its reservation. Returns (outcome, state)."""
         plan = rd.plan
-        theta = rd.opt.query(state)  # where the users take their gradients this round
+        theta = rd.opt.query(state.opt)  # where the users take their gradients this round
         spec = round_spec(run_id, r, plan, rd.params, event, theta, live.public_key)
         t0 = self._clock()
         try:
@@ -739,8 +798,11 @@ class RunManager:
             log.warning("run %s round %d failed: %s; charged with %d contributors", run_id, r, dec.failure, dec.charged)
             self._metrics(run_id, r, rd, state, False, dec.used, seconds, dec.rejected, rep, failure=dec.failure)
             return "below_threshold", state
-        grad = dec.total / dec.used  # the paper divides by B; n' keeps it unbiased under dropouts (spec 000 sec 3)
-        _, state = rd.opt.step(grad, state, theta)
+        # central protocols add their noise here and divide by their fixed cohort; the others by n', which keeps
+        # the mean unbiased under dropouts (spec 000 sec 3)
+        total, divisor, noise = rd.protocol.add_noise(dec.total, r, plan, rd.params, state.noise, live.rng, dec.used)
+        _, opt_state = rd.opt.step(total / divisor, state.opt, theta)
+        state = _RunState(opt_state, noise)
         self._metrics(run_id, r, rd, state, True, dec.used, self._clock() - t0, dec.rejected, rep)
         return "ok", state
 
@@ -757,7 +819,7 @@ class RunManager:
         report: pb.BatchReport | None = None,
         failure: str = "",
     ) -> None:
-        m = self._evaluate(rd.cfg, rd.opt, state, r)
+        m = self._evaluate(rd.cfg, rd.opt, state.opt, r)
         totals = self.ledger.totals(run_id)
         m.update(
             released=released,
@@ -771,6 +833,7 @@ class RunManager:
             # users who refused the round (their policy, or their node could not deliver), total and by reason
             refused=int(report.refused) if report is not None else 0,
             refused_reasons=dict(report.refused_reasons) if report is not None else {},
+            not_in_run=int(report.not_in_run) if report is not None else 0,
         )
         if failure:
             m["failure"] = failure

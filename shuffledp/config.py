@@ -77,7 +77,9 @@ eps = 8.0
 # delta = 1e-5              # unset: min(1/n, policy.max_delta_per_round, policy.max_total_delta), n = users admitted
 protocol = "pvec"           # "pvec" (multi-message sum, seed 000) or an eps0-LDP randomizer over the subsampled
                             # shuffle (CLDP-SGD, seed 001; schedule.kind = "subsampled", transport.mode = "sealed"):
-                            # "r_inf" (l_inf clip), "r_one" (l_1), "privunit" (l_2), "rr" (one-number tasks)
+                            # "r_inf" (l_inf clip), "r_one" (l_1), "privunit" (l_2), "rr" (one-number tasks);
+                            # central trust (the analyzer sees clipped vectors and adds the noise; "subsampled",
+                            # "sealed"): "tree" (DP-FTRL, seed 003) or "gaussian" (central DP-SGD, its baseline)
 # eps0 = 1.0                # LDP protocols: local eps of each report; unset = the largest for which schedule.rounds
                             # fit (eps, delta)
 calibration = "calibrated"  # "calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)
@@ -86,13 +88,20 @@ min_contributors_fraction = 0.9
 # round_eps = 1.0           # fixed eps per round, rounds run while the total fits eps; unset = from eps and rounds
 # honest_fraction = 0.9     # robust figure: eps when only this fraction of each round's contributors is honest
                             # (the rest collude with the analyzer; spec 000 A.3); unset = min_contributors_fraction
+# noise_multiplier = 4.0    # "tree", "gaussian": noise std / clip_norm; unset = the least that fits (eps, delta)
+max_participations = 1      # "tree": rounds a user may join per tree (E; the shuffler enforces it)
+min_separation = 0          # "tree": rounds strictly between two of a user's rounds in one tree (xi)
+rounds_per_tree = 0         # "tree": rounds per tree, a fresh tree after each (restarts); 0 = one tree
+completion = false          # "tree": pad each finished tree to a power of two (single-root noise at a restart)
+tree_estimator = "efficient"  # "tree": "efficient" (Honaker, less variance, same privacy) or "vanilla"
 
 [schedule]
 kind = "fully_interactive"  # "sequential" (PSGD, disjoint cohorts), "fully_interactive" (PGD, all users) or
                             # "subsampled" (k = cohort_size of the n users per round, drawn secretly by the shuffler)
-optimizer = "auto"          # "auto" (sequential: psgd, fully interactive: pgd, subsampled: sgd), "psgd" (Alg 3),
-                            # "acsa" (accelerated AC-SA, Alg 4; sequential only), "pgd" (Alg 5; fully interactive
-                            # only) or "sgd" (projected SGD with step-change learning rate; subsampled only)
+optimizer = "auto"          # "auto" (sequential: psgd, fully interactive: pgd, subsampled: sgd; protocol "tree":
+                            # ftrl), "psgd" (Alg 3), "acsa" (accelerated AC-SA, Alg 4; sequential only), "pgd"
+                            # (Alg 5; fully interactive only), "sgd" (projected SGD with step-change learning rate;
+                            # subsampled only) or "ftrl" (DP-FTRL over protocol "tree"; learning_rate = 1/lambda)
 # phases = 3                # strongly convex restarts (Thm 4.8; needs model.l2 > 0, sequential): phase i starts at
                             # phase i-1's output with its own cohorts; unset (0) = one phase
 # cohort_size = 100         # sequential: users per round; unset (0) = Thm 4.1's B = sqrt(d) ln(d/delta) / eps;
@@ -101,6 +110,7 @@ optimizer = "auto"          # "auto" (sequential: psgd, fully interactive: pgd, 
                             # subsampled: T (unset: as many as fit (eps, delta) at privacy.eps0)
 # lr_steps = [50, 80]       # sgd: rounds after which the learning rate is multiplied by lr_step_factor; unset = none
 lr_step_factor = 0.1        # sgd: the factor of each step change
+momentum = 0.0              # ftrl: gamma of DP-FTRLM (0 = DP-FTRL; the paper's experiments use 0.9)
 learning_rate = 8.0
 output = "mean"             # released model: "mean" of the iterates (theta_0..theta_{T-1}, Alg 3/5) or "last"
 
@@ -136,11 +146,14 @@ _NONSMOOTH_TASKS = ("hinge", "absolute", "distance")  # = shuffledp.models.NONSM
 _SYNTHETIC_DEFAULTS = {"n": 10_000, "dim": 20, "noise": 0.5}
 _SYNTHETIC_TEST_SIZE = 20_000
 _SYNTHETIC_MAX_ELEMENTS = 250_000_000  # (n + test size) * dim float64 = 2 GB in every process that loads the data
-_PROTOCOLS = ("pvec", "r_inf", "r_one", "privunit", "rr")  # shuffledp.protocols.registry.ROUND_PROTOCOLS
+_PROTOCOLS = ("pvec", "r_inf", "r_one", "privunit", "rr", "tree", "gaussian")  # protocols.registry.ROUND_PROTOCOLS
 _LDP_PROTOCOLS = ("r_inf", "r_one", "privunit", "rr")
+_CENTRAL_PROTOCOLS = ("tree", "gaussian")
+_TREE_KEYS = ("max_participations", "min_separation", "rounds_per_tree", "completion", "tree_estimator")
+_ESTIMATORS = ("efficient", "vanilla")
 _CALIBRATIONS = ("calibrated", "paper")
 _KINDS = ("sequential", "fully_interactive", "subsampled")
-_OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd")  # shuffledp.optimizers.registry.OPTIMIZERS
+_OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl")  # shuffledp.optimizers.registry.OPTIMIZERS
 _AUTO_OPTIMIZER = {"sequential": "psgd", "fully_interactive": "pgd", "subsampled": "sgd"}
 _MODES = ("counts", "bits", "sealed")
 _OUTPUTS = ("mean", "last")
@@ -191,6 +204,16 @@ class PrivacyConfig:
     eps0: float | None = None  # LDP protocols: local eps of a report; None = the largest that fits the rounds
     # robust accounting (spec 000 A.3): None = min_contributors_fraction
     honest_fraction: float | None = None
+    # central protocols ("tree", "gaussian"): node / noise std over clip_norm; None = the least that fits the budget
+    noise_multiplier: float | None = None
+    # "tree" (DP-FTRL, spec 003): per tree, each user in at most max_participations rounds, at least min_separation
+    # rounds strictly between two; rounds_per_tree rounds per tree (0 = one tree); completion pads a tree to a power
+    # of two before a restart; tree_estimator "efficient" (Honaker) or "vanilla"
+    max_participations: int = 1
+    min_separation: int = 0
+    rounds_per_tree: int = 0
+    completion: bool = False
+    tree_estimator: str = "efficient"
 
 
 @dataclass(frozen=True)
@@ -205,6 +228,7 @@ class ScheduleConfig:
     output: str = "mean"  # released model: mean of iterates (the papers' output) or the last iterate
     lr_steps: tuple[int, ...] = ()  # sgd: rounds after which the learning rate is multiplied by lr_step_factor
     lr_step_factor: float = 0.1
+    momentum: float = 0.0  # ftrl: gamma of DP-FTRLM (0 = DP-FTRL; the paper's experiments use 0.9)
 
 
 @dataclass(frozen=True)
@@ -391,6 +415,9 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
     honest = t.get("honest_fraction")
     if honest is not None:
         honest = _float("privacy.honest_fraction", honest, 0.0, 1.0, lo_open=True)
+    z = t.get("noise_multiplier")
+    if z is not None:
+        z = _float("privacy.noise_multiplier", z, 0.0, 1e6, lo_open=True)
     return PrivacyConfig(
         eps=eps,
         delta=delta,
@@ -407,6 +434,14 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
         round_eps=round_eps,
         eps0=eps0,
         honest_fraction=honest,
+        noise_multiplier=z,
+        max_participations=_int(
+            "privacy.max_participations", t.get("max_participations", p.max_participations), 1, 10**6
+        ),
+        min_separation=_int("privacy.min_separation", t.get("min_separation", p.min_separation), 0, 10**6),
+        rounds_per_tree=_int("privacy.rounds_per_tree", t.get("rounds_per_tree", p.rounds_per_tree), 0, 100_000),
+        completion=_bool("privacy.completion", t.get("completion", p.completion)),
+        tree_estimator=_choice("privacy.tree_estimator", t.get("tree_estimator", p.tree_estimator), _ESTIMATORS),
     )
 
 
@@ -459,6 +494,7 @@ def _schedule(t: dict[str, Any]) -> ScheduleConfig:
         rounds=rounds,
         learning_rate=lr,
         output=_choice("schedule.output", t.get("output", s.output), _OUTPUTS),
+        momentum=_float("schedule.momentum", t.get("momentum", s.momentum), 0.0, 1.0, hi_open=True),
     )
 
 
@@ -540,6 +576,38 @@ def parse_config(text: str) -> RunConfig:
     return cfg
 
 
+def _check_central(cfg: RunConfig, optimizer: str) -> None:
+    """The central protocols' keys (DP-FTRL and central DP-SGD) against the rest."""
+    p, s = cfg.privacy, cfg.schedule
+    defaults = PrivacyConfig()
+    tree_keys = [k for k in _TREE_KEYS if getattr(p, k) != getattr(defaults, k)]
+    if tree_keys and p.protocol != "tree":
+        raise ConfigError(f'privacy.{tree_keys[0]} applies to privacy.protocol = "tree", got "{p.protocol}"')
+    if p.noise_multiplier is not None and p.protocol not in _CENTRAL_PROTOCOLS:
+        raise ConfigError(f'privacy.noise_multiplier applies to "tree" and "gaussian", got "{p.protocol}"')
+    if (optimizer == "ftrl") != (p.protocol == "tree"):
+        raise ConfigError(
+            'schedule.optimizer = "ftrl" and privacy.protocol = "tree" go together (DP-FTRL, spec 003): got '
+            f'optimizer "{optimizer}" with protocol "{p.protocol}"'
+        )
+    if s.momentum and optimizer != "ftrl":
+        raise ConfigError(f'schedule.momentum applies to schedule.optimizer = "ftrl"; it resolves to "{optimizer}"')
+    if p.protocol not in _CENTRAL_PROTOCOLS:
+        return
+    if s.kind != "subsampled":
+        raise ConfigError(f'privacy.protocol = "{p.protocol}" needs schedule.kind = "subsampled", got "{s.kind}"')
+    if cfg.transport.mode != "sealed":
+        raise ConfigError(
+            f'privacy.protocol = "{p.protocol}" sends one sealed vector per user: set transport.mode = "sealed"'
+        )
+    if s.cohort_size < 1 or s.rounds is None:
+        raise ConfigError(f'privacy.protocol = "{p.protocol}" needs schedule.cohort_size and schedule.rounds')
+    if p.eps0 is not None:
+        raise ConfigError(f'privacy.eps0 applies to LDP protocols; privacy.protocol = "{p.protocol}" has none')
+    if p.rounds_per_tree and p.rounds_per_tree >= s.rounds and p.completion:
+        raise ConfigError("privacy.completion pads a tree before a restart: privacy.rounds_per_tree must be < rounds")
+
+
 def _check_combinations(cfg: RunConfig) -> None:
     """Keys that are valid alone but not together: one line naming both."""
     s, m = cfg.schedule, cfg.model
@@ -547,8 +615,11 @@ def _check_combinations(cfg: RunConfig) -> None:
         raise ConfigError(
             f"schedule.phases = {s.phases} is the strongly convex reduction (Thm 4.8): it needs model.l2 > 0, got 0"
         )
-    optimizer = s.optimizer if s.optimizer != "auto" else _AUTO_OPTIMIZER[s.kind]
     p, mode = cfg.privacy, cfg.transport.mode
+    optimizer = s.optimizer if s.optimizer != "auto" else _AUTO_OPTIMIZER[s.kind]
+    if s.optimizer == "auto" and p.protocol == "tree":
+        optimizer = "ftrl"  # tree aggregation's prefix sums are what FTRL consumes (spec 003 sec 2)
+    _check_central(cfg, optimizer)
     if p.protocol in _LDP_PROTOCOLS:
         if s.kind != "subsampled":
             raise ConfigError(
@@ -562,16 +633,16 @@ def _check_combinations(cfg: RunConfig) -> None:
             )
         if s.cohort_size < 1:
             raise ConfigError('schedule.kind = "subsampled" needs schedule.cohort_size = k >= 1 (reports per round)')
-    else:
+    elif p.protocol not in _CENTRAL_PROTOCOLS:
         if s.kind == "subsampled":
             raise ConfigError(
                 f'schedule.kind = "subsampled" runs an LDP randomizer (privacy.protocol = "r_inf", "r_one", "privunit" '
-                f'or "rr"), got privacy.protocol = "{p.protocol}"'
+                f'or "rr") or a central one ("tree", "gaussian"), got privacy.protocol = "{p.protocol}"'
             )
         if mode == "sealed":
             raise ConfigError(
-                f'transport.mode = "sealed" carries LDP reports; privacy.protocol = "{p.protocol}" uses "counts" or '
-                '"bits"'
+                f'transport.mode = "sealed" carries LDP reports and central vectors; privacy.protocol = "{p.protocol}" '
+                'uses "counts" or "bits"'
             )
         if p.eps0 is not None:
             raise ConfigError(f'privacy.eps0 applies to LDP protocols; privacy.protocol = "{p.protocol}" has none')

@@ -196,6 +196,8 @@ def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
     if m.refused:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(m.refused_reasons.items()))
         why.append(f"{m.refused} users refused" + (f": {reasons}" if reasons else ""))
+    if m.not_in_run:
+        why.append(f"{m.not_in_run} users joined after the run's first round: not in this run")
     if m.rejected:
         why.append("rejected " + ", ".join(f"{k}={v}" for k, v in sorted(m.rejected.items())))
     if not m.released:
@@ -432,6 +434,7 @@ def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
             **({"eps_spent_local": m.eps_spent_local} if m.HasField("eps_spent_local") else {}),
             "seconds": m.seconds,
             "refused": m.refused,
+            "not_in_run": m.not_in_run,
             "rejected": dict(sorted(m.rejected.items())),
         }
         for m in result.status.metrics
@@ -596,6 +599,11 @@ def _run_command(
         f"(limit eps = {budget.eps_limit:g}, delta = {budget.delta_limit:.3g}; accountant: {budget.accountant}; "
         f"trust model: {pb.TrustModel.Name(budget.trust_model)})"
     )
+    if budget.trust_model == pb.CENTRAL:
+        print(
+            "  central trust: the guarantee holds against everyone who sees what the analyzer releases (the other "
+            "clients, the shuffler, the outside world), not against the analyzer, which sees every clipped update"
+        )
     if budget.honest_fraction < 1.0:  # spec 000 A.3: if some contributors collude with the analyzer
         print(
             f"  robust: eps = {budget.eps_spent_robust:.4f} if only {budget.honest_fraction:g} of each round's "

@@ -44,14 +44,14 @@ def _spec(task: str, **kw) -> pb.RoundSpec:
 
 def test_the_round_loop_names_no_protocol_transport_or_optimizer():
     loop = "".join(inspect.getsource(f) for f in (run_manager.RunManager._execute, run_manager.RunManager._round))
-    found = re.findall(r"pvec|psgd|pgd|acsa|bits|counts|BITS|COUNTS|decode_(counts|bits)|PvecParams", loop)
+    found = re.findall(r"pvec|psgd|pgd|acsa|ftrl|tree|gaussian|bits|counts|BITS|COUNTS|decode_(counts|bits)|Pvec", loop)
     assert found == [], found
 
 
 def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
-    with pytest.raises(LookupError, match="unknown round protocol 'gauss'; known: privunit, pvec, r_inf"):
+    with pytest.raises(LookupError, match="unknown round protocol 'gauss'; known: gaussian, privunit, pvec, r_inf"):
         round_protocol("gauss")
-    assert set(ROUND_PROTOCOLS) == {"pvec", "r_inf", "r_one", "privunit", "rr"}
+    assert set(ROUND_PROTOCOLS) == {"pvec", "r_inf", "r_one", "privunit", "rr", "tree", "gaussian"}
     rng = make_rng(3)
     shard = UserShard(["a", "b"], rng.normal(size=(2, 1, F)), rng.normal(size=(2, 1)))
     node = NodeCore("n", shard, UserPolicy(verify_randomizer=False), rng=make_rng(4))

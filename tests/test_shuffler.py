@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import secrets
+import sqlite3
 import threading
 import time
 from concurrent import futures
@@ -27,6 +28,7 @@ from shuffledp.services.shuffler_state import (
     ShufflerState,
     SqliteParticipationStore,
     Transport,
+    TreeLimits,
 )
 
 from shuffledp.protocols import pvec
@@ -203,6 +205,55 @@ def test_bits_mode_only_ciphertexts_shuffler_cannot_open(shuffler, nodes):
     assert np.array_equal(np.bincount(labels, minlength=d), np.full(d, 11 * 5))  # n'(g+m) messages per label
     assert set(np.unique(bits)) <= {0, 1}
     assert not any(hasattr(v, "private_bytes") for v in vars(shuffler.state).values())
+
+
+def test_central_vectors_reach_the_analyzer_as_one_length_of_ciphertext_only(shuffler, nodes):
+    """DP-FTRL's transport (central trust): the shuffler holds only HPKE ciphertexts of one fixed length (8 d + 48
+    bytes), forwards them permuted without ids; the analyzer opens clipped vectors and sums them, and a message that
+    does not open, is too long, non-finite or above the clip norm is counted and never summed."""
+    from shuffledp.services.ledger import PrivacyEvent
+
+    from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE
+    from shuffledp.protocols.central import OVER_CLIP_NORM, message_bytes
+    from shuffledp.protocols.tree_round import TreeRound
+
+    priv, pub = generate_keypair()
+    d, tree = F + 1, TreeRound()
+    params = {"d": d, "clip": 1.0, "k": 11, "n": 11, "max_participations": 1, "min_separation": 0}
+    params.update(rounds_per_tree=4, trees=1, completion=False, efficient=True, delta=1e-5, noise_multiplier=2.0)
+    event = PrivacyEvent("tree", {**params, "round": 1}, 11, "subsampled", "central")
+    s = spec(1, schedule=pb.SUBSAMPLED, cohort=11)
+    s.MergeFrom(pb.RoundSpec(**tree.spec_fields({}, params, event, pub)))
+    s.randomizer.ClearField("g"), s.randomizer.ClearField("m"), s.randomizer.ClearField("p")
+    batch = shuffler.stub.ExecuteRound(s, timeout=30)
+    assert batch.released and batch.report.contributors == 11 and len(batch.ciphertexts) == 11
+    assert {len(c) for c in batch.ciphertexts} == {sealed_length(message_bytes(d))}
+    received = [c for con in shuffler.recorder.for_round(1) for m in con.messages for c in m.sealed.ciphertexts]
+    assert sorted(received) == sorted(batch.ciphertexts)
+    assert set(pb.ShuffledBatch.DESCRIPTOR.fields_by_name) == {
+        "run_id",
+        "round",
+        "released",
+        "report",
+        "label_totals",
+        "ciphertexts",
+    }
+    info = round_info("r", 1)
+    vectors = np.array([np.frombuffer(open_sealed(priv, c, info), dtype=">f8") for c in batch.ciphertexts])
+    assert np.all(np.linalg.norm(vectors, axis=1) <= 1.0 + 1e-12)  # clipped by the users' nodes
+    # the analyzer's decoder on the real batch plus bad messages from a dishonest client
+    bad = [
+        seal(generate_keypair()[1], vectors[0].astype(">f8").tobytes(), info),  # another key
+        seal(pub, vectors[0].astype(">f8").tobytes(), round_info("r", 2)),  # replayed from another round
+        seal(pub, np.zeros(d + 1).astype(">f8").tobytes(), info),  # oversized
+        seal(pub, np.full(d, np.nan).astype(">f8").tobytes(), info),  # non-finite
+        seal(pub, np.full(d, 10.0).astype(">f8").tobytes(), info),  # above the clip norm
+    ]
+    forged = pb.ShuffledBatch(run_id="r", round=1, released=True, ciphertexts=[*batch.ciphertexts, *bad])
+    dec = tree.decode(forged, 16, {}, params, priv, info)
+    np.testing.assert_allclose(dec.total, vectors.sum(axis=0), atol=1e-12)
+    assert (dec.used, dec.charged) == (11, 16)
+    assert dec.rejected == {UNDECRYPTABLE: 2, MALFORMED_PLAINTEXT: 2, OVER_CLIP_NORM: 1}
 
 
 class FakeNode:
@@ -448,3 +499,58 @@ def test_fully_interactive_population_is_fixed_at_the_first_round(tmp_path):
     res = fi(state, 3)
     assert (res.invited, res.not_in_run) == (3, 2)
     store.close()
+
+
+def test_participation_limits_hold_on_the_durable_record_across_a_restart(tmp_path):
+    """DP-FTRL's limits (spec 003 sec 3-4): per tree of 6 rounds, each user at most E = 2 rounds with >= xi = 1
+    round strictly between them, also after the shuffler restarts on its SQLite record mid-tree; a spec with other
+    limits is refused, and a round the limits cannot fill is refused with the numbers."""
+    db = tmp_path / "shuffler.sqlite"
+    limits = TreeLimits(max_per_tree=2, min_separation=1, rounds_per_tree=6)
+    users = [f"u{i}" for i in range(10)]
+
+    def start(seed: int) -> tuple[SqliteParticipationStore, ShufflerState]:
+        store = SqliteParticipationStore(db)
+        state = ShufflerState(store, rng=make_rng(seed), poll_seconds=0.001)
+        state.register_users("node", users)
+        state.subscribe("node")
+        return store, state
+
+    def limited(state: ShufflerState, r: int, k: int = 2, lim: TreeLimits = limits):
+        req = RoundRequest(
+            "run",
+            r,
+            Schedule.SUBSAMPLED,
+            Transport.COUNTS,
+            dim=2,
+            g=1,
+            m=1,
+            cohort_size=k,
+            deadline_seconds=1e-4,
+            limits=lim,
+        )
+        return state.execute_round(req)
+
+    store, state = start(1)
+    for r in range(4):
+        assert limited(state, r).invited == 2
+    store.close()
+    store, state = start(1)  # same seed: without the record it would draw the same users again
+    with pytest.raises(ValueError, match="has participation limits"):
+        limited(state, 4, lim=limits._replace(max_per_tree=3))
+    for r in range(4, 13):
+        assert limited(state, r).invited == 2
+    # round 13 is leaf 1 of tree 2: round 12's two users must wait a round, so 8 of 10 are eligible
+    with pytest.raises(CohortUnavailable, match="only 8 are eligible under the limits"):
+        limited(state, 13, k=9)
+    store.close()
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT tree, user_id, leaf FROM tree_leaves WHERE run_id = 'run'").fetchall()
+    per: dict[tuple[int, str], list[int]] = {}
+    for tree, user, leaf in rows:
+        per.setdefault((tree, user), []).append(leaf)
+    assert len(rows) == 13 * 2 and {t for t, _ in per} == {0, 1, 2}
+    assert max(len(v) for v in per.values()) == 2  # the limit binds: 12 leaves per tree over 10 users
+    for leaves in per.values():
+        leaves.sort()
+        assert len(leaves) <= 2 and all(b - a - 1 >= 1 for a, b in zip(leaves, leaves[1:], strict=False)), leaves

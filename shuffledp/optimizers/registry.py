@@ -19,17 +19,19 @@ from shuffledp.optimizers.base import Optimizer
 
 __all__ = ["OPTIMIZERS", "resolve", "cohort_size", "hyperparameters", "make_optimizer", "SEQUENTIAL_ONLY"]
 
-OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd")  # schedule.optimizer
+OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl")  # schedule.optimizer
 SEQUENTIAL_ONLY = ("psgd", "acsa")
 
 
 _AUTO = {"sequential": "psgd", "fully_interactive": "pgd", "subsampled": "sgd"}
 
 
-def resolve(name: str, kind: str) -> str:
+def resolve(name: str, kind: str, protocol: str = "") -> str:
     """schedule.optimizer "auto": PSGD when sequential, PGD when fully interactive (paper 000's pairing), SGD with a
-    step-change learning rate when subsampled (CLDP-SGD, paper 001)."""
-    return _AUTO[kind] if name == "auto" else name
+    step-change learning rate when subsampled (CLDP-SGD, paper 001), FTRL over tree aggregation (DP-FTRL, 003)."""
+    if name != "auto":
+        return name
+    return "ftrl" if protocol == "tree" else _AUTO[kind]
 
 
 def cohort_size(
@@ -70,6 +72,7 @@ def hyperparameters(
     l2: float = 0.0,
     lr_steps: tuple[int, ...] = (),
     lr_step_factor: float = 0.1,
+    momentum: float = 0.0,
 ) -> dict[str, Any]:
     """The optimizer part of a run's plan (JSON-able). noise_sq = E||decoded sum - true sum||^2 of one round at
     n_min contributors (the protocol's sizing); lipschitz = the clip norm; diameter D = 2 radius."""
@@ -97,6 +100,10 @@ def hyperparameters(
     out["learning_rate"] = out["learning_rates"][0]
     if name == "sgd":
         out.update(lr_steps=list(lr_steps), lr_step_factor=lr_step_factor)
+    if name == "ftrl":
+        # eta = 1/lambda: DP-FTRL on the residuals is SGD with this step (spec 003 sec 2, B.3), so SGD's rule
+        # gives its default; the non-convex mlp task has no such rule (config requires schedule.learning_rate)
+        out["momentum"] = momentum
     return out
 
 
@@ -130,6 +137,10 @@ def _one_phase(name: str, hyper: dict[str, Any], i: int) -> Optimizer:
         from shuffledp.optimizers.acsa import acsa
 
         return acsa(radius, T, float(hyper["sigma"]), float(hyper["diameters"][i]), float(hyper["smoothness"]))
+    if name == "ftrl":
+        from shuffledp.optimizers.ftrl import ftrl
+
+        return ftrl(1.0 / float(hyper["learning_rates"][i]), float(hyper["momentum"]), radius)
     if name == "sgd":
         from shuffledp.optimizers.sgd import sgd
 

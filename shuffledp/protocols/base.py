@@ -10,7 +10,7 @@ forward the totals; BITS / SEALED: permute fixed-length ciphertexts and forward 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -26,6 +26,7 @@ __all__ = [
     "open_each",
     "UNDECRYPTABLE",
     "MALFORMED_PLAINTEXT",
+    "UsersAddNoise",
 ]
 
 # The analyzer's own rejection reasons (design 5.3), counted per message in the round's metrics["rejected"]
@@ -65,6 +66,8 @@ class PlanRequest:
     admitted: int = 0  # users admitted at the shuffler (n)
     eps0: float | None = None  # privacy.eps0: local eps of LDP reports; None = the largest that fits
     rounds_requested: int | None = None  # schedule.rounds as configured (None: as many as fit, for LDP protocols)
+    min_contributors_fraction: float = 0.9  # privacy.min_contributors_fraction
+    options: dict[str, Any] = field(default_factory=dict)  # the protocol's own [privacy] keys (central protocols)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class RoundPlan:
     advanced_slack: float  # delta' of advanced composition, else 0
     noise_sq: float  # E||decoded sum - true sum||^2 at n_min contributors: what the optimizer's step size needs
     rounds: int | None = None  # T when the protocol sizes it from the budget (None: the schedule's T stands)
+    min_contributors: int | None = None  # the release threshold when the protocol sets it (None: the schedule's)
 
 
 class Decoded(NamedTuple):
@@ -109,6 +113,21 @@ class RoundProtocol(Protocol):
     def decode(
         self, batch: pb.ShuffledBatch, n: int, plan: dict[str, Any], params: Any, private_key: Any, info: bytes
     ) -> Decoded: ...
+    def event_params(self, plan: dict[str, Any], round_index: int) -> dict[str, Any]: ...
+
+    # ---- analyzer: the noise it adds itself (central trust), with a state that lives in the run's checkpoints
+    def noise_state(self, plan: dict[str, Any]) -> Any: ...
+    def noise_from_arrays(self, plan: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any: ...
+    def add_noise(
+        self,
+        total: np.ndarray,
+        round_index: int,
+        plan: dict[str, Any],
+        params: Any,
+        state: Any,
+        rng: np.random.Generator,
+        used: int,
+    ) -> tuple[np.ndarray, float, Any]: ...
 
     # ---- ledger: the privacy event's arithmetic
     def accountant_name(self, event: Any, composition: str) -> str: ...
@@ -129,3 +148,29 @@ class RoundProtocol(Protocol):
     ) -> None: ...
     def verify_epsilon(self, spec: pb.RoundSpec) -> float: ...
     def noise_key(self, spec: pb.RoundSpec) -> Any: ...
+
+
+class UsersAddNoise:
+    """The analyzer-side hooks of a protocol whose users randomize their own messages (shuffle and local trust):
+    the analyzer adds nothing, keeps no noise state, and takes the mean over the users it decoded."""
+
+    def event_params(self, plan: dict[str, Any], round_index: int) -> dict[str, Any]:
+        return plan["params"]
+
+    def noise_state(self, plan: dict[str, Any]) -> None:
+        return None
+
+    def noise_from_arrays(self, plan: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        return None
+
+    def add_noise(
+        self,
+        total: np.ndarray,
+        round_index: int,
+        plan: dict[str, Any],
+        params: Any,
+        state: Any,
+        rng: np.random.Generator,
+        used: int,
+    ) -> tuple[np.ndarray, float, None]:
+        return total, float(used), None

@@ -41,6 +41,7 @@ from shuffledp.protocols.base import (
     Decoded,
     PlanRequest,
     RoundPlan,
+    UsersAddNoise,
     open_each,
 )
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -125,7 +126,7 @@ class _Randomizer:
         return float(bound(zero, self.params)[0])
 
 
-class LdpRound:
+class LdpRound(UsersAddNoise):
     """The plug-in of one LDP randomizer over the subsampled shuffle (module docstring)."""
 
     trust_model = pb.SHUFFLE

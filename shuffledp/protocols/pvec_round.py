@@ -36,6 +36,7 @@ from shuffledp.protocols.base import (
     Decoded,
     PlanRequest,
     RoundPlan,
+    UsersAddNoise,
     open_each,
 )
 from shuffledp.protocols.pvec import PvecParams
@@ -136,7 +137,7 @@ def _accountant(events: Sequence[Any]) -> str:
     return "paper" if all(e.params.get("method") == "paper" for e in events) else "tight"
 
 
-class PvecRound:
+class PvecRound(UsersAddNoise):
     """The PVEC plug-in (paper 000 Alg 2 over the shuffler; count mode or sealed labelled bits)."""
 
     name = "pvec"

@@ -6,12 +6,16 @@ Adding a protocol = one module with a class like shuffledp.protocols.pvec_round.
 from __future__ import annotations
 
 from shuffledp.protocols.base import RoundProtocol
+from shuffledp.protocols.gaussian_round import GaussianRound
 from shuffledp.protocols.ldp_round import LDP_PROTOCOLS, LdpRound
 from shuffledp.protocols.pvec_round import PvecRound
+from shuffledp.protocols.tree_round import TreeRound
 
 __all__ = ["round_protocol", "ROUND_PROTOCOLS"]
 
-ROUND_PROTOCOLS: dict[str, RoundProtocol] = {p.name: p for p in (PvecRound(), *map(LdpRound, LDP_PROTOCOLS))}
+ROUND_PROTOCOLS: dict[str, RoundProtocol] = {
+    p.name: p for p in (PvecRound(), *map(LdpRound, LDP_PROTOCOLS), TreeRound(), GaussianRound())
+}
 
 
 def round_protocol(name: str) -> RoundProtocol:

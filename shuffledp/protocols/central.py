@@ -1,0 +1,120 @@
+"""The central trust model's transport (design 2 and 5.1): clipped vectors sealed to the analyzer, which adds the noise.
+
+Client: each user clips its gradient to l2 norm C (clip_norm), encodes it as d IEEE-754 float64 big-endian numbers
+(8 d bytes: one fixed length per round, so the length says nothing) and seals it to the analyzer's HPKE key with
+info = (run, round): one ciphertext per user per round. The shuffler checks the length, permutes the ciphertexts
+with the CSPRNG and forwards them without ids (it needs no plug-in: RoundSpec.transport = SEALED).
+
+Analyzer: opens each ciphertext; one that does not open (wrong key, replayed from another round, tampered), has
+the wrong length, a non-finite entry or a norm above C is skipped, counted by reason, and never summed (design 5.3).
+The sum of the rest is what the protocol's noise is added to (CentralRound subclasses: tree_round, gaussian_round).
+
+The guarantee is against everybody who sees what the analyzer releases (the outside world, the other clients,
+the shuffler), NOT against the analyzer: it sees every user's clipped vector. Reports say so (trust "central").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shuffledp import sealing
+from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, BatchError, Decoded, open_each
+from shuffledp.protocols.ldp_round import clip_rows_in_norm
+from shuffledp.v1 import shuffledp_pb2 as pb
+
+__all__ = ["CentralRound", "OVER_CLIP_NORM", "WIRE_DTYPE", "message_bytes"]
+
+OVER_CLIP_NORM = "over_clip_norm"  # opened and well formed, but longer than the round's clip norm: never summed
+WIRE_DTYPE = np.dtype(">f8")
+# a vector clipped to C and rounded to float64 has a norm within a few ulps of C; the analyzer accepts that much
+_NORM_SLACK = 1e-12
+
+
+def message_bytes(dim: int) -> int:
+    return WIRE_DTYPE.itemsize * int(dim)
+
+
+class CentralRound:
+    """What every central-trust protocol shares: the sealed-vector transport, the client side and the decoder.
+    Subclasses size the noise (plan), add it (add_noise) and account it (compose)."""
+
+    trust_model = pb.CENTRAL
+    trust = "central"
+
+    def params(self, plan: dict[str, Any]) -> dict[str, Any]:
+        return dict(plan["params"])
+
+    def needs_keypair(self, plan: dict[str, Any]) -> bool:
+        return True
+
+    def _sealed_fields(self, params: dict[str, Any], key: bytes, extra: dict[str, float]) -> dict[str, Any]:
+        return {
+            "trust_model": self.trust_model,
+            "transport": pb.SEALED,
+            "randomizer": pb.RandomizerSpec(
+                protocol=self.name,
+                clip_norm=params["clip"],
+                dim=params["d"],
+                messages_per_user=1,
+                message_bytes=message_bytes(params["d"]),
+                extra=extra,
+            ),
+            "analyzer_public_key": key,
+        }
+
+    def decode(
+        self,
+        batch: pb.ShuffledBatch,
+        n: int,
+        plan: dict[str, Any],
+        params: dict[str, Any],
+        private_key: Any,
+        info: bytes,
+    ) -> Decoded:
+        """Sum of the valid clipped vectors (module docstring); every delivered contributor is charged (a skipped
+        message is a zero contribution, which the clip bound covers)."""
+        if len(batch.ciphertexts) != n:
+            raise BatchError(n, f"{len(batch.ciphertexts)} ciphertexts do not match {n} contributors (one per user)")
+        d, clip = int(params["d"]), float(params["clip"])
+        opened, undecryptable = open_each(private_key, batch.ciphertexts, info)
+        good = [p for p in opened if len(p) == message_bytes(d)]
+        rejected: Counter[str] = Counter({UNDECRYPTABLE: undecryptable, MALFORMED_PLAINTEXT: len(opened) - len(good)})
+        X = np.frombuffer(b"".join(good), dtype=WIRE_DTYPE).reshape(len(good), d).astype(np.float64)
+        finite = np.all(np.isfinite(X), axis=1)
+        rejected[MALFORMED_PLAINTEXT] += int((~finite).sum())
+        X = X[finite]
+        within = np.linalg.norm(X, axis=1) <= clip * (1.0 + _NORM_SLACK)
+        rejected[OVER_CLIP_NORM] += int((~within).sum())
+        X = X[within]
+        rejected_all = dict(Counter(dict(batch.report.rejected)) + rejected)
+        return Decoded(X.sum(axis=0), int(X.shape[0]), n, rejected_all)
+
+    # -------------------------------------------------------------------------------------------- client
+    def supports(self, spec: pb.RoundSpec) -> bool:
+        r = spec.randomizer
+        return spec.transport == pb.SEALED and r.messages_per_user == 1 and r.message_bytes == message_bytes(r.dim)
+
+    def randomize(
+        self,
+        spec: pb.RoundSpec,
+        G: np.ndarray,
+        user_ids: Sequence[str],
+        nonces: Sequence[bytes],
+        rng: np.random.Generator,
+        out: pb.Contribution,
+    ) -> None:
+        """Clip (central trust: no local noise) and seal each user's vector."""
+        X = clip_rows_in_norm(G, float(spec.randomizer.clip_norm), 2).astype(WIRE_DTYPE)
+        raw = X.tobytes()
+        size = message_bytes(X.shape[1])
+        info = sealing.round_info(spec.run_id, spec.round)
+        cts = sealing.seal_many(spec.analyzer_public_key, [raw[i : i + size] for i in range(0, len(raw), size)], info)
+        for u, nonce, ct in zip(user_ids, nonces, cts, strict=True):
+            out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=[ct]))
+
+    def noise_key(self, spec: pb.RoundSpec) -> None:
+        return None  # users compose central rounds by basic composition of the claims

@@ -1,0 +1,148 @@
+"""Central DP-SGD's rounds as a plug-in (the baseline of seed 003's experiments; design 2 "central"): the sampled
+Gaussian mechanism on the sum of clipped updates sealed to the analyzer.
+
+Round t: the shuffler draws a uniform k-subset of the n admitted users (CSPRNG; schedule SUBSAMPLED, a fixed cohort
+size, secret from the analyzer's point of view only up to what it decodes); each clips its gradient to C and seals
+it (protocols.central); the shuffler releases the batch only when all k arrived (threshold k, as for CLDP-SGD: a
+dropout releases nothing and costs nothing, dropouts being independent of the data); the analyzer sums the valid
+vectors (a skipped one counts as a zero vector, inside the clip ball), adds N(0, (z C)^2 I) from the CSPRNG and
+divides by k.
+
+Privacy: what the accountant assumes is what the shuffler does: sampling WITHOUT replacement of a fixed k of n,
+under replace-one neighbours (n public), for which dp_accounting's RDP accountant implements Wang, Balle and
+Kasiviswanathan 2019 (Thm 27; SampledWithoutReplacementDpEvent). Replacing one user moves the clipped sum by at
+most 2C, so the Gaussian's noise multiplier in that accountant is z C / (2 C) = z / 2. Rounds compose in RDP; the
+conversion to (eps, delta) is dp_accounting's. (Replace-one is the stronger relation: DP-FTRL's tree accountant uses
+zero-out, spec 003 A2, so at equal eps this baseline is held to a stricter guarantee; reports name both.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+from shuffledp.protocols.base import PlanRequest, RoundPlan
+from shuffledp.protocols.central import CentralRound
+from shuffledp.v1 import shuffledp_pb2 as pb
+
+__all__ = ["GaussianRound", "wor_epsilon"]
+
+_NOISE_FIELD = "noise_multiplier"
+
+
+@lru_cache(maxsize=4096)
+def wor_epsilon(noise_multiplier: float, n: int, k: int, rounds: int, delta: float) -> float:
+    """eps of `rounds` rounds of the Gaussian (std z C) on the sum of a uniform k-of-n cohort's C-clipped vectors,
+    replace-one neighbours (module docstring): dp_accounting RDP, SampledWithoutReplacementDpEvent."""
+    if rounds == 0:
+        return 0.0
+    acc = rdp.RdpAccountant(neighboring_relation=rdp.NeighborRel.REPLACE_ONE)
+    inner = dp_event.GaussianDpEvent(noise_multiplier / 2.0)  # sensitivity 2C under replace-one
+    acc.compose(dp_event.SampledWithoutReplacementDpEvent(n, k, inner), rounds)
+    return float(acc.get_epsilon(delta))
+
+
+class GaussianRound(CentralRound):
+    """The central DP-SGD plug-in (module docstring)."""
+
+    name = "gaussian"
+
+    def plan(self, req: PlanRequest) -> RoundPlan:
+        from shuffledp.accountants import composition
+
+        if req.kind != "subsampled":
+            raise ValueError(
+                f'privacy.protocol = "gaussian" (central DP-SGD) needs schedule.kind = "subsampled", got "{req.kind}"'
+            )
+        if req.rounds_requested is None:
+            raise ValueError('privacy.protocol = "gaussian" needs schedule.rounds')
+        T, n, k = int(req.rounds), int(req.admitted), int(req.cohort)
+        z = req.options.get(_NOISE_FIELD)
+
+        def fits(x: float) -> bool:
+            return wor_epsilon(x, n, k, T, req.delta) <= req.eps
+
+        if z is None:
+            good = 1.0
+            while not fits(good):
+                good *= 4.0
+                if good > 1e9:
+                    raise ValueError(f"no noise multiplier fits eps = {req.eps} over {T} rounds of {k} of {n}")
+            bad = good
+            while fits(bad) and bad > 1e-6:
+                bad /= 4.0
+            z = composition.bisect_boundary(fits, good, bad, rel_tol=1e-9, geometric=True)
+        elif not fits(z):
+            raise ValueError(
+                f"privacy.noise_multiplier = {z} spends eps = {wor_epsilon(z, n, k, T, req.delta):.4g} over {T} "
+                f"rounds, above privacy.eps = {req.eps}; raise it or leave it unset"
+            )
+        params = {"d": req.dim, "clip": req.clip_norm, "k": k, "n": n, "delta": req.delta, _NOISE_FIELD: float(z)}
+        noise_sq = req.dim * (float(z) * req.clip_norm) ** 2
+        return RoundPlan(params, "rdp", 0.0, noise_sq, rounds=T, min_contributors=k)
+
+    def event_params(self, plan: dict[str, Any], round_index: int) -> dict[str, Any]:
+        return plan["params"]
+
+    def spec_fields(self, plan: dict[str, Any], params: dict[str, Any], event: Any, key: bytes) -> dict[str, Any]:
+        eps_r, delta_r = self.round_cost(event)
+        extra = {_NOISE_FIELD: params[_NOISE_FIELD], "n": float(params["n"]), "k": float(params["k"])}
+        extra["delta"] = float(params["delta"])
+        return {
+            **self._sealed_fields(params, key, extra),
+            "per_user_cost": pb.PrivacyCost(
+                eps=eps_r, delta=delta_r, accountant=self.accountant_name(event, "rdp"), trust_model=self.trust_model
+            ),
+        }
+
+    # ---------------------------------------------------------------------------------- the analyzer's noise
+    def noise_state(self, plan: dict[str, Any]) -> None:
+        return None
+
+    def noise_from_arrays(self, plan: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        return None
+
+    def add_noise(
+        self,
+        total: np.ndarray,
+        round_index: int,
+        plan: dict[str, Any],
+        params: dict[str, Any],
+        state: None,
+        rng: np.random.Generator,
+        used: int,
+    ) -> tuple[np.ndarray, float, None]:
+        std = float(params[_NOISE_FIELD]) * float(params["clip"])
+        total = np.asarray(total, dtype=np.float64)
+        return total + std * rng.standard_normal(total.shape), float(params["k"]), None
+
+    # ------------------------------------------------------------------------------------ ledger arithmetic
+    def accountant_name(self, event: Any, composition: str) -> str:
+        return "sampled-gaussian-wor-rdp (replace-one, Wang-Balle-Kasiviswanathan 2019; central trust)"
+
+    def round_cost(self, event: Any) -> tuple[float, float]:
+        p = event.params
+        return wor_epsilon(float(p[_NOISE_FIELD]), int(p["n"]), int(p["k"]), 1, float(p["delta"])), float(p["delta"])
+
+    def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]:
+        """The charged rounds composed in RDP (all of one run share z, n, k); the analyzer adds the noise, so no
+        contributor's honesty enters."""
+        p = events[0].params
+        eps = wor_epsilon(float(p[_NOISE_FIELD]), int(p["n"]), int(p["k"]), len(events), limit.delta)
+        return eps, limit.delta
+
+    def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]:
+        return {}
+
+    def verify_epsilon(self, spec: pb.RoundSpec) -> float:
+        """One round's eps recomputed from the spec's z, n, k (the claim the analyzer must not understate)."""
+        x = dict(spec.randomizer.extra)
+        n, k = int(x.get("n", 0)), int(x.get("k", 0))
+        if not (1 <= k <= n and x.get(_NOISE_FIELD, 0.0) > 0.0 and 0.0 < x.get("delta", 0.0) < 1.0):
+            raise ValueError("the spec lacks a valid noise multiplier, n, k or delta")
+        return wor_epsilon(float(x[_NOISE_FIELD]), n, k, 1, float(x["delta"]))
