@@ -33,7 +33,7 @@ from shuffledp.clients.spend_store import MemorySpendStore, SpendStore, SqliteSp
 
 from shuffledp import grpc_options, tls
 from shuffledp.health import start_with_health
-from shuffledp.models import make_model
+from shuffledp.models import DEFAULT_HIDDEN, make_model
 from shuffledp.protocols.registry import ROUND_PROTOCOLS, round_protocol
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -118,12 +118,15 @@ class NodeCore:
         X, y = self.shard.X[idx], self.shard.y[idx]
         n, k, f = X.shape
         # the loss the analyzer asks for: its l2 term (strongly convex task) and Moreau smoothing (spec 000 sec 4)
-        model = make_model(spec.task, f, spec.num_classes, l2=spec.l2, smoothing=spec.smoothing)
+        model = make_model(
+            spec.task, f, spec.num_classes, l2=spec.l2, smoothing=spec.smoothing, hidden=spec.hidden or DEFAULT_HIDDEN
+        )
         params = tensor_to_array(spec.model).ravel()
         if params.shape != (model.dim,) or spec.randomizer.dim != model.dim:
             raise ValueError(
                 f"model of {params.size} values / randomizer.dim={spec.randomizer.dim} do not match "
-                f"task {spec.task!r} with {f} features and {spec.num_classes} classes (dim {model.dim})"
+                f"task {spec.task!r} with {f} features, {spec.num_classes} classes and {model.hidden} hidden "
+                f"(dim {model.dim})"
             )
         b = min(max(int(spec.local_batch), 1), k)
         if b < k:

@@ -261,6 +261,7 @@ def plan_run(
         "smoothing": smoothing,
         "num_features": model.num_features,
         "num_classes": model.num_classes,
+        "hidden": model.hidden,
         "transport": cfg.transport.mode,
         "deadline": cfg.deployment.round_deadline_seconds,
         "output": s.output,
@@ -338,7 +339,8 @@ def round_spec(
         schedule=_SCHEDULES[plan["kind"]],
         model=_tensor(theta),
         task=plan["task"],
-        num_classes=plan["num_classes"] if plan["task"] == "logreg" else 0,
+        num_classes=plan["num_classes"] if plan["task"] in ("logreg", "mlp") else 0,
+        hidden=plan.get("hidden", 0),
         cohort_size=plan["cohort"] if plan["kind"] != "fully_interactive" else 0,
         min_contributors=plan["min_contributors"],
         deadline_seconds=plan["deadline"],
@@ -567,7 +569,7 @@ class RunManager:
     def _evaluation_data(self, cfg: RunConfig) -> _EvalData:
         """Model and the public held-out split (the analyzer never uses the training split), the data's public
         bound on ||x|| and, for synthetic data, the population optimum (excess risk)."""
-        key = repr((cfg.data, cfg.model.task, cfg.model.l2))
+        key = repr((cfg.data, cfg.model.task, cfg.model.l2, cfg.model.hidden))
         with self._lock:
             hit = self._test_data.get(key)
             if hit is not None:
@@ -577,7 +579,7 @@ class RunManager:
             ds = load_dataset(cfg.data, cfg.model.task)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"data: {exc}") from exc
-        model = make_model(cfg.model.task, ds.num_features, ds.num_classes, l2=cfg.model.l2)
+        model = make_model(cfg.model.task, ds.num_features, ds.num_classes, l2=cfg.model.l2, hidden=cfg.model.hidden)
         # the excess risk of the regularised objective would need its own optimum: reported for l2 = 0 only
         known = ds.optimum is not None and cfg.model.l2 == 0
         optimum_loss = model.loss(ds.optimum, ds.X_test, ds.y_test) if known else None

@@ -64,7 +64,9 @@ examples_per_user = 1
 # seed = 0                  # dataset = "synthetic": generator seed (public data; unset: 0)
 
 [model]
-task = "logreg"             # "logreg" (multinomial), "leastsq"; non-smooth: "hinge", "absolute", "distance"
+task = "logreg"             # "logreg" (multinomial), "leastsq"; non-smooth: "hinge", "absolute", "distance";
+                            # non-convex: "mlp" (one tanh hidden layer; needs schedule.learning_rate)
+hidden = 32                 # mlp: hidden units
 radius = 10.0               # iterates are projected onto the l2 ball of this radius
 # l2 = 0.01                 # strongly convex task: adds l2/2 ||theta||^2 to the loss (unset: 0)
 # smoothing = "paper"       # non-smooth tasks: users send gradients of the Moreau envelope with this beta: a
@@ -140,7 +142,7 @@ class ConfigError(ValueError):
 
 _DATASETS = ("digits", "mnist5k", "path", "synthetic")
 _FORMATS = ("csv", "npz", "libsvm", "idx")
-_TASKS = ("logreg", "leastsq", "hinge", "absolute", "distance")  # = shuffledp.models.TASKS
+_TASKS = ("logreg", "leastsq", "hinge", "absolute", "distance", "mlp")  # = shuffledp.models.ALL_TASKS
 _NONSMOOTH_TASKS = ("hinge", "absolute", "distance")  # = shuffledp.models.NONSMOOTH_TASKS
 # data.dataset = "synthetic": values of unset keys, and the size of its test set (shuffledp.data.SYNTHETIC_TEST_SIZE)
 _SYNTHETIC_DEFAULTS = {"n": 10_000, "dim": 20, "noise": 0.5}
@@ -186,6 +188,7 @@ class ModelConfig:
     # (AC-SA) or Thm 4.9's (PGD), resolved by the analyzer when it plans
     smoothing: float | str = 0.0
     smoothness: float = 0.0  # beta of the loss for AC-SA's step rule; 0 = from the data's public bound on ||x||
+    hidden: int = 32  # mlp: hidden units (tanh); ignored by the other tasks
 
 
 @dataclass(frozen=True)
@@ -386,8 +389,8 @@ def _model(t: dict[str, Any]) -> ModelConfig:
         smoothing = _float("model.smoothing", smoothing, 0.0, 1e12)
     if smoothing != 0 and task not in _NONSMOOTH_TASKS:
         raise ConfigError(
-            f"model.smoothing applies to non-smooth tasks ({', '.join(_NONSMOOTH_TASKS)}); model.task = {task!r}"
-            " is smooth"
+            f"model.smoothing applies to non-smooth convex tasks ({', '.join(_NONSMOOTH_TASKS)}); model.task = "
+            f"{task!r} is " + ("non-convex (it uses its exact gradient)" if task == "mlp" else "smooth")
         )
     return ModelConfig(
         task=task,
@@ -395,6 +398,7 @@ def _model(t: dict[str, Any]) -> ModelConfig:
         l2=_float("model.l2", t.get("l2", m.l2), 0.0, 1e6),
         smoothing=smoothing,
         smoothness=_float("model.smoothness", t.get("smoothness", m.smoothness), 0.0, 1e12),
+        hidden=_int("model.hidden", t.get("hidden", m.hidden), 1, 4096),
     )
 
 
@@ -646,6 +650,22 @@ def _check_combinations(cfg: RunConfig) -> None:
             )
         if p.eps0 is not None:
             raise ConfigError(f'privacy.eps0 applies to LDP protocols; privacy.protocol = "{p.protocol}" has none')
+    if m.task == "mlp":
+        # a non-convex model: the convex theory's step sizes, AC-SA's smoothness and Thm 4.8's phases do not apply
+        if s.learning_rate is None:
+            raise ConfigError(
+                'model.task = "mlp" is non-convex: the theory step size does not apply; set schedule.learning_rate'
+            )
+        if optimizer == "acsa" or s.phases:
+            raise ConfigError(
+                f'model.task = "mlp" is non-convex: schedule.optimizer = "{optimizer}" / schedule.phases '
+                "rest on convexity"
+            )
+        if cfg.data.dataset == "synthetic":
+            raise ConfigError(
+                'data.dataset = "synthetic" has a convex label model (linear); use a classification data '
+                'set with model.task = "mlp"'
+            )
     if s.lr_steps and optimizer != "sgd":
         raise ConfigError(f'schedule.lr_steps applies to schedule.optimizer = "sgd"; it resolves to "{optimizer}"')
     if m.smoothing == "paper" and optimizer not in ("acsa", "pgd"):

@@ -216,7 +216,7 @@ def load_dataset(cfg: DataConfig, task: str = "logreg") -> Dataset:
         cls = np.asarray(cfg.classes)
         order = np.argsort(cls)
         y = order[np.searchsorted(cls[order], y)]
-    if task in ("logreg", "hinge"):
+    if task in ("logreg", "hinge", "mlp"):
         if not np.all(y == np.floor(y)):
             raise ValueError(f"data: {task} needs integer class labels")
         values, y = np.unique(y, return_inverse=True)

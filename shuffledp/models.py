@@ -1,5 +1,6 @@
-"""Convex models on flat float64 parameter vectors: smooth (logistic regression, least squares) and non-smooth
-(hinge, absolute error, distance) losses, with an optional l2 term and optional Moreau smoothing.
+"""Models on flat float64 parameter vectors: convex smooth (logistic regression, least squares) and non-smooth
+(hinge, absolute error, distance) losses, with an optional l2 term and optional Moreau smoothing; and one non-convex
+task, a one-hidden-layer perceptron (mlp), for the deep-model setting of DP-FTRL (Kairouz et al., ICML 2021).
 
 Both parties use this module: client nodes compute per-example gradients at the broadcast iterate, the analyzer
 evaluates loss and accuracy on the public test split and projects iterates onto the l2 ball Theta (the convex
@@ -13,11 +14,19 @@ Parameter layout (public, part of the wire contract through RoundSpec.model). z 
 - absolute: w of length num_features + 1; loss = |w . z - y|.
 - distance: theta of length num_features (no bias); loss = ||theta - x||_2, labels ignored (spec 000 section 4,
   the paper's test loss).
+- mlp (non-convex, not in TASKS): theta = [W1 flattened row-major; W2 flattened row-major] with W1 of shape
+  (hidden, num_features + 1) and W2 of shape (num_classes, hidden + 1), bias last in every row as for logreg.
+  h = tanh(W1 z) (the activation of the DP-FTRL paper's experiments), scores W2 [h; 1], loss = cross-entropy of
+  their softmax; dim = hidden (num_features + 1) + num_classes (hidden + 1). theta_0 is a small Glorot-uniform
+  draw from a fixed public seed (init_params). The convex theory's step-size rules do NOT apply to it: the
+  Lipschitz / smoothness constants of the SCO theorems are refused (lipschitz_bound, smoothness raise), so a run
+  must give its learning rate explicitly, and the clip norm bounds each gradient's sensitivity as for every task.
 
 Options (spec 000 section 4): l2 = lambda adds lambda/2 ||theta||^2 to every example's loss (the strongly convex
-task of Thm 4.8); smoothing = beta > 0 (non-smooth tasks only) makes per_example_gradients return the gradient
-of each example's Moreau envelope (Def 4.5 / Lem 4.6) instead of a subgradient, while loss() stays the original
-loss so that reported losses are comparable across runs.
+task of Thm 4.8; for mlp a plain weight decay, on all parameters); smoothing = beta > 0 (convex non-smooth tasks
+only; refused for mlp) makes per_example_gradients return the gradient of each example's Moreau envelope (Def 4.5 /
+Lem 4.6) instead of a subgradient, while loss() stays the original loss so that reported losses are comparable
+across runs.
 """
 
 from __future__ import annotations
@@ -27,11 +36,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TASKS", "SMOOTH_TASKS", "NONSMOOTH_TASKS", "Model", "make_model", "project_l2_ball"]
+__all__ = [
+    "TASKS",
+    "SMOOTH_TASKS",
+    "NONSMOOTH_TASKS",
+    "NONCONVEX_TASKS",
+    "ALL_TASKS",
+    "DEFAULT_HIDDEN",
+    "MLP_INIT_SEED",
+    "Model",
+    "make_model",
+    "project_l2_ball",
+]
 
 SMOOTH_TASKS = ("logreg", "leastsq")
 NONSMOOTH_TASKS = ("hinge", "absolute", "distance")
-TASKS = SMOOTH_TASKS + NONSMOOTH_TASKS
+TASKS = SMOOTH_TASKS + NONSMOOTH_TASKS  # the convex tasks: the SCO theory (spec 000) and its constants apply
+NONCONVEX_TASKS = ("mlp",)  # no convex theory: explicit learning rate, no Lipschitz / smoothness constants
+ALL_TASKS = TASKS + NONCONVEX_TASKS  # every task a Model accepts
+CLASSIFIERS = ("logreg", "mlp")  # softmax cross-entropy over num_classes >= 2 integer labels
+DEFAULT_HIDDEN = 32  # make_model's hidden width for mlp
+# Public, data-independent seed of mlp's theta_0 (see Model.init_params). Not privacy noise: the CSPRNG rule of
+# shuffledp.rng (design section 6) is about noise that must stay secret; theta_0 is public by design.
+MLP_INIT_SEED = 0
 
 
 def _design(X: np.ndarray, num_features: int, bias: bool = True) -> np.ndarray:
@@ -49,25 +76,38 @@ class Model:
 
     task: str
     num_features: int
-    num_classes: int = 1  # logreg: number of classes (>= 2); every other task: 1
+    num_classes: int = 1  # logreg, mlp: number of classes (>= 2); every other task: 1
     l2: float = 0.0  # lambda >= 0: adds lambda/2 ||theta||^2 (strongly convex task, spec 000 Thm 4.8)
     smoothing: float = 0.0  # beta >= 0: Moreau-envelope gradients (spec 000 Def 4.5); 0 = subgradients
+    hidden: int = 0  # mlp: hidden units (>= 1; make_model's default DEFAULT_HIDDEN); every other task: 0
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.task not in ALL_TASKS:
+            raise ValueError(f"task must be one of {ALL_TASKS}, got {self.task!r}")
         if not isinstance(self.num_features, int | np.integer) or self.num_features < 1:
             raise ValueError(f"num_features must be an integer >= 1, got {self.num_features!r}")
-        if self.task == "logreg" and self.num_classes < 2:
-            raise ValueError(f"num_classes must be >= 2 for logreg, got {self.num_classes}")
-        if self.task != "logreg" and self.num_classes != 1:
+        if self.task in CLASSIFIERS and self.num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2 for {self.task}, got {self.num_classes}")
+        if self.task not in CLASSIFIERS and self.num_classes != 1:
             raise ValueError(f"num_classes must be 1 for {self.task}, got {self.num_classes}")
+        if isinstance(self.hidden, bool) or not isinstance(self.hidden, int | np.integer):
+            raise ValueError(f"hidden must be an integer, got {self.hidden!r}")
+        if self.task == "mlp" and self.hidden < 1:
+            raise ValueError(f"hidden must be >= 1 for mlp, got {self.hidden}")
+        if self.task != "mlp" and self.hidden != 0:
+            raise ValueError(f"hidden must be 0 for {self.task} (mlp only), got {self.hidden}")
         for name in ("l2", "smoothing"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float | np.floating | np.integer) or not v >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
             if not math.isfinite(v):
                 raise ValueError(f"{name} must be finite, got {v!r}")
+        if self.smoothing > 0 and self.task in NONCONVEX_TASKS:
+            raise ValueError(
+                f"smoothing (the Moreau envelope, spec 000 Def 4.5) is for the convex non-smooth tasks "
+                f"({', '.join(NONSMOOTH_TASKS)}); task {self.task!r} is non-convex and already differentiable: its "
+                "exact gradient is used"
+            )
         if self.smoothing > 0 and self.smooth:
             raise ValueError(
                 f"smoothing applies to non-smooth tasks ({', '.join(NONSMOOTH_TASKS)}); task {self.task!r} is smooth"
@@ -75,19 +115,47 @@ class Model:
 
     @property
     def smooth(self) -> bool:
-        """True when the task's loss is differentiable with a Lipschitz gradient (logreg, leastsq)."""
-        return self.task in SMOOTH_TASKS
+        """True when the task's loss is differentiable with a Lipschitz gradient (logreg, leastsq), so that Moreau
+        smoothing does not apply. mlp: True as well (tanh and softmax are C^infinity and its gradient is exact), but
+        its gradient is Lipschitz only on bounded sets and with no useful constant: smoothness() refuses it."""
+        return self.task in SMOOTH_TASKS or self.task in NONCONVEX_TASKS
+
+    @property
+    def convex(self) -> bool:
+        """False for mlp: the SCO theory's step sizes and constants (spec 000) do not apply."""
+        return self.task in TASKS
 
     @property
     def dim(self) -> int:
         """Length of the flat parameter vector (d of PVEC)."""
         if self.task == "distance":
             return self.num_features
+        if self.task == "mlp":
+            return self.hidden * (self.num_features + 1) + self.num_classes * (self.hidden + 1)
         return self.num_classes * (self.num_features + 1)
 
     def init_params(self) -> np.ndarray:
-        """theta_0 = 0 (paper 000 Alg 5 starts at 0; 0 is in every ball Theta)."""
-        return np.zeros(self.dim)
+        """theta_0. Convex tasks: 0 (paper 000 Alg 5 starts at 0; 0 is in every ball Theta).
+
+        mlp: 0 is a saddle point (every hidden unit gets the same, zero, gradient: the symmetry is never broken),
+        so the weights are drawn Glorot-uniform (Glorot & Bengio 2010, the scaling for tanh): W1 ~ U(-a, a) with
+        a = sqrt(6 / (num_features + hidden)), W2 ~ U(-b, b) with b = sqrt(6 / (hidden + num_classes)), biases 0.
+        The draw comes from numpy's PCG64 under the fixed public seed MLP_INIT_SEED, so it depends on the shapes
+        only (never on data) and every party computes the same theta_0. This is not privacy noise, so the rule
+        that noise comes from the secret-keyed CSPRNG of shuffledp.rng does not apply (the analyzer broadcasts
+        theta in every RoundSpec anyway; clients never call init_params). The ||theta_0||^2 is about
+        2 hidden num_features / (num_features + hidden) + 2 num_classes hidden / (hidden + num_classes); the
+        optimizers project onto the ball of model.radius, which must be large enough not to shrink it.
+        """
+        if self.task != "mlp":
+            return np.zeros(self.dim)
+        F, H, K = self.num_features, self.hidden, self.num_classes
+        rng = np.random.default_rng(MLP_INIT_SEED)  # public seed, not privacy noise (see the docstring)
+        W1 = np.zeros((H, F + 1))
+        W1[:, :F] = rng.uniform(-1.0, 1.0, size=(H, F)) * math.sqrt(6.0 / (F + H))
+        W2 = np.zeros((K, H + 1))
+        W2[:, :H] = rng.uniform(-1.0, 1.0, size=(K, H)) * math.sqrt(6.0 / (H + K))
+        return np.concatenate([W1.ravel(), W2.ravel()])
 
     def _check(self, params: np.ndarray) -> np.ndarray:
         params = np.asarray(params, dtype=np.float64)
@@ -102,12 +170,14 @@ class Model:
         y = np.asarray(y)
         if y.shape != (k,):
             raise ValueError(f"y must have shape ({k},), got {y.shape}")
-        if self.task == "logreg":
+        if self.task in CLASSIFIERS:
             if y.dtype.kind not in "iu" and not np.all(y == np.floor(y)):
-                raise ValueError("logreg labels must be integers")
+                raise ValueError(f"{self.task} labels must be integers")
             yi = y.astype(np.int64)
             if k and (yi.min() < 0 or yi.max() >= self.num_classes):
-                raise ValueError(f"logreg labels must lie in [0, {self.num_classes}), got [{yi.min()}, {yi.max()}]")
+                raise ValueError(
+                    f"{self.task} labels must lie in [0, {self.num_classes}), got [{yi.min()}, {yi.max()}]"
+                )
             return yi
         if self.task == "hinge":
             yf = y.astype(np.float64)
@@ -125,13 +195,25 @@ class Model:
         e = np.exp(s)
         return e / e.sum(axis=1, keepdims=True)
 
+    def _mlp_forward(self, params: np.ndarray, Z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(W2, [h; 1], scores) of the mlp at params for the inputs Z = [x; 1]: h = tanh(W1 z), scores W2 [h; 1]."""
+        H, n1 = self.hidden, self.hidden * (self.num_features + 1)
+        W1 = params[:n1].reshape(H, self.num_features + 1)
+        W2 = params[n1:].reshape(self.num_classes, H + 1)
+        Ht = np.empty((Z.shape[0], H + 1))
+        np.tanh(Z @ W1.T, out=Ht[:, :H])
+        Ht[:, H] = 1.0
+        return W2, Ht, Ht @ W2.T
+
     def predict(self, params: np.ndarray, X: np.ndarray) -> np.ndarray:
-        """logreg: argmax class; hinge: 1 where w . z > 0 else 0; leastsq/absolute: the real-valued prediction;
+        """logreg, mlp: argmax class; hinge: 1 where w . z > 0 else 0; leastsq/absolute: the real-valued prediction;
         distance: ||theta - x|| (there is nothing to predict)."""
         params = self._check(params)
         Z = self._inputs(X)
         if self.task == "logreg":
             return np.argmax(Z @ params.reshape(self.num_classes, -1).T, axis=1)
+        if self.task == "mlp":
+            return np.argmax(self._mlp_forward(params, Z)[2], axis=1)
         if self.task == "hinge":
             return (Z @ params > 0).astype(np.int64)
         if self.task == "distance":
@@ -150,6 +232,8 @@ class Model:
             P = self._softmax(params, Z)
             P[np.arange(Z.shape[0]), y] -= 1.0
             G = (P[:, :, None] * Z[:, None, :]).reshape(Z.shape[0], self.dim)
+        elif self.task == "mlp":
+            G = self._mlp_gradients(params, Z, y)
         elif self.task == "leastsq":
             G = (Z @ params - y)[:, None] * Z
         elif self.smoothing > 0:
@@ -166,6 +250,23 @@ class Model:
         if self.l2 > 0:
             G = G + self.l2 * params[None, :]
         return G
+
+    def _mlp_gradients(self, params: np.ndarray, Z: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Exact backpropagation for every example at once, shape (k, dim) in the layout [W1; W2].
+
+        delta2 = softmax(s) - onehot(y) (k, K): dL/dW2 = delta2 [h; 1]^T. delta1 = (1 - h^2) * (W2[:, :H]^T delta2)
+        (k, H) (tanh' = 1 - tanh^2; the bias column of W2 does not reach h): dL/dW1 = delta1 z^T.
+        """
+        k, H = Z.shape[0], self.hidden
+        W2, Ht, S = self._mlp_forward(params, Z)
+        S -= S.max(axis=1, keepdims=True)  # stable softmax
+        P = np.exp(S)
+        P /= P.sum(axis=1, keepdims=True)
+        P[np.arange(k), y] -= 1.0  # delta2
+        D1 = (P @ W2[:, :H]) * (1.0 - Ht[:, :H] ** 2)
+        G1 = (D1[:, :, None] * Z[:, None, :]).reshape(k, H * Z.shape[1])
+        G2 = (P[:, :, None] * Ht[:, None, :]).reshape(k, self.num_classes * (H + 1))
+        return np.concatenate([G1, G2], axis=1)
 
     def _moreau(self, params: np.ndarray, Z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(gradients, envelope values) of each example's Moreau envelope f_beta(th) = min_u f(u) + beta/2 ||th - u||^2.
@@ -212,9 +313,8 @@ class Model:
         params = self._check(params)
         Z = self._inputs(X)
         y = self._labels(y, Z.shape[0])
-        if self.task == "logreg":
-            W = params.reshape(self.num_classes, -1)
-            s = Z @ W.T
+        if self.task in CLASSIFIERS:
+            s = Z @ params.reshape(self.num_classes, -1).T if self.task == "logreg" else self._mlp_forward(params, Z)[2]
             smax = s.max(axis=1)
             lse = smax + np.log(np.exp(s - smax[:, None]).sum(axis=1))
             per = lse - s[np.arange(Z.shape[0]), y]
@@ -240,14 +340,14 @@ class Model:
         return float(np.mean(self._moreau(params, Z, y)[1])) + self._l2_term(params)
 
     def accuracy(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
-        """logreg/hinge: fraction classified correctly (hinge: sign agreement). leastsq/absolute: fraction whose
+        """logreg/mlp/hinge: fraction classified correctly (hinge: sign agreement). leastsq/absolute: fraction whose
         rounded prediction equals y (meaningful when y holds integer labels, e.g. 0/1 regression); nan when y is not
         integer-valued. distance: nan."""
         if self.task == "distance":
             return float("nan")
         pred = self.predict(params, X)
         y = np.asarray(y)
-        if self.task in ("logreg", "hinge"):
+        if self.task in ("logreg", "mlp", "hinge"):
             return float(np.mean(pred == y))
         yf = y.astype(np.float64)
         if not np.all(yf == np.round(yf)):
@@ -263,7 +363,10 @@ class Model:
         (1 - p_y)^2 + sum_{j != y} p_j^2 <= 2 (1 - p_y)^2. leastsq: the residual is unbounded, so inf. hinge,
         absolute: ||z||. distance: 1. A Moreau envelope over R^d keeps the constant L of its loss (its gradient is
         a subgradient at the prox; Beck 2017 Thm 6.60), so smoothing does not change it.
+
+        mlp: ValueError (see _no_convex_constants).
         """
+        self._no_convex_constants("lipschitz_bound")
         B = _bound("feature_norm_bound", feature_norm_bound)
         R = _bound("radius", radius)
         zn = math.sqrt(B * B + 1.0)
@@ -278,7 +381,10 @@ class Model:
         Ann. Inst. Statist. Math. 44), whose largest eigenvalue is 1/2, so beta <= ||z||^2 / 2. leastsq: Hessian
         z z^T, beta = ||z||^2. Non-smooth tasks: inf, or the smoothing parameter beta of the Moreau envelope (spec
         000 Lem 4.6). The l2 term adds lambda.
+
+        mlp: ValueError (see _no_convex_constants).
         """
+        self._no_convex_constants("smoothness")
         B = _bound("feature_norm_bound", feature_norm_bound)
         zz = B * B + 1.0
         if self.task == "logreg":
@@ -289,6 +395,18 @@ class Model:
             base = self.smoothing if self.smoothing > 0 else math.inf
         return base + self.l2
 
+    def _no_convex_constants(self, what: str) -> None:
+        """The constants feed the convex theory's step-size rules (PSGD's eta = D / (L sqrt(T)), AC-SA's smoothness
+        step, Thm 4.8's phase diameters). A non-convex loss has no such guarantee whatever the constants: on the
+        ball ||theta|| <= R the mlp's gradient norm is finite (it grows with R and hidden), but no theorem turns it
+        into a step size. Refused rather than inf so that a caller cannot mistake it for "not smooth, smooth it"."""
+        if self.task in NONCONVEX_TASKS:
+            raise ValueError(
+                f"{what}: task {self.task!r} is non-convex, so the convex theory's step-size rules (spec 000) do not "
+                "apply to it and it has no useful global constant; give the learning rate (schedule.learning_rate) "
+                "and the clip norm (privacy.clip_norm) explicitly"
+            )
+
 
 def _bound(name: str, v: float) -> float:
     v = float(v)
@@ -297,14 +415,24 @@ def _bound(name: str, v: float) -> float:
     return v
 
 
-def make_model(task: str, num_features: int, num_classes: int, l2: float = 0.0, smoothing: float = 0.0) -> Model:
-    """The model of a task; num_classes is ignored (forced to 1) for every task but logreg."""
+def make_model(
+    task: str,
+    num_features: int,
+    num_classes: int,
+    l2: float = 0.0,
+    smoothing: float = 0.0,
+    *,
+    hidden: int = DEFAULT_HIDDEN,
+) -> Model:
+    """The model of a task; num_classes is ignored (forced to 1) for every task but logreg and mlp, and hidden (the
+    mlp's hidden units) is ignored (forced to 0) for every task but mlp."""
     return Model(
         task=task,
         num_features=int(num_features),
-        num_classes=int(num_classes) if task == "logreg" else 1,
+        num_classes=int(num_classes) if task in CLASSIFIERS else 1,
         l2=float(l2),
         smoothing=float(smoothing),
+        hidden=int(hidden) if task == "mlp" else 0,
     )
 
 

@@ -207,3 +207,60 @@ def test_schedule_rounds_unset_is_none_and_set_is_kept():
     # issue 10: "set explicitly" is told from the built-in default by None (plan_run resolves it per kind)
     assert parse_config("").schedule.rounds is None and load_config(None).schedule.rounds is None
     assert parse_config('[schedule]\nkind = "sequential"\nrounds = 3\n').schedule.rounds == 3
+
+
+_CENTRAL = """
+[privacy]
+protocol = "{protocol}"
+{privacy}
+[schedule]
+kind = "subsampled"
+cohort_size = 10
+rounds = 20
+learning_rate = 1.0
+{schedule}
+[transport]
+mode = "sealed"
+[model]
+task = "{task}"
+"""
+
+
+@pytest.mark.parametrize(
+    "protocol, privacy, schedule, task, message",
+    [
+        ("tree", "", 'optimizer = "sgd"', "logreg", 'optimizer = "ftrl" and privacy.protocol = "tree" go together'),
+        ("gaussian", "", 'optimizer = "ftrl"', "logreg", "go together"),
+        ("gaussian", "max_participations = 2", "", "logreg", "privacy.max_participations applies to privacy"),
+        ("tree", "rounds_per_tree = 20\ncompletion = true", "", "logreg", "completion pads a tree before a restart"),
+        ("tree", "", "momentum = 1.0", "logreg", "schedule.momentum"),
+        ("gaussian", "", "momentum = 0.5", "logreg", "schedule.momentum applies"),
+        ("tree", 'tree_estimator = "honaker"', "", "logreg", "privacy.tree_estimator"),
+        ("tree", "", 'kind = "sequential"', "logreg", "schedule.kind"),
+        ("tree", "eps0 = 1.0", "", "logreg", "privacy.eps0"),
+        ("tree", "", "", "mlp", None),
+        ("tree", "", 'optimizer = "acsa"', "mlp", 'needs schedule.kind = "sequential"'),
+    ],
+)
+def test_central_protocol_keys_are_checked_together(protocol, privacy, schedule, task, message):
+    text = _CENTRAL.format(protocol=protocol, privacy=privacy, schedule=schedule, task=task)
+    if 'kind = "sequential"' in schedule:
+        text = text.replace('kind = "subsampled"\n', "")
+    if message is None:
+        cfg = parse_config(text)
+        assert cfg.privacy.protocol == protocol and cfg.model.hidden == 32
+        return
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text)
+
+
+def test_mlp_needs_a_learning_rate_and_no_convex_only_option():
+    base = '[model]\ntask = "mlp"\n[schedule]\nkind = "sequential"\n'
+    with pytest.raises(ConfigError, match="schedule.learning_rate"):
+        parse_config(base)
+    with pytest.raises(ConfigError, match="non-convex"):
+        parse_config(base + 'learning_rate = 1.0\noptimizer = "acsa"\n')
+    with pytest.raises(ConfigError, match="non-convex"):
+        parse_config('[model]\ntask = "mlp"\nsmoothing = 1.0\n[schedule]\nlearning_rate = 1.0\n')
+    with pytest.raises(ConfigError, match="model.hidden"):
+        parse_config('[model]\ntask = "mlp"\nhidden = 0\n[schedule]\nlearning_rate = 1.0\n')

@@ -28,7 +28,7 @@ _BASE = """
 [data]
 dataset = "digits"
 [model]
-task = "logreg"
+task = "{task}"
 radius = 10.0
 [privacy]
 eps = {eps}
@@ -51,8 +51,12 @@ round_deadline_seconds = 30.0
 """
 
 
-def _config(protocol: str, k: int, rounds: int, lr: float, privacy: str = "", schedule: str = "", eps=8.0) -> str:
-    return _BASE.format(eps=eps, protocol=protocol, k=k, rounds=rounds, lr=lr, privacy=privacy, schedule=schedule)
+def _config(
+    protocol: str, k: int, rounds: int, lr: float, privacy: str = "", schedule: str = "", eps=8.0, task="logreg"
+) -> str:
+    return _BASE.format(
+        eps=eps, protocol=protocol, k=k, rounds=rounds, lr=lr, privacy=privacy, schedule=schedule, task=task
+    )
 
 
 def _account_tree(z: float, steps: int, E: int, xi: int, trees: int, completion: bool) -> float:
@@ -84,17 +88,19 @@ def _check_limits(record: dict[tuple[int, str], list[int]], E: int, xi: int) -> 
 
 
 @pytest.mark.parametrize(
-    "name, k, rounds, privacy, schedule, E, xi, per_tree, completion",
+    "name, k, rounds, privacy, schedule, task, E, xi, per_tree, completion",
     [
         # one tree, one participation per user, the vanilla tree, plain DP-FTRL
-        ("single", 100, 12, 'tree_estimator = "vanilla"', "", 1, 0, 12, False),
-        # restarts every 8 rounds with completion, each user up to twice per tree 3 rounds apart, DP-FTRLM
+        ("single", 100, 12, 'tree_estimator = "vanilla"', "", "logreg", 1, 0, 12, False),
+        # restarts every 8 rounds with completion, each user up to twice per tree 3 rounds apart, DP-FTRLM, on the
+        # non-convex mlp task (DP-FTRL's claims are about deep models)
         (
             "restarts",
             150,
             24,
             "max_participations = 2\nmin_separation = 3\nrounds_per_tree = 8\ncompletion = true",
             "momentum = 0.9",
+            "mlp",
             2,
             3,
             8,
@@ -103,9 +109,9 @@ def _check_limits(record: dict[tuple[int, str], list[int]], E: int, xi: int) -> 
     ],
 )
 def test_dp_ftrl_run_ledger_matches_account_tree_and_shuffler_limits(
-    tmp_path: Path, name, k, rounds, privacy, schedule, E, xi, per_tree, completion
+    tmp_path: Path, name, k, rounds, privacy, schedule, task, E, xi, per_tree, completion
 ):
-    toml = _config("tree", k, rounds, 2.0, privacy, schedule)
+    toml = _config("tree", k, rounds, 2.0 if task == "logreg" else 1.0, privacy, schedule, task=task)
     ledger, metrics, _ = run_cli(tmp_path, name, toml)
     plan = ledger["run"]["plan"]
     assert ledger["run"]["state"] == "COMPLETED" and plan["protocol"] == "tree"
