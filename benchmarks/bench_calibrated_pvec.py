@@ -8,7 +8,10 @@ For (d, n, eps) in {100, 1000} x {10^3, 10^4} x {1, 4} and delta = 1e-6 (all wit
   * the calibrated round's certified eps, g and m;
   * the paper's parameters accounted by this module's exact accountant: eps on the fixed order grid (top order
     1024), eps on the grid extended at its edges (rdp.extended_rdp_to_dp) and the optimal order lam*;
-  * timings: calibrate (first call, uncached), composed_epsilon over 10^4 rounds (first and cached call).
+  * timings: calibrate (first call, uncached), composed_epsilon over 10^4 rounds (first and cached call);
+  * the PLD route (``pvec_pld.calibrate_pvec_pld``, issue 16 item 2) beside the RDP route (``calibrate_pvec``):
+    its m, the route ``pvec_pld`` took, var calibrated / var Gaussian (exact) for both routes and the seconds
+    each calibration took (first call, uncached).
 Run: python benchmarks/bench_calibrated_pvec.py
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import time
 
 from shuffledp.accountants import calibrated_pvec as cal
+from shuffledp.accountants import pvec_pld
 from shuffledp.accountants.rdp import rdp_to_dp
 from shuffledp.protocols.pvec import pvec_params
 
@@ -29,7 +33,8 @@ def main() -> None:
     hdr = (
         f"{'d':>5} {'n':>6} {'eps':>4} | {'g':>5} {'m':>9} {'eps_cert':>8} | {'paper/cal':>10} "
         f"{'cal/Gauss':>9} {'cal/GaussRDP':>12} | {'t_cal[s]':>8} {'t_1e4[s]':>8} {'t_1e4 cached':>12} | "
-        f"{'paper eps fixed':>15} {'extended':>9} {'lam*':>6} {'t[s]':>5}"
+        f"{'paper eps fixed':>15} {'extended':>9} {'lam*':>6} {'t[s]':>5} | {'m PLD':>9} {'route':>8} "
+        f"{'RDP/Gauss':>9} {'PLD/Gauss':>9} {'t_RDP[s]':>8} {'t_PLD[s]':>8}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -56,10 +61,15 @@ def main() -> None:
                 e_paper, lam = cal.composed_epsilon([(paper, n)], DELTA, return_order=True)
                 t_paper = time.perf_counter() - t0
                 e_fixed = rdp_to_dp(cal.DEFAULT_ORDERS, cal.pvec_round_rdp(paper, n, cal.DEFAULT_ORDERS), DELTA)[0]
+                t0 = time.perf_counter()
+                pp = pvec_pld.calibrate_pvec_pld(eps, DELTA, n, d, 1.0)
+                t_pld = time.perf_counter() - t0
+                p_exact = cal.noise_variance(pp) / cal.gaussian_variance(eps, DELTA, 1.0, method="exact")
                 print(
                     f"{d:>5} {n:>6} {eps:>4.0f} | {pr.g:>5} {pr.m:>9} {e_cert:>8.4f} | {ratio_paper:>10.1f} "
                     f"{g_exact:>9.3f} {g_rdp:>12.3f} | {t_cal:>8.2f} {t_first:>8.3f} {t_cached:>12.4f} | "
-                    f"{e_fixed:>15.5f} {e_paper:>9.5f} {lam:>6.0f} {t_paper:>5.1f}",
+                    f"{e_fixed:>15.5f} {e_paper:>9.5f} {lam:>6.0f} {t_paper:>5.1f} | {pp.m:>9} "
+                    f"{pvec_pld.pld_route(pp, n):>8} {g_exact:>9.3f} {p_exact:>9.3f} {t_cal:>8.2f} {t_pld:>8.2f}",
                     flush=True,
                 )
     # a budget for 10^4 composed rounds (fully interactive, e.g. PGD with all n users every round)
@@ -73,6 +83,15 @@ def main() -> None:
     print(
         f"\n{ROUNDS} rounds, d=100, n=1e4, eps=1: m={pr.m}, certified eps={e:.4f}, var/Gauss(exact, {ROUNDS} "
         f"rounds)={ratio:.3f}; calibrate {t_cal:.2f} s, composed query {t_q * 1e3:.1f} ms"
+    )
+    t0 = time.perf_counter()
+    pp = pvec_pld.calibrate_pvec_pld(1.0, DELTA, 10**4, 100, 1.0, rounds=ROUNDS)
+    t_pld = time.perf_counter() - t0
+    e_pld = pvec_pld.pld_epsilon(pp, 10**4, ROUNDS, DELTA)
+    ratio_pld = cal.noise_variance(pp) / cal.gaussian_variance(1.0, DELTA, 1.0, rounds=ROUNDS, method="exact")
+    print(
+        f"PLD route ({pvec_pld.pld_route(pp, 10**4)}): m={pp.m}, certified eps={e_pld:.4f}, var/Gauss(exact, "
+        f"{ROUNDS} rounds)={ratio_pld:.3f} (RDP route {ratio:.3f}); calibrate {t_pld:.2f} s"
     )
 
 

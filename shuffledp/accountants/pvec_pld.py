@@ -1,0 +1,422 @@
+"""PLD-tight calibrated PVEC (issue 16 item 2): one round's worst case as a privacy-loss distribution (PLD).
+
+**Extension beyond the paper** (spec 000 section 8 "Loose constants"), like ``calibrated_pvec``: same mechanism
+(count-mode PVEC, noise Bin(N, p) per coordinate, N = m n'), same reduction to integer gap vectors, but the
+composition over the d coordinates and the T rounds is done on privacy-loss distributions (Dwork-Rothblum 2016,
+Sommer et al. 2019, Koskela et al. 2020; dp_accounting's ``pld`` package) instead of RDP, which removes the
+RDP -> (eps, delta) conversion loss (~13-15% of the noise variance at delta = 1e-6).
+
+The argument
+------------
+1. Gap vectors (``calibrated_pvec`` module docstring, steps 1-3): the analyzer's view is a mixture over coupled
+   randomness of product pairs (prod_j a_j + Bin(N, p), prod_j Bin(N, p)) with integer gaps a in
+   A = {|a_j| <= g, sum_j (|a_j| - 1)_+^2 <= g^2}; the hockey-stick divergence is jointly convex, so it is
+   enough to dominate every such product pair.
+2. Symmetry (p = 1/2 only; other p fall back to RDP): k -> N + a_j - k maps a_j + Bin(N, 1/2) to Bin(N, 1/2) and
+   back, so gap -a_j is gap a_j and the reversed pair (Q, P) is the mirror image of (P, Q): one PLD (dp_accounting
+   "symmetric") covers both directions, and only sorted gap vectors with a_j >= 0 matter.
+3. Monotonicity in each gap: Bin(N, 1/2) has a log-concave pmf, so (a + X, X) has a monotone likelihood ratio and
+   its tradeoff curve is the piecewise-linear interpolation of the vertices (Q(X >= c), P(a + X < c)). The
+   alpha-nodes do not depend on a and every beta-node decreases in a: shift a + 1 is Blackwell-more informative
+   than shift a, and so is any product with one gap increased. Only *maximal* gap vectors (no coordinate can be
+   raised within A) need to be dominated.
+4. Rounds: one PLD that dominates every neighbouring pair of a round, whatever gap vector the adaptive protocol
+   induces, is a dominating pair of the round; the T-fold product of dominating pairs dominates the adaptive
+   composition (Zhu, Dong & Wang, AISTATS 2022, "Optimal accounting of differential privacy via characteristic
+   function", Thm 10). So eps(T rounds) = eps of the T-fold self-composition of the round's dominating PLD.
+
+Route "exhaustive" (small N, d, g: the brief's "verified against exhaustive exact computation"): for every maximal
+sorted gap vector, each coordinate's PLD is built from the explicit binomial pmfs: the exact hockey-stick curve
+delta(eps) of (a + Bin(N, 1/2), Bin(N, 1/2)) at every grid point eps_i = i * VALUE_DISCRETIZATION_INTERVAL is
+turned into a PLD by dp_accounting's pessimistic Connect-the-Dots (Doroshenko et al., PETS 2022, Alg. 1:
+``pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap``; dominates the exact pair at every eps and keeps the mean
+of the loss, so the discretisation error does not grow like T d times the grid step). Tails: P-mass above the last
+grid point (and the support mismatch k > N, Q = 0) is infinity mass; P-mass below the first grid point is moved up
+onto it (both pessimistic). The coordinates are composed with dp_accounting (tail truncation pessimistic). When
+several maximal vectors exist, the pointwise maximum of their delta(eps) curves is a valid privacy curve (convex in
+e^eps; Zhu et al. 2022, Sec. 3) and Connect-the-Dots on it gives one PLD dominating all of them.
+
+Route "gaussian" (realistic sizes; the worst vector among ~10^100 cannot be enumerated): a provably worse
+dominating pair, the Gaussian G_mu (mu-GDP, Dong, Roth & Su, JRSS-B 2022):
+  * splitting (as ``calibrated_pvec``): gap a at N trials is post-processing of a unit-shift pairs
+    U_M = (1 + Bin(M, 1/2), Bin(M, 1/2)) with M = floor(N / a);
+  * mixture slack: U_M = (1 - t) U_M|W + t (rest) with the window W = [lo, M + 1 - lo] (symmetric, so P and Q lose
+    the same mass t <= TAU, Hoeffding). The slacks of all pieces and rounds add to delta (``calibrated_pvec``
+    docstring, "mixture form");
+  * U_M|W is mu_M-GDP with mu_M = max over the tradeoff vertices c of isf(alpha_c) + isf(beta_c) (a piecewise-linear
+    curve lies above the convex G_mu iff its vertices do), computed exactly from the explicit binomial pmfs;
+  * GDP composes exactly: G_mu1 x G_mu2 = G_sqrt(mu1^2 + mu2^2) (Dong et al. Cor. 3.3), so a gap vector is
+    dominated by G_mu with mu^2 = sum_j a_j mu_{floor(N/a_j)}^2, and the worst over A is bounded by the same LP
+    relaxation (concave majorant, adaptive grid, monotone interpolation) as ``calibrated_pvec._worst_round`` with
+    mu^2 in place of the RDP value. A round is then G_mu plus slack (d + g sqrt d) TAU (sum_j a_j <= d + g sqrt d by
+    Cauchy-Schwarz), T rounds G_{mu sqrt T} plus T times the slack, and eps(delta) is the exact Gaussian curve
+    delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2) (Balle & Wang 2018, Thm 8) -- the PLD of G_mu
+    self-composed T times, in closed form.
+  The loss against the exact binomial is mu_M^2 M / 4 - 1: ~4% at M = 1e3, 4e-4 at 1e5, 3e-6 at 1e7 (worst
+  vertices near the windows' 9.7 sd edges).
+
+Route "rdp": ``calibrated_pvec`` (p != 1/2, N / g < GAUSS_MIN_M, or a unit window beyond GAUSS_MAX_WINDOW points).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from dp_accounting.pld import pld_pmf
+from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
+from scipy.special import log_ndtr, ndtri
+from scipy.stats import binom
+
+from shuffledp.accountants import calibrated_pvec as cal
+from shuffledp.protocols.pvec import MAX_M, PvecParams
+
+__all__ = [
+    "VALUE_DISCRETIZATION_INTERVAL",
+    "TAU",
+    "ROUTES",
+    "pld_route",
+    "maximal_gap_vectors",
+    "round_pld",
+    "unit_gdp_mu2",
+    "round_gdp",
+    "pld_epsilon",
+    "calibrate_pvec_pld",
+]
+
+VALUE_DISCRETIZATION_INTERVAL = 1e-4  # PLD grid step (dp_accounting's default; loss values are multiples of it)
+TAU = 1e-20  # tail mass per coordinate (exhaustive: to infinity mass) or per unit piece (gaussian: mixture slack)
+_TRUNC = 1e-15  # dp_accounting tail_mass_truncation in compositions (pessimistic: right tail to infinity mass)
+EXHAUSTIVE_MAX_N = 20000  # exhaustive route only for N <= this, d <= 4, g <= 32 and <= 64 maximal gap vectors
+EXHAUSTIVE_MAX_D = 4
+EXHAUSTIVE_MAX_G = 32
+EXHAUSTIVE_MAX_VECTORS = 64
+GAUSS_MIN_M = 1000  # gaussian route needs N // g >= this (unit pieces of >= 1000 trials: mu^2 M / 4 - 1 <= ~4%)
+GAUSS_MAX_WINDOW = 3 * 10**7  # largest unit window (points, ~9.7 sqrt(N) at a = 1) evaluated
+_SAFETY = 1.0 + 1e-9  # relative safety factor on mu^2 (float rounding), as calibrated_pvec._SAFETY
+ROUTES = ("exhaustive", "gaussian", "rdp")
+
+
+# ------------------------------------------------------------------------------------------ gap vectors
+def maximal_gap_vectors(g: int, d: int, limit: int = EXHAUSTIVE_MAX_VECTORS) -> list[tuple[int, ...]] | None:
+    """Sorted maximal gap vectors of A = {0 <= a_j <= g, sum (a_j - 1)_+^2 <= g^2} (step 3); None if > limit."""
+    out: list[tuple[int, ...]] = []
+    budget = g * g
+
+    def rec(prefix: list[int], lo: int, cost: int) -> None:
+        if len(out) > limit:
+            return
+        if len(prefix) == d:
+            below = [a for a in prefix if a < g]  # raising a_j by one costs a_j^2 - (a_j - 1)^2 = 2 a_j - 1
+            if not below or cost + 2 * min(below) - 1 > budget:
+                out.append(tuple(prefix))
+            return
+        for a in range(lo, g + 1):  # a_j = 0 is never maximal (0 -> 1 is free)
+            c = cost + (a - 1) ** 2
+            if c + (d - len(prefix) - 1) * (a - 1) ** 2 > budget:  # later coordinates are >= a
+                break
+            rec([*prefix, a], a, c)
+
+    rec([], 1, 0)
+    return None if len(out) > limit else out
+
+
+# ------------------------------------------------------------------------------------ exhaustive route
+@lru_cache(maxsize=512)
+def _coord_pld(N: int, a: int, vdi: float) -> tuple[PrivacyLossDistribution, int, int]:
+    """Connect-the-Dots PLD of P = a + Bin(N, 1/2) vs Q = Bin(N, 1/2) from the explicit pmfs; (pld, i_lo, i_hi)."""
+    k = np.arange(a, N + 1, dtype=np.float64)  # common support; P(k > N) has Q = 0 (infinite loss)
+    log_p = binom.logpmf(k - a, N, 0.5)
+    log_q = binom.logpmf(k, N, 0.5)
+    loss = log_p - log_q  # increasing in k (log-concave pmf)
+    pm, qm = np.exp(log_p), np.exp(log_q)
+    inf_mass = float(binom.sf(N - a, N, 0.5))
+    sp = np.append(np.cumsum(pm[::-1])[::-1], 0.0)  # sp[c] = P(k >= k_c)
+    sq = np.append(np.cumsum(qm[::-1])[::-1], 0.0)
+    below = np.cumsum(pm)
+    # grid range: P-mass <= TAU above the top point (-> infinity mass) and below the bottom one (moved up onto it)
+    top = int(np.searchsorted(-sp[:-1], -TAU, side="left"))  # first c with sp[c] <= TAU
+    bot = max(0, int(np.searchsorted(below, TAU, side="right")) - 1)
+    i_hi = math.ceil(loss[min(top, len(loss) - 1)] / vdi)
+    i_lo = min(math.floor(loss[bot] / vdi), i_hi)
+    eps = np.arange(i_lo, i_hi + 1) * vdi
+    c = np.searchsorted(loss, eps, side="right")  # first k with loss > eps
+    # exact hockey-stick: delta(eps) = P(inf) + sum_{loss > eps} (P - e^eps Q) (dp_accounting PLDPmf docstring)
+    deltas = np.clip(inf_mass + sp[c] - np.exp(eps) * sq[c], 0.0, 1.0)
+    pmf = pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(vdi, i_lo, i_hi, deltas)
+    return PrivacyLossDistribution(pmf), i_lo, i_hi
+
+
+def _vector_pld(N: int, gaps: tuple[int, ...], vdi: float) -> tuple[PrivacyLossDistribution, int, int]:
+    pld, lo, hi = None, 0, 0
+    for a in gaps:
+        c, l_, h = _coord_pld(N, a, vdi)
+        pld = c if pld is None else pld.compose(c, tail_mass_truncation=_TRUNC)
+        lo, hi = lo + l_, hi + h
+    return pld, lo, hi
+
+
+def _delta_on_grid(pld: PrivacyLossDistribution, k0: int, k1: int) -> np.ndarray:
+    """delta(i * vdi) for i = k0..k1 of a symmetric grid PLD (vectorised form of PLDPmf.get_delta_for_epsilon:
+    delta(eps) = inf_mass + sum_{loss > eps} w (1 - e^(eps - loss))). Reads the dense pmf's arrays (private
+    attributes of dp_accounting's DensePLDPmf: the public method loops in Python, ~4 s per 10^5 points)."""
+    pmf = pld._pmf_remove.to_dense_pmf()
+    vdi, lower, w, inf_mass = pmf._discretization, pmf._lower_loss, pmf._probs, pmf._infinity_mass
+    idx = np.arange(k0, k1 + 1)
+    loss = (lower + np.arange(len(w))) * vdi
+    tail_w = np.append(np.cumsum(w[::-1])[::-1], 0.0)
+    tail_s = np.append(np.cumsum((w * np.exp(-loss))[::-1])[::-1], 0.0)
+    j = np.clip(idx - lower + 1, 0, len(w))  # first pmf index with loss > idx * vdi
+    return inf_mass + tail_w[j] - np.exp(idx * vdi) * tail_s[j]
+
+
+@lru_cache(maxsize=64)
+def _exhaustive_round(N: int, g: int, d: int, vdi: float) -> PrivacyLossDistribution:
+    vecs = maximal_gap_vectors(g, d)
+    if vecs is None:
+        raise ValueError(f"more than {EXHAUSTIVE_MAX_VECTORS} maximal gap vectors (g={g}, d={d})")
+    plds = [_vector_pld(N, v, vdi) for v in vecs]
+    if len(plds) == 1:
+        return plds[0][0]
+    # envelope of the delta curves on the common grid, then Connect-the-Dots (module docstring)
+    k0, k1 = min(p[1] for p in plds), max(p[2] for p in plds)
+    env = np.max([_delta_on_grid(p[0], k0, k1) for p in plds], axis=0)
+    pmf = pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(vdi, k0, k1, np.clip(env, 0.0, 1.0))
+    return PrivacyLossDistribution(pmf)
+
+
+# -------------------------------------------------------------------------------------- gaussian route
+def _window_lo(M: int) -> int:
+    # Hoeffding: P(X <= M/2 - s) <= exp(-2 s^2 / M) = TAU / 2, X ~ Bin(M, 1/2)
+    s = math.sqrt(M * math.log(2.0 / TAU) / 2.0)
+    return max(1, math.floor(M / 2.0 - s))
+
+
+@lru_cache(maxsize=65536)
+def unit_gdp_mu2(M: int) -> float:
+    """mu^2 of the tightest Gaussian G_mu dominating U_M|W (module docstring), W = [lo, M + 1 - lo].
+
+    The mass outside W, t <= TAU for P and Q alike, is the piece's mixture slack.
+    """
+    lo = _window_lo(M)
+    if lo == 1 and M * math.log(2.0) < math.log(2.0 / TAU):  # 2^-M (X = 0) must be <= TAU / 2 too
+        raise ValueError(f"M={M} trials is too few for the window slack TAU={TAU}")
+    hi = M + 1 - lo
+    # relative log pmf of Q = Bin(M, 1/2) on [lo, hi] from log B(k+1)/B(k) = log((M - k)/(k + 1)), summed in
+    # extended precision (no gammaln cancellation for large M)
+    k = np.arange(lo, hi, dtype=np.float64)
+    r = np.concatenate(([0.0], np.cumsum(np.log1p((M - 2.0 * k - 1.0) / (k + 1.0)), dtype=np.longdouble)))
+    q = np.exp((r - r.max()).astype(np.float64)).astype(np.longdouble)
+    # thresholds c = lo+1..hi: the test "k >= c" has alpha_c = Q'(k >= c) (conditioned on W); the mirror
+    # k -> M + 1 - k maps Q' to P' (step 2), so beta_c = P'(k < c) = alpha_{M+2-c}: the reversed alpha array
+    below = np.cumsum(q)[:-1]  # sums over k < c
+    above = np.cumsum(q[::-1])[::-1][1:]  # sums over k >= c (own sums: no cancellation in small tails)
+    total = below + above
+    alpha, alpha_c = (above / total).astype(np.float64), (below / total).astype(np.float64)
+    # isf(alpha) = Phi^{-1}(1 - alpha) from whichever of alpha, 1 - alpha is small
+    z_a = np.where(alpha < 0.5, -ndtri(np.minimum(alpha, 0.5)), ndtri(np.maximum(alpha_c, 0.0)))
+    z_b = z_a[::-1]
+    # T(Q', P') >= G_mu iff beta_c >= Phi(isf(alpha_c) - mu) at every vertex (Dong, Roth & Su 2022, Def. 2.7)
+    mu = max(0.0, float(np.max(z_a + z_b)))
+    mu = mu * (1.0 + 1e-9) + 1e-11  # float margin: the z's are accurate to ~1e-13 absolute
+    return mu * mu
+
+
+@lru_cache(maxsize=4096)
+def _gauss_round(N: int, g: int, d: int) -> tuple[float, float]:
+    cost = np.maximum(np.arange(0, g + 1) - 1, 0).astype(np.float64) ** 2
+    w = g * g / d
+    grid = cal._initial_grid(g, d)
+    exact: dict[int, np.ndarray] = {}
+    # same LP relaxation and adaptive refinement as calibrated_pvec._worst_round, with u(a) = a mu^2(N // a)
+    while True:
+        for a in sorted(grid - exact.keys()):
+            exact[a] = np.array([a * unit_gdp_mu2(N // a)])
+        U, pts = cal._interpolate(exact, N, g, 1)
+        vals, il, ir = cal._hull_value(U, cost, w)
+        active = ({int(x) for x in il} | {int(x) for x in ir}) - exact.keys() - {0}
+        if not active:
+            break
+        for v in active:
+            j = int(np.searchsorted(pts, v))
+            ap, an = int(pts[j - 1]), int(pts[j])
+            if an - ap <= 12:
+                grid.update(range(ap + 1, an))
+            else:
+                grid.update(int(x) for x in np.linspace(ap, an, 8)[1:-1].round())
+                grid.add(v)
+    pieces = min(d * g, d + g * math.sqrt(d))  # sum_j a_j over A
+    return d * float(vals[0]) * _SAFETY, pieces * TAU
+
+
+def round_gdp(params: PvecParams, n_contrib: int) -> tuple[float, float]:
+    """(mu, slack): one PVEC round (noise Bin(m n', 1/2)) is dominated by G_mu up to mixture slack (gaussian route)."""
+    N = params.m * cal._n_contrib(params, n_contrib)
+    if params.p != 0.5 or N // params.g < GAUSS_MIN_M:
+        raise ValueError("the gaussian route needs p = 1/2 and m n' / g >= GAUSS_MIN_M")
+    mu2, slack = _gauss_round(N, params.g, params.d)
+    return math.sqrt(mu2), slack
+
+
+def _gauss_delta(eps: float, mu: float) -> float:
+    # Balle & Wang 2018, Thm 8: delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2), in log space
+    la = float(log_ndtr(-eps / mu + mu / 2.0))
+    lb = eps + float(log_ndtr(-eps / mu - mu / 2.0))
+    return 0.0 if lb >= la else -math.exp(la) * math.expm1(lb - la)
+
+
+def _gauss_eps(mu: float, delta: float) -> float:
+    """Smallest eps >= 0 with delta_G(eps) <= delta, rounded up (bisection keeps the feasible end)."""
+    if mu == 0.0 or _gauss_delta(0.0, mu) <= delta:
+        return 0.0
+    lo, hi = 0.0, max(1.0, mu * mu)
+    while _gauss_delta(hi, mu) > delta:
+        lo, hi = hi, 2.0 * hi
+    while hi - lo > 1e-13 * hi:
+        mid = 0.5 * (lo + hi)
+        if _gauss_delta(mid, mu) > delta:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+# ------------------------------------------------------------------------------------------- public API
+def pld_route(params: PvecParams, n_contrib: int) -> str:
+    """Which route ``pld_epsilon`` takes: "exhaustive", "gaussian" or "rdp" (module docstring)."""
+    N = params.m * cal._n_contrib(params, n_contrib)
+    g, d = params.g, params.d
+    if params.p != 0.5 or N < g:
+        return "rdp"
+    if (
+        N <= EXHAUSTIVE_MAX_N
+        and d <= EXHAUSTIVE_MAX_D
+        and g <= EXHAUSTIVE_MAX_G
+        and maximal_gap_vectors(g, d) is not None
+    ):
+        return "exhaustive"
+    if N // g >= GAUSS_MIN_M and 9.7 * math.sqrt(N) <= GAUSS_MAX_WINDOW:
+        return "gaussian"
+    return "rdp"
+
+
+def round_pld(
+    params: PvecParams, n_contrib: int, value_discretization_interval: float = VALUE_DISCRETIZATION_INTERVAL
+) -> PrivacyLossDistribution:
+    """Dominating PLD of one PVEC round with n' = n_contrib contributors (exhaustive route; symmetric).
+
+    Built from the explicit binomial pmfs of every maximal gap vector (module docstring); raises ValueError
+    outside the exhaustive route's limits (see ``round_gdp`` for the gaussian route's dominating pair).
+    """
+    N = params.m * cal._n_contrib(params, n_contrib)
+    ok = params.p == 0.5 and params.g <= N <= EXHAUSTIVE_MAX_N
+    if not (ok and params.d <= EXHAUSTIVE_MAX_D and params.g <= EXHAUSTIVE_MAX_G):
+        raise ValueError(
+            "round_pld needs p = 1/2, g <= m n' <= EXHAUSTIVE_MAX_N, d <= EXHAUSTIVE_MAX_D, g <= EXHAUSTIVE_MAX_G"
+        )
+    return _exhaustive_round(N, params.g, params.d, float(value_discretization_interval))
+
+
+def pld_epsilon(
+    params: PvecParams,
+    n_contrib: int,
+    rounds: int,
+    delta: float,
+    route: str | None = None,
+    value_discretization_interval: float = VALUE_DISCRETIZATION_INTERVAL,
+) -> float:
+    """eps at ``delta`` of ``rounds`` fully interactive PVEC rounds with n' = n_contrib (rigorous upper bound).
+
+    ``route`` None picks ``pld_route``; "rdp" is ``calibrated_pvec.composed_epsilon``.
+    """
+    delta = cal._check_delta(delta)
+    rounds = cal._check_pos_int("rounds", rounds)
+    route = pld_route(params, n_contrib) if route is None else route
+    if route == "rdp":
+        return float(cal.composed_epsilon([(params, n_contrib, rounds)], delta))
+    if route == "exhaustive":
+        pld = round_pld(params, n_contrib, value_discretization_interval)
+        if rounds > 1:
+            pld = pld.self_compose(rounds, tail_mass_truncation=_TRUNC)
+        return float(pld.get_epsilon_for_delta(delta))
+    if route == "gaussian":
+        mu, slack = round_gdp(params, n_contrib)
+        budget = delta - rounds * slack * (1.0 + 1e-12)  # mixture slacks add to delta
+        return math.inf if budget <= 0.0 else _gauss_eps(mu * math.sqrt(rounds), budget)
+    raise ValueError(f"route must be one of {ROUTES} or None, got {route!r}")
+
+
+@lru_cache(maxsize=1024)
+def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g: int, rounds: int) -> PvecParams:
+    def params(m: int) -> PvecParams:
+        return PvecParams(d=d, n=n, delta2=delta2, g=g, m=m, p=0.5, eps=eps, delta=delta, method="calibrated")
+
+    def ok(m: int) -> bool:
+        return pld_epsilon(params(m), n, rounds, delta) <= eps
+
+    # Gaussian guess: a round is ~ G_mu with mu^2 = 4 (g + sqrt d)^2 / N (module docstring), T rounds mu sqrt(T).
+    lo_mu, hi_mu = 0.0, 1.0
+    while _gauss_eps(hi_mu, delta) <= eps:
+        lo_mu, hi_mu = hi_mu, 2.0 * hi_mu
+    for _ in range(60):
+        mid = 0.5 * (lo_mu + hi_mu)
+        lo_mu, hi_mu = (mid, hi_mu) if _gauss_eps(mid, delta) <= eps else (lo_mu, mid)
+    mu_t = lo_mu
+    m = max(1, math.ceil(4.0 * rounds * (g + math.sqrt(d)) ** 2 / (mu_t**2 * n)), math.ceil(g / n))
+    route = pld_route(params(m), n)
+    if route == "rdp":
+        return cal.calibrate_pvec(eps, delta, n, d, delta2, g=g, rounds=rounds)  # fallback: no PLD at this size
+    if route == "gaussian":  # mu^2 scales like 1/N: rescale the guess by the exact round's mu^2 (no rigour needed)
+        mu2, _ = _gauss_round(m * n, g, d)
+        m = max(1, math.ceil(m * rounds * mu2 / mu_t**2 * (1.0 + 2e-4)), math.ceil(g / n))
+    # bracket and bisect to a relative 1e-3 (or one trial) as calibrated_pvec; ``hi`` is always a feasible m
+    tol = lambda h: max(1, int(1e-3 * h))  # noqa: E731
+    lo, hi = None, None
+    if ok(m):
+        hi, step = m, tol(m)
+        while lo is None:
+            cand = max(0, hi - step)
+            if cand == 0 or cand * n < g:
+                lo = cand
+            elif ok(cand):
+                hi, step = cand, 2 * step
+            else:
+                lo = cand
+    else:
+        lo, step = m, tol(m)
+        while hi is None:
+            cand = lo + step
+            if cand > MAX_M:
+                raise ValueError(f"no m <= 2^53 meets eps={eps}, delta={delta} with g={g}, d={d}, n={n}")
+            if ok(cand):
+                hi = cand
+            else:
+                lo, step = cand, 2 * step
+    while hi - lo > tol(hi):
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return params(int(hi))
+
+
+def calibrate_pvec_pld(
+    eps: float, delta: float, n: int, d: int, delta2: float, g: int | None = None, rounds: int = 1
+) -> PvecParams:
+    """As ``calibrated_pvec.calibrate_pvec`` (same arguments, PvecParams(method="calibrated"), p = 1/2, m minimal
+    to a relative 1e-3), certified by ``pld_epsilon`` instead of the RDP accountant; falls back to
+    ``calibrate_pvec`` when ``pld_route`` is "rdp" at the Gaussian-guess m. Beyond the paper (spec 000 sec 8)."""
+    eps = float(eps)
+    if not (math.isfinite(eps) and eps > 0.0):
+        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    delta = cal._check_delta(delta)
+    n = cal._check_pos_int("n", n)
+    d = cal._check_pos_int("d", d)
+    delta2 = float(delta2)
+    if not (math.isfinite(delta2) and delta2 > 0.0):
+        raise ValueError(f"delta2 must be a finite number > 0, got {delta2!r}")
+    g = cal.default_g(d, n) if g is None else cal._check_pos_int("g", g)
+    rounds = cal._check_pos_int("rounds", rounds)
+    return _calibrate_cached(eps, delta, n, d, delta2, g, rounds)
