@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -561,6 +561,13 @@ def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g
         if excess(k_lo) > 0 > excess(k_hi):
             kappa = scipy.optimize.brentq(excess, k_lo, k_hi, xtol=1e-9, rtol=1e-10)
             m = max(1, math.ceil(m / kappa * (1.0 + 5e-4)), math.ceil(g / n))
+    hi = smallest_feasible_m(ok, m, n, g, f"eps={eps}, delta={delta} with g={g}, d={d}, n={n}")
+    return PvecParams(d=d, n=n, delta2=delta2, g=g, m=hi, p=0.5, eps=eps, delta=delta, method="calibrated")
+
+
+def smallest_feasible_m(ok: Callable[[int], bool], m: int, n: int, g: int, what: str) -> int:
+    """Bracket from the guess m and bisect to a relative 1e-3 (or one trial) for the smallest m with ok(m); the
+    answer is always an m that was checked to be feasible (never on the unsafe side)."""
     tol = lambda h: max(1, int(1e-3 * h))  # noqa: E731
     lo, hi = None, None
     if ok(m):
@@ -578,7 +585,7 @@ def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g
         while hi is None:
             cand = lo + step
             if cand > MAX_M:
-                raise ValueError(f"no m <= 2^53 meets eps={eps}, delta={delta} with g={g}, d={d}, n={n}")
+                raise ValueError(f"no m <= 2^53 meets {what}")
             if ok(cand):
                 hi = cand
             else:
@@ -589,7 +596,7 @@ def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g
             hi = mid
         else:
             lo = mid
-    return PvecParams(d=d, n=n, delta2=delta2, g=g, m=int(hi), p=0.5, eps=eps, delta=delta, method="calibrated")
+    return int(hi)
 
 
 def calibrate_pvec(

@@ -70,7 +70,7 @@ from scipy.special import log_ndtr, ndtri
 from scipy.stats import binom
 
 from shuffledp.accountants import calibrated_pvec as cal
-from shuffledp.protocols.pvec import MAX_M, PvecParams
+from shuffledp.protocols.pvec import PvecParams
 
 __all__ = [
     "VALUE_DISCRETIZATION_INTERVAL",
@@ -370,36 +370,8 @@ def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g
     if route == "gaussian":  # mu^2 scales like 1/N: rescale the guess by the exact round's mu^2 (no rigour needed)
         mu2, _ = _gauss_round(m * n, g, d)
         m = max(1, math.ceil(m * rounds * mu2 / mu_t**2 * (1.0 + 2e-4)), math.ceil(g / n))
-    # bracket and bisect to a relative 1e-3 (or one trial) as calibrated_pvec; ``hi`` is always a feasible m
-    tol = lambda h: max(1, int(1e-3 * h))  # noqa: E731
-    lo, hi = None, None
-    if ok(m):
-        hi, step = m, tol(m)
-        while lo is None:
-            cand = max(0, hi - step)
-            if cand == 0 or cand * n < g:
-                lo = cand
-            elif ok(cand):
-                hi, step = cand, 2 * step
-            else:
-                lo = cand
-    else:
-        lo, step = m, tol(m)
-        while hi is None:
-            cand = lo + step
-            if cand > MAX_M:
-                raise ValueError(f"no m <= 2^53 meets eps={eps}, delta={delta} with g={g}, d={d}, n={n}")
-            if ok(cand):
-                hi = cand
-            else:
-                lo, step = cand, 2 * step
-    while hi - lo > tol(hi):
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    return params(int(hi))
+    hi = cal.smallest_feasible_m(ok, m, n, g, f"eps={eps}, delta={delta} with g={g}, d={d}, n={n}")
+    return params(hi)
 
 
 def calibrate_pvec_pld(
