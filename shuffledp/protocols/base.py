@@ -26,7 +26,7 @@ __all__ = [
     "open_each",
     "UNDECRYPTABLE",
     "MALFORMED_PLAINTEXT",
-    "UsersAddNoise",
+    "AnalyzerHooks",
 ]
 
 # The analyzer's own rejection reasons (design 5.3), counted per message in the round's metrics["rejected"]
@@ -150,9 +150,10 @@ class RoundProtocol(Protocol):
     def noise_key(self, spec: pb.RoundSpec) -> Any: ...
 
 
-class UsersAddNoise:
-    """The analyzer-side hooks of a protocol whose users randomize their own messages (shuffle and local trust):
-    the analyzer adds nothing, keeps no noise state, and takes the mean over the users it decoded."""
+class AnalyzerHooks:
+    """Defaults of the analyzer-side hooks, right for a protocol whose users randomize their own messages (shuffle
+    and local trust): events carry the plan's parameters, the analyzer adds nothing, keeps no noise state, and takes
+    the mean over the users it decoded. Central protocols override add_noise (and the state, if they keep one)."""
 
     def event_params(self, plan: dict[str, Any], round_index: int) -> dict[str, Any]:
         return plan["params"]

@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from shuffledp import sealing
-from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, BatchError, Decoded, open_each
+from shuffledp.protocols.base import (
+    MALFORMED_PLAINTEXT,
+    UNDECRYPTABLE,
+    AnalyzerHooks,
+    BatchError,
+    Decoded,
+    open_each,
+)
 from shuffledp.protocols.ldp_round import clip_rows_in_norm
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -38,7 +45,7 @@ def message_bytes(dim: int) -> int:
     return WIRE_DTYPE.itemsize * int(dim)
 
 
-class CentralRound:
+class CentralRound(AnalyzerHooks):
     """What every central-trust protocol shares: the sealed-vector transport, the client side and the decoder.
     Subclasses size the noise (plan), add it (add_noise) and account it (compose)."""
 

@@ -86,9 +86,6 @@ class GaussianRound(CentralRound):
         noise_sq = req.dim * (float(z) * req.clip_norm) ** 2
         return RoundPlan(params, "rdp", 0.0, noise_sq, rounds=T, min_contributors=k)
 
-    def event_params(self, plan: dict[str, Any], round_index: int) -> dict[str, Any]:
-        return plan["params"]
-
     def spec_fields(self, plan: dict[str, Any], params: dict[str, Any], event: Any, key: bytes) -> dict[str, Any]:
         eps_r, delta_r = self.round_cost(event)
         extra = {_NOISE_FIELD: params[_NOISE_FIELD], "n": float(params["n"]), "k": float(params["k"])}
@@ -101,12 +98,6 @@ class GaussianRound(CentralRound):
         }
 
     # ---------------------------------------------------------------------------------- the analyzer's noise
-    def noise_state(self, plan: dict[str, Any]) -> None:
-        return None
-
-    def noise_from_arrays(self, plan: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
-        return None
-
     def add_noise(
         self,
         total: np.ndarray,

@@ -37,11 +37,11 @@ from shuffledp import sealing
 from shuffledp.protocols.base import (
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
+    AnalyzerHooks,
     BatchError,
     Decoded,
     PlanRequest,
     RoundPlan,
-    UsersAddNoise,
     open_each,
 )
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -126,7 +126,7 @@ class _Randomizer:
         return float(bound(zero, self.params)[0])
 
 
-class LdpRound(UsersAddNoise):
+class LdpRound(AnalyzerHooks):
     """The plug-in of one LDP randomizer over the subsampled shuffle (module docstring)."""
 
     trust_model = pb.SHUFFLE

@@ -32,11 +32,11 @@ from shuffledp.protocols import pvec
 from shuffledp.protocols.base import (
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
+    AnalyzerHooks,
     BatchError,
     Decoded,
     PlanRequest,
     RoundPlan,
-    UsersAddNoise,
     open_each,
 )
 from shuffledp.protocols.pvec import PvecParams
@@ -137,7 +137,7 @@ def _accountant(events: Sequence[Any]) -> str:
     return "paper" if all(e.params.get("method") == "paper" for e in events) else "tight"
 
 
-class PvecRound(UsersAddNoise):
+class PvecRound(AnalyzerHooks):
     """The PVEC plug-in (paper 000 Alg 2 over the shuffler; count mode or sealed labelled bits)."""
 
     name = "pvec"
