@@ -81,7 +81,8 @@ protocol = "pvec"           # "pvec" (multi-message sum, seed 000) or an eps0-LD
                             # shuffle (CLDP-SGD, seed 001; schedule.kind = "subsampled", transport.mode = "sealed"):
                             # "r_inf" (l_inf clip), "r_one" (l_1), "privunit" (l_2), "rr" (one-number tasks);
                             # central trust (the analyzer sees clipped vectors and adds the noise; "subsampled",
-                            # "sealed"): "tree" (DP-FTRL, seed 003) or "gaussian" (central DP-SGD, its baseline)
+                            # "sealed"): "tree" (DP-FTRL, seed 003) or "gaussian" (central DP-SGD, its baseline);
+                            # "pan_gaussian" (pan-private AC-SA, seed 000 App C; sequential, "sealed")
 # eps0 = 1.0                # LDP protocols: local eps of each report; unset = the largest for which schedule.rounds
                             # fit (eps, delta)
 calibration = "calibrated"  # "calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)
@@ -148,9 +149,19 @@ _NONSMOOTH_TASKS = ("hinge", "absolute", "distance")  # = shuffledp.models.NONSM
 _SYNTHETIC_DEFAULTS = {"n": 10_000, "dim": 20, "noise": 0.5}
 _SYNTHETIC_TEST_SIZE = 20_000
 _SYNTHETIC_MAX_ELEMENTS = 250_000_000  # (n + test size) * dim float64 = 2 GB in every process that loads the data
-_PROTOCOLS = ("pvec", "r_inf", "r_one", "privunit", "rr", "tree", "gaussian")  # protocols.registry.ROUND_PROTOCOLS
+_PROTOCOLS = (
+    "pvec",
+    "r_inf",
+    "r_one",
+    "privunit",
+    "rr",
+    "tree",
+    "gaussian",
+    "pan_gaussian",
+)  # protocols.registry.ROUND_PROTOCOLS
 _LDP_PROTOCOLS = ("r_inf", "r_one", "privunit", "rr")
-_CENTRAL_PROTOCOLS = ("tree", "gaussian")
+_CENTRAL_PROTOCOLS = ("tree", "gaussian")  # over the subsampled schedule
+_PAN_PROTOCOLS = ("pan_gaussian",)  # central trust, sequential, pan-private (paper 000 App C, Alg 6)
 _TREE_KEYS = ("max_participations", "min_separation", "rounds_per_tree", "completion", "tree_estimator")
 _ESTIMATORS = ("efficient", "vanilla")
 _CALIBRATIONS = ("calibrated", "paper")
@@ -612,6 +623,27 @@ def _check_central(cfg: RunConfig, optimizer: str) -> None:
         raise ConfigError("privacy.completion pads a tree before a restart: privacy.rounds_per_tree must be < rounds")
 
 
+def _check_pan(cfg: RunConfig, optimizer: str) -> None:
+    """privacy.protocol = "pan_gaussian": pan-private AC-SA (paper 000 App C)."""
+    p, s = cfg.privacy, cfg.schedule
+    if s.kind != "sequential":
+        raise ConfigError(f'privacy.protocol = "pan_gaussian" needs schedule.kind = "sequential", got "{s.kind}"')
+    if cfg.transport.mode != "sealed":
+        raise ConfigError(
+            'privacy.protocol = "pan_gaussian" sends one sealed vector per user: set transport.mode = "sealed"'
+        )
+    if optimizer not in ("acsa", "psgd"):
+        raise ConfigError(
+            f'privacy.protocol = "pan_gaussian" runs schedule.optimizer = "acsa" or "psgd", got "{optimizer}"'
+        )
+    if p.eps0 is not None:
+        raise ConfigError('privacy.eps0 applies to LDP protocols; privacy.protocol = "pan_gaussian" has none')
+    if p.calibration == "paper" and not (p.round_eps or p.eps) < 1.0:
+        raise ConfigError(
+            'privacy.calibration = "paper" for "pan_gaussian" is Alg 6\'s zeta (Lemma C.5), valid for eps < 1'
+        )
+
+
 def _check_combinations(cfg: RunConfig) -> None:
     """Keys that are valid alone but not together: one line naming both."""
     s, m = cfg.schedule, cfg.model
@@ -624,7 +656,9 @@ def _check_combinations(cfg: RunConfig) -> None:
     if s.optimizer == "auto" and p.protocol == "tree":
         optimizer = "ftrl"  # tree aggregation's prefix sums are what FTRL consumes (spec 003 sec 2)
     _check_central(cfg, optimizer)
-    if p.protocol in _LDP_PROTOCOLS:
+    if p.protocol in _PAN_PROTOCOLS:
+        _check_pan(cfg, optimizer)
+    elif p.protocol in _LDP_PROTOCOLS:
         if s.kind != "subsampled":
             raise ConfigError(
                 f'privacy.protocol = "{p.protocol}" (an LDP randomizer, CLDP-SGD) runs over schedule.kind = '

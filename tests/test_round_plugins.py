@@ -49,9 +49,11 @@ def test_the_round_loop_names_no_protocol_transport_or_optimizer():
 
 
 def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
-    with pytest.raises(LookupError, match="unknown round protocol 'gauss'; known: gaussian, privunit, pvec, r_inf"):
+    with pytest.raises(
+        LookupError, match="unknown round protocol 'gauss'; known: gaussian, pan_gaussian, privunit, pvec"
+    ):
         round_protocol("gauss")
-    assert set(ROUND_PROTOCOLS) == {"pvec", "r_inf", "r_one", "privunit", "rr", "tree", "gaussian"}
+    assert set(ROUND_PROTOCOLS) == {"pvec", "r_inf", "r_one", "privunit", "rr", "tree", "gaussian", "pan_gaussian"}
     rng = make_rng(3)
     shard = UserShard(["a", "b"], rng.normal(size=(2, 1, F)), rng.normal(size=(2, 1)))
     node = NodeCore("n", shard, UserPolicy(verify_randomizer=False), rng=make_rng(4))
