@@ -600,10 +600,11 @@ def _check_central(cfg: RunConfig, optimizer: str) -> None:
         raise ConfigError(f'privacy.{tree_keys[0]} applies to privacy.protocol = "tree", got "{p.protocol}"')
     if p.noise_multiplier is not None and p.protocol not in _CENTRAL_PROTOCOLS:
         raise ConfigError(f'privacy.noise_multiplier applies to "tree" and "gaussian", got "{p.protocol}"')
-    if (optimizer == "ftrl") != (p.protocol == "tree"):
+    # the tree's residuals feed FTRL, or SGD (post-processing of the same prefix sums; spec 003 sec 1, B.3)
+    if (optimizer == "ftrl" and p.protocol != "tree") or (p.protocol == "tree" and optimizer not in ("ftrl", "sgd")):
         raise ConfigError(
-            'schedule.optimizer = "ftrl" and privacy.protocol = "tree" go together (DP-FTRL, spec 003): got '
-            f'optimizer "{optimizer}" with protocol "{p.protocol}"'
+            'schedule.optimizer = "ftrl" needs privacy.protocol = "tree", which feeds "ftrl" or "sgd" (DP-FTRL, spec '
+            f'003): got optimizer "{optimizer}" with protocol "{p.protocol}"'
         )
     if s.momentum and optimizer != "ftrl":
         raise ConfigError(f'schedule.momentum applies to schedule.optimizer = "ftrl"; it resolves to "{optimizer}"')

@@ -229,8 +229,8 @@ task = "{task}"
 @pytest.mark.parametrize(
     "protocol, privacy, schedule, task, message",
     [
-        ("tree", "", 'optimizer = "sgd"', "logreg", 'optimizer = "ftrl" and privacy.protocol = "tree" go together'),
-        ("gaussian", "", 'optimizer = "ftrl"', "logreg", "go together"),
+        ("tree", "", 'optimizer = "sgd"', "logreg", None),
+        ("gaussian", "", 'optimizer = "ftrl"', "logreg", 'optimizer = "ftrl" needs privacy.protocol = "tree"'),
         ("gaussian", "max_participations = 2", "", "logreg", "privacy.max_participations applies to privacy"),
         ("tree", "rounds_per_tree = 20\ncompletion = true", "", "logreg", "completion pads a tree before a restart"),
         ("tree", "", "momentum = 1.0", "logreg", "schedule.momentum"),
@@ -248,7 +248,7 @@ def test_central_protocol_keys_are_checked_together(protocol, privacy, schedule,
         text = text.replace('kind = "subsampled"\n', "")
     if message is None:
         cfg = parse_config(text)
-        assert cfg.privacy.protocol == protocol and cfg.model.hidden == 32
+        assert cfg.privacy.protocol == protocol and cfg.model.hidden == 32 and cfg.model.task == task
         return
     with pytest.raises(ConfigError, match=message):
         parse_config(text)
