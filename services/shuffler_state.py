@@ -657,6 +657,12 @@ class ShufflerState:
             if req.g < 1 or req.m < 0:
                 raise ValueError(f"randomizer g must be >= 1 and m >= 0, got g={req.g}, m={req.m}")
         if req.transport == Transport.COUNTS:
+            # the released totals (d uint64) must fit one message the analyzer can receive
+            if req.dim * 8 + _PROTO_BYTES_OVERHEAD > self._max_batch_bytes:
+                raise ValueError(
+                    f"randomizer.dim = {req.dim}: its per-label totals would exceed the {self._max_batch_bytes}-byte "
+                    "batch message limit"
+                )
             # every total is a sum of <= cohort counts in [0, g+m]; it must fit the uint64 wire type
             if max(req.cohort_size, len(self._admitted), 1) * bound >= _U64:
                 raise ValueError(f"g+m = {bound} is too large: per-label totals would overflow uint64")
@@ -700,9 +706,10 @@ class ShufflerState:
                     if fixed is None
                     else f"none of the run's {len(fixed)} users is connected"
                 )
-            if k not in (0, len(eligible)) and fixed is None:
+            if k not in (0, len(invited)):
                 raise CohortUnavailable(
-                    f"FULLY_INTERACTIVE cohort_size={k} but {len(eligible)} admitted users are connected"
+                    f"FULLY_INTERACTIVE cohort_size={k} but {len(invited)} admitted users are connected"
+                    + ("" if fixed is None else " of the run's population")
                 )
             return _Selection(invited, [], eligible if fixed is None else [], len(eligible) - len(invited))
         if k < 1:

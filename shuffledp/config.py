@@ -400,8 +400,8 @@ def _model(t: dict[str, Any]) -> ModelConfig:
         smoothing = _float("model.smoothing", smoothing, 0.0, 1e12)
     if smoothing != 0 and task not in _NONSMOOTH_TASKS:
         raise ConfigError(
-            f"model.smoothing applies to non-smooth convex tasks ({', '.join(_NONSMOOTH_TASKS)}); model.task = "
-            f"{task!r} is " + ("non-convex (it uses its exact gradient)" if task == "mlp" else "smooth")
+            f"model.smoothing applies to non-smooth tasks ({', '.join(_NONSMOOTH_TASKS)}); model.task = {task!r} is "
+            + ("non-convex (it uses its exact gradient)" if task == "mlp" else "smooth")
         )
     return ModelConfig(
         task=task,

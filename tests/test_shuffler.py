@@ -554,3 +554,15 @@ def test_participation_limits_hold_on_the_durable_record_across_a_restart(tmp_pa
     for leaves in per.values():
         leaves.sort()
         assert len(leaves) <= 2 and all(b - a - 1 >= 1 for a, b in zip(leaves, leaves[1:], strict=False)), leaves
+
+
+def test_a_count_round_whose_totals_could_not_be_sent_is_refused_before_anything_is_allocated():
+    """Found by the RPC fuzzer: a COUNTS spec with dim = 2^32 - 1 made the shuffler allocate 32 GiB of totals. The
+    totals must fit the batch message the analyzer can receive, so such a spec is refused while it is validated."""
+    state = ShufflerState(rng=make_rng(4), poll_seconds=0.001)
+    state.register_users("node", ["a", "b"])
+    state.subscribe("node")
+    req = RoundRequest("run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=2**32 - 1, g=1, m=1)
+    with pytest.raises(ValueError, match="batch message limit"):
+        state.execute_round(req)
+    assert not state._store.round_exists("run", 0)  # refused before any state changed
