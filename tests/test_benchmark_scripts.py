@@ -55,3 +55,13 @@ def test_excess_risk_benchmark_runs_over_the_services(tmp_path):
     assert len(rows) == 4 and all(abs(float(r[2])) < 1.0 for r in rows), out
     assert len(re.findall(r"slope [+-][0-9.]+ \(theory -0\.(50|80)\)", out)) == 2, out
     assert (tmp_path / "excess_risk.csv").read_text().count("\n") == 5 and (tmp_path / "excess_risk.png").exists()
+
+
+def test_ftrl_vs_sgd_benchmark_runs_over_the_services(tmp_path):
+    # issue 12 item 7, --quick: digits, eps 8, one learning rate per method over one real local cluster; every run
+    # completes within its budget, and the JSON and the PNG are written
+    out = _run("ftrl_vs_sgd.py", "--quick", "--out", str(tmp_path))
+    rows = re.findall(r"^\s*(dp-ftrlm?|dp-sgd|pgd)\s+8\s+[0-9.]+\s+\d+\s+([0-9.]+)\s+([0-9.]+)\s.*COMPLETED", out, re.M)
+    assert {r[0] for r in rows} == {"dp-ftrl", "dp-ftrlm", "dp-sgd", "pgd"}, out
+    assert all(0.1 < float(acc) <= 1.0 and float(eps) <= 8.0 for _, acc, eps in rows), out
+    assert (tmp_path / "ftrl_vs_sgd.json").exists() and (tmp_path / "ftrl_vs_sgd.png").exists()
