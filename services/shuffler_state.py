@@ -715,18 +715,18 @@ class ShufflerState:
         if k < 1:
             raise ValueError(f"cohort_size must be >= 1 for {req.schedule.name}, got {k}")
         limited = ""
+        fixed = self._store.run_limits(req.run_id)
+        if fixed is not None and fixed != req.limits:  # a spec without them would escape them too
+            asks = "none" if req.limits is None else _limits_text(req.limits)
+            raise ValueError(
+                f"run {req.run_id!r} has participation limits {_limits_text(fixed)}; this round asks {asks}"
+            )
         if req.schedule == Schedule.SEQUENTIAL:
             used = self._store.used_users(req.run_id)
             pool = [u for u in eligible if u not in used]  # fresh users only: disjoint cohorts
         elif req.limits is not None:
             # DP-FTRL (spec 003 sec 3-4): only users whose leaves in this tree leave room for this one. The limits
             # are the run's from its first round on: the tree accountant's (E, xi) describe every tree
-            fixed = self._store.run_limits(req.run_id)
-            if fixed is not None and fixed != req.limits:
-                raise ValueError(
-                    f"run {req.run_id!r} has participation limits {_limits_text(fixed)}; this round asks for "
-                    f"{_limits_text(req.limits)}"
-                )
             tree, leaf = req.limits.position(int(req.round))
             leaves = self._store.tree_leaves(req.run_id, tree)
             pool = [u for u in eligible if req.limits.allows(leaves.get(u, ()), leaf)]

@@ -538,6 +538,8 @@ def test_participation_limits_hold_on_the_durable_record_across_a_restart(tmp_pa
     store, state = start(1)  # same seed: without the record it would draw the same users again
     with pytest.raises(ValueError, match="has participation limits"):
         limited(state, 4, lim=limits._replace(max_per_tree=3))
+    with pytest.raises(ValueError, match="this round asks none"):  # dropping the limits does not escape them
+        limited(state, 4, lim=None)
     for r in range(4, 13):
         assert limited(state, r).invited == 2
     # round 13 is leaf 1 of tree 2: round 12's two users must wait a round, so 8 of 10 are eligible
