@@ -691,6 +691,12 @@ class ShufflerState:
 
     def _select(self, req: RoundRequest) -> _Selection:
         """Who is invited, which sequential users it consumes, the population it fixes. Caller holds the lock."""
+        limits_of_run = self._store.run_limits(req.run_id)
+        if limits_of_run is not None and limits_of_run != req.limits:  # a spec without them would escape them too
+            asks = "none" if req.limits is None else _limits_text(req.limits)
+            raise ValueError(
+                f"run {req.run_id!r} has participation limits {_limits_text(limits_of_run)}; this round asks {asks}"
+            )
         eligible = self._eligible_users()
         k = req.cohort_size
         if req.schedule == Schedule.FULLY_INTERACTIVE:
@@ -715,12 +721,6 @@ class ShufflerState:
         if k < 1:
             raise ValueError(f"cohort_size must be >= 1 for {req.schedule.name}, got {k}")
         limited = ""
-        fixed = self._store.run_limits(req.run_id)
-        if fixed is not None and fixed != req.limits:  # a spec without them would escape them too
-            asks = "none" if req.limits is None else _limits_text(req.limits)
-            raise ValueError(
-                f"run {req.run_id!r} has participation limits {_limits_text(fixed)}; this round asks {asks}"
-            )
         if req.schedule == Schedule.SEQUENTIAL:
             used = self._store.used_users(req.run_id)
             pool = [u for u in eligible if u not in used]  # fresh users only: disjoint cohorts
