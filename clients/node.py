@@ -149,7 +149,13 @@ class NodeCore:
         with self._lock:
             reasons, cost = self.policy.decide(spec, idx, supported)
             join = reasons == ""
-            if np.any(join):
+            if spec.check_in.noise_trials and not spec.check_in.checked_in:
+                # check-in invitation (protocols/check_in.py): the users whose policy accepts the worst case check
+                # in with a payload-free message; nothing is computed or charged until the second invitation
+                joined = np.asarray(ids)[join]
+                for u, nonce in zip(joined, _nonces(joined.size), strict=True):
+                    out.messages.add(user_id=str(u), nonce=nonce)
+            elif np.any(join):
                 try:
                     self._randomize(spec, idx[join], out)
                 except ValueError as exc:

@@ -10,8 +10,9 @@ Every logical user decides for itself whether to join a round, from the RoundSpe
 - the user's total spend after the round must stay within its limits, by either of two valid upper bounds:
   basic composition of the per-round (eps, delta) (Dwork-Roth Thm 3.16), each round charged at the larger of the
   analyzer's claim and the eps the user verified itself (issue 10 item 2; sums rounded up), or, for a user whose
-  every round was a verified PVEC round, RDP composition of those rounds with the ledger's own accountant
-  (calibrated_pvec.epsilon_of_rounds, from the user's history of round_noise_keys) at delta = max_total_delta:
+  every round was a verified PVEC round, composition of those rounds with the ledger's own accountant
+  (pvec_pld.epsilon_of_rounds: the tighter of RDP and PLD, from the user's history of round_noise_keys) at
+  delta = max_total_delta:
   the same tight arithmetic the analyzer's ledger uses (issue 10), computed from what the user verified.
 
 Decisions are vectorized over the node's invited users (one numpy pass, no per-user Python loop).
@@ -26,7 +27,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from shuffledp.accountants.calibrated_pvec import NoiseKey, epsilon_of_rounds
+from shuffledp.accountants.calibrated_pvec import NoiseKey
+from shuffledp.accountants.pvec_pld import epsilon_of_rounds
 from shuffledp.config import PolicyConfig
 from shuffledp.protocols.pvec_round import pvec_params_from_spec
 from shuffledp.protocols.registry import ROUND_PROTOCOLS, round_protocol

@@ -14,8 +14,8 @@ Life of a round:
                              reserved (worst-case) cost forever.
 
 Totals (spec 000 sec 5): sequential rounds use disjoint cohorts, so they compose in PARALLEL (run total = the
-worst single round); fully interactive rounds compose sequentially: calibrated -> RDP composition of the exact
-PVEC rounds (composed_epsilon of shuffledp.accountants.calibrated_pvec), paper -> advanced composition
+worst single round); fully interactive rounds compose sequentially: calibrated -> composition of the exact PVEC
+rounds (composed_epsilon of shuffledp.accountants.pvec_pld: the tighter of RDP and PLD), paper -> advanced composition
 (Dwork-Roth Thm 3.20 with slack delta' = delta/(T+1), spec 000 sec 4).
 
 Events are stored as JSON data (mechanism, parameters, contributors, schedule, trust model), in the manner of
@@ -354,11 +354,20 @@ class Ledger:
             raise LedgerError(f"round {round_index} of run {run_id!r} was never reserved")
         return PrivacyEvent.from_json(row[0])
 
-    def commit(self, run_id: str, round_index: int, contributors: int) -> PrivacyEvent:
-        """The batch of the round is being used: record the actual contributors n' (cost recomputed with n')."""
+    def commit(
+        self, run_id: str, round_index: int, contributors: int, params: dict[str, Any] | None = None
+    ) -> PrivacyEvent:
+        """The batch of the round is being used: record the actual contributors n' (cost recomputed with n') and,
+        for a check-in round, the parameters it actually ran with (``params`` updates the reserved ones: PVEC's m,
+        protocols/check_in.py)."""
         if isinstance(contributors, bool) or not isinstance(contributors, int) or contributors < 1:
             raise ValueError(f"contributors must be an integer >= 1, got {contributors!r}")
         ev = replace(self.event(run_id, round_index), contributors=contributors)
+        if params:
+            unknown = set(params) - set(ev.params)
+            if unknown:
+                raise ValueError(f"commit can only update the event's own parameters, not {sorted(unknown)}")
+            ev = replace(ev, params={**ev.params, **params})
         self._close(run_id, round_index, "committed", ev, contributors, "")
         return ev
 

@@ -48,12 +48,13 @@ from shuffledp.services.ledger import (
 )
 
 from shuffledp import grpc_options, sealing
-from shuffledp.config import DEFAULT_ROUNDS, ConfigError, RunConfig, parse_config
+from shuffledp.config import DEFAULT_ROUNDS, ConfigError, RunConfig, check_in_enabled, parse_config
 from shuffledp.data import load_dataset
 from shuffledp.models import Model, make_model
 from shuffledp.optimizers import registry as optimizers
 from shuffledp.optimizers.base import Optimizer
 from shuffledp.optimizers.psgd import AveragingState
+from shuffledp.protocols import check_in
 from shuffledp.protocols.base import (  # noqa: F401 (the rejection reasons are re-exported: their former home)
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
@@ -252,6 +253,7 @@ def plan_run(
         "composition": sized.composition,
         "advanced_slack": sized.advanced_slack,
         "params": sized.params,
+        "check_in": sized.check_in,
         "optimizer": hyper,
         "learning_rate": hyper.get("learning_rate"),
         "radius": cfg.model.radius,
@@ -269,9 +271,11 @@ def plan_run(
 
 
 def _protocol_options(cfg: RunConfig) -> dict[str, Any]:
-    """The [privacy] keys only central protocols read (DP-FTRL's tree, central DP-SGD); unset ones left out."""
+    """The [privacy] keys only some protocols read (DP-FTRL's tree, central DP-SGD; PVEC's check-in); unset ones
+    left out."""
     p = cfg.privacy
     out: dict[str, Any] = {
+        "check_in_fraction": p.report_fraction if check_in_enabled(p) else None,
         "max_participations": p.max_participations,
         "min_separation": p.min_separation,
         "rounds_per_tree": p.rounds_per_tree,
@@ -347,6 +351,7 @@ def round_spec(
         local_batch=1,
         l2=plan.get("l2", 0.0),
         smoothing=plan.get("smoothing", 0.0),
+        check_in=pb.CheckIn(**plan["check_in"]) if plan.get("check_in") else None,
         **protocol.spec_fields(plan, params, event, analyzer_public_key),
     )
 
@@ -782,17 +787,32 @@ class RunManager:
         n = int(rep.contributors)
         if batch.run_id != run_id or batch.round != r:
             raise RuntimeError(f"batch for run {batch.run_id!r} round {batch.round} answered round {r}")
-        if not plan["min_contributors"] <= n <= plan["cohort"]:
+        params, ran, n_min = rd.params, None, plan["min_contributors"]
+        if plan.get("check_in"):
+            # check-in round: the threshold c_min and each user's trials m follow from who checked in; the round
+            # is charged at the m it ran with (protocols/check_in.py)
+            ci, c = plan["check_in"], int(rep.checked_in)
+            try:
+                n_min, m = check_in.share(ci["noise_trials"], ci["report_fraction"], n_min, c)
+            except ValueError as exc:  # released, so charged (at the reservation's m); the run stops
+                self.ledger.commit(run_id, r, max(n, 1))
+                raise RuntimeError(f"the shuffler released a check-in round it could not run: {exc}") from None
+            params, ran = replace(params, m=m), {"m": m}
+            if n > c:
+                self.ledger.commit(run_id, r, max(n, 1), ran)
+                raise RuntimeError(f"batch has {n} contributors but only {c} users checked in")
+        if not n_min <= n <= plan["cohort"]:
             # the threshold is what bounds the cost; a batch outside it is charged honestly and the run stops
-            self.ledger.commit(run_id, r, max(n, 1))
-            raise RuntimeError(f"batch has {n} contributors, outside [{plan['min_contributors']}, {plan['cohort']}]")
+            self.ledger.commit(run_id, r, max(n, 1), ran)
+            raise RuntimeError(f"batch has {n} contributors, outside [{n_min}, {plan['cohort']}]")
         try:
-            dec = rd.protocol.decode(batch, n, plan, rd.params, live.private_key, sealing.round_info(run_id, r))
+            plan_r = {**plan, "min_contributors": n_min} if ran else plan  # this round's threshold
+            dec = rd.protocol.decode(batch, n, plan_r, params, live.private_key, sealing.round_info(run_id, r))
         except BatchError as exc:
-            self.ledger.commit(run_id, r, exc.charged)  # delivered: charged; the run stops
+            self.ledger.commit(run_id, r, exc.charged, ran)  # delivered: charged; the run stops
             raise
         # the batch was delivered and used from here on: always committed, never released (design 6)
-        self.ledger.commit(run_id, r, dec.charged)
+        self.ledger.commit(run_id, r, dec.charged, ran)
         seconds = self._clock() - t0
         if sum(dec.rejected.values()):
             log.warning("run %s round %d: skipped messages, by reason: %s", run_id, r, dec.rejected)
@@ -836,6 +856,7 @@ class RunManager:
             refused=int(report.refused) if report is not None else 0,
             refused_reasons=dict(report.refused_reasons) if report is not None else {},
             not_in_run=int(report.not_in_run) if report is not None else 0,
+            checked_in=int(report.checked_in) if report is not None else 0,
         )
         if failure:
             m["failure"] = failure

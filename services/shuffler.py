@@ -160,8 +160,23 @@ def _request(spec: pb.RoundSpec) -> RoundRequest:
         deadline_seconds=spec.deadline_seconds,
         analyzer_public_key=spec.analyzer_public_key,
         limits=_limits(spec.participation) if spec.HasField("participation") else None,
+        check_in_trials=spec.check_in.noise_trials,
+        check_in_fraction=spec.check_in.report_fraction,
         relay=spec,
+        second_relay=lambda c, c_min, m: _second_spec(spec, c, c_min, m),
     )
+
+
+def _second_spec(spec: pb.RoundSpec, checked_in: int, c_min: int, m: int) -> pb.RoundSpec:
+    """The check-in round's second invitation (CheckIn): the checked-in count, its threshold and trials per user."""
+    out = pb.RoundSpec()
+    out.CopyFrom(spec)
+    out.check_in.checked_in = checked_in
+    out.min_contributors = c_min
+    out.randomizer.m = m
+    if spec.transport == pb.BITS:  # d (g + m) labelled bits per user (Alg 2 of paper 000)
+        out.randomizer.messages_per_user = spec.randomizer.dim * (spec.randomizer.g + m)
+    return out
 
 
 def _limits(p: pb.ParticipationLimit) -> TreeLimits:
@@ -200,6 +215,7 @@ def _batch(b: BatchResult) -> pb.ShuffledBatch:
         below_threshold=b.below_threshold,
         refused_reasons=b.refused_reasons,
         not_in_run=b.not_in_run,
+        checked_in=b.checked_in,
     )
     out = pb.ShuffledBatch(run_id=b.run_id, round=b.round, released=b.released, report=report)
     if b.released:

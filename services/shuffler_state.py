@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -30,6 +30,7 @@ import numpy as np
 
 from shuffledp.durable import open_durable, transaction
 from shuffledp.grpc_options import BATCH_MESSAGE_BYTES
+from shuffledp.protocols import check_in
 from shuffledp.protocols.pvec import count_wire_dtype
 from shuffledp.rng import make_rng
 from shuffledp.sealing import BIT_MESSAGE_BYTES, PUBLIC_KEY_BYTES, sealed_length
@@ -172,7 +173,10 @@ class RoundRequest:
     deadline_seconds: float = 30.0
     analyzer_public_key: bytes = b""
     limits: TreeLimits | None = None  # DP-FTRL's per-tree participation limits, or None
+    check_in_trials: int = 0  # RoundSpec.check_in.noise_trials: > 0 runs the check-in (protocols/check_in.py)
+    check_in_fraction: float = 0.0  # RoundSpec.check_in.report_fraction
     relay: Any = None
+    second_relay: Callable[[int, int, int], Any] | None = None  # check-in: (c, c_min, m) -> the second spec
 
 
 class TreeLimits(NamedTuple):
@@ -237,6 +241,7 @@ class BatchResult:
     below_threshold: bool
     refused_reasons: dict[str, int] = field(default_factory=dict)  # the nodes' reasons, sanitized and bounded
     not_in_run: int = 0  # FULLY_INTERACTIVE: connected users who joined after the run's first round, not invited
+    checked_in: int = 0  # check-in rounds: users who checked in
 
 
 @dataclass(frozen=True)
@@ -253,6 +258,7 @@ class Invite:
 
 
 _CLOSED = object()
+_CHECK_IN = object()  # _check_message: a valid payload-free answer to a check-in invitation
 
 
 class Subscription:
@@ -491,6 +497,8 @@ class _OpenRound:
     bound: int  # g + m
     not_in_run: int
     wire_dtype: np.dtype | None  # COUNTS: CountVector.packed is count_wire_dtype(g + m); None otherwise
+    checking_in: bool = False  # check-in rounds: the first invitation's answers are being collected
+    checked_in: list[str] = field(default_factory=list)  # user keys that checked in
     answered: set[str] = field(default_factory=set)  # user keys (user_key)
     nonces: set[bytes] = field(default_factory=set)  # replay protection; dropped with the round (design 5.3)
     totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
@@ -648,6 +656,18 @@ class ShufflerState:
                 raise ValueError(f"participation limits apply to SUBSAMPLED rounds, not {req.schedule.name}")
             if req.limits.max_per_tree < 1 or req.limits.min_separation < 0 or req.limits.rounds_per_tree < 0:
                 raise ValueError(f"participation limits need max_per_tree >= 1, got {tuple(req.limits)}")
+        if req.check_in_trials:
+            # the second invitation's m = ceil(trials / c_min) <= m (c_min >= min_contributors): the checks of this
+            # request's m below hold for it too
+            if req.transport not in (Transport.COUNTS, Transport.BITS):
+                raise ValueError(f"check_in applies to COUNTS and BITS rounds, not {req.transport.name}")
+            if not (math.isfinite(req.check_in_fraction) and 0.0 < req.check_in_fraction <= 1.0):
+                raise ValueError(f"check_in.report_fraction must lie in (0, 1], got {req.check_in_fraction}")
+            if req.min_contributors < 1 or req.check_in_trials > int(req.m) * req.min_contributors:
+                raise ValueError(
+                    f"check_in.noise_trials = {req.check_in_trials} must be <= randomizer.m * min_contributors = "
+                    f"{req.m} * {req.min_contributors} (min_contributors >= 1)"
+                )
         bound = int(req.g) + int(req.m)
         if bound >= _U64:  # no count of any transport can reach it; refused here, before any state changes
             raise ValueError(f"g + m must be < 2^64, got g={req.g}, m={req.m}")
@@ -789,26 +809,59 @@ class ShufflerState:
             )
             if req.transport == Transport.COUNTS:
                 rnd.totals = np.zeros(req.dim, dtype=np.uint64)
+            rnd.checking_in = req.check_in_trials > 0
             self._open[key] = rnd
-            by_node: dict[str, list[str]] = {}
-            for k in rnd.invited:
-                node, user = split_user_key(k)
-                by_node.setdefault(node, []).append(user)  # the node's own id of the user
-            for node, users in by_node.items():
-                self._subs[node].put(Invite(req.relay, users))
+            self._invite(rnd, req.relay)
             try:
-                while len(rnd.answered) < len(rnd.invited) and is_active():
-                    remaining = rnd.deadline - self._clock()
-                    if remaining <= 0:
-                        break
-                    self._lock.wait(min(remaining, self._poll))
+                # check-in: the first half of the window for the check-ins, the rest for the messages
+                self._collect(rnd, is_active, self._clock() + req.deadline_seconds / 2 if rnd.checking_in else None)
+                if not rnd.checking_in or self._second_invitation(rnd):
+                    self._collect(rnd, is_active)
             finally:
                 rnd.closed = True
                 del self._open[key]
                 self._closed.add(key)
-            return self._finish(rnd, released_ok=is_active())
+            return self._finish(rnd, released_ok=is_active(), invited=len(invited))
 
-    def _finish(self, rnd: _OpenRound, released_ok: bool) -> BatchResult:
+    def _invite(self, rnd: _OpenRound, relay: Any) -> None:
+        """Send the invitation to the invited users' nodes. Caller holds the lock."""
+        by_node: dict[str, list[str]] = {}
+        for k in rnd.invited:
+            node, user = split_user_key(k)
+            by_node.setdefault(node, []).append(user)  # the node's own id of the user
+        for node, users in by_node.items():
+            self._subs[node].put(Invite(relay, users))
+
+    def _collect(self, rnd: _OpenRound, is_active: Callable[[], bool], until: float | None = None) -> None:
+        """Wait until every invitee answered, the round's deadline (or `until`) passed, or the round is cancelled.
+        Caller holds the lock (released while waiting)."""
+        end = rnd.deadline if until is None else min(until, rnd.deadline)
+        while len(rnd.answered) < len(rnd.invited) and is_active():
+            remaining = end - self._clock()
+            if remaining <= 0:
+                break
+            self._lock.wait(min(remaining, self._poll))
+
+    def _second_invitation(self, rnd: _OpenRound) -> bool:
+        """Check-in rounds (protocols/check_in.py, step 3): invite the c users who checked in with c_min and their
+        share m of the noise; False (nothing is released) when fewer than the threshold checked in. Caller holds
+        the lock."""
+        req, c = rnd.req, len(rnd.checked_in)
+        rnd.checking_in = False
+        if c < max(1, req.min_contributors):
+            return False
+        c_min, m = check_in.share(req.check_in_trials, req.check_in_fraction, req.min_contributors, c)
+        relay = req.relay if req.second_relay is None else req.second_relay(c, c_min, m)
+        second = replace(req, m=m, min_contributors=c_min, relay=relay)
+        per_user, ct_len, bound = self._validate(second)  # cannot fail: m <= req.m (see _validate)
+        rnd.req, rnd.bound, rnd.expected_messages, rnd.expected_ct_len = second, bound, per_user, ct_len
+        rnd.wire_dtype = count_wire_dtype(bound) if req.transport == Transport.COUNTS else None
+        rnd.invited = {k: rnd.invited[k] for k in rnd.checked_in}
+        rnd.answered = set()
+        self._invite(rnd, relay)
+        return True
+
+    def _finish(self, rnd: _OpenRound, released_ok: bool, invited: int) -> BatchResult:
         """Threshold, then strip everything but totals / permuted ciphertexts. Caller holds the lock."""
         req = rnd.req
         threshold = max(1, req.min_contributors)  # never release an empty batch
@@ -830,13 +883,14 @@ class ShufflerState:
             released=released,
             label_totals=totals,
             ciphertexts=cts,
-            invited=len(rnd.invited),
+            invited=invited,
             contributors=rnd.contributors,
             rejected=dict(rnd.rejected),
             refused=rnd.refused,
             below_threshold=below,
             refused_reasons=dict(rnd.refused_reasons),
             not_in_run=rnd.not_in_run,
+            checked_in=len(rnd.checked_in),
         )
 
     # ----- collection ------------------------------------------------------------------------------------------
@@ -874,7 +928,10 @@ class ShufflerState:
                         rnd.answered.add(ukey)
                     continue
                 rnd.answered.add(ukey)  # a valid answer, or a payload the range check may still reject
-                if checked is not None:
+                if checked is _CHECK_IN:
+                    rnd.checked_in.append(ukey)
+                    accepted += 1
+                elif checked is not None:
                     rows.append(checked)
                 else:
                     rnd.ciphertexts.extend(bytes(c) for c in msg.ciphertexts)
@@ -912,7 +969,7 @@ class ShufflerState:
         rnd.contributors += n_ok
         return n_ok
 
-    def _check_message(self, rnd: _OpenRound, ukey: str, msg: UserMessage) -> Reason | bytes | None:
+    def _check_message(self, rnd: _OpenRound, ukey: str, msg: UserMessage) -> Reason | bytes | object | None:
         """First failing check of design 5.3 for one user message (a Reason), else for COUNTS the payload as
         d values of rnd.wire_dtype (bytes; its range is checked by _add_counts), else None. Caller holds the lock."""
         nonce = bytes(msg.nonce)
@@ -930,6 +987,9 @@ class ShufflerState:
         # only while the round is open (then every message to it is refused as expired): at most one nonce per
         # invited user, whatever a sender sends
         rnd.nonces.add(nonce)
+        if rnd.checking_in:  # a check-in carries no payload (CheckIn)
+            empty = msg.counts is None and msg.counts_packed is None and msg.ciphertexts is None
+            return _CHECK_IN if empty else Reason.WRONG_PAYLOAD
         if rnd.req.transport == Transport.COUNTS:
             # exactly one COUNTS encoding: both set would leave open which one is the user's answer
             if msg.ciphertexts is not None or (msg.counts is None) == (msg.counts_packed is None):

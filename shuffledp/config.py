@@ -88,6 +88,9 @@ protocol = "pvec"           # "pvec" (multi-message sum, seed 000) or an eps0-LD
 calibration = "calibrated"  # "calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)
 clip_norm = 1.0             # l2 bound on each user's gradient (Delta2 of PVEC)
 min_contributors_fraction = 0.9
+# check_in = true           # pvec, calibrated: the round's noise is shared by the users who check in instead of sized
+                            # for min_contributors (one more node round trip; protocols/check_in.py); unset = on there
+report_fraction = 0.99      # check-in: share of the checked-in users that must report, else nothing is released
 # round_eps = 1.0           # fixed eps per round, rounds run while the total fits eps; unset = from eps and rounds
 # honest_fraction = 0.9     # robust figure: eps when only this fraction of each round's contributors is honest
                             # (the rest collude with the analyzer; spec 000 A.3); unset = min_contributors_fraction
@@ -212,6 +215,9 @@ class PrivacyConfig:
     calibration: str = "calibrated"
     clip_norm: float = 1.0
     min_contributors_fraction: float = 0.9
+    # check-in (shuffledp.protocols.check_in): None = on for pvec with calibration "calibrated", where it applies
+    check_in: bool | None = None
+    report_fraction: float = 0.99  # check-in: the checked-in users' share that must report
     # Optional fixed per-round eps (the ledger then enforces the total and stops the run when the next round
     # would exceed it). None = derive the per-round parameters from the total budget and the planned rounds.
     round_eps: float | None = None
@@ -446,6 +452,10 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
             1.0,
             lo_open=True,
         ),
+        check_in=None if t.get("check_in") is None else _bool("privacy.check_in", t["check_in"]),
+        report_fraction=_float(
+            "privacy.report_fraction", t.get("report_fraction", p.report_fraction), 0.0, 1.0, lo_open=True
+        ),
         round_eps=round_eps,
         eps0=eps0,
         honest_fraction=honest,
@@ -645,9 +655,21 @@ def _check_pan(cfg: RunConfig, optimizer: str) -> None:
         )
 
 
+def check_in_enabled(p: PrivacyConfig) -> bool:
+    """Whether rounds run the check-in (privacy.check_in; unset: for pvec with calibration "calibrated")."""
+    return p.check_in if p.check_in is not None else (p.protocol == "pvec" and p.calibration == "calibrated")
+
+
 def _check_combinations(cfg: RunConfig) -> None:
     """Keys that are valid alone but not together: one line naming both."""
     s, m = cfg.schedule, cfg.model
+    if cfg.privacy.check_in and not (cfg.privacy.protocol == "pvec" and cfg.privacy.calibration == "calibrated"):
+        raise ConfigError(
+            'privacy.check_in shares PVEC\'s binomial noise: it needs privacy.protocol = "pvec" with calibration = '
+            f'"calibrated", got "{cfg.privacy.protocol}" with "{cfg.privacy.calibration}"'
+        )
+    if cfg.privacy.report_fraction != PrivacyConfig.report_fraction and not check_in_enabled(cfg.privacy):
+        raise ConfigError("privacy.report_fraction applies to check-in rounds; privacy.check_in is off")
     if s.phases and m.l2 == 0:
         raise ConfigError(
             f"schedule.phases = {s.phases} is the strongly convex reduction (Thm 4.8): it needs model.l2 > 0, got 0"

@@ -77,3 +77,38 @@ class GhostNode:
         self.stream.cancel()
         self.pool.shutdown(wait=False)
         self.channel.close()
+
+
+class CheckInGhost:
+    """A node whose users check in (payload-free answers to a check-in invitation) and then never send: dropouts
+    after check-in (protocols/check_in.py). Keeps every RoundSpec it was sent."""
+
+    def __init__(self, shuffler: str, users: int):
+        import secrets
+        import threading
+
+        self.channel = grpc.insecure_channel(shuffler)
+        self.stub = pbg.ShufflerStub(self.channel)
+        self.stub.RegisterUsers(pb.RegisterUsersRequest(node_id="ci-ghost", user_ids=[f"c-u{i}" for i in range(users)]))
+        self.stream = self.stub.Subscribe(pb.SubscribeRequest(node_id="ci-ghost"))
+        self.specs: list[pb.RoundSpec] = []
+        self._token = secrets.token_bytes
+
+        def pump() -> None:
+            try:
+                for inv in self.stream:
+                    self.specs.append(inv.spec)
+                    if inv.spec.check_in.noise_trials and not inv.spec.check_in.checked_in:
+                        c = pb.Contribution(run_id=inv.spec.run_id, round=inv.spec.round, node_id="ci-ghost")
+                        for u in inv.user_ids:
+                            c.messages.add(user_id=u, nonce=self._token(16))
+                        self.stub.Submit(c, timeout=10)
+            except grpc.RpcError:
+                pass  # closed at the end of the test
+
+        self.thread = threading.Thread(target=pump, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stream.cancel()
+        self.channel.close()

@@ -13,7 +13,7 @@ import pytest
 import shuffledp.accountants.ledger_accounting as la
 from shuffledp import cli
 from shuffledp.account_cli import PROTOCOLS
-from shuffledp.accountants import calibrated_pvec, composition, gaussian, pnsgd, tree_aggregation
+from shuffledp.accountants import composition, gaussian, pnsgd, pvec_pld, tree_aggregation
 from shuffledp.events import GaussianRound, LdpShuffleRound, PvecRound, TreeAggregation
 from shuffledp.protocols.pvec import pvec_params
 
@@ -239,9 +239,9 @@ def test_pvec_queries(capsys) -> None:
     assert pgd["eps"] == pytest.approx(composition.pgd_total(1.0, 1e-6, 15)[0], rel=1e-12)
     tight = _run(capsys, "pvec", "--n", "100", "--d", "2", "--round-eps", "1", "--rounds", "3", "--schedule", "pgd",
                  "--delta", "1e-5", "--round-delta", "1e-5")  # fmt: skip
-    params = calibrated_pvec.calibrate_pvec(1.0, 1e-5, 100, 2, 1.0)
+    params = pvec_pld.calibrate_pvec_pld(1.0, 1e-5, 100, 2, 1.0)  # the ledger's calibration (issue 16)
     assert tight["m"] == params.m and tight["method"] == "calibrated"
-    assert tight["eps"] == calibrated_pvec.composed_epsilon([(params, 100)] * 3, 1e-5)
+    assert tight["eps"] == pvec_pld.composed_epsilon([(params, 100)] * 3, 1e-5)
     assert tight["variance_per_coordinate"] > 0
     seq = _run(capsys, "pvec", "--n", "1000", "--d", "10", "--round-eps", "1", "--method", "paper", "--eps", "1",
                "--delta", "1e-6", "--max-rounds")  # fmt: skip

@@ -25,7 +25,7 @@ from shuffledp.services.analyzer import start_analyzer
 from shuffledp.services.run_manager import MALFORMED_PLAINTEXT, UNDECRYPTABLE, open_bit_messages
 from shuffledp.services.shuffler import start_shuffler
 
-from shuffledp.accountants.calibrated_pvec import composed_epsilon
+from shuffledp.accountants.pvec_pld import composed_epsilon
 from shuffledp.optimizers.pgd import pgd
 from shuffledp.protocols import pvec
 from shuffledp.protocols.pvec import PvecParams

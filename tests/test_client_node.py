@@ -167,7 +167,8 @@ def test_invalid_or_unsupported_specs_are_refused():
 def test_randomizer_is_verified_not_trusted():
     """With verify_randomizer on, each user recomputes the round's eps from (d, g, m, p) with the calibrated
     accountant at n' = min_contributors, whatever per_user_cost claims."""
-    from shuffledp.accountants.calibrated_pvec import calibrate_pvec, pvec_round_epsilon
+    from shuffledp.accountants.calibrated_pvec import calibrate_pvec
+    from shuffledp.accountants.pvec_pld import pvec_round_epsilon
 
     shard = make_shard(n=2)
     core = NodeCore("node", shard, UserPolicy(max_eps_per_round=2.0), rng=make_rng(6))
@@ -225,7 +226,8 @@ def test_users_compose_their_spend_like_the_ledger_and_keep_it_across_restarts(t
     and the history it composes survives a node restart (real SQLite)."""
     from shuffledp.clients.spend_store import SqliteSpendStore
 
-    from shuffledp.accountants.calibrated_pvec import calibrate_pvec, composed_epsilon
+    from shuffledp.accountants.calibrated_pvec import calibrate_pvec
+    from shuffledp.accountants.pvec_pld import composed_epsilon
 
     n_release, total_delta, limit = 50, 1e-2, 6.0
     params = calibrate_pvec(1.0, 1e-4, n_release, D, 1.0)

@@ -25,6 +25,7 @@ from shuffledp.accountants import (
     fmt_shuffle,
     gaussian,
     pnsgd,
+    pvec_pld,
     subsampled_shuffle,
     tree_aggregation,
 )
@@ -302,10 +303,10 @@ def test_pvec_sequential_rounds_compose_in_parallel() -> None:
     assert paper.eps == 1.0  # Thm 3.2's claim; parallel composition, not 8 eps
     tight = la.account([(full, 7), fewer], 1e-6)
     worst = max(
-        calibrated_pvec.pvec_round_epsilon(PVEC_SEQ, 1000, 1e-6),
-        calibrated_pvec.pvec_round_epsilon(PVEC_SEQ, 900, 1e-6),
+        pvec_pld.pvec_round_epsilon(PVEC_SEQ, 1000, 1e-6),
+        pvec_pld.pvec_round_epsilon(PVEC_SEQ, 900, 1e-6),
     )
-    assert tight.eps == worst == calibrated_pvec.pvec_round_epsilon(PVEC_SEQ, 900, 1e-6)
+    assert tight.eps == worst == pvec_pld.pvec_round_epsilon(PVEC_SEQ, 900, 1e-6)
     assert tight.eps < paper.eps / 10  # the paper's constants are loose (spec 000 sec 7.3)
     assert la.max_rounds(full, 1.0, 1e-6) == math.inf  # limited by fresh users, not by privacy
 
@@ -313,24 +314,24 @@ def test_pvec_sequential_rounds_compose_in_parallel() -> None:
 def test_pvec_fully_interactive_matches_calibrated_composition() -> None:
     ev = PvecRound.from_params(PVEC_PGD, None, "fully_interactive")
     got = la.account([(ev, 15)], 1e-6)
-    assert got.eps == calibrated_pvec.composed_epsilon([(PVEC_PGD, 1000)] * 15, 1e-6)
+    assert got.eps == pvec_pld.composed_epsilon([(PVEC_PGD, 1000)] * 15, 1e-6)
     # the optimal order is reported, and it is the one of the (edge-extended) grid that gives eps
-    assert (got.eps, got.optimal_order) == calibrated_pvec.composed_epsilon([(PVEC_PGD, 1000, 15)], 1e-6, True)
+    assert (got.eps, got.optimal_order) == pvec_pld.composed_epsilon([(PVEC_PGD, 1000, 15)], 1e-6, True)
     assert got.optimal_order > 1.0
     # one sequential round on top: the worst user is in all 15 rounds and in that one
     seq = PvecRound.from_params(PVEC_SEQ)
     mixed = la.account([(ev, 15), (seq, 4)], 1e-6)
-    assert mixed.eps == calibrated_pvec.composed_epsilon([(PVEC_PGD, 1000)] * 15 + [(PVEC_SEQ, 1000)], 1e-6)
+    assert mixed.eps == pvec_pld.composed_epsilon([(PVEC_PGD, 1000)] * 15 + [(PVEC_SEQ, 1000)], 1e-6)
     # very long histories are passed as counts (no list of 10^7 rounds)
     long_path = la.account([(ev, 10**7)], 1e-6)
-    assert long_path.eps == calibrated_pvec.composed_epsilon([(PVEC_PGD, 1000, 10**7)], 1e-6) > got.eps
+    assert long_path.eps == pvec_pld.composed_epsilon([(PVEC_PGD, 1000, 10**7)], 1e-6) > got.eps
 
 
 def test_pvec_min_noise_paper_and_calibrated() -> None:
     ev = la.pvec_min_noise(1.0, 1e-6, 1000, 10, 1.0, 15, "fully_interactive", "paper")
     assert ev.params == PVEC_PGD  # Alg 5: eps_r = eps/(2 sqrt(2T ln(1/delta))), delta_r = delta/(T+1)
     small = la.pvec_min_noise(1.0, 1e-5, 100, 2, 1.0, 4, "fully_interactive", "tight")
-    assert small.params == calibrated_pvec.calibrate_pvec(1.0, 1e-5, 100, 2, 1.0, rounds=4)
+    assert small.params == pvec_pld.calibrate_pvec_pld(1.0, 1e-5, 100, 2, 1.0, rounds=4)
     assert la.account([(small, 4)], 1e-5).eps <= 1.0
 
 

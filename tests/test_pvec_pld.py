@@ -201,3 +201,74 @@ def test_bad_input():
         pp.calibrate_pvec_pld(0.0, 1e-5, 10, 2, 1.0)
     with pytest.raises(ValueError, match="delta"):
         pp.pld_epsilon(pr, 40, 1, 1.5)
+
+
+# ------------------------------------------- the ledger's accountant: PLD where a route covers every round
+def _hetero_delta(rounds: list[tuple[int, tuple[int, ...]]], eps: float) -> float:
+    """Exact hockey-stick, both directions, of rounds with their own trials N and gaps (d = 1 per round)."""
+    dists = []
+    for N, (a,) in rounds:
+        k = np.arange(0, N + a + 1)
+        dists.append((binom.pmf(k - a, N, 0.5), binom.pmf(k, N, 0.5)))
+    out = 0.0
+    for flip in (False, True):
+        pa, qb = np.ones(1), np.ones(1)
+        for p_, q_ in dists:
+            p_, q_ = (q_, p_) if flip else (p_, q_)
+            pa, qb = np.multiply.outer(pa, p_).ravel(), np.multiply.outer(qb, q_).ravel()
+        out = max(out, float(np.sum(np.maximum(pa - math.exp(eps) * qb, 0.0))))
+    return out
+
+
+def test_heterogeneous_rounds_exhaustive_never_below_exact():
+    # rounds with different contributors (different N = m n'), composed as the ledger does: d = 1, g = 4
+    k1, k2 = (100, 0.5, 4, 1), (60, 0.5, 4, 1)
+    e = pp.epsilon_of_rounds({k1: 1, k2: 2}, 1e-3)
+    assert e < cal.epsilon_of_rounds({k1: 1, k2: 2}, 1e-3)  # the PLD bound, tighter than the RDP one
+    exact = [(100, (4,)), (60, (4,)), (60, (4,))]
+    assert _hetero_delta(exact, e) <= 1e-3 * (1 + 1e-9)
+    assert _hetero_delta(exact, e * (1 - 2e-3)) > 1e-3
+
+
+def test_heterogeneous_rounds_gaussian_is_gdp_sum_else_rdp():
+    k1, k2 = (2 * 10**5, 0.5, 91, 2), (3 * 10**5, 0.5, 91, 2)
+    got = pp.epsilon_of_rounds({k1: 2, k2: 3}, 1e-5)
+    m1, s1 = pp._gauss_round(*k1[:1], 91, 2)
+    m2, s2 = pp._gauss_round(*k2[:1], 91, 2)
+    assert got == pp._gauss_eps(math.sqrt(2 * m1 + 3 * m2), 1e-5 - (2 * s1 + 3 * s2) * (1 + 1e-12))
+    assert got < cal.epsilon_of_rounds({k1: 2, k2: 3}, 1e-5)
+    # a round no PLD route covers (p != 1/2) makes the whole history the RDP bound
+    mixed = {k1: 2, (2 * 10**5, 0.3, 91, 2): 1}
+    assert pp.epsilon_of_rounds(mixed, 1e-5) == cal.epsilon_of_rounds(mixed, 1e-5)
+    assert pp.epsilon_of_rounds({}, 1e-5) == 0.0
+    pr = _params(2, 40, 91, 5000)
+    assert pp.composed_epsilon([(pr, 40, 3)], 1e-5) == pp.pld_epsilon(pr, 40, 3, 1e-5)
+    assert pp.composed_epsilon([(pr, 40, 3)], 1e-5, return_order=True)[1] is None  # no Renyi order: PLD
+
+
+def test_exact_check_fails_on_an_optimistic_discretisation(monkeypatch):
+    """The exhaustive verification above can fail: a Connect-the-Dots fed each grid point the hockey-stick of a
+    point 50 steps further right (an optimistic discretisation: delta under-stated) yields an eps below the exact
+    one, and the exact enumeration catches it."""
+    from dp_accounting.pld import pld_pmf
+
+    d, g, N, delta = 1, 4, 100, 1e-3
+    pr = _params(d, 10, g, N // 10)
+    honest = pp.pld_epsilon(pr, 10, 1, delta)
+    original = pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap
+
+    def optimistic(vdi, lo, hi, deltas, *args, **kwargs):
+        shifted = np.concatenate([np.asarray(deltas)[50:], np.zeros(50)])
+        return original(vdi, lo, hi, shifted, *args, **kwargs)
+
+    monkeypatch.setattr(pld_pmf, "create_pmf_pessimistic_connect_dots_fixed_gap", optimistic)
+    pp._coord_pld.cache_clear()
+    pp._exhaustive_round.cache_clear()
+    try:
+        cheat = pp.pld_epsilon(pr, 10, 1, delta)
+    finally:
+        pp._coord_pld.cache_clear()
+        pp._exhaustive_round.cache_clear()
+    assert cheat < honest
+    assert _worst_delta(N, g, d, honest) <= delta * (1 + 1e-9)
+    assert _worst_delta(N, g, d, cheat) > delta  # the exact check rejects the optimistic accountant

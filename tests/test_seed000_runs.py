@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from _runs import run_cli
 
-from shuffledp.accountants.calibrated_pvec import composed_epsilon, pvec_round_epsilon
+from shuffledp.accountants.pvec_pld import composed_epsilon, pvec_round_epsilon
 from shuffledp.protocols.pvec import PvecParams
 
 pytestmark = pytest.mark.timeout(240)

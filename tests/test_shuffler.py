@@ -568,3 +568,94 @@ def test_a_count_round_whose_totals_could_not_be_sent_is_refused_before_anything
     with pytest.raises(ValueError, match="batch message limit"):
         state.execute_round(req)
     assert not state._store.round_exists("run", 0)  # refused before any state changed
+
+
+def _check_in_spec(round_, fraction, **kw) -> pb.RoundSpec:
+    # worst case m = 6 trials at min_contributors = 5: noise_trials N* = 30
+    s = spec(round_, min_contributors=5, deadline_seconds=6.0, **kw)
+    s.check_in.noise_trials, s.check_in.report_fraction = 30, fraction
+    return s
+
+
+def test_check_in_shares_the_noise_and_a_dropout_after_check_in_never_weakens_it(shuffler, nodes):
+    """Check-in (protocols/check_in.py): 11 real users and 2 of a node that checks in and then goes silent. The
+    second invitation carries c = 13, c_min = max(5, ceil(0.8 * 13)) = 11 and m = ceil(30 / 11) = 3; the released
+    noise holds m n' = 33 >= 30 trials. With report_fraction 1 the two dropouts leave 11 < c_min = 13: nothing is
+    released, so no release ever has fewer than N* trials."""
+    dropper = FakeNode(shuffler.stub, "dropper", ["d0", "d1"])
+    try:
+        shuffler.wait_nodes(3, users=13)
+        answered: list[pb.RoundSpec] = []
+
+        def check_in_then_vanish() -> None:
+            for _ in range(2):  # two rounds
+                inv = dropper.q.get(timeout=20)
+                answered.append(inv.spec)
+                c = pb.Contribution(run_id="r", round=inv.spec.round, node_id="dropper")
+                for u in inv.user_ids:
+                    c.messages.add(user_id=u, nonce=secrets.token_bytes(16))
+                shuffler.stub.Submit(c, timeout=5)
+                answered.append(dropper.q.get(timeout=20).spec)  # the second invitation: never answered
+
+        t = threading.Thread(target=check_in_then_vanish, daemon=True)
+        t.start()
+        batch = shuffler.stub.ExecuteRound(_check_in_spec(1, 0.8), timeout=30)
+        first, second = answered[0], answered[1]
+        assert first.check_in.checked_in == 0 and first.randomizer.m == 6 and first.min_contributors == 5
+        assert second.check_in.checked_in == 13 and second.min_contributors == 11 and second.randomizer.m == 3
+        rep = batch.report
+        assert batch.released and (rep.invited, rep.checked_in, rep.contributors) == (13, 13, 11)
+        assert rep.contributors * second.randomizer.m >= 30
+        # the real nodes answered the check-in without payload, then sent counts in [0, g + 3] only
+        received = shuffler.recorder.for_round(1)
+        check_ins = [m for c in received for m in c.messages if m.WhichOneof("payload") is None]
+        sent = [wire_counts(m, 4 + 3) for c in received for m in c.messages if m.WhichOneof("payload")]
+        assert len(check_ins) == 13 and len(sent) == 11 and max(int(x.max()) for x in sent) <= 7
+        np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(sent, axis=0))
+
+        batch = shuffler.stub.ExecuteRound(_check_in_spec(2, 1.0), timeout=30)
+        assert answered[3].min_contributors == 13 and answered[3].randomizer.m == 3  # ceil(30 / 13)
+        assert not batch.released and batch.report.below_threshold and batch.report.contributors == 11
+        assert not batch.label_totals and batch.report.checked_in == 13
+        t.join(timeout=5)
+    finally:
+        dropper.call.cancel()
+
+
+def test_check_in_specs_are_validated_before_anyone_is_invited(shuffler, nodes):
+    for bad, why in [
+        (dict(fraction=0.9, min_contributors=5), "noise_trials = 31 must be <= randomizer.m"),
+        (dict(fraction=1.5, min_contributors=5), "report_fraction"),
+        (dict(fraction=0.9, min_contributors=5, transport=pb.SEALED), "COUNTS and BITS"),
+    ]:
+        s = spec(7, transport=bad.get("transport", pb.COUNTS), min_contributors=bad["min_contributors"])
+        s.check_in.noise_trials = 31 if "noise_trials" in why else 30
+        s.check_in.report_fraction = bad["fraction"]
+        if s.transport == pb.SEALED:
+            s.randomizer.message_bytes, s.analyzer_public_key = 8, generate_keypair()[1]
+        with pytest.raises(grpc.RpcError) as err:
+            shuffler.stub.ExecuteRound(s, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
+    assert not shuffler.recorder.for_round(7)  # nobody was invited
+
+
+def test_a_check_in_with_a_payload_is_rejected():
+    state = ShufflerState(rng=make_rng(5), poll_seconds=0.001)
+    state.register_users("node", ["a", "b"])
+    sub = state.subscribe("node")
+    req = RoundRequest(
+        "run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=2, g=1, m=2, min_contributors=1,
+        deadline_seconds=0.5, check_in_trials=2, check_in_fraction=1.0,
+    )  # fmt: skip
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(state.execute_round(req)))
+    t.start()
+    assert sub.get(5.0) is not None
+    from shuffledp.services.shuffler_state import Submission, UserMessage
+
+    ack = state.submit(
+        Submission("run", 0, "node", [UserMessage("a", b"n" * 16, counts=np.array([1, 1], dtype=np.uint64))])
+    )
+    assert ack.rejected == {"wrong_payload": 1} and ack.accepted == 0
+    t.join()
+    assert not out[0].released and out[0].checked_in == 0  # b never answered, a's answer was used up

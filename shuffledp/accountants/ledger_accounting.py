@@ -11,7 +11,8 @@ The arithmetic lives in the per-seed modules; this module only routes events to 
 Routing (tight / paper):
 - PvecRound, sequential: parallel composition (max over rounds; disjoint cohorts, spec 000 sec 5) of
   the exact binomial round of calibrated_pvec / of the Lemma 3.1 + 3.3 round (Thm 3.2).
-- PvecRound, fully interactive: RDP composition of exact rounds (calibrated_pvec.composed_epsilon) /
+- PvecRound, fully interactive: the tighter of RDP composition of exact rounds (calibrated_pvec) and their PLD /
+  GDP composition (pvec_pld.composed_epsilon, issue 16) /
   advanced composition (Dwork-Roth Thm 3.20, spec 000 sec 5).
 - LdpShuffleRound: Thm 1 RDP of seed 001 plus monotone envelope and pure-DP cap (spec 001 sec 7.3), optimal
   RDP -> DP conversion / FMT20 numeric shuffle + subsampling + KOV15 (the paper's baseline, spec 001 sec 5).
@@ -374,16 +375,16 @@ def _account_pnsgd(items: Items, delta: float, acc: str, trust: str) -> AccountR
 
 # ------------------------------------------------------------------------------------------------ seed 000
 def _calibrated():
-    try:
-        from shuffledp.accountants import calibrated_pvec
-    except ImportError as exc:  # written by another helper; a clear "not available" instead of a traceback
-        raise ValueError(f"the calibrated PVEC accountant is not available in this build ({exc})") from None
-    return calibrated_pvec
+    # imported on first use: scipy and dp_accounting's PLD (~1 s), not needed by the other seeds' accountants
+    from shuffledp.accountants import pvec_pld
+
+    return pvec_pld
 
 
 def calibrate_pvec_round(eps: float, delta: float, n: int, d: int, delta2: float, rounds: int = 1) -> PvecParams:
-    """calibrated_pvec.calibrate_pvec: least binomial noise meeting (eps, delta) over ``rounds`` rounds."""
-    return _calibrated().calibrate_pvec(eps, delta, n, d, delta2, rounds=rounds)
+    """pvec_pld.calibrate_pvec_pld: least binomial noise meeting (eps, delta) over ``rounds`` rounds (PLD-certified
+    where a PLD route exists, else calibrated_pvec's RDP; issue 16 item 2)."""
+    return _calibrated().calibrate_pvec_pld(eps, delta, n, d, delta2, rounds=rounds)
 
 
 def _paper_round(ev: PvecRound) -> tuple[float, float]:
@@ -413,10 +414,11 @@ def _split_pvec(items: Items) -> tuple[Items, list[PvecRound | None]]:
 
 
 def _pvec_composed(hist: Items, delta: float) -> tuple[float, float | None]:
-    """(eps, optimal order) of adaptively composed PVEC rounds by calibrated_pvec's exact-binomial RDP
-    (calibrated_pvec.composed_epsilon: RDP adds, Mironov 2017 Prop. 1; CKS20 conversion over an extended grid)."""
+    """(eps, optimal order) of adaptively composed PVEC rounds: the smaller of calibrated_pvec's exact-binomial RDP
+    (RDP adds, Mironov 2017 Prop. 1; CKS20 conversion over an extended grid) and pvec_pld's PLD / GDP bound
+    (pvec_pld.composed_epsilon; order None when the PLD bound is the smaller)."""
     eps, order = _calibrated().composed_epsilon([(e.params, e.contributors, c) for e, c in hist], delta, True)
-    return eps, (float(order) if math.isfinite(eps) else None)
+    return eps, (float(order) if math.isfinite(eps) and order is not None else None)
 
 
 def _account_pvec(items: Items, delta: float, acc: str, trust: str) -> AccountResult:
@@ -433,8 +435,10 @@ def _account_pvec(items: Items, delta: float, acc: str, trust: str) -> AccountRe
                 worst_eps, worst_order = eps, order
         if not math.isfinite(worst_eps):  # no finite guarantee at this delta: report inf (the safe side)
             details["note"] = f"delta={delta} is below the rounds' binomial tail slack: no finite eps"
-            return AccountResult(math.inf, delta, "pvec-exact-binomial-rdp (calibrated_pvec)", None, trust, details)
-        name = "pvec-exact-binomial-rdp (calibrated_pvec; beyond the paper)"
+            name = "pvec-exact-binomial (calibrated_pvec, pvec_pld)"
+            return AccountResult(math.inf, delta, name, None, trust, details)
+        route = "rdp" if worst_order is not None else "pld"
+        name = f"pvec-exact-binomial-{route} (calibrated_pvec / pvec_pld: the tighter; beyond the paper)"
         name += " + parallel composition" if n_seq > 1 else ""
         return AccountResult(worst_eps, delta, name, worst_order, trust, details)
     for s in seq:

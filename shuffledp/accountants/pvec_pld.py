@@ -61,6 +61,8 @@ Route "rdp": ``calibrated_pvec`` (p != 1/2, N / g < GAUSS_MIN_M, or a unit windo
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -83,6 +85,9 @@ __all__ = [
     "round_gdp",
     "pld_epsilon",
     "calibrate_pvec_pld",
+    "epsilon_of_rounds",
+    "composed_epsilon",
+    "pvec_round_epsilon",
 ]
 
 VALUE_DISCRETIZATION_INTERVAL = 1e-4  # PLD grid step (dp_accounting's default; loss values are multiples of it)
@@ -285,9 +290,12 @@ def _gauss_eps(mu: float, delta: float) -> float:
 # ------------------------------------------------------------------------------------------- public API
 def pld_route(params: PvecParams, n_contrib: int) -> str:
     """Which route ``pld_epsilon`` takes: "exhaustive", "gaussian" or "rdp" (module docstring)."""
-    N = params.m * cal._n_contrib(params, n_contrib)
-    g, d = params.g, params.d
-    if params.p != 0.5 or N < g:
+    return _key_route(cal.round_noise_key(params, n_contrib))
+
+
+def _key_route(key: cal.NoiseKey) -> str:
+    N, p, g, d = key
+    if p != 0.5 or N < g:
         return "rdp"
     if (
         N <= EXHAUSTIVE_MAX_N
@@ -347,13 +355,77 @@ def pld_epsilon(
     raise ValueError(f"route must be one of {ROUTES} or None, got {route!r}")
 
 
+def _covered(counts: tuple[tuple[int, float, int, int, int], ...]) -> bool:
+    """Whether one PLD route covers every round: all "gaussian" or all "exhaustive"."""
+    return len({_key_route(k[:4]) for k in counts} - {"rdp"}) == 1 and all(_key_route(k[:4]) != "rdp" for k in counts)
+
+
+def _keys_epsilon(counts: tuple[tuple[int, float, int, int, int], ...], delta: float) -> float:
+    """eps at delta of the rounds (N, p, g, d, count) by the PLD routes: every round "gaussian" -> GDP (mu^2 and
+    slacks add, Dong et al. Cor. 3.3), every round "exhaustive" -> PLDs composed (Zhu et al. 2022, Thm 10);
+    any other mix -> inf (no PLD bound)."""
+    routes = {_key_route(k[:4]) for k in counts}
+    if routes == {"gaussian"}:
+        mu2 = slack = 0.0
+        for N, _, g, d, c in counts:
+            m2, s = _gauss_round(N, g, d)
+            mu2, slack = mu2 + c * m2, slack + c * s
+        budget = delta - slack * (1.0 + 1e-12)
+        return math.inf if budget <= 0.0 else _gauss_eps(math.sqrt(mu2), budget)
+    if routes == {"exhaustive"}:
+        pld = None
+        for N, _, g, d, c in counts:
+            one = _exhaustive_round(N, g, d, VALUE_DISCRETIZATION_INTERVAL)
+            one = one.self_compose(c, tail_mass_truncation=_TRUNC) if c > 1 else one
+            pld = one if pld is None else pld.compose(one, tail_mass_truncation=_TRUNC)
+        return float(pld.get_epsilon_for_delta(delta))
+    return math.inf
+
+
+@lru_cache(maxsize=4096)
+def _tight(counts: tuple[tuple[int, float, int, int, int], ...], delta: float) -> tuple[float, float | None]:
+    # the PLD bound where it covers every round (about 10x faster than the RDP one, and tighter: the RDP -> DP
+    # conversion loses ~13-15 % of the variance, the gaussian route <= 4 %), else the RDP bound
+    return (_keys_epsilon(counts, delta), None) if _covered(counts) else cal._composed(counts, delta)
+
+
+def epsilon_of_rounds(counts: Mapping[cal.NoiseKey, int], delta: float, return_order: bool = False):
+    """eps at ``delta`` of the rounds in ``counts`` (round_noise_key -> number of rounds): the PLD bound when one
+    PLD route covers every round (``pld_route``), else the RDP bound (``calibrated_pvec.epsilon_of_rounds``); both
+    are rigorous upper bounds. This is the ledger's, the clients' and the calibration's accountant for calibrated
+    PVEC (issue 16 item 2). ``return_order``: (eps, optimal Renyi order, or None for the PLD bound)."""
+    delta = cal._check_delta(delta)
+    key = tuple(sorted((*k, int(c)) for k, c in counts.items() if c))
+    res = _tight(key, delta) if key else (0.0, 0.0)
+    return res if return_order else res[0]
+
+
+def composed_epsilon(
+    rounds: Sequence[tuple[PvecParams, int] | tuple[PvecParams, int, int]], delta: float, return_order: bool = False
+):
+    """As ``calibrated_pvec.composed_epsilon`` (same items), by ``epsilon_of_rounds`` (PLD where it covers)."""
+    counts: Counter[cal.NoiseKey] = Counter()
+    for item in rounds:
+        if not isinstance(item, tuple) or len(item) not in (2, 3) or not isinstance(item[0], PvecParams):
+            raise ValueError(f"each round must be a (PvecParams, n_contrib[, count]) tuple, got {item!r}")
+        c = cal._check_pos_int("count", item[2], 0) if len(item) == 3 else 1
+        if c:
+            counts[cal.round_noise_key(item[0], item[1])] += c
+    return epsilon_of_rounds(counts, delta, return_order)
+
+
+def pvec_round_epsilon(params: PvecParams, n_contrib: int, delta: float) -> float:
+    """eps at ``delta`` of one PVEC round with n' = n_contrib contributors (``epsilon_of_rounds``)."""
+    return composed_epsilon([(params, n_contrib)], delta)
+
+
 @lru_cache(maxsize=1024)
 def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g: int, rounds: int) -> PvecParams:
     def params(m: int) -> PvecParams:
         return PvecParams(d=d, n=n, delta2=delta2, g=g, m=m, p=0.5, eps=eps, delta=delta, method="calibrated")
 
-    def ok(m: int) -> bool:
-        return pld_epsilon(params(m), n, rounds, delta) <= eps
+    def ok(m: int) -> bool:  # the ledger's accountant (epsilon_of_rounds)
+        return _tight(((m * n, 0.5, g, d, rounds),), delta)[0] <= eps
 
     # Gaussian guess: a round is ~ G_mu with mu^2 = 4 (g + sqrt d)^2 / N (module docstring), T rounds mu sqrt(T).
     lo_mu, hi_mu = 0.0, 1.0
@@ -365,8 +437,10 @@ def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g
     mu_t = lo_mu
     m = max(1, math.ceil(4.0 * rounds * (g + math.sqrt(d)) ** 2 / (mu_t**2 * n)), math.ceil(g / n))
     route = pld_route(params(m), n)
-    if route == "rdp":
-        return cal.calibrate_pvec(eps, delta, n, d, delta2, g=g, rounds=rounds)  # fallback: no PLD at this size
+    if route == "rdp":  # fallback: no PLD at this size; its m is checked with the ledger's accountant below
+        m = cal.calibrate_pvec(eps, delta, n, d, delta2, g=g, rounds=rounds).m
+        if ok(m):  # the RDP answer, unless a PLD route covers it and does not certify it (then search up from it)
+            return params(m)
     if route == "gaussian":  # mu^2 scales like 1/N: rescale the guess by the exact round's mu^2 (no rigour needed)
         mu2, _ = _gauss_round(m * n, g, d)
         m = max(1, math.ceil(m * rounds * mu2 / mu_t**2 * (1.0 + 2e-4)), math.ceil(g / n))

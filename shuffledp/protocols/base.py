@@ -78,6 +78,8 @@ class RoundPlan:
     noise_sq: float  # E||decoded sum - true sum||^2 at n_min contributors: what the optimizer's step size needs
     rounds: int | None = None  # T when the protocol sizes it from the budget (None: the schedule's T stands)
     min_contributors: int | None = None  # the release threshold when the protocol sets it (None: the schedule's)
+    # RoundSpec.check_in's noise_trials and report_fraction when the rounds run the check-in (protocols/check_in.py)
+    check_in: dict[str, Any] | None = None
 
 
 class Decoded(NamedTuple):

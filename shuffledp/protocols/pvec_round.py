@@ -55,9 +55,10 @@ def _sized(method: str, eps: float, delta: float, n_min: int, n_max: int, d: int
     """PVEC parameters whose noise is sized for n_min contributors, valid for up to n_max (module docstring)."""
     if method == "calibrated":
         # extension beyond the paper (spec 000 sec 8): exact numerical accountant for the binomial view
-        from shuffledp.accountants.calibrated_pvec import calibrate_pvec
+        # PLD-certified where a PLD route exists, RDP otherwise (issue 16 item 2)
+        from shuffledp.accountants.pvec_pld import calibrate_pvec_pld
 
-        params = calibrate_pvec(eps, delta, n_min, d, clip, rounds=rounds)
+        params = calibrate_pvec_pld(eps, delta, n_min, d, clip, rounds=rounds)
     else:
         params = pvec.pvec_params(eps, delta, n_min, d, clip)  # proof of Thm 3.2, paper 000
     return replace(params, n=n_max)
@@ -180,7 +181,12 @@ class PvecRound(AnalyzerHooks):
         except ValueError as exc:
             raise ValueError(f"cannot size PVEC for eps={eps_r}, delta={delta_r}, n={n_min}, d={d}: {exc}") from exc
         noise_sq = d * pvec.pvec_variance_bound(params, n_min)  # E||decoded sum - sum||^2 (spec 000 sec 2)
-        return RoundPlan(asdict(params), composition, slack, noise_sq)
+        fraction = req.options.get("check_in_fraction")
+        if fraction is not None and params.method != "calibrated":
+            raise ValueError('check-in needs privacy.calibration = "calibrated"')
+        # check-in: the noise the worst case (n_min users of m trials each) holds, shared by who checks in
+        check_in = None if fraction is None else {"noise_trials": params.m * n_min, "report_fraction": fraction}
+        return RoundPlan(asdict(params), composition, slack, noise_sq, check_in=check_in)
 
     def per_user_claim(self, plan: dict[str, Any], params: PvecParams, event: Any) -> tuple[float, float]:
         """What one round costs a participating user on its own (RoundSpec.per_user_cost; clients check it).
@@ -191,7 +197,7 @@ class PvecRound(AnalyzerHooks):
         """
         if plan["kind"] == "sequential" or params.method != "calibrated":
             return self.round_cost(event)
-        from shuffledp.accountants.calibrated_pvec import pvec_round_epsilon
+        from shuffledp.accountants.pvec_pld import pvec_round_epsilon
 
         delta_claim = plan["delta"] / plan["rounds"]
         return float(pvec_round_epsilon(params, event.contributors, delta_claim)), delta_claim
@@ -275,8 +281,8 @@ class PvecRound(AnalyzerHooks):
     # Events are the ledger's PrivacyEvent (mechanism "pvec", params = PvecParams fields, contributors, schedule).
     def accountant_name(self, event: Any, composition: str) -> str:
         per_round = "pvec-calibrated" if event.params.get("method") == "calibrated" else "pvec-lemma-3.1+3.3"
-        across = {"parallel": "parallel", "rdp": "rdp-composition", "advanced": "advanced-composition"}[composition]
-        return f"{per_round}/{across}"
+        across = {"parallel": "parallel", "rdp": "pld-or-rdp-composition", "advanced": "advanced-composition"}
+        return f"{per_round}/{across[composition]}"
 
     def round_cost(self, event: Any) -> tuple[float, float]:
         """(eps, delta) of one round on its own at the params' delta, for the contributors recorded in the event.
@@ -355,7 +361,7 @@ class PvecRound(AnalyzerHooks):
         """The eps of this round's randomizer for one user, recomputed from its parameters (not the claim):
         the calibrated numerical accountant on (d, g, m, p) at n' = min_contributors, the fewest contributors the
         shuffler will release (the worst case of the shuffle amplification), and the claimed delta."""
-        from shuffledp.accountants.calibrated_pvec import pvec_round_epsilon  # H3 (issue 4 contract)
+        from shuffledp.accountants.pvec_pld import pvec_round_epsilon  # H3 (issue 4 contract); the ledger's
 
         n_release = max(int(spec.min_contributors), 1)
         return float(pvec_round_epsilon(pvec_params_from_spec(spec), n_release, float(spec.per_user_cost.delta)))

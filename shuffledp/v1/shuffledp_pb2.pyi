@@ -113,7 +113,7 @@ class PrivacyCost(_message.Message):
     def __init__(self, eps: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden")
+    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class RoundSpec(_message.Message):
     SMOOTHING_FIELD_NUMBER: _ClassVar[int]
     PARTICIPATION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    CHECK_IN_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     schedule: Schedule
@@ -152,7 +153,18 @@ class RoundSpec(_message.Message):
     smoothing: float
     participation: ParticipationLimit
     hidden: int
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ...) -> None: ...
+    check_in: CheckIn
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ...) -> None: ...
+
+class CheckIn(_message.Message):
+    __slots__ = ("noise_trials", "report_fraction", "checked_in")
+    NOISE_TRIALS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_IN_FIELD_NUMBER: _ClassVar[int]
+    noise_trials: int
+    report_fraction: float
+    checked_in: int
+    def __init__(self, noise_trials: _Optional[int] = ..., report_fraction: _Optional[float] = ..., checked_in: _Optional[int] = ...) -> None: ...
 
 class ParticipationLimit(_message.Message):
     __slots__ = ("max_per_tree", "min_separation", "rounds_per_tree")
@@ -236,7 +248,7 @@ class ContributionAck(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class BatchReport(_message.Message):
-    __slots__ = ("invited", "contributors", "rejected", "refused", "below_threshold", "refused_reasons", "not_in_run")
+    __slots__ = ("invited", "contributors", "rejected", "refused", "below_threshold", "refused_reasons", "not_in_run", "checked_in")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +270,7 @@ class BatchReport(_message.Message):
     BELOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     REFUSED_REASONS_FIELD_NUMBER: _ClassVar[int]
     NOT_IN_RUN_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_IN_FIELD_NUMBER: _ClassVar[int]
     invited: int
     contributors: int
     rejected: _containers.ScalarMap[str, int]
@@ -265,7 +278,8 @@ class BatchReport(_message.Message):
     below_threshold: bool
     refused_reasons: _containers.ScalarMap[str, int]
     not_in_run: int
-    def __init__(self, invited: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., below_threshold: _Optional[bool] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., not_in_run: _Optional[int] = ...) -> None: ...
+    checked_in: int
+    def __init__(self, invited: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., below_threshold: _Optional[bool] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., not_in_run: _Optional[int] = ..., checked_in: _Optional[int] = ...) -> None: ...
 
 class ShuffledBatch(_message.Message):
     __slots__ = ("run_id", "round", "released", "label_totals", "ciphertexts", "report")
@@ -369,7 +383,7 @@ class BudgetStatus(_message.Message):
     def __init__(self, eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., eps_reserved: _Optional[float] = ..., delta_reserved: _Optional[float] = ..., eps_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., rounds_committed: _Optional[int] = ..., honest_fraction: _Optional[float] = ..., eps_spent_robust: _Optional[float] = ..., views: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
-    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure", "excess_risk", "eps_spent_local", "not_in_run")
+    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure", "excess_risk", "eps_spent_local", "not_in_run", "checked_in")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +413,7 @@ class RoundMetrics(_message.Message):
     EXCESS_RISK_FIELD_NUMBER: _ClassVar[int]
     EPS_SPENT_LOCAL_FIELD_NUMBER: _ClassVar[int]
     NOT_IN_RUN_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_IN_FIELD_NUMBER: _ClassVar[int]
     round: int
     contributors: int
     loss: float
@@ -414,7 +429,8 @@ class RoundMetrics(_message.Message):
     excess_risk: float
     eps_spent_local: float
     not_in_run: int
-    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ..., excess_risk: _Optional[float] = ..., eps_spent_local: _Optional[float] = ..., not_in_run: _Optional[int] = ...) -> None: ...
+    checked_in: int
+    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ..., excess_risk: _Optional[float] = ..., eps_spent_local: _Optional[float] = ..., not_in_run: _Optional[int] = ..., checked_in: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "state", "rounds_done", "rounds_planned", "budget", "metrics", "message")
