@@ -438,7 +438,7 @@ def _account_pvec(items: Items, delta: float, acc: str, trust: str) -> AccountRe
             name = "pvec-exact-binomial (calibrated_pvec, pvec_pld)"
             return AccountResult(math.inf, delta, name, None, trust, details)
         route = "rdp" if worst_order is not None else "pld"
-        name = f"pvec-exact-binomial-{route} (calibrated_pvec / pvec_pld: the tighter; beyond the paper)"
+        name = f"pvec-exact-binomial-{route} (pvec_pld: PLD where one route covers every round; beyond the paper)"
         name += " + parallel composition" if n_seq > 1 else ""
         return AccountResult(worst_eps, delta, name, worst_order, trust, details)
     for s in seq:
