@@ -210,6 +210,15 @@ def run_one(analyzer: str, toml: str) -> dict:
     }
 
 
+def run_line(row: dict, width: int = 9) -> str:
+    """One run as a progress line: method, eps, learning rate, seed, accuracy, eps spent, seconds, state."""
+    return (
+        f"{row['method']:>{width}} {row['eps']:>4g} {row['lr']:>6g} {row['seed']:>4} {row['accuracy']:>8.3f} "
+        f"{row['eps_spent']:>9.4f} {row['seconds']:>6.1f}  {row['state']}"
+        + ("" if row["completed"] else f": {row['message']}")
+    )
+
+
 # ------------------------------------------------------------------------------------------------ summary
 def summarize(rows: list[dict], task: str, methods: list[str], eps_values: list[float]) -> list[dict]:
     """Per (method, eps): the learning rate with the best mean accuracy over the seeds (best of grid)."""
@@ -373,12 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                                 row = {"task": task, "method": method, "eps": eps, "lr": lr, "seed": seed}
                                 row.update(run_one(analyzer, toml))
                                 rows.append(row)
-                                print(
-                                    f"{method:>9} {eps:>4g} {lr:>6g} {seed:>4} {row['accuracy']:>8.3f} "
-                                    f"{row['eps_spent']:>9.4f} {row['seconds']:>6.1f}  {row['state']}"
-                                    + ("" if row["completed"] else f": {row['message']}"),
-                                    flush=True,
-                                )
+                                print(run_line(row), flush=True)
             finally:
                 cluster.stop()
         tables[task] = summarize(rows, task, args.methods, args.eps)

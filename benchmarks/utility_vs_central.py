@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ftrl_vs_sgd import DEPLOYMENT, POLICY, run_one  # noqa: E402 (one way to drive a run and read its ledger)
+from ftrl_vs_sgd import DEPLOYMENT, POLICY, run_line, run_one  # noqa: E402 (one way to drive and show a run)
 
 from shuffledp.config import parse_config  # noqa: E402
 from shuffledp.data import load_dataset  # noqa: E402
@@ -102,6 +102,7 @@ class Central:
             "eps_spent": eps_pld,  # dp_accounting's figure for the noise used (pessimistic PLD: a hair above eps)
             "noise_multiplier": z,
             "completed": True,
+            "state": "COMPLETED",
             "seconds": time.monotonic() - t0,
         }
 
@@ -183,16 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     central = Central()
     rows: list[dict] = []
     print(f"digits, n = {len(central.y)} users, T = {args.rounds}, delta = {DELTA}, C = {CLIP}")
-    print(f"{'method':>8} {'eps':>4} {'lr':>5} {'seed':>4} {'accuracy':>8} {'eps spent':>9} {'s':>6}  state")
+    print(f"{'method':>8} {'eps':>4} {'lr':>6} {'seed':>4} {'accuracy':>8} {'eps spent':>9} {'s':>6}  state")
 
     def show(row: dict) -> None:
         rows.append(row)
-        print(
-            f"{row['method']:>8} {row['eps']:>4g} {row['lr']:>5g} {row['seed']:>4} {row['accuracy']:>8.3f} "
-            f"{row['eps_spent']:>9.4f} {row['seconds']:>6.1f}  {row.get('state', 'COMPLETED')}"
-            + ("" if row["completed"] else f": {row.get('message', '')}"),
-            flush=True,
-        )
+        print(run_line(row, 8), flush=True)
 
     with tempfile.TemporaryDirectory(prefix="utility-vs-central-") as tmp:
         work = Path(tmp)

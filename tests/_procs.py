@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -84,15 +86,11 @@ class CheckInGhost:
     after check-in (protocols/check_in.py). Keeps every RoundSpec it was sent."""
 
     def __init__(self, shuffler: str, users: int):
-        import secrets
-        import threading
-
         self.channel = grpc.insecure_channel(shuffler)
         self.stub = pbg.ShufflerStub(self.channel)
         self.stub.RegisterUsers(pb.RegisterUsersRequest(node_id="ci-ghost", user_ids=[f"c-u{i}" for i in range(users)]))
         self.stream = self.stub.Subscribe(pb.SubscribeRequest(node_id="ci-ghost"))
         self.specs: list[pb.RoundSpec] = []
-        self._token = secrets.token_bytes
 
         def pump() -> None:
             try:
@@ -101,7 +99,7 @@ class CheckInGhost:
                     if inv.spec.check_in.noise_trials and not inv.spec.check_in.checked_in:
                         c = pb.Contribution(run_id=inv.spec.run_id, round=inv.spec.round, node_id="ci-ghost")
                         for u in inv.user_ids:
-                            c.messages.add(user_id=u, nonce=self._token(16))
+                            c.messages.add(user_id=u, nonce=secrets.token_bytes(16))
                         self.stub.Submit(c, timeout=10)
             except grpc.RpcError:
                 pass  # closed at the end of the test

@@ -65,3 +65,14 @@ def test_ftrl_vs_sgd_benchmark_runs_over_the_services(tmp_path):
     assert {r[0] for r in rows} == {"dp-ftrl", "dp-ftrlm", "dp-sgd", "pgd"}, out
     assert all(0.1 < float(acc) <= 1.0 and float(eps) <= 8.0 for _, acc, eps in rows), out
     assert (tmp_path / "ftrl_vs_sgd.json").exists() and (tmp_path / "ftrl_vs_sgd.png").exists()
+
+
+def test_utility_vs_central_benchmark_runs_over_the_services(tmp_path):
+    # issue 16 item 3, --quick: eps 8, one seed, one learning rate, 4 rounds; the shuffle run (real services, with
+    # the check-in) spends at most its eps, the central one's dp_accounting check equals it to 1e-9
+    out = _run("utility_vs_central.py", "--quick", "--out", str(tmp_path))
+    rows = dict(re.findall(r"^\s*(shuffle|central)\s+8\s+8\s+0\s+[0-9.]+\s+([0-9.]+)\s.*COMPLETED", out, re.M))
+    assert set(rows) == {"shuffle", "central"}, out
+    assert 7.9 <= float(rows["shuffle"]) <= 8.0 and abs(float(rows["central"]) - 8.0) < 1e-4, out
+    assert "shuffle - central" in out
+    assert (tmp_path / "utility.json").exists() and (tmp_path / "utility.png").exists()

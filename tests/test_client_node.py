@@ -278,3 +278,25 @@ def test_unknown_enum_values_are_refused_not_a_crash(field, value, reason):
     setattr(spec, field, value)
     con = core.handle(pb.Invitation(spec=spec, user_ids=shard.user_ids[1:4]))
     assert not con.messages and [r.reason for r in con.refusals] == [reason] * 3
+
+
+def test_check_in_invitation_is_answered_without_payload_and_charges_nothing():
+    """Check-in (protocols/check_in.py): the first invitation is answered with one payload-free message per user
+    whose policy accepts the worst case, nothing is computed or charged; the second invitation (checked_in > 0) is
+    a normal round, charged once. A user whose policy refuses the worst case refuses at check-in already."""
+    shard = make_shard(n=6)
+    policies = [NO_VERIFY] * 5 + [UserPolicy(max_eps_per_round=0.5, verify_randomizer=False)]
+    core = NodeCore("node", shard, policies, rng=make_rng(4))
+    first = make_spec(round_=3, g=16, m=8, min_contributors=5)
+    first.check_in.noise_trials, first.check_in.report_fraction = 40, 0.99
+    con = core.handle(invite(first, shard))
+    assert [m.user_id for m in con.messages] == shard.user_ids[:5]
+    assert all(m.WhichOneof("payload") is None and len(m.nonce) == 16 for m in con.messages)
+    assert [(r.user_id, r.reason) for r in con.refusals] == [(shard.user_ids[5], Refusal.ROUND_EPS)]
+    assert core.spent("u0") == (0.0, 0.0) and core.status().rounds_joined == 0
+    second = make_spec(round_=3, g=16, m=8, min_contributors=5)
+    second.CopyFrom(first)
+    second.check_in.checked_in, second.randomizer.m = 5, 8  # c = 5: c_min = 5, m = ceil(40 / 5)
+    con = core.handle(pb.Invitation(spec=second, user_ids=shard.user_ids[:5]))
+    assert len(con.messages) == 5 and all(m.WhichOneof("payload") == "counts" for m in con.messages)
+    assert core.spent("u0") == pytest.approx((1.0, 1e-6)) and core.status().rounds_joined == 1

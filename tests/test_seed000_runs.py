@@ -90,3 +90,22 @@ def test_pgd_on_a_smoothed_absolute_loss_fully_interactive(tmp_path):
     assert plan["smoothing"] == pytest.approx(beta, rel=1e-12) and plan["optimizer"]["name"] == "pgd"
     assert len(rows) == 4 and all(r["released"] and r["contributors"] == n for r in rows)
     assert np.isfinite(rows[-1]["excess_risk"]) and rows[-1]["excess_risk"] < rows[0]["excess_risk"]
+
+
+def test_eps_1_run_with_check_in_spends_at_least_99_percent_of_its_budget(tmp_path):
+    """Issue 16: the embedded digits task at eps = 1 (16 fully interactive rounds, every user reports). The check-in
+    shares the reserved noise N* = m n_min among the 1348 users who checked in, so the run spends >= 0.99 of eps;
+    each round is charged at the m it ran with. Without the check-in the same plan spends less (computed here)."""
+    from shuffledp.protocols import check_in
+
+    ledger, rows, _ = run_cli(tmp_path, "eps1", "[privacy]\neps = 1.0\ndelta = 1e-5\n" + FAST)
+    plan = check_ledger(ledger)
+    n, n_min, ci = plan["cohort"], plan["min_contributors"], plan["check_in"]
+    assert (n, n_min) == (1348, 1214) and ci["noise_trials"] == plan["params"]["m"] * n_min
+    c_min, m = check_in.share(ci["noise_trials"], ci["report_fraction"], n_min, n)
+    assert all(r["released"] and r["contributors"] == n and r["checked_in"] == n for r in rows)
+    assert {r["event"]["params"]["m"] for r in ledger["rounds"]} == {m} and m < plan["params"]["m"]
+    spent = ledger["totals"]["eps_spent"]
+    assert 0.99 <= spent <= 1.0
+    without = composed_epsilon([(PvecParams(**plan["params"]), n, 16)], plan["delta"])
+    assert without < 0.96 < spent  # the same run sized for n_min and every user reporting: 1.11x the variance
