@@ -198,6 +198,8 @@ def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
         why.append(f"{m.refused} users refused" + (f": {reasons}" if reasons else ""))
     if m.not_in_run:
         why.append(f"{m.not_in_run} users joined after the run's first round: not in this run")
+    if m.checked_in > m.contributors:  # check-in rounds: dropouts between check-in and message
+        why.append(f"{m.checked_in - m.contributors} of {m.checked_in} checked-in users did not report")
     if m.rejected:
         why.append("rejected " + ", ".join(f"{k}={v}" for k, v in sorted(m.rejected.items())))
     if not m.released:
@@ -435,6 +437,7 @@ def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
             "seconds": m.seconds,
             "refused": m.refused,
             "not_in_run": m.not_in_run,
+            "checked_in": m.checked_in,
             "rejected": dict(sorted(m.rejected.items())),
         }
         for m in result.status.metrics
