@@ -360,9 +360,12 @@ class Ledger:
         """The batch of the round is being used: record the actual contributors n' (cost recomputed with n') and,
         for a check-in round, the parameters it actually ran with (``params`` updates the reserved ones: PVEC's m,
         protocols/check_in.py)."""
-        if isinstance(contributors, bool) or not isinstance(contributors, int) or contributors < 1:
-            raise ValueError(f"contributors must be an integer >= 1, got {contributors!r}")
-        ev = replace(self.event(run_id, round_index), contributors=contributors)
+        reserved = self.event(run_id, round_index)
+        # >= 1, except for a round reserved for none (Poisson sampling: an empty batch is released and charged)
+        least = min(1, reserved.contributors)
+        if isinstance(contributors, bool) or not isinstance(contributors, int) or contributors < least:
+            raise ValueError(f"contributors must be an integer >= {least}, got {contributors!r}")
+        ev = replace(reserved, contributors=contributors)
         if params:
             unknown = set(params) - set(ev.params)
             if unknown:

@@ -193,6 +193,8 @@ def plan_run(
             T = min(T, s.rounds)  # schedule.rounds set: at most that many of them (issue 10)
     else:
         B, T = admitted, (s.rounds if s.rounds is not None else DEFAULT_ROUNDS)  # all n users for T rounds (Alg 5)
+    # Poisson sampling: each of the n admitted users with q = k/n, so a round invites anywhere from 0 to n of them
+    q = B / admitted if s.sampling == "poisson" else 0.0
     # the threshold: a subsampled round releases exactly k reports or nothing (spec 001 sec 1)
     n_min = B if s.kind == "subsampled" else max(1, math.ceil(p.min_contributors_fraction * B))
     protocol = round_protocol(p.protocol)
@@ -217,7 +219,7 @@ def plan_run(
     try:
         sized = protocol.plan(request)
         T = sized.rounds or T
-        n_min = sized.min_contributors or n_min
+        n_min = sized.min_contributors if sized.min_contributors is not None else n_min
         if s.phases > T:
             raise PlanError(f"schedule.phases = {s.phases} needs at least {s.phases} rounds; the plan has {T}")
         hyper = optimizers.hyperparameters(
@@ -241,7 +243,8 @@ def plan_run(
         "protocol": protocol.name,
         "kind": s.kind,
         "admitted": admitted,
-        "cohort": B,
+        "cohort": admitted if q else B,  # the most users a round invites
+        "sampling_rate": q,
         "rounds": T,
         "min_contributors": n_min,
         "eps": p.eps,
@@ -275,6 +278,7 @@ def _protocol_options(cfg: RunConfig) -> dict[str, Any]:
     left out."""
     p = cfg.privacy
     out: dict[str, Any] = {
+        "sampling": cfg.schedule.sampling,
         "check_in_fraction": p.report_fraction if check_in_enabled(p) else None,
         "max_participations": p.max_participations,
         "min_separation": p.min_separation,
@@ -345,7 +349,9 @@ def round_spec(
         task=plan["task"],
         num_classes=plan["num_classes"] if plan["task"] in ("logreg", "mlp") else 0,
         hidden=plan.get("hidden", 0),
-        cohort_size=plan["cohort"] if plan["kind"] != "fully_interactive" else 0,
+        # fully interactive: every user; Poisson: as many as the shuffler's draw (RoundSpec.sampling_rate)
+        cohort_size=plan["cohort"] if plan["kind"] != "fully_interactive" and not plan.get("sampling_rate") else 0,
+        sampling_rate=plan.get("sampling_rate", 0.0),
         min_contributors=plan["min_contributors"],
         deadline_seconds=plan["deadline"],
         local_batch=1,

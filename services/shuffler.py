@@ -162,6 +162,7 @@ def _request(spec: pb.RoundSpec) -> RoundRequest:
         limits=_limits(spec.participation) if spec.HasField("participation") else None,
         check_in_trials=spec.check_in.noise_trials,
         check_in_fraction=spec.check_in.report_fraction,
+        sampling_rate=spec.sampling_rate,
         relay=spec,
         second_relay=lambda c, c_min, m: _second_spec(spec, c, c_min, m),
     )
@@ -312,10 +313,12 @@ def start_shuffler(
     server_credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     clock: Callable[[], float] = time.monotonic,
+    rng: np.random.Generator | None = None,
 ) -> tuple[grpc.Server, int]:
-    """The shuffler entry point (issue 4 contract): participation record in SQLite at state_path if given."""
+    """The shuffler entry point (issue 4 contract): participation record in SQLite at state_path if given; rng
+    (cohorts, Poisson draws, permutations) defaults to a fresh CSPRNG (a seeded one exists only in testing mode)."""
     store = SqliteParticipationStore(state_path) if state_path is not None else None
-    state = ShufflerState(store, clock=clock)
+    state = ShufflerState(store, clock=clock, rng=rng)
     server, port = serve_shuffler(state, listen, server_credentials, interceptors)
     server.shuffler_state = state  # for in-process inspection (tests, benchmarks); not on the wire
     log.info("shuffler listening on port %d (participation record: %s)", port, state_path or "memory")

@@ -175,6 +175,7 @@ class RoundRequest:
     limits: TreeLimits | None = None  # DP-FTRL's per-tree participation limits, or None
     check_in_trials: int = 0  # RoundSpec.check_in.noise_trials: > 0 runs the check-in (protocols/check_in.py)
     check_in_fraction: float = 0.0  # RoundSpec.check_in.report_fraction
+    sampling_rate: float = 0.0  # RoundSpec.sampling_rate: > 0 = Poisson sampling (SUBSAMPLED, cohort_size 0)
     relay: Any = None
     second_relay: Callable[[int, int, int], Any] | None = None  # check-in: (c, c_min, m) -> the second spec
 
@@ -651,6 +652,17 @@ class ShufflerState:
             raise ValueError(f"deadline_seconds must lie in (0, {self._max_deadline}], got {req.deadline_seconds}")
         if req.min_contributors < 0:
             raise ValueError(f"min_contributors must be >= 0, got {req.min_contributors}")
+        if not (math.isfinite(req.sampling_rate) and 0.0 <= req.sampling_rate <= 1.0):
+            raise ValueError(f"sampling_rate must lie in [0, 1], got {req.sampling_rate}")
+        if req.sampling_rate > 0.0:
+            # Poisson sampling (the sampled Gaussian's assumption): the draw decides the cohort, nothing else does
+            if req.schedule != Schedule.SUBSAMPLED:
+                raise ValueError(f"sampling_rate applies to SUBSAMPLED rounds, not {req.schedule.name}")
+            if req.cohort_size != 0 or req.limits is not None or req.check_in_trials:
+                raise ValueError(
+                    "a Poisson-sampled round (sampling_rate > 0) takes no cohort_size, participation limits or "
+                    f"check-in, got cohort_size={req.cohort_size}"
+                )
         if req.limits is not None:
             if req.schedule != Schedule.SUBSAMPLED:
                 raise ValueError(f"participation limits apply to SUBSAMPLED rounds, not {req.schedule.name}")
@@ -738,6 +750,10 @@ class ShufflerState:
                     + ("" if fixed is None else " of the run's population")
                 )
             return _Selection(invited, [], eligible if fixed is None else [], len(eligible) - len(invited))
+        if req.sampling_rate > 0.0:
+            # each eligible user independently with probability q (CSPRNG): the cohort may be empty
+            take = self._rng.random(len(eligible)) < req.sampling_rate
+            return _Selection([eligible[i] for i in np.flatnonzero(take)], [], [], 0)
         if k < 1:
             raise ValueError(f"cohort_size must be >= 1 for {req.schedule.name}, got {k}")
         limited = ""
@@ -864,7 +880,9 @@ class ShufflerState:
     def _finish(self, rnd: _OpenRound, released_ok: bool, invited: int) -> BatchResult:
         """Threshold, then strip everything but totals / permuted ciphertexts. Caller holds the lock."""
         req = rnd.req
-        threshold = max(1, req.min_contributors)  # never release an empty batch
+        # never release an empty batch, except a Poisson round asking for none: its accountant charges every round,
+        # an empty one included, and the analyzer adds its noise to the zero sum
+        threshold = req.min_contributors if req.sampling_rate > 0.0 else max(1, req.min_contributors)
         below = rnd.contributors < threshold
         released = released_ok and not below
         totals = None

@@ -111,7 +111,10 @@ optimizer = "auto"          # "auto" (sequential: psgd, fully interactive: pgd, 
 # phases = 3                # strongly convex restarts (Thm 4.8; needs model.l2 > 0, sequential): phase i starts at
                             # phase i-1's output with its own cohorts; unset (0) = one phase
 # cohort_size = 100         # sequential: users per round; unset (0) = Thm 4.1's B = sqrt(d) ln(d/delta) / eps;
-                            # subsampled: k (required)
+                            # subsampled: k (required; with sampling = "poisson" the expected k, q = k / n)
+sampling = "fixed"          # subsampled: "fixed" (a uniform k of the n users) or "poisson" (each user independently
+                            # with q = k / n, as the sampled Gaussian's accountant assumes; privacy.protocol
+                            # "gaussian", add-or-remove-one neighbours; a round may have no user and is charged)
 # rounds = 16               # fully interactive: T (unset: 16); sequential: at most T (unset: floor(unused users / B));
                             # subsampled: T (unset: as many as fit (eps, delta) at privacy.eps0)
 # lr_steps = [50, 80]       # sgd: rounds after which the learning rate is multiplied by lr_step_factor; unset = none
@@ -173,6 +176,7 @@ _OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl")  # shuffledp.optimi
 _AUTO_OPTIMIZER = {"sequential": "psgd", "fully_interactive": "pgd", "subsampled": "sgd"}
 _MODES = ("counts", "bits", "sealed")
 _OUTPUTS = ("mean", "last")
+_SAMPLINGS = ("fixed", "poisson")
 DEFAULT_ROUNDS = 16  # fully interactive T when schedule.rounds is unset (the embedded default's tuned schedule)
 
 
@@ -249,6 +253,7 @@ class ScheduleConfig:
     lr_steps: tuple[int, ...] = ()  # sgd: rounds after which the learning rate is multiplied by lr_step_factor
     lr_step_factor: float = 0.1
     momentum: float = 0.0  # ftrl: gamma of DP-FTRLM (0 = DP-FTRL; the paper's experiments use 0.9)
+    sampling: str = "fixed"  # subsampled: "fixed" (uniform k of n) or "poisson" (each user with q = k/n)
 
 
 @dataclass(frozen=True)
@@ -520,6 +525,7 @@ def _schedule(t: dict[str, Any]) -> ScheduleConfig:
         learning_rate=lr,
         output=_choice("schedule.output", t.get("output", s.output), _OUTPUTS),
         momentum=_float("schedule.momentum", t.get("momentum", s.momentum), 0.0, 1.0, hi_open=True),
+        sampling=_choice("schedule.sampling", t.get("sampling", s.sampling), _SAMPLINGS),
     )
 
 
@@ -618,6 +624,12 @@ def _check_central(cfg: RunConfig, optimizer: str) -> None:
         )
     if s.momentum and optimizer != "ftrl":
         raise ConfigError(f'schedule.momentum applies to schedule.optimizer = "ftrl"; it resolves to "{optimizer}"')
+    if s.sampling == "poisson" and p.protocol != "gaussian":
+        # the one accountant here that assumes Poisson sampling is the sampled Gaussian's (dp_accounting)
+        raise ConfigError(
+            f'schedule.sampling = "poisson" applies to privacy.protocol = "gaussian" (central DP-SGD), got '
+            f'"{p.protocol}"'
+        )
     if p.protocol not in _CENTRAL_PROTOCOLS:
         return
     if s.kind != "subsampled":

@@ -240,6 +240,9 @@ task = "{task}"
         ("tree", "eps0 = 1.0", "", "logreg", "privacy.eps0"),
         ("tree", "", "", "mlp", None),
         ("tree", "", 'optimizer = "acsa"', "mlp", 'needs schedule.kind = "sequential"'),
+        ("gaussian", "", 'sampling = "poisson"', "logreg", None),
+        ("tree", "", 'sampling = "poisson"', "logreg", 'sampling = "poisson" applies to privacy.protocol = "gaussian"'),
+        ("gaussian", "", 'sampling = "bernoulli"', "logreg", "schedule.sampling"),
     ],
 )
 def test_central_protocol_keys_are_checked_together(protocol, privacy, schedule, task, message):

@@ -14,6 +14,18 @@ Kasiviswanathan 2019 (Thm 27; SampledWithoutReplacementDpEvent). Replacing one u
 most 2C, so the Gaussian's noise multiplier in that accountant is z C / (2 C) = z / 2. Rounds compose in RDP; the
 conversion to (eps, delta) is dp_accounting's. (Replace-one is the stronger relation: DP-FTRL's tree accountant uses
 zero-out, spec 003 A2, so at equal eps this baseline is held to a stricter guarantee; reports name both.)
+
+schedule.sampling = "poisson" (issue 14 item 5): the shuffler invites each eligible user independently with
+q = k/n from its CSPRNG (RoundSpec.sampling_rate) and releases whatever arrives, an empty batch included; the
+analyzer adds N(0, (z C)^2 I) to the sum and divides by the expected k = q n whatever the batch's size. This is the
+sampled Gaussian mechanism as Abadi et al. 2016 and dp_accounting define it: add-or-remove-one neighbours
+(sensitivity C, noise multiplier z), PoissonSampledDpEvent(q, GaussianDpEvent(z)) per round, every round charged.
+The ledger's figure is ledger_accounting.account of the GaussianRound events, i.e. exactly `shuffledp account
+gaussian --sigma zC --sensitivity C --sampling-rate q` (the smaller of dp_accounting's pessimistic PLD and RDP);
+z is calibrated on the RDP bound alone (a bisection of PLD builds would take seconds per step), so the ledger
+charges at most the budget and usually less. A dropout lowers a user's inclusion probability below q, which only
+lowers the sampled Gaussian's privacy loss. The count of a round's contributors is seen by the analyzer (trusted
+here) and is in its per-round metrics: the accountant covers the released model, not those operator metrics.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from shuffledp.protocols.base import PlanRequest, RoundPlan
 from shuffledp.protocols.central import CentralRound
 from shuffledp.v1 import shuffledp_pb2 as pb
 
-__all__ = ["GaussianRound", "wor_epsilon"]
+__all__ = ["GaussianRound", "wor_epsilon", "poisson_epsilon"]
 
 _NOISE_FIELD = "noise_multiplier"
 
@@ -45,6 +57,32 @@ def wor_epsilon(noise_multiplier: float, n: int, k: int, rounds: int, delta: flo
     inner = dp_event.GaussianDpEvent(noise_multiplier / 2.0)  # sensitivity 2C under replace-one
     acc.compose(dp_event.SampledWithoutReplacementDpEvent(n, k, inner), rounds)
     return float(acc.get_epsilon(delta))
+
+
+@lru_cache(maxsize=4096)
+def poisson_epsilon(noise_multiplier: float, q: float, rounds: int, delta: float, accountant: str = "tight") -> float:
+    """eps of `rounds` Poisson-sampled rounds (rate q) of the Gaussian (std z C) on the sum of C-clipped vectors,
+    add-or-remove-one (module docstring): what `shuffledp account gaussian --sampling-rate q` reports ("tight": the
+    smaller of PLD and RDP; "paper": dp_accounting's RDP alone, what the calibration uses)."""
+    from shuffledp.accountants import ledger_accounting
+    from shuffledp.events import GaussianRound as GaussianEvent
+
+    if rounds == 0:
+        return 0.0
+    event = GaussianEvent(noise_multiplier, 1.0, "central", "poisson", q)  # sigma = z C, sensitivity C, C = 1
+    return float(ledger_accounting.account([(event, rounds)], delta, accountant).eps)
+
+
+def _poisson(params: dict[str, Any]) -> bool:
+    return params.get("sampling") == "poisson"  # plans from before issue 14 have no key: a fixed k of n
+
+
+def _epsilon(params: dict[str, Any], rounds: int, delta: float) -> float:
+    """The run's accountant for its sampling (module docstring)."""
+    z = float(params[_NOISE_FIELD])
+    if _poisson(params):
+        return poisson_epsilon(z, float(params["q"]), rounds, delta)
+    return wor_epsilon(z, int(params["n"]), int(params["k"]), rounds, delta)
 
 
 class GaussianRound(CentralRound):
@@ -63,8 +101,12 @@ class GaussianRound(CentralRound):
             raise ValueError('privacy.protocol = "gaussian" needs schedule.rounds')
         T, n, k = int(req.rounds), int(req.admitted), int(req.cohort)
         z = req.options.get(_NOISE_FIELD)
+        poisson = req.options.get("sampling") == "poisson"
+        q = k / n  # Poisson: the expected cohort is k
 
         def fits(x: float) -> bool:
+            if poisson:  # RDP alone (fast); the ledger's min(PLD, RDP) is never larger
+                return poisson_epsilon(x, q, T, req.delta, "paper") <= req.eps
             return wor_epsilon(x, n, k, T, req.delta) <= req.eps
 
         if z is None:
@@ -77,19 +119,25 @@ class GaussianRound(CentralRound):
             while fits(bad) and bad > 1e-6:
                 bad /= 4.0
             z = composition.bisect_boundary(fits, good, bad, rel_tol=1e-9, geometric=True)
-        elif not fits(z):
-            raise ValueError(
-                f"privacy.noise_multiplier = {z} spends eps = {wor_epsilon(z, n, k, T, req.delta):.4g} over {T} "
-                f"rounds, above privacy.eps = {req.eps}; raise it or leave it unset"
-            )
         params = {"d": req.dim, "clip": req.clip_norm, "k": k, "n": n, "delta": req.delta, _NOISE_FIELD: float(z)}
+        if poisson:
+            params.update(sampling="poisson", q=q)
+        spent = _epsilon(params, T, req.delta)  # the ledger's figure
+        if spent > req.eps:
+            raise ValueError(
+                f"privacy.noise_multiplier = {z} spends eps = {spent:.4g} over {T} rounds, above privacy.eps = "
+                f"{req.eps}; raise it or leave it unset"
+            )
         noise_sq = req.dim * (float(z) * req.clip_norm) ** 2
-        return RoundPlan(params, "rdp", 0.0, noise_sq, rounds=T, min_contributors=k)
+        # Poisson: whatever arrives is released, none included (the accountant charges every round)
+        return RoundPlan(params, "rdp", 0.0, noise_sq, rounds=T, min_contributors=0 if poisson else k)
 
     def spec_fields(self, plan: dict[str, Any], params: dict[str, Any], event: Any, key: bytes) -> dict[str, Any]:
         eps_r, delta_r = self.round_cost(event)
         extra = {_NOISE_FIELD: params[_NOISE_FIELD], "n": float(params["n"]), "k": float(params["k"])}
         extra["delta"] = float(params["delta"])
+        if _poisson(params):
+            extra["q"] = float(params["q"])  # what RoundSpec.sampling_rate must say (verify_epsilon)
         return {
             **self._sealed_fields(params, key, extra),
             "per_user_cost": pb.PrivacyCost(
@@ -110,22 +158,23 @@ class GaussianRound(CentralRound):
     ) -> tuple[np.ndarray, float, None]:
         std = float(params[_NOISE_FIELD]) * float(params["clip"])
         total = np.asarray(total, dtype=np.float64)
+        # divided by k, fixed (Poisson: the expected cohort), never by the batch's size, which the noise does not hide
         return total + std * rng.standard_normal(total.shape), float(params["k"]), None
 
     # ------------------------------------------------------------------------------------ ledger arithmetic
     def accountant_name(self, event: Any, composition: str) -> str:
+        if _poisson(event.params):
+            return "sampled-gaussian-poisson (add-or-remove-one, dp_accounting min(PLD, RDP); central trust)"
         return "sampled-gaussian-wor-rdp (replace-one, Wang-Balle-Kasiviswanathan 2019; central trust)"
 
     def round_cost(self, event: Any) -> tuple[float, float]:
         p = event.params
-        return wor_epsilon(float(p[_NOISE_FIELD]), int(p["n"]), int(p["k"]), 1, float(p["delta"])), float(p["delta"])
+        return _epsilon(p, 1, float(p["delta"])), float(p["delta"])
 
     def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]:
-        """The charged rounds composed in RDP (all of one run share z, n, k); the analyzer adds the noise, so no
+        """The charged rounds composed (all of one run share z, n, k, q); the analyzer adds the noise, so no
         contributor's honesty enters."""
-        p = events[0].params
-        eps = wor_epsilon(float(p[_NOISE_FIELD]), int(p["n"]), int(p["k"]), len(events), limit.delta)
-        return eps, limit.delta
+        return _epsilon(events[0].params, len(events), limit.delta), limit.delta
 
     def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]:
         return {}
@@ -136,4 +185,9 @@ class GaussianRound(CentralRound):
         n, k = int(x.get("n", 0)), int(x.get("k", 0))
         if not (1 <= k <= n and x.get(_NOISE_FIELD, 0.0) > 0.0 and 0.0 < x.get("delta", 0.0) < 1.0):
             raise ValueError("the spec lacks a valid noise multiplier, n, k or delta")
+        q = spec.sampling_rate  # what the shuffler will do decides the accountant, not the extra's claim
+        if q > 0.0:
+            if not (q <= 1.0 and x.get("q") == q):
+                raise ValueError(f"the spec's sampling_rate {q} is not a probability or disagrees with its q")
+            return poisson_epsilon(float(x[_NOISE_FIELD]), q, 1, float(x["delta"]))
         return wor_epsilon(float(x[_NOISE_FIELD]), n, k, 1, float(x["delta"]))

@@ -113,7 +113,7 @@ class PrivacyCost(_message.Message):
     def __init__(self, eps: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in")
+    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in", "sampling_rate")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class RoundSpec(_message.Message):
     PARTICIPATION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     CHECK_IN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_RATE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     schedule: Schedule
@@ -154,7 +155,8 @@ class RoundSpec(_message.Message):
     participation: ParticipationLimit
     hidden: int
     check_in: CheckIn
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ...) -> None: ...
+    sampling_rate: float
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ..., sampling_rate: _Optional[float] = ...) -> None: ...
 
 class CheckIn(_message.Message):
     __slots__ = ("noise_trials", "report_fraction", "checked_in")
