@@ -20,10 +20,11 @@ import logging
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -33,7 +34,7 @@ from shuffledp.clients.spend_store import MemorySpendStore, SpendStore, SqliteSp
 
 from shuffledp import grpc_options, tls
 from shuffledp.health import start_with_health
-from shuffledp.models import DEFAULT_HIDDEN, make_model
+from shuffledp.models import DEFAULT_HIDDEN, Model, make_model
 from shuffledp.protocols.registry import ROUND_PROTOCOLS, round_protocol
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -111,23 +112,43 @@ class NodeCore:
         self._lock = threading.Lock()
         self.rounds_joined = 0
         self.refusals: Counter = Counter()
+        self._protocol_state: dict[str, Any] = {}  # per run: a stateful client estimator's state (mu2_round)
 
     # ----- gradients -------------------------------------------------------------------------------------------
-    def _gradients(self, spec: pb.RoundSpec, idx: np.ndarray) -> np.ndarray:
-        """Mean loss gradient of each user's local batch at the broadcast iterate, shape (len(idx), dim)."""
-        X, y = self.shard.X[idx], self.shard.y[idx]
-        n, k, f = X.shape
-        # the loss the analyzer asks for: its l2 term (strongly convex task) and Moreau smoothing (spec 000 sec 4)
+    def _model(self, spec: pb.RoundSpec, params: np.ndarray) -> Model:
+        """The loss the analyzer asks for (its l2 term, Moreau smoothing: spec 000 sec 4), checked against the
+        broadcast parameters' size."""
+        f = self.shard.X.shape[2]
         model = make_model(
             spec.task, f, spec.num_classes, l2=spec.l2, smoothing=spec.smoothing, hidden=spec.hidden or DEFAULT_HIDDEN
         )
-        params = tensor_to_array(spec.model).ravel()
         if params.shape != (model.dim,) or spec.randomizer.dim != model.dim:
             raise ValueError(
                 f"model of {params.size} values / randomizer.dim={spec.randomizer.dim} do not match "
                 f"task {spec.task!r} with {f} features, {spec.num_classes} classes and {model.hidden} hidden "
                 f"(dim {model.dim})"
             )
+        return model
+
+    def example_gradients(self, spec: pb.RoundSpec, idx: np.ndarray, theta: np.ndarray, examples: np.ndarray):
+        """Gradient at theta of example examples[j] of user idx[j], shape (len(idx), dim) (a stream's next example,
+        protocols/mu2_round.py)."""
+        params = np.asarray(theta, dtype=np.float64).ravel()
+        model = self._model(spec, params)
+        return model.per_example_gradients(params, self.shard.X[idx, examples], self.shard.y[idx, examples])
+
+    def protocol_state(self, run_id: str, make: Callable[[int], Any]) -> Any:
+        """The run's client-estimator state over this node's users (made by make(number of users) at first use)."""
+        if run_id not in self._protocol_state:
+            self._protocol_state[run_id] = make(len(self.shard.user_ids))
+        return self._protocol_state[run_id]
+
+    def batch_gradients(self, spec: pb.RoundSpec, idx: np.ndarray) -> np.ndarray:
+        """Mean loss gradient of each user's local batch at the broadcast iterate, shape (len(idx), dim)."""
+        X, y = self.shard.X[idx], self.shard.y[idx]
+        n, k, f = X.shape
+        params = tensor_to_array(spec.model).ravel()
+        model = self._model(spec, params)
         b = min(max(int(spec.local_batch), 1), k)
         if b < k:
             # each user draws its own b of its k examples (independent random keys per user, vectorized)
@@ -184,7 +205,7 @@ class NodeCore:
         """Append one UserMessage per user of idx to out.messages (in idx order), by the round's protocol plug-in."""
         ids = [self.shard.user_ids[i] for i in idx]
         protocol = round_protocol(spec.randomizer.protocol)
-        protocol.randomize(spec, self._gradients(spec, idx), ids, _nonces(len(ids)), self._rng, out)
+        protocol.randomize(spec, protocol.local_vectors(spec, self, idx), ids, _nonces(len(ids)), self._rng, out)
 
     def status(self) -> pb.NodeStatus:
         with self._lock:

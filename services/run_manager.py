@@ -168,7 +168,7 @@ def plan_run(
     smoothing = _smoothing(cfg, model, s.kind, admitted if s.kind != "sequential" else unused, d, delta)
     model = replace(model, smoothing=smoothing) if smoothing else model
     if feature_bound == "load":
-        feature_bound = load_dataset(cfg.data, cfg.model.task).feature_norm_bound if name == "acsa" else None
+        feature_bound = load_dataset(cfg.data, cfg.model.task).feature_norm_bound if name in ("acsa", "mu2") else None
     smoothness = _smoothness(cfg, model, name, feature_bound)
     sequential = s.kind == "sequential"
     if s.kind == "subsampled":
@@ -306,12 +306,16 @@ def _smoothing(cfg: RunConfig, model: Model, kind: str, n: int, d: int, delta: f
 
 
 def _smoothness(cfg: RunConfig, model: Model, name: str, bound: float | None) -> float:
-    """beta of the loss the optimizer descends (AC-SA's step rule needs it): model.smoothness when set, else from
-    the data set's public domain bound on ||x|| (models.Model.smoothness)."""
-    if name != "acsa":
+    """beta of the loss the optimizer descends (AC-SA's step rule needs it; DP-mu2's caps its step at 1/(4 L T)
+    with it, and goes without the cap when it is unknown): model.smoothness when set, else from the data set's
+    public domain bound on ||x|| (models.Model.smoothness)."""
+    if name not in ("acsa", "mu2"):
         return 0.0
     if cfg.model.smoothness:
         return cfg.model.smoothness
+    if name == "mu2":
+        beta = model.smoothness(bound) if bound is not None and model.smoothing == 0 else math.inf
+        return float(beta) if math.isfinite(beta) else 0.0
     if bound is None and model.smoothing == 0:
         raise PlanError(
             'schedule.optimizer = "acsa" needs the smoothness of the loss: data.dataset = "path" has no public bound '

@@ -82,7 +82,11 @@ protocol = "pvec"           # "pvec" (multi-message sum, seed 000) or an eps0-LD
                             # "r_inf" (l_inf clip), "r_one" (l_1), "privunit" (l_2), "rr" (one-number tasks);
                             # central trust (the analyzer sees clipped vectors and adds the noise; "subsampled",
                             # "sealed"): "tree" (DP-FTRL, seed 003) or "gaussian" (central DP-SGD, its baseline);
-                            # "pan_gaussian" (pan-private AC-SA, seed 000 App C; sequential, "sealed")
+                            # "pan_gaussian" (pan-private AC-SA, seed 000 App C; sequential, "sealed");
+                            # "mu2_untrusted" / "mu2_trusted" (DP-mu2-FL, seed 002: M machines = the users, each
+                            # with a stream of data.examples_per_user >= schedule.rounds examples, all in every
+                            # round; Gaussian noise added by each machine / by the analyzer; fully interactive,
+                            # "sealed", optimizer "mu2")
 # eps0 = 1.0                # LDP protocols: local eps of each report; unset = the largest for which schedule.rounds
                             # fit (eps, delta)
 calibration = "calibrated"  # "calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)
@@ -164,15 +168,18 @@ _PROTOCOLS = (
     "tree",
     "gaussian",
     "pan_gaussian",
+    "mu2_untrusted",
+    "mu2_trusted",
 )  # protocols.registry.ROUND_PROTOCOLS
 _LDP_PROTOCOLS = ("r_inf", "r_one", "privunit", "rr")
 _CENTRAL_PROTOCOLS = ("tree", "gaussian")  # over the subsampled schedule
 _PAN_PROTOCOLS = ("pan_gaussian",)  # central trust, sequential, pan-private (paper 000 App C, Alg 6)
+_MU2_PROTOCOLS = ("mu2_untrusted", "mu2_trusted")  # DP-mu2-FL (seed 002); optimizers.registry.MU2_PROTOCOLS
 _TREE_KEYS = ("max_participations", "min_separation", "rounds_per_tree", "completion", "tree_estimator")
 _ESTIMATORS = ("efficient", "vanilla")
 _CALIBRATIONS = ("calibrated", "paper")
 _KINDS = ("sequential", "fully_interactive", "subsampled")
-_OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl")  # shuffledp.optimizers.registry.OPTIMIZERS
+_OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl", "mu2")  # shuffledp.optimizers.registry.OPTIMIZERS
 _AUTO_OPTIMIZER = {"sequential": "psgd", "fully_interactive": "pgd", "subsampled": "sgd"}
 _MODES = ("counts", "bits", "sealed")
 _OUTPUTS = ("mean", "last")
@@ -614,8 +621,11 @@ def _check_central(cfg: RunConfig, optimizer: str) -> None:
     tree_keys = [k for k in _TREE_KEYS if getattr(p, k) != getattr(defaults, k)]
     if tree_keys and p.protocol != "tree":
         raise ConfigError(f'privacy.{tree_keys[0]} applies to privacy.protocol = "tree", got "{p.protocol}"')
-    if p.noise_multiplier is not None and p.protocol not in _CENTRAL_PROTOCOLS:
-        raise ConfigError(f'privacy.noise_multiplier applies to "tree" and "gaussian", got "{p.protocol}"')
+    if p.noise_multiplier is not None and p.protocol not in (*_CENTRAL_PROTOCOLS, *_MU2_PROTOCOLS):
+        raise ConfigError(
+            f'privacy.noise_multiplier applies to "tree", "gaussian", "mu2_untrusted" and "mu2_trusted", got '
+            f'"{p.protocol}"'
+        )
     # the tree's residuals feed FTRL, or SGD (post-processing of the same prefix sums; spec 003 sec 1, B.3)
     if (optimizer == "ftrl" and p.protocol != "tree") or (p.protocol == "tree" and optimizer not in ("ftrl", "sgd")):
         raise ConfigError(
@@ -667,6 +677,29 @@ def _check_pan(cfg: RunConfig, optimizer: str) -> None:
         )
 
 
+def _check_mu2(cfg: RunConfig) -> None:
+    """privacy.protocol = "mu2_untrusted" / "mu2_trusted": DP-mu2-FL (seed 002)."""
+    p, s = cfg.privacy, cfg.schedule
+    if s.kind != "fully_interactive":
+        raise ConfigError(
+            f'privacy.protocol = "{p.protocol}" needs schedule.kind = "fully_interactive" (every machine in every '
+            f'round), got "{s.kind}"'
+        )
+    if cfg.transport.mode != "sealed":
+        raise ConfigError(
+            f'privacy.protocol = "{p.protocol}" seals one vector per machine: set transport.mode = "sealed"'
+        )
+    if s.rounds is None:
+        raise ConfigError(f'privacy.protocol = "{p.protocol}" needs schedule.rounds (T, one example per machine each)')
+    if cfg.data.examples_per_user < s.rounds:
+        raise ConfigError(
+            f"DP-mu2-FL uses one fresh example per machine per round: data.examples_per_user = "
+            f"{cfg.data.examples_per_user} must be >= schedule.rounds = {s.rounds}"
+        )
+    if p.eps0 is not None:
+        raise ConfigError(f'privacy.eps0 applies to LDP protocols; privacy.protocol = "{p.protocol}" has none')
+
+
 def check_in_enabled(p: PrivacyConfig) -> bool:
     """Whether rounds run the check-in (privacy.check_in; unset: for pvec with calibration "calibrated")."""
     return p.check_in if p.check_in is not None else (p.protocol == "pvec" and p.calibration == "calibrated")
@@ -690,8 +723,17 @@ def _check_combinations(cfg: RunConfig) -> None:
     optimizer = s.optimizer if s.optimizer != "auto" else _AUTO_OPTIMIZER[s.kind]
     if s.optimizer == "auto" and p.protocol == "tree":
         optimizer = "ftrl"  # tree aggregation's prefix sums are what FTRL consumes (spec 003 sec 2)
+    if s.optimizer == "auto" and p.protocol in _MU2_PROTOCOLS:
+        optimizer = "mu2"
     _check_central(cfg, optimizer)
-    if p.protocol in _PAN_PROTOCOLS:
+    if (optimizer == "mu2") != (p.protocol in _MU2_PROTOCOLS):
+        raise ConfigError(
+            'schedule.optimizer = "mu2" and privacy.protocol = "mu2_untrusted" / "mu2_trusted" go together (DP-mu2-FL, '
+            f'seed 002): got optimizer "{optimizer}" with protocol "{p.protocol}"'
+        )
+    if p.protocol in _MU2_PROTOCOLS:
+        _check_mu2(cfg)
+    elif p.protocol in _PAN_PROTOCOLS:
         _check_pan(cfg, optimizer)
     elif p.protocol in _LDP_PROTOCOLS:
         if s.kind != "subsampled":

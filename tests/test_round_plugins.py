@@ -50,10 +50,23 @@ def test_the_round_loop_names_no_protocol_transport_or_optimizer():
 
 def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
     with pytest.raises(
-        LookupError, match="unknown round protocol 'gauss'; known: gaussian, pan_gaussian, privunit, pvec"
+        LookupError,
+        match="unknown round protocol 'gauss'; known: gaussian, mu2_trusted, mu2_untrusted, pan_gaussian, privunit, "
+        "pvec",
     ):
         round_protocol("gauss")
-    assert set(ROUND_PROTOCOLS) == {"pvec", "r_inf", "r_one", "privunit", "rr", "tree", "gaussian", "pan_gaussian"}
+    assert set(ROUND_PROTOCOLS) == {
+        "pvec",
+        "r_inf",
+        "r_one",
+        "privunit",
+        "rr",
+        "tree",
+        "gaussian",
+        "pan_gaussian",
+        "mu2_untrusted",
+        "mu2_trusted",
+    }
     rng = make_rng(3)
     shard = UserShard(["a", "b"], rng.normal(size=(2, 1, F)), rng.normal(size=(2, 1)))
     node = NodeCore("n", shard, UserPolicy(verify_randomizer=False), rng=make_rng(4))
@@ -73,7 +86,7 @@ def test_node_differentiates_the_loss_the_spec_asks_for(task, kw):
     node = NodeCore("n", UserShard([f"u{i}" for i in range(6)], X, y), UserPolicy(verify_randomizer=False))
     spec = _spec(task, **kw)
     theta = np.frombuffer(spec.model.f64)
-    got = node._gradients(spec, np.arange(6))
+    got = node.batch_gradients(spec, np.arange(6))
     want = make_model(task, F, 1, **kw).per_example_gradients(theta, X[:, 0], y[:, 0])
     plain = make_model(task, F, 1).per_example_gradients(theta, X[:, 0], y[:, 0])
     np.testing.assert_array_equal(got, want)

@@ -17,9 +17,18 @@ from typing import Any
 
 from shuffledp.optimizers.base import Optimizer
 
-__all__ = ["OPTIMIZERS", "resolve", "cohort_size", "hyperparameters", "make_optimizer", "SEQUENTIAL_ONLY"]
+__all__ = [
+    "OPTIMIZERS",
+    "MU2_PROTOCOLS",
+    "resolve",
+    "cohort_size",
+    "hyperparameters",
+    "make_optimizer",
+    "SEQUENTIAL_ONLY",
+]
 
-OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl")  # schedule.optimizer
+OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl", "mu2")  # schedule.optimizer
+MU2_PROTOCOLS = ("mu2_untrusted", "mu2_trusted")  # DP-mu2-FL's two trust models (seed 002): optimizer "mu2"
 SEQUENTIAL_ONLY = ("psgd", "acsa")
 
 
@@ -28,9 +37,12 @@ _AUTO = {"sequential": "psgd", "fully_interactive": "pgd", "subsampled": "sgd"}
 
 def resolve(name: str, kind: str, protocol: str = "") -> str:
     """schedule.optimizer "auto": PSGD when sequential, PGD when fully interactive (paper 000's pairing), SGD with a
-    step-change learning rate when subsampled (CLDP-SGD, paper 001), FTRL over tree aggregation (DP-FTRL, 003)."""
+    step-change learning rate when subsampled (CLDP-SGD, paper 001), FTRL over tree aggregation (DP-FTRL, 003),
+    DP-mu2-FL's AnyTime update over its machines' messages (002)."""
     if name != "auto":
         return name
+    if protocol in MU2_PROTOCOLS:
+        return "mu2"
     return "ftrl" if protocol == "tree" else _AUTO[kind]
 
 
@@ -85,6 +97,13 @@ def hyperparameters(
 
         sigma = acsa.acsa_sigma(lipschitz, n_min, noise_sq)  # sigma^2 = L^2/B + noise/B^2 (spec 000 sec 4)
         out.update(sigma=sigma, smoothness=smoothness, diameters=_diameters(per_phase, sigma, diameter, smoothness, l2))
+        return out
+    if name == "mu2":
+        from shuffledp.optimizers import mu2
+
+        # noise_sq: E||noise of the averaged message||^2 (the protocol's sizing); Thm 5.2 / 6.2's step
+        lr = learning_rate or mu2.theory_learning_rate(diameter, rounds, noise_sq, smoothness)
+        out.update(learning_rates=[lr], learning_rate=lr, smoothness=smoothness)
         return out
     from shuffledp.optimizers.psgd import theory_learning_rate
 
@@ -141,6 +160,10 @@ def _one_phase(name: str, hyper: dict[str, Any], i: int) -> Optimizer:
         from shuffledp.optimizers.ftrl import ftrl
 
         return ftrl(1.0 / float(hyper["learning_rates"][i]), float(hyper["momentum"]), radius)
+    if name == "mu2":
+        from shuffledp.optimizers.mu2 import mu2
+
+        return mu2(float(hyper["learning_rates"][i]), radius)
     if name == "sgd":
         from shuffledp.optimizers.sgd import sgd
 

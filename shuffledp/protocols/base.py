@@ -137,8 +137,9 @@ class RoundProtocol(Protocol):
     def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]: ...
     def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]: ...
 
-    # ---- client node: the randomizer and what a round costs its users, recomputed from the spec
+    # ---- client node: the users' vectors, the randomizer and what a round costs its users, recomputed from the spec
     def supports(self, spec: pb.RoundSpec) -> bool: ...
+    def local_vectors(self, spec: pb.RoundSpec, node: Any, idx: np.ndarray) -> np.ndarray: ...
     def randomize(
         self,
         spec: pb.RoundSpec,
@@ -155,7 +156,12 @@ class RoundProtocol(Protocol):
 class AnalyzerHooks:
     """Defaults of the analyzer-side hooks, right for a protocol whose users randomize their own messages (shuffle
     and local trust): events carry the plan's parameters, the analyzer adds nothing, keeps no noise state, and takes
-    the mean over the users it decoded. Central protocols override add_noise (and the state, if they keep one)."""
+    the mean over the users it decoded. Central protocols override add_noise (and the state, if they keep one).
+    On the client, the vector a user randomizes is its local batch's gradient at the broadcast model (a stateful
+    estimator, DP-mu2's, overrides local_vectors)."""
+
+    def local_vectors(self, spec: pb.RoundSpec, node: Any, idx: np.ndarray) -> np.ndarray:
+        return node.batch_gradients(spec, idx)
 
     def event_params(self, plan: dict[str, Any], round_index: int) -> dict[str, Any]:
         return plan["params"]

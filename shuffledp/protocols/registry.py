@@ -8,6 +8,7 @@ from __future__ import annotations
 from shuffledp.protocols.base import RoundProtocol
 from shuffledp.protocols.gaussian_round import GaussianRound
 from shuffledp.protocols.ldp_round import LDP_PROTOCOLS, LdpRound
+from shuffledp.protocols.mu2_round import Mu2Round
 from shuffledp.protocols.pan_round import PanRound
 from shuffledp.protocols.pvec_round import PvecRound
 from shuffledp.protocols.tree_round import TreeRound
@@ -15,7 +16,16 @@ from shuffledp.protocols.tree_round import TreeRound
 __all__ = ["round_protocol", "ROUND_PROTOCOLS"]
 
 ROUND_PROTOCOLS: dict[str, RoundProtocol] = {
-    p.name: p for p in (PvecRound(), *map(LdpRound, LDP_PROTOCOLS), TreeRound(), GaussianRound(), PanRound())
+    p.name: p
+    for p in (
+        PvecRound(),
+        *map(LdpRound, LDP_PROTOCOLS),
+        TreeRound(),
+        GaussianRound(),
+        PanRound(),
+        Mu2Round(trusted=False),
+        Mu2Round(trusted=True),
+    )
 }
 
 
