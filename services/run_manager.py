@@ -168,7 +168,8 @@ def plan_run(
     smoothing = _smoothing(cfg, model, s.kind, admitted if s.kind != "sequential" else unused, d, delta)
     model = replace(model, smoothing=smoothing) if smoothing else model
     if feature_bound == "load":
-        feature_bound = load_dataset(cfg.data, cfg.model.task).feature_norm_bound if name in ("acsa", "mu2") else None
+        needs = name in ("acsa", "mu2", "pnsgd")
+        feature_bound = load_dataset(cfg.data, cfg.model.task).feature_norm_bound if needs else None
     smoothness = _smoothness(cfg, model, name, feature_bound)
     sequential = s.kind == "sequential"
     if s.kind == "subsampled":
@@ -214,7 +215,17 @@ def plan_run(
         eps0=p.eps0,
         rounds_requested=s.rounds,
         min_contributors_fraction=p.min_contributors_fraction,
-        options=_protocol_options(cfg),
+        # PNSGD runs the pass itself: it needs the loss, its public domain and the step size
+        options={
+            **_protocol_options(cfg),
+            "task": model.task,
+            "num_features": model.num_features,
+            "num_classes": model.num_classes,
+            "l2": cfg.model.l2,
+            "radius": cfg.model.radius,
+            "feature_bound": feature_bound,
+            "learning_rate": s.learning_rate,
+        },
     )
     try:
         sized = protocol.plan(request)
@@ -257,6 +268,7 @@ def plan_run(
         "advanced_slack": sized.advanced_slack,
         "params": sized.params,
         "check_in": sized.check_in,
+        "hidden_iterates": sized.hidden_iterates,
         "optimizer": hyper,
         "learning_rate": hyper.get("learning_rate"),
         "radius": cfg.model.radius,
@@ -285,6 +297,7 @@ def _protocol_options(cfg: RunConfig) -> dict[str, Any]:
         "rounds_per_tree": p.rounds_per_tree,
         "completion": p.completion,
         "efficient": p.tree_estimator == "efficient",
+        "randomly_stopped": p.randomly_stopped,
     }
     if p.noise_multiplier is not None:
         out["noise_multiplier"] = p.noise_multiplier
@@ -564,9 +577,12 @@ class RunManager:
             message=run["message"],
             config_toml=run["config_toml"],
         )
+        hidden = bool(plan.get("hidden_iterates"))
+        if with_result and hidden and run["state"] in ("CREATED", "RUNNING"):
+            raise RunStateError(f"run {run_id} releases only its last iterate: its result exists once it COMPLETED")
         if with_result:
             ck = self.ledger.last_checkpoint(run_id)
-            if ck is not None and plan:  # a plan is stored before the first checkpoint
+            if ck is not None and plan and (run["state"] == "COMPLETED" or not hidden):
                 opt = _optimizer(plan)
                 view.model = opt.release(_decode_state(ck[1], opt.state_from_arrays), plan.get("output", "mean"))
                 model, X, y, _, optimum_loss = self._evaluation_data(parse_config(run["config_toml"]))
@@ -695,7 +711,11 @@ class RunManager:
         self.ledger.set_state(run_id, "RUNNING", "")
         failures = 0
         r = self.ledger.next_round(run_id)
-        while r < plan["rounds"]:
+        # a protocol that releases only its last iterate runs its rounds until that many were applied: one not
+        # released, or lost to a crash before its checkpoint, is run again (and a lost one charged again)
+        redo = bool(plan.get("hidden_iterates"))
+        applied = sum(1 for m in self.ledger.metrics(run_id) if m.get("round", -1) >= 0 and m.get("released"))
+        while (applied if redo else r) < plan["rounds"]:
             # no round is reserved while the shuffler cannot be reached: an outage costs no budget (issue 10 item 7)
             need = plan["cohort"] if plan["kind"] != "sequential" else 0  # fully interactive: every user
             if live.cancel.is_set() or not self._await_shuffler(run_id, live, need):
@@ -712,6 +732,7 @@ class RunManager:
             t0 = self._clock()
             outcome, state = self._round(run_id, r, rd, state, event, live)
             failures = 0 if outcome == "ok" else failures + 1
+            applied += outcome == "ok"
             if outcome == "exhausted":
                 self.ledger.set_state(run_id, "COMPLETED", f"stopped after round {r}: no fresh cohort left")
                 return
@@ -851,7 +872,13 @@ class RunManager:
         report: pb.BatchReport | None = None,
         failure: str = "",
     ) -> None:
-        m = self._evaluate(rd.cfg, rd.opt, state.opt, r)
+        if rd.plan.get("hidden_iterates"):  # data-independent status only (spec 004 sec 5)
+            m: dict[str, Any] = {
+                "round": r,
+                **{f"{k}_{w}": math.nan for k in ("loss", "accuracy") for w in ("mean", "last")},
+            }
+        else:
+            m = self._evaluate(rd.cfg, rd.opt, state.opt, r)
         totals = self.ledger.totals(run_id)
         m.update(
             released=released,

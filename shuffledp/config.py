@@ -86,7 +86,9 @@ protocol = "pvec"           # "pvec" (multi-message sum, seed 000) or an eps0-LD
                             # "mu2_untrusted" / "mu2_trusted" (DP-mu2-FL, seed 002: M machines = the users, each
                             # with a stream of data.examples_per_user >= schedule.rounds examples, all in every
                             # round; Gaussian noise added by each machine / by the analyzer; fully interactive,
-                            # "sealed", optimizer "mu2")
+                            # "sealed", optimizer "mu2"); "pnsgd" (shuffled projected noisy SGD, seed 004: each
+                            # user seals its one record, the analyzer runs one noisy pass in a secret order and
+                            # releases only the last iterate; fully interactive, rounds = 1, "sealed", logreg)
 # eps0 = 1.0                # LDP protocols: local eps of each report; unset = the largest for which schedule.rounds
                             # fit (eps, delta)
 calibration = "calibrated"  # "calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)
@@ -104,6 +106,7 @@ min_separation = 0          # "tree": rounds strictly between two of a user's ro
 rounds_per_tree = 0         # "tree": rounds per tree, a fresh tree after each (restarts); 0 = one tree
 completion = false          # "tree": pad each finished tree to a power of two (single-root noise at a restart)
 tree_estimator = "efficient"  # "tree": "efficient" (Honaker, less variance, same privacy) or "vanilla"
+randomly_stopped = false    # "pnsgd": stop the pass at a secret T ~ Unif{1..n}, release w_T (seed 004 sec 3.3)
 
 [schedule]
 kind = "fully_interactive"  # "sequential" (PSGD, disjoint cohorts), "fully_interactive" (PGD, all users) or
@@ -170,6 +173,7 @@ _PROTOCOLS = (
     "pan_gaussian",
     "mu2_untrusted",
     "mu2_trusted",
+    "pnsgd",
 )  # protocols.registry.ROUND_PROTOCOLS
 _LDP_PROTOCOLS = ("r_inf", "r_one", "privunit", "rr")
 _CENTRAL_PROTOCOLS = ("tree", "gaussian")  # over the subsampled schedule
@@ -179,7 +183,7 @@ _TREE_KEYS = ("max_participations", "min_separation", "rounds_per_tree", "comple
 _ESTIMATORS = ("efficient", "vanilla")
 _CALIBRATIONS = ("calibrated", "paper")
 _KINDS = ("sequential", "fully_interactive", "subsampled")
-_OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl", "mu2")  # shuffledp.optimizers.registry.OPTIMIZERS
+_OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl", "mu2", "pnsgd")  # shuffledp.optimizers.registry.OPTIMIZERS
 _AUTO_OPTIMIZER = {"sequential": "psgd", "fully_interactive": "pgd", "subsampled": "sgd"}
 _MODES = ("counts", "bits", "sealed")
 _OUTPUTS = ("mean", "last")
@@ -245,6 +249,7 @@ class PrivacyConfig:
     rounds_per_tree: int = 0
     completion: bool = False
     tree_estimator: str = "efficient"
+    randomly_stopped: bool = False  # "pnsgd": stop the pass at a secret T ~ Unif{1..n} (spec 004 sec 3.3)
 
 
 @dataclass(frozen=True)
@@ -479,6 +484,7 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
         rounds_per_tree=_int("privacy.rounds_per_tree", t.get("rounds_per_tree", p.rounds_per_tree), 0, 100_000),
         completion=_bool("privacy.completion", t.get("completion", p.completion)),
         tree_estimator=_choice("privacy.tree_estimator", t.get("tree_estimator", p.tree_estimator), _ESTIMATORS),
+        randomly_stopped=_bool("privacy.randomly_stopped", t.get("randomly_stopped", p.randomly_stopped)),
     )
 
 
@@ -621,9 +627,9 @@ def _check_central(cfg: RunConfig, optimizer: str) -> None:
     tree_keys = [k for k in _TREE_KEYS if getattr(p, k) != getattr(defaults, k)]
     if tree_keys and p.protocol != "tree":
         raise ConfigError(f'privacy.{tree_keys[0]} applies to privacy.protocol = "tree", got "{p.protocol}"')
-    if p.noise_multiplier is not None and p.protocol not in (*_CENTRAL_PROTOCOLS, *_MU2_PROTOCOLS):
+    if p.noise_multiplier is not None and p.protocol not in (*_CENTRAL_PROTOCOLS, *_MU2_PROTOCOLS, "pnsgd"):
         raise ConfigError(
-            f'privacy.noise_multiplier applies to "tree", "gaussian", "mu2_untrusted" and "mu2_trusted", got '
+            f'privacy.noise_multiplier applies to "tree", "gaussian", "mu2_untrusted", "mu2_trusted" and "pnsgd", got '
             f'"{p.protocol}"'
         )
     # the tree's residuals feed FTRL, or SGD (post-processing of the same prefix sums; spec 003 sec 1, B.3)
@@ -700,6 +706,29 @@ def _check_mu2(cfg: RunConfig) -> None:
         raise ConfigError(f'privacy.eps0 applies to LDP protocols; privacy.protocol = "{p.protocol}" has none')
 
 
+def _check_pnsgd(cfg: RunConfig) -> None:
+    """privacy.protocol = "pnsgd": shuffled PNSGD (seed 004), one pass over one record per user."""
+    p, s = cfg.privacy, cfg.schedule
+    if s.kind != "fully_interactive" or s.rounds != 1:
+        raise ConfigError(
+            'privacy.protocol = "pnsgd" is one pass over every user\'s record: schedule.kind = "fully_interactive" '
+            f'with schedule.rounds = 1, got "{s.kind}" with rounds = {s.rounds}'
+        )
+    if cfg.transport.mode != "sealed":
+        raise ConfigError('privacy.protocol = "pnsgd" seals each record to the analyzer: set transport.mode = "sealed"')
+    if cfg.model.task != "logreg":
+        raise ConfigError(
+            f'privacy.protocol = "pnsgd" runs model.task = "logreg" (its L and beta), got "{cfg.model.task}"'
+        )
+    if cfg.data.examples_per_user != 1:
+        raise ConfigError(
+            f'privacy.protocol = "pnsgd": one record per user, got data.examples_per_user = '
+            f"{cfg.data.examples_per_user}"
+        )
+    if p.eps0 is not None:
+        raise ConfigError('privacy.eps0 applies to LDP protocols; privacy.protocol = "pnsgd" has none')
+
+
 def check_in_enabled(p: PrivacyConfig) -> bool:
     """Whether rounds run the check-in (privacy.check_in; unset: for pvec with calibration "calibrated")."""
     return p.check_in if p.check_in is not None else (p.protocol == "pvec" and p.calibration == "calibrated")
@@ -725,6 +754,15 @@ def _check_combinations(cfg: RunConfig) -> None:
         optimizer = "ftrl"  # tree aggregation's prefix sums are what FTRL consumes (spec 003 sec 2)
     if s.optimizer == "auto" and p.protocol in _MU2_PROTOCOLS:
         optimizer = "mu2"
+    if s.optimizer == "auto" and p.protocol == "pnsgd":
+        optimizer = "pnsgd"
+    if (optimizer == "pnsgd") != (p.protocol == "pnsgd"):
+        raise ConfigError(
+            f'schedule.optimizer = "pnsgd" and privacy.protocol = "pnsgd" go together (seed 004): got optimizer '
+            f'"{optimizer}" with protocol "{p.protocol}"'
+        )
+    if p.randomly_stopped and p.protocol != "pnsgd":
+        raise ConfigError(f'privacy.randomly_stopped applies to privacy.protocol = "pnsgd", got "{p.protocol}"')
     _check_central(cfg, optimizer)
     if (optimizer == "mu2") != (p.protocol in _MU2_PROTOCOLS):
         raise ConfigError(
@@ -733,6 +771,8 @@ def _check_combinations(cfg: RunConfig) -> None:
         )
     if p.protocol in _MU2_PROTOCOLS:
         _check_mu2(cfg)
+    elif p.protocol == "pnsgd":
+        _check_pnsgd(cfg)
     elif p.protocol in _PAN_PROTOCOLS:
         _check_pan(cfg, optimizer)
     elif p.protocol in _LDP_PROTOCOLS:

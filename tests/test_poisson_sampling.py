@@ -75,8 +75,17 @@ def test_a_round_with_nobody_sampled_is_released_empty():
     res = state.execute_round(_request(0, 1e-9))  # P(anyone) = 2e-9
     assert res.invited == 0 and res.released and res.contributors == 0 and not res.below_threshold
     # a fixed-cohort round with nobody answering releases nothing (never an empty batch there)
-    fixed = RoundRequest("run", 1, Schedule.SUBSAMPLED, Transport.SEALED, message_bytes=16, analyzer_public_key=KEY,
-                         cohort_size=1, min_contributors=0, deadline_seconds=1e-4)  # fmt: skip
+    fixed = RoundRequest(
+        "run",
+        1,
+        Schedule.SUBSAMPLED,
+        Transport.SEALED,
+        message_bytes=16,
+        analyzer_public_key=KEY,
+        cohort_size=1,
+        min_contributors=0,
+        deadline_seconds=1e-4,
+    )
     assert not state.execute_round(fixed).released
 
 

@@ -51,8 +51,8 @@ def test_the_round_loop_names_no_protocol_transport_or_optimizer():
 def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
     with pytest.raises(
         LookupError,
-        match="unknown round protocol 'gauss'; known: gaussian, mu2_trusted, mu2_untrusted, pan_gaussian, privunit, "
-        "pvec",
+        match="unknown round protocol 'gauss'; known: gaussian, mu2_trusted, mu2_untrusted, pan_gaussian, pnsgd, "
+        "privunit, pvec",
     ):
         round_protocol("gauss")
     assert set(ROUND_PROTOCOLS) == {
@@ -66,6 +66,7 @@ def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
         "pan_gaussian",
         "mu2_untrusted",
         "mu2_trusted",
+        "pnsgd",
     }
     rng = make_rng(3)
     shard = UserShard(["a", "b"], rng.normal(size=(2, 1, F)), rng.normal(size=(2, 1)))

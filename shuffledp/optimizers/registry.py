@@ -27,7 +27,7 @@ __all__ = [
     "SEQUENTIAL_ONLY",
 ]
 
-OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl", "mu2")  # schedule.optimizer
+OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl", "mu2", "pnsgd")  # schedule.optimizer
 MU2_PROTOCOLS = ("mu2_untrusted", "mu2_trusted")  # DP-mu2-FL's two trust models (seed 002): optimizer "mu2"
 SEQUENTIAL_ONLY = ("psgd", "acsa")
 
@@ -43,6 +43,8 @@ def resolve(name: str, kind: str, protocol: str = "") -> str:
         return name
     if protocol in MU2_PROTOCOLS:
         return "mu2"
+    if protocol == "pnsgd":
+        return "pnsgd"  # the pass is the protocol's; the optimizer adopts its last iterate (seed 004)
     return "ftrl" if protocol == "tree" else _AUTO[kind]
 
 
@@ -98,6 +100,8 @@ def hyperparameters(
         sigma = acsa.acsa_sigma(lipschitz, n_min, noise_sq)  # sigma^2 = L^2/B + noise/B^2 (spec 000 sec 4)
         out.update(sigma=sigma, smoothness=smoothness, diameters=_diameters(per_phase, sigma, diameter, smoothness, l2))
         return out
+    if name == "pnsgd":
+        return out  # the step size is the protocol's (it runs the pass)
     if name == "mu2":
         from shuffledp.optimizers import mu2
 
@@ -160,6 +164,10 @@ def _one_phase(name: str, hyper: dict[str, Any], i: int) -> Optimizer:
         from shuffledp.optimizers.ftrl import ftrl
 
         return ftrl(1.0 / float(hyper["learning_rates"][i]), float(hyper["momentum"]), radius)
+    if name == "pnsgd":
+        from shuffledp.optimizers.pnsgd import pnsgd
+
+        return pnsgd()
     if name == "mu2":
         from shuffledp.optimizers.mu2 import mu2
 

@@ -80,6 +80,9 @@ class RoundPlan:
     min_contributors: int | None = None  # the release threshold when the protocol sets it (None: the schedule's)
     # RoundSpec.check_in's noise_trials and report_fraction when the rounds run the check-in (protocols/check_in.py)
     check_in: dict[str, Any] | None = None
+    # the protocol releases only its last iterate (PNSGD): no per-round evaluation, the model only once the run
+    # COMPLETED, and a round whose update no checkpoint holds is run again (services/run_manager.py)
+    hidden_iterates: bool = False
 
 
 class Decoded(NamedTuple):

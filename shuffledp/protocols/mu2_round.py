@@ -100,8 +100,10 @@ class Mu2Round(CentralRound):
     # --------------------------------------------------------------------------------- analyzer: sizing
     def plan(self, req: PlanRequest) -> RoundPlan:
         if req.kind != "fully_interactive":
-            raise ValueError(f'privacy.protocol = "{self.name}" needs schedule.kind = "fully_interactive" (every '
-                             f'machine every round, spec 002 sec 7), got "{req.kind}"')  # fmt: skip
+            raise ValueError(
+                f'privacy.protocol = "{self.name}" needs schedule.kind = "fully_interactive" (every '
+                f'machine every round, spec 002 sec 7), got "{req.kind}"'
+            )
         T, M, S = int(req.rounds), int(req.cohort), float(req.clip_norm)
         sens = gaussian.sensitivity(S, M, self.trusted)  # 2S or 2S/M (spec 002 sec 4)
         z = req.options.get("noise_multiplier")

@@ -10,6 +10,7 @@ from shuffledp.protocols.gaussian_round import GaussianRound
 from shuffledp.protocols.ldp_round import LDP_PROTOCOLS, LdpRound
 from shuffledp.protocols.mu2_round import Mu2Round
 from shuffledp.protocols.pan_round import PanRound
+from shuffledp.protocols.pnsgd_round import PnsgdRound
 from shuffledp.protocols.pvec_round import PvecRound
 from shuffledp.protocols.tree_round import TreeRound
 
@@ -25,6 +26,7 @@ ROUND_PROTOCOLS: dict[str, RoundProtocol] = {
         PanRound(),
         Mu2Round(trusted=False),
         Mu2Round(trusted=True),
+        PnsgdRound(),
     )
 }
 

@@ -1,0 +1,298 @@
+"""Shuffled projected noisy SGD with hidden iterates as a plug-in (seed 004, Sordello, Bu, Dong, Su; spec 004
+sections 2, 3.2, 3.3 and 5): one pass over the users' records, and only the last iterate is ever released.
+
+Client: each user holds one record (x, y) of the public domain ||x|| <= B (B = the data set's public feature bound,
+RandomizerSpec.clip_norm) with a label of the task; it seals [x, y] (f + 1 float64) to the analyzer. A record
+outside the domain is refused by its user (reason "record_outside_public_domain", logged with the user id): it
+cannot be clipped without changing the data, and the loss constants L, beta hold only inside the domain.
+
+Shuffler: collects the batch (threshold n_min of the n users), permutes it with its CSPRNG and forwards it.
+
+Analyzer: opens the records; one that does not open, has the wrong length, a non-finite value, a norm above B or a
+label outside the task's is counted by reason and becomes a null step (noise only: the gradient of a constant loss,
+which is 0-Lipschitz and smooth, so Thm 2's assumptions still hold and the pass keeps its n steps). It draws its own
+uniform permutation from its CSPRNG (the certificate does not rest on the shuffler's claim that it permuted), then
+from w_0 = 0 runs
+
+    w <- Pi_K(w - eta (grad l(w, x_pi(j)) + Z)),  Z ~ N(0, sigma^2 I),  j = 1..n       (spec 004 sec 2)
+
+over K = the l2 ball of model.radius (D_K = 2 radius), and releases w_n; with privacy.randomly_stopped it stops at a
+secret T ~ Unif{1..n} and releases w_T (sec 3.3: at the worst index its exact bound equals Thm 2's). The iterates,
+the permutation and T live in local variables of one call: no log line, metric, checkpoint, RPC or error message
+holds them, per-round metrics carry no loss (NaN), and GetRunResult gives the model only once the run COMPLETED.
+A pass lost to an analyzer crash is run again from the records collected anew, and charged again (RoundPlan.
+hidden_iterates: the run manager repeats a round whose update no checkpoint holds).
+
+Privacy (Thm 2): delta_shuf(eps) = A (1 - B^n)/(n (1 - B)), A = theta(2L/sigma), B = theta(M D_K/(eta sigma)),
+L = the loss's Lipschitz bound over the domain (models.Model.lipschitz_bound), M = sqrt(1 - 2 eta beta rho/(beta +
+rho)) with beta the smoothness bound and rho = model.l2; eta <= 2/(beta + rho) is enforced. sigma is the least with
+delta_shuf <= delta at eps for n_min records (or privacy.noise_multiplier * L); the ledger charges each pass at the
+records it ran, exactly `shuffledp account pnsgd --n n --lipschitz L --sigma sigma --eta eta --diameter D_K
+--contraction M`. Trust: central (the analyzer sees the records); the guarantee holds against whoever sees the
+released model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from shuffledp import sealing
+from shuffledp.accountants import pnsgd
+from shuffledp.models import make_model, project_l2_ball
+from shuffledp.protocols.base import (
+    MALFORMED_PLAINTEXT,
+    UNDECRYPTABLE,
+    BatchError,
+    Decoded,
+    PlanRequest,
+    RoundPlan,
+    open_each,
+)
+from shuffledp.protocols.central import WIRE_DTYPE, CentralRound, message_bytes
+from shuffledp.v1 import shuffledp_pb2 as pb
+
+__all__ = ["PnsgdRound", "pnsgd_epsilon", "OUTSIDE_DOMAIN", "TEST_ITERATE_HOOK"]
+
+log = logging.getLogger(__name__)
+
+OUTSIDE_DOMAIN = "record_outside_public_domain"
+_SLACK = 1e-12  # a record on the boundary, rounded to float64
+# Test-only: called with (step, iterate, permutation) during the pass when set (tests/test_pnsgd.py checks that none
+# of them escapes). None in every real process.
+TEST_ITERATE_HOOK: Callable[[int, np.ndarray, np.ndarray], None] | None = None
+
+
+def pnsgd_epsilon(params: dict[str, Any], n: int, delta: float) -> float:
+    """eps of one pass over n records: ledger_accounting.account of the PnsgdRun event (Thm 2)."""
+    from shuffledp.accountants import ledger_accounting
+    from shuffledp.events import PnsgdRun
+
+    ev = PnsgdRun("gaussian", n, params["lipschitz"], params["sigma"], params["eta"], params["diameter"], params["m"])
+    return float(ledger_accounting.account([ev], delta).eps)
+
+
+class PnsgdRound(CentralRound):
+    """Shuffled PNSGD (module docstring)."""
+
+    name = "pnsgd"
+
+    # --------------------------------------------------------------------------------- analyzer: sizing
+    def plan(self, req: PlanRequest) -> RoundPlan:
+        o = req.options
+        if req.kind != "fully_interactive" or req.rounds != 1:
+            raise ValueError(
+                'privacy.protocol = "pnsgd" is one pass over the records: schedule.kind = '
+                f'"fully_interactive" with rounds = 1, got "{req.kind}" with {req.rounds}'
+            )
+        bound = o.get("feature_bound")
+        if bound is None:
+            raise ValueError(
+                'privacy.protocol = "pnsgd" needs the public bound on ||x||: data.dataset = "path" has none'
+            )
+        model = make_model(o["task"], o["num_features"], o["num_classes"], l2=o["l2"])
+        L, beta, rho = model.lipschitz_bound(bound, o["radius"]), model.smoothness(bound), float(o["l2"])
+        if not (math.isfinite(L) and math.isfinite(beta)):
+            raise ValueError(f'privacy.protocol = "pnsgd" needs a Lipschitz, smooth loss: model.task = "{o["task"]}"')
+        eta = o.get("learning_rate") or 1.0 / beta  # within the contraction condition eta <= 2/(beta + rho)
+        if eta > 2.0 / (beta + rho):
+            raise ValueError(
+                f"schedule.learning_rate = {eta} exceeds 2/(beta + rho) = {2.0 / (beta + rho):.6g} "
+                f"(beta = {beta:.6g}, rho = {rho}): the step would not contract (spec 004 sec 1)"
+            )
+        params = {
+            "d": model.dim,  # the model's dimension; the records are f + 1 values
+            "record": model.num_features + 1,
+            "lipschitz": L,
+            "eta": eta,
+            "diameter": 2.0 * float(o["radius"]),
+            "m": pnsgd.contraction_factor(eta, beta, rho),
+            "feature_bound": float(bound),
+            "radius": float(o["radius"]),
+            "task": o["task"],
+            "num_features": model.num_features,
+            "num_classes": model.num_classes,
+            "l2": rho,
+            "delta": req.delta,
+            "randomly_stopped": bool(o.get("randomly_stopped")),
+        }
+        n = req.min_contributors  # the fewest records a released batch holds: delta_shuf decreases in n
+        z = o.get("noise_multiplier")
+        if z is None:
+            p = params
+            params["sigma"] = pnsgd.calibrate_scale("gaussian", req.delta, req.eps, n, L, eta, p["diameter"], p["m"])
+        else:
+            params["sigma"] = float(z) * L
+        spent = pnsgd_epsilon(params, n, req.delta)
+        if spent > req.eps:
+            raise ValueError(
+                f"privacy.noise_multiplier = {z} spends eps = {spent:.4g} on {n} records, above "
+                f"privacy.eps = {req.eps}; raise it or leave it unset"
+            )
+        noise_sq = model.dim * params["sigma"] ** 2
+        return RoundPlan(params, "parallel", 0.0, noise_sq, rounds=1, hidden_iterates=True)
+
+    def spec_fields(self, plan: dict[str, Any], params: dict[str, Any], event: Any, key: bytes) -> dict[str, Any]:
+        eps_r, delta_r = self.round_cost(event)
+        fields = self._sealed_fields(
+            {"d": params["record"], "clip": params["feature_bound"]},
+            key,
+            {k: float(params[k]) for k in ("lipschitz", "sigma", "eta", "diameter", "m", "delta", "num_classes")},
+        )
+        fields["per_user_cost"] = pb.PrivacyCost(
+            eps=eps_r, delta=delta_r, accountant=self.accountant_name(event, "parallel"), trust_model=self.trust_model
+        )
+        return fields
+
+    # ----------------------------------------------------------------------------- analyzer: the records
+    def decode(
+        self,
+        batch: pb.ShuffledBatch,
+        n: int,
+        plan: dict[str, Any],
+        params: dict[str, Any],
+        private_key: Any,
+        info: bytes,
+    ) -> Decoded:
+        """The records as an (n, f + 1) array, in the delivered order; a rejected one is a row of NaN (a null step).
+        Decoded.total carries the records here: the pass (add_noise) turns them into the released model."""
+        if len(batch.ciphertexts) != n:
+            raise BatchError(n, f"{len(batch.ciphertexts)} ciphertexts do not match {n} contributors (one per user)")
+        k = int(params["record"])
+        R = np.full((n, k), np.nan)
+        rejected: Counter[str] = Counter()
+        info_ok = 0
+        for i, c in enumerate(batch.ciphertexts):
+            opened, bad = open_each(private_key, [c], info)
+            if bad:
+                rejected[UNDECRYPTABLE] += 1
+                continue
+            if len(opened[0]) != message_bytes(k):
+                rejected[MALFORMED_PLAINTEXT] += 1
+                continue
+            row = np.frombuffer(opened[0], dtype=WIRE_DTYPE).astype(np.float64)
+            why = _record_problem(row, params)
+            if why:
+                rejected[why] += 1
+                continue
+            R[i], info_ok = row, info_ok + 1
+        return Decoded(R, info_ok, n, dict(Counter(dict(batch.report.rejected)) + rejected))
+
+    def add_noise(
+        self,
+        total: np.ndarray,
+        round_index: int,
+        plan: dict[str, Any],
+        params: dict[str, Any],
+        state: None,
+        rng: np.random.Generator,
+        used: int,
+    ) -> tuple[np.ndarray, float, None]:
+        """The noisy pass (module docstring): returns the released iterate (divisor 1); nothing else leaves."""
+        R = np.asarray(total, dtype=np.float64)
+        n, f = R.shape[0], int(params["num_features"])
+        model = make_model(params["task"], f, int(params["num_classes"]), l2=float(params["l2"]))
+        eta, sigma, radius = float(params["eta"]), float(params["sigma"]), float(params["radius"])
+        order = rng.permutation(n)
+        steps = int(rng.integers(1, n + 1)) if params.get("randomly_stopped") else n
+        w = np.zeros(model.dim)
+        for j in range(steps):
+            rec = R[order[j]]
+            g = np.zeros(model.dim) if np.isnan(rec[0]) else model.per_example_gradients(w, rec[None, :f], rec[f:])[0]
+            w = project_l2_ball(w - eta * (g + sigma * rng.standard_normal(model.dim)), radius)
+            if TEST_ITERATE_HOOK is not None:
+                TEST_ITERATE_HOOK(j, w, order)
+        return w, 1.0, None
+
+    # ------------------------------------------------------------------------------------ ledger arithmetic
+    def accountant_name(self, event: Any, composition: str) -> str:
+        rs = ", randomly stopped" if event.params.get("randomly_stopped") else ""
+        return f"pnsgd-shuffled (seed 004 Thm 2{rs}; central trust, last iterate only)"
+
+    def round_cost(self, event: Any) -> tuple[float, float]:
+        return pnsgd_epsilon(event.params, max(int(event.contributors), 1), event.params["delta"]), event.params[
+            "delta"
+        ]
+
+    def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]:
+        """Each pass at the records it ran; several passes (a pass redone after a crash) by the accountant's
+        composition of PnsgdRun events (spec 004 sec 3.6)."""
+        from shuffledp.accountants import ledger_accounting
+        from shuffledp.events import PnsgdRun
+
+        evs = [
+            PnsgdRun(
+                "gaussian",
+                max(int(e.contributors), 1),
+                *(e.params[k] for k in ("lipschitz", "sigma", "eta")),
+                e.params["diameter"],
+                e.params["m"],
+            )
+            for e in events
+        ]
+        return float(ledger_accounting.account(evs, limit.delta).eps), limit.delta
+
+    def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]:
+        return {}
+
+    # -------------------------------------------------------------------------------------------- client
+    def verify_epsilon(self, spec: pb.RoundSpec) -> float:
+        """The pass's eps from the spec's constants at n = min_contributors, the fewest records it runs on."""
+        x = dict(spec.randomizer.extra)
+        keys = ("lipschitz", "sigma", "eta", "diameter", "m", "delta")
+        if not all(x.get(k, 0.0) > 0 and math.isfinite(x[k]) for k in keys) or spec.min_contributors < 1:
+            raise ValueError("the spec lacks valid PNSGD constants")
+        return pnsgd_epsilon(x, int(spec.min_contributors), x["delta"])
+
+    def local_vectors(self, spec: pb.RoundSpec, node: Any, idx: np.ndarray) -> np.ndarray:
+        """Each user's record [x, y] (its first example)."""
+        X, y = node.shard.X[idx, 0], node.shard.y[idx, 0]
+        return np.concatenate([np.asarray(X, dtype=np.float64), np.asarray(y, dtype=np.float64)[:, None]], axis=1)
+
+    def randomize(
+        self,
+        spec: pb.RoundSpec,
+        G: np.ndarray,
+        user_ids: Sequence[str],
+        nonces: Sequence[bytes],
+        rng: np.random.Generator,
+        out: pb.Contribution,
+    ) -> None:
+        """Seal each record of the public domain; a user whose record lies outside refuses (module docstring)."""
+        R = np.asarray(G, dtype=np.float64)
+        if R.shape[1] != spec.randomizer.dim:
+            raise ValueError(f"records of {R.shape[1]} values, the spec asks for {spec.randomizer.dim}")
+        params = {"feature_bound": spec.randomizer.clip_norm, "num_classes": spec.randomizer.extra["num_classes"]}
+        info = sealing.round_info(spec.run_id, spec.round)
+        raw = R.astype(WIRE_DTYPE)
+        for u, nonce, row, wire in zip(user_ids, nonces, R, raw, strict=True):
+            if _record_problem(row, params):
+                log.error(
+                    "user %s refuses run %s: its record lies outside the public domain (||x|| <= %g, a label "
+                    "of the task, finite values)",
+                    u,
+                    spec.run_id,
+                    params["feature_bound"],
+                )
+                out.refusals.append(pb.Refusal(user_id=u, reason=OUTSIDE_DOMAIN))
+                continue
+            ct = sealing.seal(spec.analyzer_public_key, wire.tobytes(), info)
+            out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=[ct]))
+
+
+def _record_problem(row: np.ndarray, params: dict[str, Any]) -> str:
+    """ "" for a record of the public domain, else the reason (OUTSIDE_DOMAIN, or MALFORMED_PLAINTEXT)."""
+    if not np.all(np.isfinite(row)):
+        return MALFORMED_PLAINTEXT
+    x, y = row[:-1], row[-1]
+    k = int(params["num_classes"])
+    if np.linalg.norm(x) > float(params["feature_bound"]) * (1.0 + _SLACK):
+        return OUTSIDE_DOMAIN
+    if k >= 2 and not (y == int(y) and 0 <= y < k):
+        return OUTSIDE_DOMAIN
+    return ""
