@@ -258,3 +258,71 @@ def test_no_intermediate_iterate_or_permutation_leaves_the_analyzer(tmp_path, ca
         channel.close()
         analyzer.stop(0)
         shuffler.stop(0)
+
+
+class _Crash(BaseException):
+    """Ends the analyzer's run thread mid-pass the way a killed process would: no handler runs, nothing is saved."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("noise_multiplier, end", [(20.0, pb.COMPLETED), (None, pb.BUDGET_EXHAUSTED)])
+def test_a_pass_lost_to_a_crash_is_run_again_and_charged_again(tmp_path, noise_multiplier, end):
+    """The analyzer dies mid-pass (its round committed, no checkpoint); a new analyzer on the same state resumes the
+    run and runs the pass again on records collected anew. The ledger shows both rounds committed and charges their
+    composition (= `shuffledp account pnsgd --epochs 2`); without room in the budget for a second pass the run ends
+    BUDGET_EXHAUSTED and releases no model."""
+    privacy = "" if noise_multiplier is None else f"noise_multiplier = {noise_multiplier}"
+    toml = _RUN.format(n=400, privacy=privacy)
+    cfg = parse_config(toml)
+    shuffler, sport = start_shuffler("127.0.0.1:0")
+    state = tmp_path / "state"
+    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", state)
+    nodes = [start_node(f"n{i}", cfg, i, 2, f"127.0.0.1:{sport}") for i in range(2)]
+    died = threading.Event()
+
+    def crash(j: int, w: np.ndarray, order: np.ndarray) -> None:
+        if j == 100:
+            died.set()
+            raise _Crash
+
+    pnsgd_round.TEST_ITERATE_HOOK = crash
+    channels = []
+    try:
+        channels.append(grpc.insecure_channel(f"127.0.0.1:{aport}"))
+        stub = pbg.AnalyzerStub(channels[-1])
+        run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=toml)).run_id
+        stub.StartRun(pb.RunRef(run_id=run_id))
+        assert died.wait(60)
+        pnsgd_round.TEST_ITERATE_HOOK = None
+        analyzer.stop(0)
+        assert [r["state"] for r in Ledger(state / LEDGER_FILE).rounds(run_id)] == ["committed"]
+        analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", state)
+        channels.append(grpc.insecure_channel(f"127.0.0.1:{aport}"))
+        stub = pbg.AnalyzerStub(channels[-1])
+        st = wait_for_run(stub, run_id, timeout=90)
+        assert st.state == end, st.message
+        rows = Ledger(state / LEDGER_FILE).rounds(run_id)
+        result = stub.GetRunResult(pb.RunRef(run_id=run_id))
+        if end == pb.BUDGET_EXHAUSTED:
+            assert [r["state"] for r in rows] == ["committed"] and not result.HasField("model")
+            return
+        assert [r["state"] for r in rows] == ["committed", "committed"] and result.HasField("model")
+        p = rows[0]["event"]["params"]
+        ns = [r["contributors"] for r in rows]
+        assert ns[0] == ns[1]
+        argv = ["pnsgd", "--n", str(ns[0]), "--lipschitz", repr(p["lipschitz"]), "--sigma", repr(p["sigma"])]
+        argv += ["--eta", repr(p["eta"]), "--diameter", repr(p["diameter"]), "--contraction", repr(p["m"])]
+        argv += ["--epochs", "2", "--delta", "1e-05", "--json"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "shuffledp.cli", "account", *argv], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert st.budget.eps_spent == pytest.approx(json.loads(proc.stdout)["eps"], rel=1e-9, abs=1e-9)
+    finally:
+        pnsgd_round.TEST_ITERATE_HOOK = None
+        for nd in nodes:
+            nd.stop()
+        for ch in channels:
+            ch.close()
+        analyzer.stop(0)
+        shuffler.stop(0)
