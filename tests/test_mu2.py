@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from _intercept import Recorder
 from _runs import run_cli, wait_for_run
 from scipy import stats
 from shuffledp.clients.node import NodeCore, UserShard, start_node, start_node_with_shard
@@ -270,29 +270,6 @@ def test_untrusted_analyzer_never_gets_a_noiseless_message_unless_the_machine_dr
         shuffler.stop(0)
 
 
-class Recorder(grpc.ServerInterceptor):
-    """Every Submit the shuffler receives, serialized (captured at its service boundary)."""
-
-    def __init__(self) -> None:
-        self.raw: list[bytes] = []
-        self._lock = threading.Lock()
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or not details.method.endswith("/Submit"):
-            return handler
-        inner = handler.unary_unary
-
-        def submit(request, context):
-            with self._lock:
-                self.raw.append(request.SerializeToString())
-            return inner(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            submit, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
-
-
 _RUN = """
 [data]
 dataset = "digits"
@@ -363,13 +340,12 @@ def test_trusted_machines_show_the_shuffler_only_ciphertexts_and_an_unaffordable
         st = wait_for_run(stub, bad, timeout=60)
         assert st.state == pb.FAILED and "spends eps" in st.message
         assert Ledger(tmp_path / "state" / LEDGER_FILE).rounds(bad) == []
-        assert recorder.raw == [] and all(n.core.status().rounds_joined == 0 for n in nodes)
+        assert recorder.contributions == [] and all(n.core.status().rounds_joined == 0 for n in nodes)
         good = stub.CreateRun(pb.CreateRunRequest(config_toml=toml)).run_id
         stub.StartRun(pb.RunRef(run_id=good))
         st = wait_for_run(stub, good, timeout=120)
         assert st.state == pb.COMPLETED, st.message
-        subs = [pb.Contribution.FromString(b) for b in recorder.raw]
-        msgs = [m for c in subs for m in c.messages]
+        msgs = [m for c in recorder.contributions for m in c.messages]
         assert len(msgs) == M * T
         assert all(m.WhichOneof("payload") == "sealed" and len(m.sealed.ciphertexts) == 1 for m in msgs)
         assert all(len(m.sealed.ciphertexts[0]) == sealed_length(8 * 650) for m in msgs)  # digits logreg: d = 650

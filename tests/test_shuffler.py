@@ -17,6 +17,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
+from _intercept import Recorder
 from scipy import stats
 from shuffledp.clients.node import UserShard, start_node_with_shard
 from shuffledp.clients.policy import UserPolicy
@@ -49,33 +50,6 @@ from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
 NO_VERIFY = UserPolicy(verify_randomizer=False)  # the accountant is tested with the analyzer; here transport
 F = 3  # features of the synthetic least-squares shards -> d = F + 1
-
-
-class Recorder(grpc.ServerInterceptor):
-    """Records every Contribution the shuffler receives (capture at the service boundary)."""
-
-    def __init__(self) -> None:
-        self.contributions: list[pb.Contribution] = []
-        self._lock = threading.Lock()
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or not details.method.endswith("/Submit"):
-            return handler
-        inner = handler.unary_unary
-
-        def submit(request, context):
-            with self._lock:
-                self.contributions.append(request)
-            return inner(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            submit, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
-
-    def for_round(self, round_: int) -> list[pb.Contribution]:
-        with self._lock:
-            return [c for c in self.contributions if c.round == round_]
 
 
 class Shuffler:

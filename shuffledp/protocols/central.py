@@ -33,7 +33,7 @@ from shuffledp.protocols.base import (
 from shuffledp.protocols.ldp_round import clip_rows_in_norm
 from shuffledp.v1 import shuffledp_pb2 as pb
 
-__all__ = ["CentralRound", "OVER_CLIP_NORM", "WIRE_DTYPE", "message_bytes"]
+__all__ = ["CentralRound", "OVER_CLIP_NORM", "WIRE_DTYPE", "message_bytes", "open_vectors", "seal_rows"]
 
 OVER_CLIP_NORM = "over_clip_norm"  # opened and well formed, but longer than the round's clip norm: never summed
 WIRE_DTYPE = np.dtype(">f8")
@@ -43,6 +43,34 @@ _NORM_SLACK = 1e-12
 
 def message_bytes(dim: int) -> int:
     return WIRE_DTYPE.itemsize * int(dim)
+
+
+def open_vectors(
+    batch: pb.ShuffledBatch, n: int, d: int, private_key: Any, info: bytes
+) -> tuple[np.ndarray, Counter[str]]:
+    """The well-formed vectors of a sealed batch of one message per contributor: (k, d) float64 of those that open
+    to d finite float64 values, and the count of the others by reason (design 5.3). BatchError when the batch does
+    not hold n ciphertexts (the shuffler broke the protocol)."""
+    if len(batch.ciphertexts) != n:
+        raise BatchError(n, f"{len(batch.ciphertexts)} ciphertexts do not match {n} contributors (one per user)")
+    opened, undecryptable = open_each(private_key, batch.ciphertexts, info)
+    good = [p for p in opened if len(p) == message_bytes(d)]
+    X = np.frombuffer(b"".join(good), dtype=WIRE_DTYPE).reshape(len(good), d).astype(np.float64)
+    finite = np.all(np.isfinite(X), axis=1)
+    rejected = Counter({UNDECRYPTABLE: undecryptable, MALFORMED_PLAINTEXT: len(opened) - int(finite.sum())})
+    return X[finite], rejected
+
+
+def seal_rows(
+    spec: pb.RoundSpec, X: np.ndarray, user_ids: Sequence[str], nonces: Sequence[bytes], out: pb.Contribution
+) -> None:
+    """One message per user: its row of X as d big-endian float64, sealed to the analyzer for (run, round)."""
+    raw = np.asarray(X, dtype=np.float64).astype(WIRE_DTYPE).tobytes()
+    size = message_bytes(X.shape[1])
+    info = sealing.round_info(spec.run_id, spec.round)
+    cts = sealing.seal_many(spec.analyzer_public_key, [raw[i : i + size] for i in range(0, len(raw), size)], info)
+    for u, nonce, ct in zip(user_ids, nonces, cts, strict=True):
+        out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=[ct]))
 
 
 class CentralRound(AnalyzerHooks):
@@ -84,16 +112,8 @@ class CentralRound(AnalyzerHooks):
     ) -> Decoded:
         """Sum of the valid clipped vectors (module docstring); every delivered contributor is charged (a skipped
         message is a zero contribution, which the clip bound covers)."""
-        if len(batch.ciphertexts) != n:
-            raise BatchError(n, f"{len(batch.ciphertexts)} ciphertexts do not match {n} contributors (one per user)")
-        d, clip = int(params["d"]), float(params["clip"])
-        opened, undecryptable = open_each(private_key, batch.ciphertexts, info)
-        good = [p for p in opened if len(p) == message_bytes(d)]
-        rejected: Counter[str] = Counter({UNDECRYPTABLE: undecryptable, MALFORMED_PLAINTEXT: len(opened) - len(good)})
-        X = np.frombuffer(b"".join(good), dtype=WIRE_DTYPE).reshape(len(good), d).astype(np.float64)
-        finite = np.all(np.isfinite(X), axis=1)
-        rejected[MALFORMED_PLAINTEXT] += int((~finite).sum())
-        X = X[finite]
+        clip = float(params["clip"])
+        X, rejected = open_vectors(batch, n, int(params["d"]), private_key, info)
         within = np.linalg.norm(X, axis=1) <= clip * (1.0 + _NORM_SLACK)
         rejected[OVER_CLIP_NORM] += int((~within).sum())
         X = X[within]
@@ -115,13 +135,7 @@ class CentralRound(AnalyzerHooks):
         out: pb.Contribution,
     ) -> None:
         """Clip (central trust: no local noise) and seal each user's vector."""
-        X = clip_rows_in_norm(G, float(spec.randomizer.clip_norm), 2).astype(WIRE_DTYPE)
-        raw = X.tobytes()
-        size = message_bytes(X.shape[1])
-        info = sealing.round_info(spec.run_id, spec.round)
-        cts = sealing.seal_many(spec.analyzer_public_key, [raw[i : i + size] for i in range(0, len(raw), size)], info)
-        for u, nonce, ct in zip(user_ids, nonces, cts, strict=True):
-            out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=[ct]))
+        seal_rows(spec, clip_rows_in_norm(G, float(spec.randomizer.clip_norm), 2), user_ids, nonces, out)
 
     def noise_key(self, spec: pb.RoundSpec) -> None:
         return None  # users compose central rounds by basic composition of the claims

@@ -40,18 +40,13 @@ from typing import Any
 
 import numpy as np
 
-from shuffledp import sealing
 from shuffledp.accountants import gaussian
 from shuffledp.protocols.base import (
-    MALFORMED_PLAINTEXT,
-    UNDECRYPTABLE,
-    BatchError,
     Decoded,
     PlanRequest,
     RoundPlan,
-    open_each,
 )
-from shuffledp.protocols.central import WIRE_DTYPE, CentralRound, message_bytes
+from shuffledp.protocols.central import CentralRound, open_vectors, seal_rows
 from shuffledp.protocols.ldp_round import clip_rows_in_norm
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -148,16 +143,9 @@ class Mu2Round(CentralRound):
     ) -> Decoded:
         """Sum of the well-formed messages (d finite float64 values); a skipped one counts as zero. No norm bound:
         an untrusted machine's message is noisy, and a machine that sends a wrong q_t harms only itself."""
-        if len(batch.ciphertexts) != n:
-            raise BatchError(n, f"{len(batch.ciphertexts)} ciphertexts do not match {n} machines (one per machine)")
-        d = int(params["d"])
-        opened, undecryptable = open_each(private_key, batch.ciphertexts, info)
-        good = [p for p in opened if len(p) == message_bytes(d)]
-        X = np.frombuffer(b"".join(good), dtype=WIRE_DTYPE).reshape(len(good), d).astype(np.float64)
-        finite = np.all(np.isfinite(X), axis=1)
-        rejected = Counter({UNDECRYPTABLE: undecryptable, MALFORMED_PLAINTEXT: len(opened) - int(finite.sum())})
+        X, rejected = open_vectors(batch, n, int(params["d"]), private_key, info)
         rejected_all = dict(Counter(dict(batch.report.rejected)) + rejected)
-        return Decoded(X[finite].sum(axis=0), int(finite.sum()), n, rejected_all)
+        return Decoded(X.sum(axis=0), X.shape[0], n, rejected_all)
 
     def add_noise(
         self,
@@ -244,9 +232,4 @@ class Mu2Round(CentralRound):
         Q = np.asarray(G, dtype=np.float64)
         if not self.trusted:
             Q = Q + float(spec.randomizer.extra["sigma"]) * rng.standard_normal(Q.shape)
-        raw = Q.astype(WIRE_DTYPE).tobytes()
-        size = message_bytes(Q.shape[1])
-        info = sealing.round_info(spec.run_id, spec.round)
-        cts = sealing.seal_many(spec.analyzer_public_key, [raw[i : i + size] for i in range(0, len(raw), size)], info)
-        for u, nonce, ct in zip(user_ids, nonces, cts, strict=True):
-            out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=[ct]))
+        seal_rows(spec, Q, user_ids, nonces, out)

@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from shuffledp import sealing
 from shuffledp.accountants import pnsgd
 from shuffledp.models import make_model, project_l2_ball
 from shuffledp.protocols.base import (
@@ -54,7 +53,7 @@ from shuffledp.protocols.base import (
     RoundPlan,
     open_each,
 )
-from shuffledp.protocols.central import WIRE_DTYPE, CentralRound, message_bytes
+from shuffledp.protocols.central import WIRE_DTYPE, CentralRound, message_bytes, seal_rows
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = ["PnsgdRound", "pnsgd_epsilon", "OUTSIDE_DOMAIN", "TEST_ITERATE_HOOK"]
@@ -268,21 +267,18 @@ class PnsgdRound(CentralRound):
         if R.shape[1] != spec.randomizer.dim:
             raise ValueError(f"records of {R.shape[1]} values, the spec asks for {spec.randomizer.dim}")
         params = {"feature_bound": spec.randomizer.clip_norm, "num_classes": spec.randomizer.extra["num_classes"]}
-        info = sealing.round_info(spec.run_id, spec.round)
-        raw = R.astype(WIRE_DTYPE)
-        for u, nonce, row, wire in zip(user_ids, nonces, R, raw, strict=True):
-            if _record_problem(row, params):
-                log.error(
-                    "user %s refuses run %s: its record lies outside the public domain (||x|| <= %g, a label "
-                    "of the task, finite values)",
-                    u,
-                    spec.run_id,
-                    params["feature_bound"],
-                )
-                out.refusals.append(pb.Refusal(user_id=u, reason=OUTSIDE_DOMAIN))
-                continue
-            ct = sealing.seal(spec.analyzer_public_key, wire.tobytes(), info)
-            out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=[ct]))
+        ok = np.array([not _record_problem(row, params) for row in R], dtype=bool)
+        for u in np.asarray(user_ids)[~ok]:
+            log.error(
+                "user %s refuses run %s: its record lies outside the public domain (||x|| <= %g, a label of the "
+                "task, finite values)",
+                u,
+                spec.run_id,
+                params["feature_bound"],
+            )
+            out.refusals.append(pb.Refusal(user_id=str(u), reason=OUTSIDE_DOMAIN))
+        keep = np.flatnonzero(ok)
+        seal_rows(spec, R[keep], [user_ids[i] for i in keep], [nonces[i] for i in keep], out)
 
 
 def _record_problem(row: np.ndarray, params: dict[str, Any]) -> str:
