@@ -88,7 +88,8 @@ protocol = "pvec"           # "pvec" (multi-message sum, seed 000) or an eps0-LD
                             # round; Gaussian noise added by each machine / by the analyzer; fully interactive,
                             # "sealed", optimizer "mu2"); "pnsgd" (shuffled projected noisy SGD, seed 004: each
                             # user seals its one record, the analyzer runs one noisy pass in a secret order and
-                            # releases only the last iterate; fully interactive, rounds = 1, "sealed", logreg)
+                            # releases only the last iterate; fully interactive, rounds = 1, "sealed", logreg);
+                            # "pnsgd_online" (the same pass in arrival order with Thm 7's decaying noise)
 # eps0 = 1.0                # LDP protocols: local eps of each report; unset = the largest for which schedule.rounds
                             # fit (eps, delta)
 calibration = "calibrated"  # "calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)
@@ -174,6 +175,7 @@ _PROTOCOLS = (
     "mu2_untrusted",
     "mu2_trusted",
     "pnsgd",
+    "pnsgd_online",
 )  # protocols.registry.ROUND_PROTOCOLS
 _LDP_PROTOCOLS = ("r_inf", "r_one", "privunit", "rr")
 _CENTRAL_PROTOCOLS = ("tree", "gaussian")  # over the subsampled schedule
@@ -627,6 +629,7 @@ def _check_central(cfg: RunConfig, optimizer: str) -> None:
     tree_keys = [k for k in _TREE_KEYS if getattr(p, k) != getattr(defaults, k)]
     if tree_keys and p.protocol != "tree":
         raise ConfigError(f'privacy.{tree_keys[0]} applies to privacy.protocol = "tree", got "{p.protocol}"')
+    # ("pnsgd_online" has Thm 7's noise schedule)
     if p.noise_multiplier is not None and p.protocol not in (*_CENTRAL_PROTOCOLS, *_MU2_PROTOCOLS, "pnsgd"):
         raise ConfigError(
             f'privacy.noise_multiplier applies to "tree", "gaussian", "mu2_untrusted", "mu2_trusted" and "pnsgd", got '
@@ -707,26 +710,23 @@ def _check_mu2(cfg: RunConfig) -> None:
 
 
 def _check_pnsgd(cfg: RunConfig) -> None:
-    """privacy.protocol = "pnsgd": shuffled PNSGD (seed 004), one pass over one record per user."""
+    """privacy.protocol = "pnsgd" / "pnsgd_online": shuffled or online PNSGD (seed 004), one pass over one record
+    per user."""
     p, s = cfg.privacy, cfg.schedule
+    name = f'privacy.protocol = "{p.protocol}"'
     if s.kind != "fully_interactive" or s.rounds != 1:
         raise ConfigError(
-            'privacy.protocol = "pnsgd" is one pass over every user\'s record: schedule.kind = "fully_interactive" '
-            f'with schedule.rounds = 1, got "{s.kind}" with rounds = {s.rounds}'
+            f'{name} is one pass over every user\'s record: schedule.kind = "fully_interactive" with '
+            f'schedule.rounds = 1, got "{s.kind}" with rounds = {s.rounds}'
         )
     if cfg.transport.mode != "sealed":
-        raise ConfigError('privacy.protocol = "pnsgd" seals each record to the analyzer: set transport.mode = "sealed"')
+        raise ConfigError(f'{name} seals each record to the analyzer: set transport.mode = "sealed"')
     if cfg.model.task != "logreg":
-        raise ConfigError(
-            f'privacy.protocol = "pnsgd" runs model.task = "logreg" (its L and beta), got "{cfg.model.task}"'
-        )
+        raise ConfigError(f'{name} runs model.task = "logreg" (its L and beta), got "{cfg.model.task}"')
     if cfg.data.examples_per_user != 1:
-        raise ConfigError(
-            f'privacy.protocol = "pnsgd": one record per user, got data.examples_per_user = '
-            f"{cfg.data.examples_per_user}"
-        )
+        raise ConfigError(f"{name}: one record per user, got data.examples_per_user = {cfg.data.examples_per_user}")
     if p.eps0 is not None:
-        raise ConfigError('privacy.eps0 applies to LDP protocols; privacy.protocol = "pnsgd" has none')
+        raise ConfigError(f"privacy.eps0 applies to LDP protocols; {name} has none")
 
 
 def check_in_enabled(p: PrivacyConfig) -> bool:
@@ -754,12 +754,13 @@ def _check_combinations(cfg: RunConfig) -> None:
         optimizer = "ftrl"  # tree aggregation's prefix sums are what FTRL consumes (spec 003 sec 2)
     if s.optimizer == "auto" and p.protocol in _MU2_PROTOCOLS:
         optimizer = "mu2"
-    if s.optimizer == "auto" and p.protocol == "pnsgd":
+    pnsgd = p.protocol in ("pnsgd", "pnsgd_online")
+    if s.optimizer == "auto" and pnsgd:
         optimizer = "pnsgd"
-    if (optimizer == "pnsgd") != (p.protocol == "pnsgd"):
+    if (optimizer == "pnsgd") != pnsgd:
         raise ConfigError(
-            f'schedule.optimizer = "pnsgd" and privacy.protocol = "pnsgd" go together (seed 004): got optimizer '
-            f'"{optimizer}" with protocol "{p.protocol}"'
+            f'schedule.optimizer = "pnsgd" and privacy.protocol = "pnsgd" / "pnsgd_online" go together (seed 004): got '
+            f'optimizer "{optimizer}" with protocol "{p.protocol}"'
         )
     if p.randomly_stopped and p.protocol != "pnsgd":
         raise ConfigError(f'privacy.randomly_stopped applies to privacy.protocol = "pnsgd", got "{p.protocol}"')
@@ -771,7 +772,7 @@ def _check_combinations(cfg: RunConfig) -> None:
         )
     if p.protocol in _MU2_PROTOCOLS:
         _check_mu2(cfg)
-    elif p.protocol == "pnsgd":
+    elif pnsgd:
         _check_pnsgd(cfg)
     elif p.protocol in _PAN_PROTOCOLS:
         _check_pan(cfg, optimizer)

@@ -612,8 +612,11 @@ def _run_command(
             f"  robust: eps = {budget.eps_spent_robust:.4f} if only {budget.honest_fraction:g} of each round's "
             "contributors are honest"
         )
-    for name, eps in sorted(budget.views.items()):  # e.g. the local view of an LDP run, the paper's bounds
+    for name, value in sorted(budget.views.items()):  # e.g. the local view of an LDP run, the paper's bounds
+        if name.startswith("record_delta_"):  # online PNSGD's per-record guarantee at the eps charged
+            print(f"  {name.removeprefix('record_delta_')} record: delta = {value:.3g} at eps = {budget.eps_spent:.4f}")
+            continue
         label = "local view (a party that sees senders)" if name == "local" else name
-        print(f"  {label}: eps = {eps:.4f}")
+        print(f"  {label}: eps = {value:.4f}")
     print(f"wall time: {time.monotonic() - started:.1f} s; results: {out}")
     return 0 if status.state == pb.COMPLETED else 1

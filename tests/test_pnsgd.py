@@ -20,13 +20,14 @@ from scipy import stats
 from shuffledp.clients.node import NodeCore, UserShard, start_node
 from shuffledp.clients.policy import UserPolicy
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
-from shuffledp.services.ledger import Ledger
+from shuffledp.services.ledger import BudgetLimit, Ledger, PrivacyEvent
 from shuffledp.services.shuffler import start_shuffler
 
+from shuffledp.accountants import gaussian
 from shuffledp.config import ConfigError, parse_config
 from shuffledp.protocols import pnsgd_round
 from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, PlanRequest
-from shuffledp.protocols.pnsgd_round import OUTSIDE_DOMAIN, PnsgdRound, pnsgd_epsilon
+from shuffledp.protocols.pnsgd_round import OUTSIDE_DOMAIN, PnsgdRound, online_epsilon, online_sigmas, pnsgd_epsilon
 from shuffledp.rng import make_rng
 from shuffledp.sealing import generate_keypair, round_info, seal
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -326,3 +327,65 @@ def test_a_pass_lost_to_a_crash_is_run_again_and_charged_again(tmp_path, noise_m
             ch.close()
         analyzer.stop(0)
         shuffler.stop(0)
+
+
+# ------------------------------------------------------------------------------------------ online PNSGD
+ONLINE = PnsgdRound(online=True)
+
+
+def _online_plan(n=300, eps=12.0, radius=5.0) -> dict:
+    opts = dict(task="logreg", num_features=2, num_classes=2, l2=0.0, radius=radius, feature_bound=1.0)
+    req = PlanRequest("fully_interactive", "calibrated", eps, 1e-5, None, 1, n, n, 6, 1.0, "sealed", n, None, 1)
+    return ONLINE.plan(replace(req, options=opts)).params
+
+
+def test_online_charges_its_newest_records_gaussian_curve_and_reports_every_records_delta():
+    """Thm 7's sigma_j decreases in j; the ledger charges the newest record's curve (Gaussian, mu = 2L/sigma_n), and
+    at that eps the accountant's per-record deltas (Thm 6, an independent computation) give the newest exactly
+    delta (1e-6 relative) and every older record less; a budget below it is refused with the reason."""
+    p = _online_plan()
+    sig = online_sigmas(p, 300)
+    assert np.all(np.diff(sig) < 0)
+    eps = online_epsilon(p, [300], 1e-5)
+    assert eps == pytest.approx(gaussian.epsilon_for_rho(2 * p["lipschitz"] / sig[-1], 1e-5, "exact"), rel=1e-12)
+    ev = PrivacyEvent("pnsgd_online", p, 300, "fully_interactive", "central")
+    views = ONLINE.views([ev], BudgetLimit(12.0, 1e-5, "parallel"))
+    assert views["record_delta_newest"] == pytest.approx(1e-5, rel=1e-6)
+    assert views["record_delta_oldest"] < views["record_delta_median"] < 1e-8
+    with pytest.raises(ValueError, match="its newest record alone costs eps"):
+        _online_plan(eps=eps * 0.99)
+
+
+def test_online_runs_the_arrival_order_with_the_decaying_noise():
+    """Null records, a ball too large to project onto: w_n = -eta sum sigma_j Z_j, so its coordinates over
+    eta sqrt(sum sigma_j^2) are N(0, 1) (KS, p > 0.001, fixed seed); the hook sees the identity order."""
+    rng = make_rng(14)
+    p = {**_online_plan(n=60), "radius": 1e9}
+    orders = []
+    pnsgd_round.TEST_ITERATE_HOOK = lambda j, w, order: orders.append(order.copy()) if j == 0 else None
+    try:
+        finals = [ONLINE.add_noise(np.full((60, 3), np.nan), 0, {}, p, None, rng, 0)[0] for _ in range(40)]
+    finally:
+        pnsgd_round.TEST_ITERATE_HOOK = None
+    scale = p["eta"] * np.sqrt(np.sum(online_sigmas(p, 60) ** 2))
+    assert stats.kstest(np.concatenate(finals) / scale, "norm").pvalue > 1e-3
+    assert all(np.array_equal(o, np.arange(60)) for o in orders)
+
+
+def test_an_online_run_over_real_processes_charges_what_the_account_cli_says(tmp_path: Path):
+    toml = _RUN.format(n=600, privacy="").replace('"pnsgd"', '"pnsgd_online"').replace("eps = 2.0", "eps = 12.0")
+    toml = toml.replace("radius = 1.0", "radius = 5.0") + "[policy]\nmax_eps_per_round = 20.0\n"
+    ledger, metrics, out = run_cli(tmp_path, "online", toml)
+    run, totals = ledger["run"], ledger["totals"]
+    assert run["state"] == "COMPLETED" and totals["trust_model"] == "central"
+    n = metrics[0]["contributors"]
+    p = run["plan"]["params"]
+    sigma_n = float(online_sigmas(p, n)[-1])
+    argv = ["gaussian", "--sigma", repr(sigma_n), "--sensitivity", repr(2 * p["lipschitz"]), "--delta", "1e-05"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "shuffledp.cli", "account", *argv, "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert totals["eps_spent"] == pytest.approx(json.loads(proc.stdout)["eps"], rel=1e-9, abs=1e-9)
+    assert totals["views"]["record_delta_newest"] == pytest.approx(1e-5, rel=1e-6)
+    assert "newest record: delta = 1e-05" in out

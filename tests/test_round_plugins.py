@@ -52,7 +52,7 @@ def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
     with pytest.raises(
         LookupError,
         match="unknown round protocol 'gauss'; known: gaussian, mu2_trusted, mu2_untrusted, pan_gaussian, pnsgd, "
-        "privunit, pvec",
+        "pnsgd_online, privunit, pvec",
     ):
         round_protocol("gauss")
     assert set(ROUND_PROTOCOLS) == {
@@ -67,6 +67,7 @@ def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
         "mu2_untrusted",
         "mu2_trusted",
         "pnsgd",
+        "pnsgd_online",
     }
     rng = make_rng(3)
     shard = UserShard(["a", "b"], rng.normal(size=(2, 1, F)), rng.normal(size=(2, 1)))

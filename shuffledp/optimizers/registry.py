@@ -43,7 +43,7 @@ def resolve(name: str, kind: str, protocol: str = "") -> str:
         return name
     if protocol in MU2_PROTOCOLS:
         return "mu2"
-    if protocol == "pnsgd":
+    if protocol in ("pnsgd", "pnsgd_online"):
         return "pnsgd"  # the pass is the protocol's; the optimizer adopts its last iterate (seed 004)
     return "ftrl" if protocol == "tree" else _AUTO[kind]
 

@@ -23,6 +23,16 @@ holds them, per-round metrics carry no loss (NaN), and GetRunResult gives the mo
 A pass lost to an analyzer crash is run again from the records collected anew, and charged again (RoundPlan.
 hidden_iterates: the run manager repeats a round whose update no checkpoint holds).
 
+Online PNSGD ("pnsgd_online", spec 004 sec 3.5): no secret order: the analyzer runs the records in the order they
+arrive from the shuffler, with the decaying noise sigma_j = M D_K / (2 eta sqrt(W(j^(2 alpha)/(2 pi C1^2) + C2)))
+of Thm 7 (alpha = 1.5, C1 = C2 = 100, spec 004 sec 4's setting) at step j. The record at position i gets
+delta_i(n) = A_i prod_{t > i} B_t: non-uniform, and the newest record's is A_n = theta(2L/sigma_n), i.e. the
+Gaussian mechanism's curve at mu = 2L/sigma_n, which dominates every other record's (A_i <= A_n, B <= 1). Release
+policy (spec 004 sec 5, option 1): the ledger charges that uniform guarantee, exactly `shuffledp account gaussian
+--sigma sigma_n --sensitivity 2L` (passes compose as Gaussian mechanisms), a run is refused when it would not fit
+for every user admitted, and the per-record deltas at the charged eps are reported alongside (the ledger's views:
+the oldest, median and newest record's delta).
+
 Privacy (Thm 2): delta_shuf(eps) = A (1 - B^n)/(n (1 - B)), A = theta(2L/sigma), B = theta(M D_K/(eta sigma)),
 L = the loss's Lipschitz bound over the domain (models.Model.lipschitz_bound), M = sqrt(1 - 2 eta beta rho/(beta +
 rho)) with beta the smoothness bound and rho = model.l2; eta <= 2/(beta + rho) is enforced. sigma is the least with
@@ -56,7 +66,7 @@ from shuffledp.protocols.base import (
 from shuffledp.protocols.central import WIRE_DTYPE, CentralRound, message_bytes, seal_rows
 from shuffledp.v1 import shuffledp_pb2 as pb
 
-__all__ = ["PnsgdRound", "pnsgd_epsilon", "OUTSIDE_DOMAIN", "TEST_ITERATE_HOOK"]
+__all__ = ["PnsgdRound", "pnsgd_epsilon", "online_epsilon", "online_sigmas", "OUTSIDE_DOMAIN", "TEST_ITERATE_HOOK"]
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +86,32 @@ def pnsgd_epsilon(params: dict[str, Any], n: int, delta: float) -> float:
     return float(ledger_accounting.account([ev], delta).eps)
 
 
-class PnsgdRound(CentralRound):
-    """Shuffled PNSGD (module docstring)."""
+ONLINE_SCHEDULE = {"alpha": 1.5, "c1": 100.0, "c2": 100.0}  # Thm 7's sigma_j (spec 004 sec 4, online setting)
 
-    name = "pnsgd"
+
+def online_sigmas(params: dict[str, Any], steps: int) -> np.ndarray:
+    """sigma_1..sigma_steps of online PNSGD (Thm 7; module docstring)."""
+    j = np.arange(1, steps + 1)
+    p = params
+    return np.atleast_1d(pnsgd.sigma_online(j, p["eta"], p["diameter"], p["alpha"], p["c1"], p["c2"], p["m"]))
+
+
+def online_epsilon(params: dict[str, Any], passes: Sequence[int], delta: float) -> float:
+    """eps of online passes over these record counts: each is the Gaussian mechanism at mu = 2L/sigma_n for its
+    newest record, which dominates the others (module docstring); ledger_accounting.account composes them."""
+    from shuffledp.accountants import ledger_accounting
+    from shuffledp.events import GaussianRound
+
+    evs = [GaussianRound(float(online_sigmas(params, n)[-1]), 2.0 * params["lipschitz"]) for n in passes]
+    return float(ledger_accounting.account(evs, delta).eps)
+
+
+class PnsgdRound(CentralRound):
+    """Shuffled or online PNSGD (module docstring)."""
+
+    def __init__(self, online: bool = False) -> None:
+        self.online = online
+        self.name = "pnsgd_online" if online else "pnsgd"
 
     # --------------------------------------------------------------------------------- analyzer: sizing
     def plan(self, req: PlanRequest) -> RoundPlan:
@@ -120,6 +152,18 @@ class PnsgdRound(CentralRound):
             "delta": req.delta,
             "randomly_stopped": bool(o.get("randomly_stopped")),
         }
+        if self.online:
+            params.update(ONLINE_SCHEDULE, records_max=req.cohort)
+            # the most records a pass can run: its newest record's noise is the smallest
+            spent = online_epsilon(params, [req.cohort], req.delta)
+            if spent > req.eps:
+                raise ValueError(
+                    f"online PNSGD over up to {req.cohort} records: its newest record alone costs eps = {spent:.4g} "
+                    f"(Thm 7's decaying noise, spec 004 sec 3.5), above privacy.eps = {req.eps}; raise eps, widen "
+                    'model.radius (the noise grows with D_K), or use privacy.protocol = "pnsgd"'
+                )
+            sigma_n = float(online_sigmas(params, req.cohort)[-1])
+            return RoundPlan(params, "parallel", 0.0, model.dim * sigma_n**2, rounds=1, hidden_iterates=True)
         n = req.min_contributors  # the fewest records a released batch holds: delta_shuf decreases in n
         z = o.get("noise_multiplier")
         if z is None:
@@ -138,10 +182,10 @@ class PnsgdRound(CentralRound):
 
     def spec_fields(self, plan: dict[str, Any], params: dict[str, Any], event: Any, key: bytes) -> dict[str, Any]:
         eps_r, delta_r = self.round_cost(event)
+        keys = ("lipschitz", "eta", "diameter", "m", "delta", "num_classes")
+        keys += ("alpha", "c1", "c2", "records_max") if self.online else ("sigma",)
         fields = self._sealed_fields(
-            {"d": params["record"], "clip": params["feature_bound"]},
-            key,
-            {k: float(params[k]) for k in ("lipschitz", "sigma", "eta", "diameter", "m", "delta", "num_classes")},
+            {"d": params["record"], "clip": params["feature_bound"]}, key, {k: float(params[k]) for k in keys}
         )
         fields["per_user_cost"] = pb.PrivacyCost(
             eps=eps_r, delta=delta_r, accountant=self.accountant_name(event, "parallel"), trust_model=self.trust_model
@@ -196,56 +240,72 @@ class PnsgdRound(CentralRound):
         R = np.asarray(total, dtype=np.float64)
         n, f = R.shape[0], int(params["num_features"])
         model = make_model(params["task"], f, int(params["num_classes"]), l2=float(params["l2"]))
-        eta, sigma, radius = float(params["eta"]), float(params["sigma"]), float(params["radius"])
-        order = rng.permutation(n)
+        eta, radius = float(params["eta"]), float(params["radius"])
+        # online: the arrival order and Thm 7's decaying noise; shuffled: a secret order (and stop), fixed noise
+        order = np.arange(n) if self.online else rng.permutation(n)
         steps = int(rng.integers(1, n + 1)) if params.get("randomly_stopped") else n
+        sigmas = online_sigmas(params, steps) if self.online else np.full(steps, float(params["sigma"]))
         w = np.zeros(model.dim)
         for j in range(steps):
             rec = R[order[j]]
             g = np.zeros(model.dim) if np.isnan(rec[0]) else model.per_example_gradients(w, rec[None, :f], rec[f:])[0]
-            w = project_l2_ball(w - eta * (g + sigma * rng.standard_normal(model.dim)), radius)
+            w = project_l2_ball(w - eta * (g + sigmas[j] * rng.standard_normal(model.dim)), radius)
             if TEST_ITERATE_HOOK is not None:
                 TEST_ITERATE_HOOK(j, w, order)
         return w, 1.0, None
 
     # ------------------------------------------------------------------------------------ ledger arithmetic
     def accountant_name(self, event: Any, composition: str) -> str:
+        if self.online:
+            return "pnsgd-online (seed 004 Thm 7 noise; newest record's Gaussian curve, exact; central trust)"
         rs = ", randomly stopped" if event.params.get("randomly_stopped") else ""
         return f"pnsgd-shuffled (seed 004 Thm 2{rs}; central trust, last iterate only)"
 
     def round_cost(self, event: Any) -> tuple[float, float]:
-        return pnsgd_epsilon(event.params, max(int(event.contributors), 1), event.params["delta"]), event.params[
-            "delta"
-        ]
+        p, n = event.params, max(int(event.contributors), 1)
+        eps = online_epsilon(p, [n], p["delta"]) if self.online else pnsgd_epsilon(p, n, p["delta"])
+        return eps, p["delta"]
 
     def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]:
-        """Each pass at the records it ran; several passes (a pass redone after a crash) by the accountant's
-        composition of PnsgdRun events (spec 004 sec 3.6)."""
+        """Each pass at the records it ran; several passes (a pass redone after a crash) composed by the
+        accountant: PnsgdRun events (spec 004 sec 3.6), or online ones as Gaussian mechanisms."""
         from shuffledp.accountants import ledger_accounting
         from shuffledp.events import PnsgdRun
 
-        evs = [
-            PnsgdRun(
-                "gaussian",
-                max(int(e.contributors), 1),
-                *(e.params[k] for k in ("lipschitz", "sigma", "eta")),
-                e.params["diameter"],
-                e.params["m"],
-            )
-            for e in events
-        ]
+        counts = [max(int(e.contributors), 1) for e in events]
+        p = events[0].params
+        if self.online:
+            return online_epsilon(p, counts, limit.delta), limit.delta
+        theirs = ("lipschitz", "sigma", "eta", "diameter", "m")
+        evs = [PnsgdRun("gaussian", n, *(p[k] for k in theirs)) for n in counts]
         return float(ledger_accounting.account(evs, limit.delta).eps), limit.delta
 
     def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]:
-        return {}
+        """Online: the per-record deltas of the last pass at the eps it is charged (oldest, median, newest)."""
+        if not self.online or not events:
+            return {}
+        p, n = events[-1].params, max(int(events[-1].contributors), 1)
+        eps = online_epsilon(p, [n], limit.delta)
+        theirs = (p["lipschitz"], p["eta"], p["diameter"], p["alpha"], p["c1"], p["c2"], p["m"])
+        d = pnsgd.online_record_deltas(pnsgd.OnlineConfig("gaussian", eps, *theirs), n)
+        return {
+            "record_delta_oldest": float(d[0]),
+            "record_delta_median": float(d[n // 2]),
+            "record_delta_newest": float(d[-1]),
+        }
 
     # -------------------------------------------------------------------------------------------- client
     def verify_epsilon(self, spec: pb.RoundSpec) -> float:
-        """The pass's eps from the spec's constants at n = min_contributors, the fewest records it runs on."""
+        """The pass's eps from the spec's constants: shuffled at n = min_contributors, the fewest records it runs on
+        (delta_shuf decreases in n); online at the most records the analyzer says the pass can run (its newest
+        record's noise is the smallest)."""
         x = dict(spec.randomizer.extra)
-        keys = ("lipschitz", "sigma", "eta", "diameter", "m", "delta")
+        keys = ("lipschitz", "eta", "diameter", "m", "delta")
+        keys += ("alpha", "c1", "records_max") if self.online else ("sigma",)
         if not all(x.get(k, 0.0) > 0 and math.isfinite(x[k]) for k in keys) or spec.min_contributors < 1:
             raise ValueError("the spec lacks valid PNSGD constants")
+        if self.online:
+            return online_epsilon(x, [int(x["records_max"])], x["delta"])
         return pnsgd_epsilon(x, int(spec.min_contributors), x["delta"])
 
     def local_vectors(self, spec: pb.RoundSpec, node: Any, idx: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ ROUND_PROTOCOLS: dict[str, RoundProtocol] = {
         Mu2Round(trusted=False),
         Mu2Round(trusted=True),
         PnsgdRound(),
+        PnsgdRound(online=True),
     )
 }
 
