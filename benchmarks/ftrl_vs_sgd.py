@@ -205,6 +205,7 @@ def run_one(analyzer: str, toml: str) -> dict:
         "excess_risk": float(result.excess_risk) if result.HasField("excess_risk") else None,
         "eps_spent": float(totals.get("eps_spent", status.budget.eps_spent)),
         "delta_spent": float(totals.get("delta_spent", status.budget.delta_spent)),
+        "views": dict(totals.get("views") or {}),  # the protocol's other figures (e.g. online PNSGD's per record)
         "message": status.message,
         "seconds": time.monotonic() - t0,
     }

@@ -1,7 +1,7 @@
 """Benchmark (issue 14 item 6): DP-mu2-FL trusted against untrusted as M grows (seed 002), and shuffled PNSGD's
 privacy against n at a fixed noise (seed 004), over the real services.
 
-Run: python benchmarks/mu2_pnsgd.py [--examples 1000] [--machines 1 10 100] [--eps 4] [--seeds 3]
+Run: python benchmarks/mu2_pnsgd.py [--examples 1000] [--machines 1 10 100] [--eps 0.5] [--seeds 3]
          [--pnsgd-n 500 1000 2000] [--quick] [--out /tmp/mu2_pnsgd]
 (--quick: 100 examples, M in {1, 10}, one seed, PNSGD at n = 300: a smoke test, about a minute.)
 
@@ -14,13 +14,13 @@ cluster (`shuffledp.run.start_local_cluster`: shuffler, analyzer, 2 client nodes
 paper's noise (sigma_u = 2 S sqrt(T) / rho, sigma_c = sigma_u / M). The table gives the released x_T's excess risk
 (held-out loss minus the optimum's), mean +- std over seeds.
 
-Shuffled PNSGD (seed 004's delta versus n): the same synthetic task with one record per user, n users, a fixed
-noise sigma = 4 L (privacy.noise_multiplier = 4), eta = 1/beta, one pass. Over the services: the eps the ledger
-charges at delta = 1e-5 for the n records the pass ran (decreasing in n: the shuffle's amplification). Beside it,
-from the accountant alone at the same sigma and eps = that of the smallest n: Thm 2's delta_shuf(n), and the
-records in arrival order without a shuffle at the same fixed sigma (Thm 1): the newest record's delta A, which does
-not fall with n, and the middle record's A B^(n/2). Online PNSGD (decaying noise, Thm 6) does not run over the
-services yet; these columns are the accountant's.
+PNSGD (seed 004's delta versus n, shuffled against online). The same synthetic task with one record per user and
+n users (--pnsgd-n), one pass, eta = 1/beta, radius 5, over the services: shuffled PNSGD at a fixed sigma = 4 L
+(privacy.noise_multiplier = 4), and online PNSGD in arrival order with Thm 7's decaying sigma_j. The table gives the
+eps each ledger charges at delta = 1e-5 for the records the pass ran (shuffled: Thm 2, falling with n, the shuffle's
+amplification; online: its newest record's Gaussian curve, which rises with n as the noise decays), the online
+run's oldest and median records' delta at that eps (its per-record report), and, from the accountant at one common
+eps (the smallest n's shuffled charge), the shuffled delta_shuf(n) beside the online newest record's delta.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ftrl_vs_sgd import DEPLOYMENT, POLICY, run_one  # noqa: E402 (one way to drive a run)
 
 from shuffledp.accountants import pnsgd  # noqa: E402
+from shuffledp.protocols import pnsgd_round  # noqa: E402
 from shuffledp.run import start_local_cluster  # noqa: E402
 
 DELTA, DIM, RADIUS = 1e-5, 5, 5.0
@@ -57,9 +58,10 @@ def mu2_config(base: str, protocol: str, eps: float, rounds: int) -> str:
     )
 
 
-def pnsgd_config(base: str) -> str:
+def pnsgd_config(base: str, protocol: str) -> str:
+    noise = "noise_multiplier = 4.0\n" if protocol == "pnsgd" else ""
     return (
-        base + f'[privacy]\neps = 60\ndelta = {DELTA}\nprotocol = "pnsgd"\nnoise_multiplier = 4.0\n'
+        base + f'[privacy]\neps = 60\ndelta = {DELTA}\nprotocol = "{protocol}"\n{noise}'
         '[schedule]\nkind = "fully_interactive"\nrounds = 1\n[transport]\nmode = "sealed"\n'
     )
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--examples", type=int, default=1000, help="M T, examples over all machines")
     ap.add_argument("--machines", type=int, nargs="+", default=[1, 10, 100])
-    ap.add_argument("--eps", type=float, default=4.0)
+    ap.add_argument("--eps", type=float, default=0.5)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--pnsgd-n", type=int, nargs="+", default=[500, 1000, 2000])
     ap.add_argument("--quick", action="store_true", help="smoke test: 100 examples, M in {1, 10}, one seed")
@@ -127,31 +129,38 @@ def main(argv: list[str] | None = None) -> int:
         cells = [next(t for t in table if t["protocol"] == p and t["M"] == M) for p in ("mu2_untrusted", "mu2_trusted")]
         print(f"{M:>5} " + " ".join(f"{c['excess_risk']:>14.4f}±{c['std']:<7.4f}" for c in cells))
 
-    print(f"\nshuffled PNSGD: synthetic logreg (dim {DIM}), one record per user, sigma = 4 L, delta = {DELTA}")
-    print(f"{'protocol':>14} {'M':>5} {'T':>6} {'seed':>4} {'excess':>10} {'eps spent':>9} {'s':>6}  state")
+    print(f"\nPNSGD: synthetic logreg (dim {DIM}), one record per user, radius {RADIUS}, delta = {DELTA}")
+    print(f"{'protocol':>14} {'n':>5} {'T':>6} {'seed':>4} {'excess':>10} {'eps spent':>9} {'s':>6}  state")
     pn_rows = []
     for n in args.pnsgd_n:
         base = data(n, 1, n)
-        pn_rows += cluster_runs(base, [({"what": "pnsgd", "M": n, "T": 1, "seed": 0}, pnsgd_config(base))], show)
+        configs = [({"what": p, "M": n, "T": 1, "seed": 0}, pnsgd_config(base, p)) for p in ("pnsgd", "pnsgd_online")]
+        pn_rows += cluster_runs(base, configs, show)
     L, eta, dk = 2.0, 1.0, 2 * RADIUS  # logreg over ||x|| <= 1: L = sqrt(2) sqrt(2), beta = 1 (eta = 1/beta)
-    eps0 = pn_rows[0]["eps_spent"]
-    print(f"\nat eps = {eps0:.4f} (the smallest n's charge), sigma = {4 * L}:")
-    print(f"{'n':>8} {'ledger eps':>11} {'delta_shuf':>11} {'in order: newest':>17} {'middle':>11}")
-    terms = pnsgd.gaussian_terms(eps0, L, 4 * L, eta, dk)
+    shuffled = {r["M"]: r for r in pn_rows if r["what"] == "pnsgd"}
+    online = {r["M"]: r for r in pn_rows if r["what"] == "pnsgd_online"}
+    eps0 = shuffled[args.pnsgd_n[0]]["eps_spent"]
+    print(f"\nledger eps at delta = {DELTA}; online per-record deltas at its eps; deltas at eps = {eps0:.4f}:")
+    head = f"{'n':>6} {'shuffled eps':>12} {'online eps':>10} {'oldest':>9} {'median':>9}"
+    print(head + f" {'delta_shuf':>11} {'online newest':>13}")
     pn_table = []
-    for r in pn_rows:
-        n = r["M"]  # synthetic data: every user holds one training record
+    for n in args.pnsgd_n:
+        views = online[n]["views"]
+        sched = {"eta": eta, "diameter": dk, "m": 1.0, **pnsgd_round.ONLINE_SCHEDULE}
+        sigma_n = float(pnsgd_round.online_sigmas(sched, n)[-1])
         row = {
             "n": n,
-            "eps_spent": r["eps_spent"],
+            "eps_shuffled": shuffled[n]["eps_spent"],
+            "eps_online": online[n]["eps_spent"],
+            "online_delta_oldest": views.get("record_delta_oldest"),
+            "online_delta_median": views.get("record_delta_median"),
             "delta_shuffled": pnsgd.delta_shuffled("gaussian", eps0, n, L, 4 * L, eta, dk),
-            "delta_newest": pnsgd.delta_plain(terms, n, n),
-            "delta_middle": pnsgd.delta_plain(terms, n, n // 2),
+            "delta_online_newest": pnsgd.theta(2 * L / sigma_n, eps0),
         }
         pn_table.append(row)
         print(
-            f"{n:>8} {row['eps_spent']:>11.4f} {row['delta_shuffled']:>11.3e} {row['delta_newest']:>17.3e} "
-            f"{row['delta_middle']:>11.3e}"
+            f"{n:>6} {row['eps_shuffled']:>12.4f} {row['eps_online']:>10.4f} {row['online_delta_oldest']:>9.2e} "
+            f"{row['online_delta_median']:>9.2e} {row['delta_shuffled']:>11.3e} {row['delta_online_newest']:>13.3e}"
         )
     total = time.monotonic() - started
     print(f"total time {total:.0f} s")
@@ -183,13 +192,12 @@ def plot(table: list[dict], pn_table: list[dict], machines: list[int], path: Pat
     a.set_title("DP-mu2-FL (seed 002)")
     a.legend()
     ns = [r["n"] for r in pn_table]
-    b.plot(ns, [r["delta_shuffled"] for r in pn_table], "o-", label="shuffled (Thm 2)")
-    b.plot(ns, [r["delta_newest"] for r in pn_table], "s--", label="in order, newest record (Thm 1)")
-    b.plot(ns, [r["delta_middle"] for r in pn_table], "^:", label="in order, middle record")
+    b.plot(ns, [r["delta_shuffled"] for r in pn_table], "o-", label="shuffled, sigma = 4L (Thm 2)")
+    b.plot(ns, [r["delta_online_newest"] for r in pn_table], "s--", label="online, newest record (Thm 7 noise)")
     b.set_xscale("log")
     b.set_yscale("log")
     b.set_xlabel("users n")
-    b.set_ylabel("delta at fixed eps, sigma")
+    b.set_ylabel("delta at a fixed eps")
     b.set_title("PNSGD (seed 004)")
     b.legend()
     fig.tight_layout()

@@ -10,9 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, timeout: float = 120) -> str:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True, timeout=120
+        [sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -76,3 +76,18 @@ def test_utility_vs_central_benchmark_runs_over_the_services(tmp_path):
     assert 7.9 <= float(rows["shuffle"]) <= 8.0 and abs(float(rows["central"]) - 8.0) < 1e-4, out
     assert "shuffle - central" in out
     assert (tmp_path / "utility.json").exists() and (tmp_path / "utility.png").exists()
+
+
+def test_mu2_pnsgd_benchmark_runs_over_the_services(tmp_path):
+    # issue 14 item 6, --quick: DP-mu2 trusted and untrusted at M in {1, 10}, shuffled and online PNSGD at one n, all
+    # over real local clusters; every run completes within its budget, and the JSON and the PNG are written
+    out = _run("mu2_pnsgd.py", "--quick", "--out", str(tmp_path), timeout=300)
+    rows = re.findall(
+        r"^\s*(mu2_untrusted|mu2_trusted|pnsgd|pnsgd_online)\s+(\d+)\s.*\s([0-9.]+)\s+[0-9.]+\s+COMPLETED$", out, re.M
+    )
+    assert sorted((r[0], r[1]) for r in rows) == sorted(
+        [("mu2_untrusted", "1"), ("mu2_untrusted", "10"), ("mu2_trusted", "1"), ("mu2_trusted", "10"),
+         ("pnsgd", "300"), ("pnsgd_online", "300")]
+    ), out  # fmt: skip
+    assert all(float(eps) <= 60.0 for _, _, eps in rows), out
+    assert (tmp_path / "mu2_pnsgd.json").exists() and (tmp_path / "mu2_pnsgd.png").exists()
