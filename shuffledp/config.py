@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shuffledp.optimizers.registry import MU2_PROTOCOLS, OPTIMIZERS, resolve
+
 __all__ = [
     "ConfigError",
     "DataConfig",
@@ -180,13 +182,10 @@ _PROTOCOLS = (
 _LDP_PROTOCOLS = ("r_inf", "r_one", "privunit", "rr")
 _CENTRAL_PROTOCOLS = ("tree", "gaussian")  # over the subsampled schedule
 _PAN_PROTOCOLS = ("pan_gaussian",)  # central trust, sequential, pan-private (paper 000 App C, Alg 6)
-_MU2_PROTOCOLS = ("mu2_untrusted", "mu2_trusted")  # DP-mu2-FL (seed 002); optimizers.registry.MU2_PROTOCOLS
 _TREE_KEYS = ("max_participations", "min_separation", "rounds_per_tree", "completion", "tree_estimator")
 _ESTIMATORS = ("efficient", "vanilla")
 _CALIBRATIONS = ("calibrated", "paper")
 _KINDS = ("sequential", "fully_interactive", "subsampled")
-_OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl", "mu2", "pnsgd")  # shuffledp.optimizers.registry.OPTIMIZERS
-_AUTO_OPTIMIZER = {"sequential": "psgd", "fully_interactive": "pgd", "subsampled": "sgd"}
 _MODES = ("counts", "bits", "sealed")
 _OUTPUTS = ("mean", "last")
 _SAMPLINGS = ("fixed", "poisson")
@@ -499,7 +498,7 @@ def _schedule(t: dict[str, Any]) -> ScheduleConfig:
     if rounds is not None:
         rounds = _int("schedule.rounds", rounds, 1, 100_000)
     kind = _choice("schedule.kind", t.get("kind", s.kind), _KINDS)
-    optimizer = _choice("schedule.optimizer", t.get("optimizer", s.optimizer), _OPTIMIZERS)
+    optimizer = _choice("schedule.optimizer", t.get("optimizer", s.optimizer), OPTIMIZERS)
     # the analyses pair each optimizer with one participation schedule (spec 000 sec 4): AC-SA and PSGD need
     # fresh cohorts (Alg 3 / Alg 4), PGD all users every round (Alg 5)
     if optimizer in ("psgd", "acsa") and kind != "sequential":
@@ -630,7 +629,7 @@ def _check_central(cfg: RunConfig, optimizer: str) -> None:
     if tree_keys and p.protocol != "tree":
         raise ConfigError(f'privacy.{tree_keys[0]} applies to privacy.protocol = "tree", got "{p.protocol}"')
     # ("pnsgd_online" has Thm 7's noise schedule)
-    if p.noise_multiplier is not None and p.protocol not in (*_CENTRAL_PROTOCOLS, *_MU2_PROTOCOLS, "pnsgd"):
+    if p.noise_multiplier is not None and p.protocol not in (*_CENTRAL_PROTOCOLS, *MU2_PROTOCOLS, "pnsgd"):
         raise ConfigError(
             f'privacy.noise_multiplier applies to "tree", "gaussian", "mu2_untrusted", "mu2_trusted" and "pnsgd", got '
             f'"{p.protocol}"'
@@ -749,14 +748,8 @@ def _check_combinations(cfg: RunConfig) -> None:
             f"schedule.phases = {s.phases} is the strongly convex reduction (Thm 4.8): it needs model.l2 > 0, got 0"
         )
     p, mode = cfg.privacy, cfg.transport.mode
-    optimizer = s.optimizer if s.optimizer != "auto" else _AUTO_OPTIMIZER[s.kind]
-    if s.optimizer == "auto" and p.protocol == "tree":
-        optimizer = "ftrl"  # tree aggregation's prefix sums are what FTRL consumes (spec 003 sec 2)
-    if s.optimizer == "auto" and p.protocol in _MU2_PROTOCOLS:
-        optimizer = "mu2"
+    optimizer = resolve(s.optimizer, s.kind, p.protocol)  # "auto": the planner's own rule (optimizers.registry)
     pnsgd = p.protocol in ("pnsgd", "pnsgd_online")
-    if s.optimizer == "auto" and pnsgd:
-        optimizer = "pnsgd"
     if (optimizer == "pnsgd") != pnsgd:
         raise ConfigError(
             f'schedule.optimizer = "pnsgd" and privacy.protocol = "pnsgd" / "pnsgd_online" go together (seed 004): got '
@@ -765,12 +758,12 @@ def _check_combinations(cfg: RunConfig) -> None:
     if p.randomly_stopped and p.protocol != "pnsgd":
         raise ConfigError(f'privacy.randomly_stopped applies to privacy.protocol = "pnsgd", got "{p.protocol}"')
     _check_central(cfg, optimizer)
-    if (optimizer == "mu2") != (p.protocol in _MU2_PROTOCOLS):
+    if (optimizer == "mu2") != (p.protocol in MU2_PROTOCOLS):
         raise ConfigError(
             'schedule.optimizer = "mu2" and privacy.protocol = "mu2_untrusted" / "mu2_trusted" go together (DP-mu2-FL, '
             f'seed 002): got optimizer "{optimizer}" with protocol "{p.protocol}"'
         )
-    if p.protocol in _MU2_PROTOCOLS:
+    if p.protocol in MU2_PROTOCOLS:
         _check_mu2(cfg)
     elif pnsgd:
         _check_pnsgd(cfg)

@@ -118,18 +118,20 @@ class PnsgdRound(CentralRound):
         o = req.options
         if req.kind != "fully_interactive" or req.rounds != 1:
             raise ValueError(
-                'privacy.protocol = "pnsgd" is one pass over the records: schedule.kind = '
+                f'privacy.protocol = "{self.name}" is one pass over the records: schedule.kind = '
                 f'"fully_interactive" with rounds = 1, got "{req.kind}" with {req.rounds}'
             )
         bound = o.get("feature_bound")
         if bound is None:
             raise ValueError(
-                'privacy.protocol = "pnsgd" needs the public bound on ||x||: data.dataset = "path" has none'
+                f'privacy.protocol = "{self.name}" needs the public bound on ||x||: data.dataset = "path" has none'
             )
         model = make_model(o["task"], o["num_features"], o["num_classes"], l2=o["l2"])
         L, beta, rho = model.lipschitz_bound(bound, o["radius"]), model.smoothness(bound), float(o["l2"])
         if not (math.isfinite(L) and math.isfinite(beta)):
-            raise ValueError(f'privacy.protocol = "pnsgd" needs a Lipschitz, smooth loss: model.task = "{o["task"]}"')
+            raise ValueError(
+                f'privacy.protocol = "{self.name}" needs a Lipschitz, smooth loss: model.task = "{o["task"]}"'
+            )
         eta = o.get("learning_rate") or 1.0 / beta  # within the contraction condition eta <= 2/(beta + rho)
         if eta > 2.0 / (beta + rho):
             raise ValueError(
@@ -167,8 +169,9 @@ class PnsgdRound(CentralRound):
         n = req.min_contributors  # the fewest records a released batch holds: delta_shuf decreases in n
         z = o.get("noise_multiplier")
         if z is None:
-            p = params
-            params["sigma"] = pnsgd.calibrate_scale("gaussian", req.delta, req.eps, n, L, eta, p["diameter"], p["m"])
+            params["sigma"] = pnsgd.calibrate_scale(
+                "gaussian", req.delta, req.eps, n, L, eta, params["diameter"], params["m"]
+            )
         else:
             params["sigma"] = float(z) * L
         spent = pnsgd_epsilon(params, n, req.delta)
