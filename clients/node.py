@@ -35,7 +35,7 @@ from shuffledp.clients.spend_store import MemorySpendStore, SpendStore, SqliteSp
 from shuffledp import grpc_options, tls
 from shuffledp.health import start_with_health
 from shuffledp.models import DEFAULT_HIDDEN, Model, make_model
-from shuffledp.protocols.registry import ROUND_PROTOCOLS, round_protocol
+from shuffledp.protocols.registry import known_protocol, round_protocol
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
@@ -165,7 +165,7 @@ class NodeCore:
         out = pb.Contribution(run_id=spec.run_id, round=spec.round, node_id=self.node_id)
         ids = [u for u in inv.user_ids if u in self._index]
         idx = np.fromiter((self._index[u] for u in ids), dtype=np.int64, count=len(ids))
-        protocol = ROUND_PROTOCOLS.get(spec.randomizer.protocol)
+        protocol = known_protocol(spec.randomizer.protocol)
         supported = protocol is not None and protocol.supports(spec)
         with self._lock:
             reasons, cost = self.policy.decide(spec, idx, supported)

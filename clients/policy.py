@@ -31,7 +31,7 @@ from shuffledp.accountants.calibrated_pvec import NoiseKey
 from shuffledp.accountants.pvec_pld import epsilon_of_rounds
 from shuffledp.config import PolicyConfig
 from shuffledp.protocols.pvec_round import pvec_params_from_spec
-from shuffledp.protocols.registry import ROUND_PROTOCOLS, round_protocol
+from shuffledp.protocols.registry import PROTOCOL_NAMES, known_protocol, round_protocol
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = [
@@ -97,9 +97,9 @@ class UserPolicy:
             raise ValueError(
                 f"allowed_trust_models has unknown names {sorted(bad)}; allowed: {sorted(TRUST_NAMES.values())}"
             )
-        bad = set(self.allowed_protocols) - set(ROUND_PROTOCOLS)
+        bad = set(self.allowed_protocols) - set(PROTOCOL_NAMES)
         if bad:
-            raise ValueError(f"allowed_protocols has unknown names {sorted(bad)}; known: {sorted(ROUND_PROTOCOLS)}")
+            raise ValueError(f"allowed_protocols has unknown names {sorted(bad)}; known: {sorted(PROTOCOL_NAMES)}")
         bad = set(self.allowed_transports) - set(TRANSPORT_NAMES.values())
         if bad:
             raise ValueError(
@@ -119,7 +119,7 @@ def verify_round_epsilon(spec: pb.RoundSpec) -> float:
 def noise_key(spec: pb.RoundSpec) -> NoiseKey | None:
     """The round's noise key (what its RDP depends on), as verify_round_epsilon sees the round; None when the
     round has none (unknown protocol, or invalid parameters)."""
-    protocol = ROUND_PROTOCOLS.get(spec.randomizer.protocol)
+    protocol = known_protocol(spec.randomizer.protocol)
     return None if protocol is None else protocol.noise_key(spec)
 
 
@@ -154,7 +154,7 @@ class PolicyTable:
         }
         self.protocol_ok = {
             name: np.array([not p.allowed_protocols or name in p.allowed_protocols for p in self.policies], dtype=bool)
-            for name in ROUND_PROTOCOLS
+            for name in PROTOCOL_NAMES
         }
         if spent is None:
             self.eps_spent, self.delta_spent = np.zeros(num_users), np.zeros(num_users)

@@ -64,7 +64,7 @@ T0=$(date +%s)
 # that were deleted since, and would leave build/ and *.egg-info behind in the work tree.
 SRC="$(mktemp -d /tmp/shuffledp-src.XXXXXX)"
 trap 'rm -rf "$SRC"' EXIT
-tar -C "$ROOT" --exclude=./.git --exclude=./.venv --exclude=./deploy/.build --exclude=./build \
+tar -C "$ROOT" --exclude=./.git --exclude='./.venv*' --exclude=./deploy/.build --exclude=./build \
   --exclude='*.egg-info' --exclude='__pycache__' --exclude='*.so' --exclude=./results --exclude=./.pytest_cache \
   --exclude=./.ruff_cache -c . | tar -C "$SRC" -x
 "$PYTHON" -m pip wheel --disable-pip-version-check "$SRC" -w "$WHEELS" >"$BUILD/pip-wheel.log" 2>&1 || {

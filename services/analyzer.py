@@ -10,6 +10,7 @@ starting on an existing state_dir resumes RUNNING runs (in-flight rounds are cha
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 __all__ = ["AnalyzerServicer", "start_analyzer", "LEDGER_FILE"]
 
 LEDGER_FILE = "ledger.sqlite"
+MAX_STATUS_WAIT_MS = 10_000  # a GetRunStatus long poll holds a server thread for at most this long
 
 # domain exception -> status code (one table; the first matching class wins)
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -134,8 +136,23 @@ class AnalyzerServicer(pbg.AnalyzerServicer):
             _abort(context, exc)
 
     def GetRunStatus(self, request: pb.RunRef, context: grpc.ServicerContext) -> pb.RunStatus:
+        # with wait_ms, a long poll: the status is answered once it differs from what the caller has seen, so an
+        # operator sees each round as it ends without polling (answers stay complete: a status, never a delta)
         try:
-            return _status(*self._view(request.run_id))
+            deadline = time.monotonic() + min(request.wait_ms, MAX_STATUS_WAIT_MS) / 1000.0
+            ledger = self.manager.ledger
+            while True:
+                version = ledger.version
+                status = _status(*self._view(request.run_id))
+                news = (len(status.metrics), status.state, status.message) != (
+                    request.seen_rounds,
+                    request.seen_state,
+                    request.seen_message,
+                )
+                left = deadline - time.monotonic()
+                if news or left <= 0 or not context.is_active():
+                    return status
+                ledger.wait_change(version, min(left, 1.0))
         except Exception as exc:
             _abort(context, exc)
 

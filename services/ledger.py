@@ -212,6 +212,9 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
         self._lock = threading.RLock()
+        # every committed write bumps the version and wakes wait_change (the operator API's long poll)
+        self._changed = threading.Condition(self._lock)
+        self._version = 0
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss before the next round leaves
@@ -235,11 +238,25 @@ class Ledger:
             def __exit__(self_inner, exc_type, exc, tb):
                 try:
                     ledger._db.execute("ROLLBACK" if exc_type else "COMMIT")
+                    if not exc_type:
+                        ledger._version += 1
+                        ledger._changed.notify_all()
                 finally:
                     ledger._lock.release()
                 return False
 
         return _Tx()
+
+    @property
+    def version(self) -> int:
+        """Count of committed writes since this process opened the ledger (for wait_change)."""
+        with self._lock:
+            return self._version
+
+    def wait_change(self, version: int, timeout: float) -> None:
+        """Block until a write after `version` has been committed, or for `timeout` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != version, max(timeout, 0.0))
 
     def _run_row(self, db: sqlite3.Connection, run_id: str) -> sqlite3.Row | tuple:
         row = db.execute("SELECT state, limit_json FROM runs WHERE run_id=?", (run_id,)).fetchone()

@@ -20,10 +20,13 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with `only` (a subcommand name), only that subcommand's module is imported: a service
+    started with `shuffledp serve ...` must not pay for the accountants' imports that `account` needs (~1 s)."""
     parser = argparse.ArgumentParser(prog="shuffledp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in SUBCOMMANDS.values():
+    names = [SUBCOMMANDS[only]] if only in SUBCOMMANDS else SUBCOMMANDS.values()
+    for module_name in names:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -35,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

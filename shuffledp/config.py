@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shuffledp.optimizers.registry import MU2_PROTOCOLS, OPTIMIZERS, resolve
+from shuffledp.protocols.registry import PROTOCOL_NAMES
 
 __all__ = [
     "ConfigError",
@@ -165,20 +166,7 @@ _NONSMOOTH_TASKS = ("hinge", "absolute", "distance")  # = shuffledp.models.NONSM
 _SYNTHETIC_DEFAULTS = {"n": 10_000, "dim": 20, "noise": 0.5}
 _SYNTHETIC_TEST_SIZE = 20_000
 _SYNTHETIC_MAX_ELEMENTS = 250_000_000  # (n + test size) * dim float64 = 2 GB in every process that loads the data
-_PROTOCOLS = (
-    "pvec",
-    "r_inf",
-    "r_one",
-    "privunit",
-    "rr",
-    "tree",
-    "gaussian",
-    "pan_gaussian",
-    "mu2_untrusted",
-    "mu2_trusted",
-    "pnsgd",
-    "pnsgd_online",
-)  # protocols.registry.ROUND_PROTOCOLS
+_PROTOCOLS = PROTOCOL_NAMES
 _LDP_PROTOCOLS = ("r_inf", "r_one", "privunit", "rr")
 _CENTRAL_PROTOCOLS = ("tree", "gaussian")  # over the subsampled schedule
 _PAN_PROTOCOLS = ("pan_gaussian",)  # central trust, sequential, pan-private (paper 000 App C, Alg 6)

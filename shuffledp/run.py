@@ -34,6 +34,7 @@ from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
 STARTUP_TIMEOUT_S = 60.0
 POLL_S = 0.5
+WAIT_MS = 1000  # GetRunStatus long poll; a dead local service is noticed between two polls
 TERMINAL = {pb.COMPLETED, pb.FAILED, pb.CANCELLED, pb.BUDGET_EXHAUSTED}
 
 # Operator calls to the analyzer: an analyzer restarting or stalled under load must not end the CLI at once, but the
@@ -127,10 +128,14 @@ class Cluster:
                 what = f"exited unexpectedly (status {proc.returncode})"
                 raise ServiceFailed(name, what, self.log_path(name), self.log_tail(name))
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """Ask every service to stop (SIGTERM) without waiting; stop() waits."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
+
+    def stop(self) -> None:
+        self.terminate()
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=10)
@@ -144,31 +149,37 @@ class Cluster:
 
 
 def start_local_cluster(
-    config_path: Path, workdir: Path, client_nodes: int, with_analyzer: bool = True, pki: Path | None = None
+    config_path: Path,
+    workdir: Path,
+    client_nodes: int,
+    with_analyzer: bool = True,
+    pki: Path | None = None,
+    wait_nodes: bool = True,
 ) -> tuple[Cluster, str, str | None]:
     """Start shuffler, analyzer (unless with_analyzer=False: the caller plays it) and client nodes as processes;
-    returns (cluster, shuffler address, analyzer address or None). With `pki` (a `shuffledp pki init` directory)
-    every hop is mTLS with role checks, as in a deployment; without it, plain text on loopback."""
+    returns (cluster, shuffler address, analyzer address or None) once they serve (with wait_nodes=False, once the
+    shuffler and analyzer do: the nodes may still be starting, and Cluster.check_alive reports one that fails). With
+    `pki` (a `shuffledp pki init` directory) every hop is mTLS with role checks, as in a deployment; without it,
+    plain text on loopback."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     cluster = Cluster(workdir)
     analyzer = None
     try:
         sec = ["--insecure"] if pki is None else ["--pki", str(pki.resolve())]
-        pf = cluster.spawn("shuffler", ["shuffler", *sec, "--state-dir", str(workdir / "state")])
-        shuffler = f"127.0.0.1:{cluster.wait_port('shuffler', pf)}"
+        # all at once: the others import while the shuffler starts and read its port from its port file
+        shuffler_pf = cluster.spawn("shuffler", ["shuffler", *sec, "--state-dir", str(workdir / "state")])
+        at_shuffler = ["--shuffler-port-file", str(shuffler_pf)]
         if with_analyzer:
-            pf = cluster.spawn(
-                "analyzer", ["analyzer", *sec, "--shuffler", shuffler, "--state-dir", str(workdir / "state")]
+            analyzer_pf = cluster.spawn(
+                "analyzer", ["analyzer", *sec, *at_shuffler, "--state-dir", str(workdir / "state")]
             )
-            analyzer = f"127.0.0.1:{cluster.wait_port('analyzer', pf)}"
         node_files = {
             f"client-{i}": cluster.spawn(
                 f"client-{i}",
                 [
                     "client",
                     *sec,
-                    "--shuffler",
-                    shuffler,
+                    *at_shuffler,
                     "--config",
                     str(config_path),
                     "--node-index",
@@ -181,7 +192,10 @@ def start_local_cluster(
             )
             for i in range(client_nodes)
         }
-        for name, pf in node_files.items():
+        shuffler = f"127.0.0.1:{cluster.wait_port('shuffler', shuffler_pf)}"
+        if with_analyzer:
+            analyzer = f"127.0.0.1:{cluster.wait_port('analyzer', analyzer_pf)}"
+        for name, pf in node_files.items() if wait_nodes else ():
             cluster.wait_port(name, pf)
     except BaseException:
         cluster.stop()
@@ -373,7 +387,12 @@ def drive_run(
                 echo(f"  [analyzer] {message}")
             try:
                 while True:
-                    status = rpc.call(stub.GetRunStatus, ref, call_timeout_s)
+                    # long poll: the analyzer answers when the run differs from what was shown, or after WAIT_MS
+                    asked = time.monotonic()
+                    seen = dict(seen_rounds=shown, seen_state=status.state, seen_message=message)
+                    poll = pb.RunRef(run_id=run_id, wait_ms=WAIT_MS, **seen)
+                    status = rpc.call(stub.GetRunStatus, poll, call_timeout_s + WAIT_MS / 1000)
+                    news = (len(status.metrics), status.state, status.message) != tuple(seen.values())
                     for m in status.metrics[shown:]:
                         echo(_progress_line(m, status.rounds_planned))
                     shown = len(status.metrics)
@@ -386,7 +405,8 @@ def drive_run(
                         break
                     if cluster is not None:
                         cluster.check_alive()
-                    time.sleep(POLL_S)
+                    if not news and time.monotonic() - asked < WAIT_MS / 2000:
+                        time.sleep(POLL_S)  # an analyzer that does not wait (older version): poll
             except KeyboardInterrupt:
                 echo("interrupted: cancelling the run")
                 with contextlib.suppress(grpc.RpcError):
@@ -547,6 +567,7 @@ def _run_command(
     config_path.write_text(config_toml)
     echo = (lambda *_: None) if args.quiet else print
     started = time.monotonic()
+    cluster, result = None, None
     timing = {"give_up_s": give_up_s, "call_timeout_s": call_timeout_s}
     if args.analyzer:
         print(f"shuffledp run: {label}: on the deployment at {args.analyzer}; results in {out}")
@@ -570,12 +591,15 @@ def _run_command(
         # [deployment] insecure = false: the local processes talk mTLS from pki_dir too (and so does the operator)
         pki = None if config.deployment.insecure else Path(config.deployment.pki_dir)
         try:
-            cluster, _, analyzer = start_local_cluster(config_path, out, config.deployment.client_nodes, pki=pki)
+            # the run is created while the nodes still start: the analyzer plans once their population is known
+            nodes = config.deployment.client_nodes
+            cluster, _, analyzer = start_local_cluster(config_path, out, nodes, pki=pki, wait_nodes=False)
         except ServiceFailed as exc:  # start_local_cluster stopped the others already
             print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
             return EXIT_LOST
         try:
             result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
+            cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
         except KeyboardInterrupt:
             print("stopped by Ctrl-C; services shut down; partial logs in", out / "logs", file=sys.stderr)
             return 130
@@ -588,8 +612,13 @@ def _run_command(
         except grpc.RpcError as exc:
             return _rpc_failed(exc, analyzer, "the run")
         finally:
+            if result is None:
+                cluster.stop()
+    try:
+        write_results(out, config_toml, result)
+    finally:
+        if cluster is not None:
             cluster.stop()
-    write_results(out, config_toml, result)
     status = result.status
     final = next((m for m in reversed(status.metrics) if m.released), None)
     budget = status.budget

@@ -12,9 +12,11 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger("shuffledp.serve")
+SHUFFLER_WAIT_S = 60.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +32,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--shuffler",
         default=os.environ.get("SHUFFLEDP_SHUFFLER", "127.0.0.1:50052"),
         help="shuffler address (analyzer and client)",
+    )
+    parser.add_argument(
+        "--shuffler-port-file",
+        type=Path,
+        help="analyzer and client: the shuffler is at 127.0.0.1:<the port in this file> (its --port-file), "
+        "waiting for the file after start-up (`shuffledp run` starts all services at once this way)",
     )
     parser.add_argument(
         "--state-dir",
@@ -68,6 +76,19 @@ def _security(args: argparse.Namespace, role: str):
     )
 
 
+def _shuffler_address(args: argparse.Namespace) -> str:
+    """--shuffler, or with --shuffler-port-file the loopback port the shuffler writes there once it serves; waited
+    for only now, after this process's own imports, so that all services of a local run start side by side."""
+    if args.shuffler_port_file is None:
+        return args.shuffler
+    deadline = time.monotonic() + SHUFFLER_WAIT_S
+    while not args.shuffler_port_file.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no shuffler port in {args.shuffler_port_file} after {SHUFFLER_WAIT_S:.0f} s")
+        time.sleep(0.02)
+    return f"127.0.0.1:{int(args.shuffler_port_file.read_text())}"
+
+
 def _party_name(args: argparse.Namespace, role: str) -> str:
     """This party's name: its certificate's name with --pki (a client node's id at the shuffler is that name)."""
     return args.name or (f"client-{args.node_index}" if role == "client-node" else role)
@@ -82,6 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.service == "analyzer":
         from shuffledp.services.analyzer import start_analyzer
 
+        args.shuffler = _shuffler_address(args)
         server_creds, channel_creds, interceptors = _security(args, "analyzer")
         args.state_dir.mkdir(parents=True, exist_ok=True)
         server, port = start_analyzer(
@@ -104,8 +126,9 @@ def _serve(args: argparse.Namespace) -> int:
                 f"--node-index must be in [0, --num-nodes) and --num-nodes >= 1, "
                 f"got {args.node_index} of {args.num_nodes}"
             )
-        server_creds, channel_creds, interceptors = _security(args, "client-node")
         config = load_config(args.config)
+        args.shuffler = _shuffler_address(args)
+        server_creds, channel_creds, interceptors = _security(args, "client-node")
         handle = start_node(
             _party_name(args, "client-node"),
             config,

@@ -2,6 +2,8 @@
 
 import math
 import sqlite3
+import threading
+import time
 from dataclasses import asdict
 
 import grpc
@@ -77,6 +79,26 @@ def test_operator_api_errors_and_cancel(services, data):
         with pytest.raises(grpc.RpcError) as err:
             call(pb.RunRef(run_id=st.run_id))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_status_long_poll_answers_at_the_first_change_or_after_its_wait(services, data):
+    stub, _, _, _ = services
+    st = stub.CreateRun(pb.CreateRunRequest(config_toml=data))
+    seen = dict(seen_rounds=0, seen_state=pb.CREATED, seen_message=st.message)
+    t0 = time.monotonic()
+    same = stub.GetRunStatus(pb.RunRef(run_id=st.run_id, wait_ms=400, **seen), timeout=10)
+    waited = time.monotonic() - t0
+    assert same.state == pb.CREATED and 0.35 <= waited < 5.0  # nothing changed: answered after wait_ms
+    t0 = time.monotonic()
+    assert stub.GetRunStatus(pb.RunRef(run_id=st.run_id, wait_ms=5000), timeout=10).state == pb.CREATED
+    assert time.monotonic() - t0 < 1.0  # the caller has seen nothing (no seen_state): answered at once
+    cancel = threading.Timer(0.3, lambda: stub.CancelRun(pb.RunRef(run_id=st.run_id)))
+    t0 = time.monotonic()
+    cancel.start()
+    changed = stub.GetRunStatus(pb.RunRef(run_id=st.run_id, wait_ms=8000, **seen), timeout=15)
+    woke = time.monotonic() - t0
+    cancel.join()
+    assert changed.state == pb.CANCELLED and woke < 3.0  # woken by the ledger write, long before 8 s
 
 
 def test_rounds_below_threshold_are_released_and_cost_nothing(services, data):

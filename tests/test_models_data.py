@@ -86,6 +86,19 @@ def test_digits_default_split_and_shards():
         user_shard(ds, 2, 2)
 
 
+def test_digits_reader_equals_scikit_learns_loader():
+    # data.load_digits reads scikit-learn's file without importing scikit-learn (start-up time); same arrays
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    from shuffledp.data import load_digits
+
+    X, y = load_digits()
+    X_ref, y_ref = sk_load_digits(return_X_y=True)
+    assert X.dtype == np.float64 and y.dtype == np.int64
+    np.testing.assert_array_equal(X, X_ref)
+    np.testing.assert_array_equal(y, y_ref)
+
+
 def test_class_subset_relabels_in_given_order():
     ds = load_dataset(DataConfig(classes=(8, 3)))
     assert ds.num_classes == 2

@@ -285,7 +285,7 @@ def test_rounds_compose_in_parallel_and_the_ledger_charges_one_round(tmp_path, m
     louder = {**p, "zeta": 2 * p["zeta"]}  # a cheaper round does not add to the worst one
     assert proto.compose([*events, PrivacyEvent(proto.name, louder, B, "sequential", "central")], limit) == one
 
-    monkeypatch.setitem(registry.ROUND_PROTOCOLS, proto.name, proto)  # the registry line is added separately
+    monkeypatch.setitem(registry._loaded, proto.name, proto)  # this instance is the one the ledger asks
     led = Ledger(tmp_path / "ledger.sqlite")
     led.create_run("r", "# toml")
     led.set_budget("r", limit, {"rounds": 6})

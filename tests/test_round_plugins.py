@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from shuffledp.services.ledger import BudgetLimit, LedgerError, PrivacyEvent, co
 
 from shuffledp.config import parse_config
 from shuffledp.models import make_model
-from shuffledp.protocols.registry import ROUND_PROTOCOLS, round_protocol
+from shuffledp.protocols.registry import PROTOCOL_NAMES, round_protocol
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -48,6 +50,28 @@ def test_the_round_loop_names_no_protocol_transport_or_optimizer():
     assert found == [], found
 
 
+def test_every_registry_entry_loads_the_plug_in_of_that_name():
+    for name in PROTOCOL_NAMES:
+        assert round_protocol(name).name == name
+        assert round_protocol(name) is round_protocol(name)  # one instance per name
+
+
+def test_the_registry_imports_a_plug_in_only_when_it_is_asked_for():
+    # start-up time (issue 15): a service must not import every protocol's accountants (scipy, dp_accounting)
+    code = (
+        "import sys\n"
+        "from shuffledp.protocols.registry import round_protocol\n"
+        "import shuffledp.config\n"
+        "mods = lambda: {m for m in sys.modules if m.startswith('shuffledp.protocols.') or m == 'dp_accounting'}\n"
+        "before = mods()\n"
+        "round_protocol('tree')\n"
+        "print(sorted(before)); print(sorted(mods() - before))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "['shuffledp.protocols.base', 'shuffledp.protocols.registry']"
+    assert "shuffledp.protocols.tree_round" in out[1] and "shuffledp.protocols.pvec_round" not in out[1]
+
+
 def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
     with pytest.raises(
         LookupError,
@@ -55,7 +79,7 @@ def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
         "pnsgd_online, privunit, pvec",
     ):
         round_protocol("gauss")
-    assert set(ROUND_PROTOCOLS) == {
+    assert set(PROTOCOL_NAMES) == {
         "pvec",
         "r_inf",
         "r_one",

@@ -78,11 +78,9 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 
 import numpy as np
-import scipy.optimize
+import scipy  # scipy.stats / scipy.optimize load on first use: a client node's check never needs them (start-up)
 from scipy.special import logsumexp
-from scipy.stats import binom
 
-from shuffledp.accountants import gaussian as gaussian_acc
 from shuffledp.accountants.rdp import extended_rdp_to_dp, rdp_to_dp
 from shuffledp.protocols.pvec import MAX_M, PvecParams
 
@@ -196,12 +194,12 @@ def _block_masses(starts: np.ndarray, ends: np.ndarray, M: int, p: float, s: flo
     """P(start <= eta <= end) for consecutive blocks of a window, eta ~ Bin(M, p)."""
     lo, hi = int(starts[0]), int(ends[-1])
     if s <= _S_CDF or hi - lo < 4 * len(starts):
-        pmf = binom.pmf(np.arange(lo, hi + 1, dtype=np.float64), M, p)
+        pmf = scipy.stats.binom.pmf(np.arange(lo, hi + 1, dtype=np.float64), M, p)
         return np.add.reduceat(pmf, (starts - lo).astype(np.int64))
     # Boundary CDFs; left of the mean differences of cdf, right of it of sf (no cancellation near 0).
     b = np.append(starts - 1, hi).astype(np.float64)
-    cdf = binom.cdf(b, M, p)
-    sf = binom.sf(b, M, p)
+    cdf = scipy.stats.binom.cdf(b, M, p)
+    sf = scipy.stats.binom.sf(b, M, p)
     left = ends < M * p
     m = np.where(left, cdf[1:] - cdf[:-1], sf[:-1] - sf[1:])
     return np.maximum(m, 0.0)
@@ -227,7 +225,7 @@ def _directed_rdp(M: int, p: float, a: int, orders: np.ndarray) -> np.ndarray:
     if b > 1:
         # sum_blk (k - start) B(k) = sum_blk (k - mu) B(k) + (mu - start) mass, with the exact identity
         # sum_{k <= x} (k - Mp) B_M(k) = -M p q B_{M-1}(x).
-        pm = binom.pmf(np.append(starts - 1, hi).astype(np.float64), M - 1, p)
+        pm = scipy.stats.binom.pmf(np.append(starts - 1, hi).astype(np.float64), M - 1, p)
         centred = -M * p * q * (pm[1:] - pm[:-1]) + (mu - starts) * mass
         centred = np.clip(centred, 0.0, width * mass)
     else:
@@ -245,7 +243,7 @@ def _directed_rdp(M: int, p: float, a: int, orders: np.ndarray) -> np.ndarray:
         k_fine_end = min(M, hi + _TAIL_FINE * bt)
         fs = np.arange(hi + 1, k_fine_end + 1, bt, dtype=np.float64)
         fe = np.minimum(fs + bt - 1, k_fine_end)
-        logm = np.log(fe - fs + 1.0) + binom.logpmf(fs, M, p)
+        logm = np.log(fe - fs + 1.0) + scipy.stats.binom.logpmf(fs, M, p)
         logm = logm + _LOGPMF_MARGIN * (1.0 + np.abs(logm))
         ts, te = [], []
         k1, step = k_fine_end + 1, max(1, math.ceil(s))
@@ -540,6 +538,8 @@ def _eps_for(N: int, g: int, d: int, rounds: int, delta: float) -> float:
 @lru_cache(maxsize=1024)
 def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g: int, rounds: int) -> PvecParams:
     # Start from the Gaussian RDP guess: noise std s = (g + sqrt d) sqrt(rounds) / rho, rho = rho_for_epsilon.
+    from shuffledp.accountants import gaussian as gaussian_acc  # dp_accounting: imported when calibrating
+
     rho = gaussian_acc.rho_for_epsilon(eps, delta, method="rdp", orders=DEFAULT_ORDERS)
     s2 = rounds * (g + math.sqrt(d)) ** 2 / rho**2
     m = max(1, math.ceil(4.0 * s2 / n), math.ceil(g / n))
@@ -634,5 +634,7 @@ def gaussian_variance(eps: float, delta: float, delta2: float, rounds: int = 1, 
     """Per-coordinate variance of the Gaussian mechanism with l2 sensitivity 2 delta2 meeting (eps, delta)
     over ``rounds`` compositions: method "exact" = analytic Gaussian (Balle & Wang 2018; composition of
     Gaussians is Gaussian), "rdp" = same RDP conversion as this module."""
+    from shuffledp.accountants import gaussian as gaussian_acc  # dp_accounting: imported when calibrating
+
     rho = gaussian_acc.rho_for_epsilon(eps, delta, method=method)
     return rounds * (2.0 * delta2 / rho) ** 2

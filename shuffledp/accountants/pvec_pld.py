@@ -64,15 +64,17 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-from dp_accounting.pld import pld_pmf
-from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
+import scipy  # scipy.stats loads on first use (the exhaustive route); dp_accounting likewise (start-up time)
 from scipy.special import log_ndtr, ndtri
-from scipy.stats import binom
 
 from shuffledp.accountants import calibrated_pvec as cal
 from shuffledp.protocols.pvec import PvecParams
+
+if TYPE_CHECKING:
+    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
 __all__ = [
     "VALUE_DISCRETIZATION_INTERVAL",
@@ -131,12 +133,15 @@ def maximal_gap_vectors(g: int, d: int, limit: int = EXHAUSTIVE_MAX_VECTORS) -> 
 @lru_cache(maxsize=512)
 def _coord_pld(N: int, a: int, vdi: float) -> tuple[PrivacyLossDistribution, int, int]:
     """Connect-the-Dots PLD of P = a + Bin(N, 1/2) vs Q = Bin(N, 1/2) from the explicit pmfs; (pld, i_lo, i_hi)."""
+    from dp_accounting.pld import pld_pmf
+    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
+
     k = np.arange(a, N + 1, dtype=np.float64)  # common support; P(k > N) has Q = 0 (infinite loss)
-    log_p = binom.logpmf(k - a, N, 0.5)
-    log_q = binom.logpmf(k, N, 0.5)
+    log_p = scipy.stats.binom.logpmf(k - a, N, 0.5)
+    log_q = scipy.stats.binom.logpmf(k, N, 0.5)
     loss = log_p - log_q  # increasing in k (log-concave pmf)
     pm, qm = np.exp(log_p), np.exp(log_q)
-    inf_mass = float(binom.sf(N - a, N, 0.5))
+    inf_mass = float(scipy.stats.binom.sf(N - a, N, 0.5))
     sp = np.append(np.cumsum(pm[::-1])[::-1], 0.0)  # sp[c] = P(k >= k_c)
     sq = np.append(np.cumsum(qm[::-1])[::-1], 0.0)
     below = np.cumsum(pm)
@@ -178,6 +183,9 @@ def _delta_on_grid(pld: PrivacyLossDistribution, k0: int, k1: int) -> np.ndarray
 
 @lru_cache(maxsize=64)
 def _exhaustive_round(N: int, g: int, d: int, vdi: float) -> PrivacyLossDistribution:
+    from dp_accounting.pld import pld_pmf
+    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
+
     vecs = maximal_gap_vectors(g, d)
     if vecs is None:
         raise ValueError(f"more than {EXHAUSTIVE_MAX_VECTORS} maximal gap vectors (g={g}, d={d})")
@@ -220,7 +228,10 @@ def unit_gdp_mu2(M: int) -> float:
     total = below + above
     alpha, alpha_c = (above / total).astype(np.float64), (below / total).astype(np.float64)
     # isf(alpha) = Phi^{-1}(1 - alpha) from whichever of alpha, 1 - alpha is small
-    z_a = np.where(alpha < 0.5, -ndtri(np.minimum(alpha, 0.5)), ndtri(np.maximum(alpha_c, 0.0)))
+    small = alpha < 0.5  # each z from one ndtri call (half the work of evaluating both branches everywhere)
+    z_a = np.empty_like(alpha)
+    z_a[small] = -ndtri(alpha[small])
+    z_a[~small] = ndtri(np.maximum(alpha_c[~small], 0.0))
     z_b = z_a[::-1]
     # T(Q', P') >= G_mu iff beta_c >= Phi(isf(alpha_c) - mu) at every vertex (Dong, Roth & Su 2022, Def. 2.7)
     mu = max(0.0, float(np.max(z_a + z_b)))

@@ -344,10 +344,18 @@ class CreateRunRequest(_message.Message):
     def __init__(self, config_toml: _Optional[str] = ...) -> None: ...
 
 class RunRef(_message.Message):
-    __slots__ = ("run_id",)
+    __slots__ = ("run_id", "wait_ms", "seen_rounds", "seen_state", "seen_message")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_STATE_FIELD_NUMBER: _ClassVar[int]
+    SEEN_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+    wait_ms: int
+    seen_rounds: int
+    seen_state: RunState
+    seen_message: str
+    def __init__(self, run_id: _Optional[str] = ..., wait_ms: _Optional[int] = ..., seen_rounds: _Optional[int] = ..., seen_state: _Optional[_Union[RunState, str]] = ..., seen_message: _Optional[str] = ...) -> None: ...
 
 class BudgetStatus(_message.Message):
     __slots__ = ("eps_spent", "delta_spent", "eps_reserved", "delta_reserved", "eps_limit", "delta_limit", "accountant", "trust_model", "rounds_committed", "honest_fraction", "eps_spent_robust", "views")
