@@ -240,8 +240,8 @@ def bench_direct(
 def component_breakdown(cfg: RunConfig, plan: dict, params: PvecParams, model: Model, rounds: int) -> None:
     """Where an end-to-end round spends its time: the services' own logic run in this process, no gRPC.
 
-    Per round: each node's NodeCore.handle (policy, gradients, clip, encode_counts, building 500 UserMessage
-    protos with CountVector.packed), Contribution serialize + parse + conversion to the shuffler's domain objects,
+    Per round: each node's NodeCore.handle (policy, gradients, clip, encode_counts, the users' UserColumns),
+    Contribution serialize + parse + conversion to the shuffler's domain objects,
     and the shuffler's ShufflerState.submit (per-message checks, design 5.3, then one vectorized range check and
     sum for the contribution). The nodes run one after
     the other here; in the real deployment they run in parallel on their own processes.
@@ -263,21 +263,24 @@ def component_breakdown(cfg: RunConfig, plan: dict, params: PvecParams, model: M
         box: dict = {}
         runner = threading.Thread(target=lambda s=spec, b=box: b.update(batch=state.execute_round(_request(s))))
         runner.start()
-        for core, sub in zip(cores, subs, strict=True):
-            invite = sub.get(timeout=10)
-            t0 = time.perf_counter()
-            contribution = core.handle(pb.Invitation(spec=invite.relay, user_ids=invite.user_ids))
-            t1 = time.perf_counter()
-            submission = _submission(pb.Contribution.FromString(contribution.SerializeToString()))
-            t2 = time.perf_counter()
-            ack = state.submit(submission)
-            t3 = time.perf_counter()
-            if ack.accepted != len(invite.user_ids):
-                raise RuntimeError(f"in-process shuffler accepted {ack.accepted} of {len(invite.user_ids)}")
-            if r > 0:
-                t["node handle (500 users)"].append(t1 - t0)
-                t["serialize+parse+to-domain"].append(t2 - t1)
-                t["shuffler submit (500 msgs)"].append(t3 - t2)
+        phases = ("check-in", "contribution") if spec.check_in.noise_trials else ("contribution",)
+        for phase in phases:  # a check-in round invites twice (protocols/check_in.py)
+            for core, sub in zip(cores, subs, strict=True):
+                invite = sub.get(timeout=10)
+                t0 = time.perf_counter()
+                contribution = core.handle(pb.Invitation(spec=invite.relay, user_ids=invite.user_ids))
+                t1 = time.perf_counter()
+                wire = pb.Contribution.FromString(contribution.SerializeToString())
+                submission = _submission(wire, core.node_id)
+                t2 = time.perf_counter()
+                ack = state.submit(submission)
+                t3 = time.perf_counter()
+                if ack.accepted != len(invite.user_ids):
+                    raise RuntimeError(f"in-process shuffler accepted {ack.accepted} of {len(invite.user_ids)}")
+                if r > 0:
+                    t[f"{phase}: node handle (500 users)"].append(t1 - t0)
+                    t[f"{phase}: serialize+parse+to-domain"].append(t2 - t1)
+                    t[f"{phase}: shuffler submit (500 users)"].append(t3 - t2)
         runner.join()
         # the in-process work of the same 500 users without protos or policy, for comparison
         ids, X, y = cores[0].shard.user_ids, cores[0].shard.X[:, 0, :], cores[0].shard.y[:, 0]

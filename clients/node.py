@@ -173,15 +173,17 @@ class NodeCore:
             if spec.check_in.noise_trials and not spec.check_in.checked_in:
                 # check-in invitation (protocols/check_in.py): the users whose policy accepts the worst case check
                 # in with a payload-free message; nothing is computed or charged until the second invitation
-                joined = np.asarray(ids)[join]
-                for u, nonce in zip(joined, _nonces(joined.size), strict=True):
-                    out.messages.add(user_id=str(u), nonce=nonce)
+                joined = [ids[i] for i in np.flatnonzero(join)]
+                out.columns.user_ids.extend(joined)
+                out.columns.nonce_bytes = NONCE_BYTES
+                out.columns.nonces = secrets.token_bytes(NONCE_BYTES * len(joined))
             elif np.any(join):
                 try:
                     self._randomize(spec, idx[join], out)
                 except ValueError as exc:
                     log.warning("node %s: round %d of %s is malformed: %s", self.node_id, spec.round, spec.run_id, exc)
                     del out.messages[:]  # nothing of a malformed round is sent or charged
+                    out.ClearField("columns")
                     reasons[join] = "invalid_round_spec"
                     join[:] = False
                 else:
@@ -202,7 +204,7 @@ class NodeCore:
         return out
 
     def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray, out: pb.Contribution) -> None:
-        """Append one UserMessage per user of idx to out.messages (in idx order), by the round's protocol plug-in."""
+        """One message per user of idx (in idx order) in out, by the round's protocol plug-in."""
         ids = [self.shard.user_ids[i] for i in idx]
         protocol = round_protocol(spec.randomizer.protocol)
         protocol.randomize(spec, protocol.local_vectors(spec, self, idx), ids, _nonces(len(ids)), self._rng, out)
@@ -229,12 +231,33 @@ def split_contribution(c: pb.Contribution, max_bytes: int = grpc_options.SUBMIT_
     travel with the first. One Contribution if it fits."""
     if c.ByteSize() <= max_bytes:
         return [c]
+    if c.HasField("columns"):  # the columns of a COUNTS round or a check-in (never with messages)
+        return _split_columns(c, max_bytes)
     per_message = c.messages[0].ByteSize() + 8  # + field tag and length prefix
     k = max(1, max_bytes // per_message)
     parts = []
     for start in range(0, len(c.messages), k):
         part = pb.Contribution(run_id=c.run_id, round=c.round, node_id=c.node_id)
         part.messages.extend(c.messages[start : start + k])
+        parts.append(part)
+    parts[0].refusals.extend(c.refusals)
+    return parts
+
+
+def _split_columns(c: pb.Contribution, max_bytes: int) -> list[pb.Contribution]:
+    cols = c.columns
+    n = len(cols.user_ids)
+    row = len(cols.counts) // n  # bytes of one user's counts (0 in a check-in)
+    per_user = cols.nonce_bytes + row + max(len(u) for u in cols.user_ids) + 3  # + tag and length of its id
+    k = max(1, max_bytes // per_user)
+    parts = []
+    for a in range(0, n, k):
+        b = min(n, a + k)
+        part = pb.Contribution(run_id=c.run_id, round=c.round, node_id=c.node_id)
+        part.columns.user_ids.extend(cols.user_ids[a:b])
+        part.columns.nonce_bytes = cols.nonce_bytes
+        part.columns.nonces = cols.nonces[a * cols.nonce_bytes : b * cols.nonce_bytes]
+        part.columns.counts = cols.counts[a * row : b * row]
         parts.append(part)
     parts[0].refusals.extend(c.refusals)
     return parts
@@ -326,11 +349,12 @@ class ClientNodeHandle:
             return
         for part in split_contribution(contribution, self._chunk):
             code = self._submit(part, inv.spec.round)
-            if code is not None and part.messages:
+            senders = [m.user_id for m in part.messages] + list(part.columns.user_ids)
+            if code is not None and senders:
                 # the operator sees why these users are missing: refusals with the cause (the users stay charged)
                 why = SUBMIT_FAILED_PREFIX + code.name.lower()
                 note = pb.Contribution(run_id=part.run_id, round=part.round, node_id=part.node_id)
-                note.refusals.extend(pb.Refusal(user_id=m.user_id, reason=why) for m in part.messages)
+                note.refusals.extend(pb.Refusal(user_id=u, reason=why) for u in senders)
                 self._submit(note, inv.spec.round)
 
     def _submit(self, contribution: pb.Contribution, round_index: int) -> grpc.StatusCode | None:

@@ -30,6 +30,7 @@ from shuffledp.services.shuffler_state import (
     Submission,
     Transport,
     TreeLimits,
+    UserColumns,
     UserMessage,
 )
 
@@ -198,12 +199,17 @@ def _submission(c: pb.Contribution, node_id: str) -> Submission:
         elif kind == "sealed":
             cts = list(m.sealed.ciphertexts)
         msgs.append(UserMessage(user_id=m.user_id, nonce=m.nonce, counts=counts, ciphertexts=cts, counts_packed=packed))
+    cols = None
+    if c.HasField("columns"):
+        k = c.columns
+        cols = UserColumns(list(k.user_ids), k.nonces, k.nonce_bytes, k.counts)
     return Submission(
         run_id=c.run_id,
         round=c.round,
         node_id=node_id,
         messages=msgs,
         refusals=[(r.user_id, r.reason) for r in c.refusals],
+        columns=cols,
     )
 
 

@@ -212,12 +212,24 @@ class UserMessage:
 
 
 @dataclass(frozen=True)
+class UserColumns:
+    """Many users' messages as columns (proto UserColumns): user i has user_ids[i], the i-th nonce_bytes of
+    `nonces` and, in a COUNTS round, the i-th row of `counts`; an empty `counts` is a payload-free check-in."""
+
+    user_ids: Sequence[str]
+    nonces: bytes
+    nonce_bytes: int
+    counts: bytes = b""
+
+
+@dataclass(frozen=True)
 class Submission:
     run_id: str
     round: int
     node_id: str
     messages: Sequence[UserMessage] = ()
     refusals: Sequence[tuple[str, str]] = ()  # (user_id, reason)
+    columns: UserColumns | None = None  # further users' messages, checked after `messages`
 
 
 @dataclass(frozen=True)
@@ -926,7 +938,8 @@ class ShufflerState:
         with self._lock:
             key = (sub.run_id, int(sub.round))
             rnd = self._open.get(key)
-            n_items = max(1, len(sub.messages) + len(sub.refusals))
+            n_columns = len(sub.columns.user_ids) if sub.columns is not None else 0
+            n_items = max(1, len(sub.messages) + len(sub.refusals) + n_columns)
             if rnd is None or rnd.closed or self._clock() >= rnd.deadline:
                 reason = Reason.EXPIRED_ROUND if (key in self._closed or rnd is not None) else Reason.WRONG_ROUND
                 self._reject(None, reason, rejected, n_items)
@@ -935,6 +948,8 @@ class ShufflerState:
                 raise RoundRejected(reason, f"no open round {sub.round} of run {sub.run_id!r}")
             accepted = 0
             rows: list[bytes] = []  # COUNTS payloads valid but for the range check, done below for all at once
+            # row indices of sub.columns.counts whose user passed every check but the range check
+            column_rows: list[int] | range = []
             for msg in sub.messages:
                 ukey = user_key(sub.node_id, msg.user_id)
                 checked = self._check_message(rnd, ukey, msg)
@@ -955,8 +970,16 @@ class ShufflerState:
                     rnd.ciphertexts.extend(bytes(c) for c in msg.ciphertexts)
                     rnd.contributors += 1
                     accepted += 1
-            if rows:
-                accepted += self._add_counts(rnd, rows, rejected)
+            if sub.columns is not None and sub.columns.user_ids:
+                checked_in, column_rows = self._check_columns(rnd, sub.node_id, sub.columns, rejected)
+                accepted += checked_in
+            if rows or column_rows:
+                block = np.frombuffer(b"".join(rows), dtype=rnd.wire_dtype).reshape(len(rows), rnd.req.dim)
+                if column_rows:  # rows of the columns' counts, validated above to hold dim values each
+                    table = np.frombuffer(sub.columns.counts, dtype=rnd.wire_dtype).reshape(-1, rnd.req.dim)
+                    part = table if isinstance(column_rows, range) else table[column_rows]
+                    block = part if not rows else np.concatenate([block, part])
+                accepted += self._add_counts(rnd, block, rejected)
             for user_id, why in sub.refusals:
                 ukey = user_key(sub.node_id, user_id)
                 if ukey not in rnd.invited:
@@ -972,14 +995,13 @@ class ShufflerState:
             self._lock.notify_all()
             return Ack(accepted, dict(rejected))
 
-    def _add_counts(self, rnd: _OpenRound, rows: list[bytes], rejected: Counter) -> int:
-        """Range-check COUNTS payloads (each d values of rnd.wire_dtype) and add the valid ones into the running
+    def _add_counts(self, rnd: _OpenRound, block: np.ndarray, rejected: Counter) -> int:
+        """Range-check COUNTS payloads (rows of d values of rnd.wire_dtype) and add the valid ones into the running
         total, one vectorized pass; returns how many were added. Caller holds the lock."""
-        block = np.frombuffer(b"".join(rows), dtype=rnd.wire_dtype).reshape(len(rows), rnd.req.dim)
         ok = block.max(axis=1) <= rnd.bound  # unsigned: never negative, so [0, g+m] is this one bound
         n_ok = int(np.count_nonzero(ok))
-        if n_ok < len(rows):
-            self._reject(rnd, Reason.COUNT_OUT_OF_RANGE, rejected, len(rows) - n_ok)
+        if n_ok < len(block):
+            self._reject(rnd, Reason.COUNT_OUT_OF_RANGE, rejected, len(block) - n_ok)
             block = block[ok]
         # running total only, per-user counts are not kept (spec 000 sec 8); no overflow: _validate bounds
         # cohort * (g+m) below 2^64
@@ -987,10 +1009,9 @@ class ShufflerState:
         rnd.contributors += n_ok
         return n_ok
 
-    def _check_message(self, rnd: _OpenRound, ukey: str, msg: UserMessage) -> Reason | bytes | object | None:
-        """First failing check of design 5.3 for one user message (a Reason), else for COUNTS the payload as
-        d values of rnd.wire_dtype (bytes; its range is checked by _add_counts), else None. Caller holds the lock."""
-        nonce = bytes(msg.nonce)
+    def _check_sender(self, rnd: _OpenRound, ukey: str, nonce: bytes) -> Reason | None:
+        """The checks of design 5.3 on who sent a message (nonce, user, invitation, one answer), in order; when all
+        pass the nonce is recorded. Caller holds the lock."""
         if not NONCE_MIN_BYTES <= len(nonce) <= NONCE_MAX_BYTES:
             return Reason.BAD_NONCE
         if nonce in rnd.nonces:
@@ -1005,6 +1026,67 @@ class ShufflerState:
         # only while the round is open (then every message to it is refused as expired): at most one nonce per
         # invited user, whatever a sender sends
         rnd.nonces.add(nonce)
+        return None
+
+    def _check_columns(
+        self, rnd: _OpenRound, node_id: str, cols: UserColumns, rejected: Counter
+    ) -> tuple[int, list[int] | range]:
+        """Every check of _check_message for each user of `cols`, with the same outcome and counts as one
+        UserMessage per user in column order; returns (check-ins accepted, rows of cols.counts left for the range
+        check). An honest batch passes the sender checks as set operations, without a Python step per user
+        (issue 15: the per-message checks were the shuffler's hot loop). Caller holds the lock."""
+        n, width = len(cols.user_ids), int(cols.nonce_bytes)
+        keys = [user_key(node_id, u) for u in cols.user_ids]
+        if not NONCE_MIN_BYTES <= width <= NONCE_MAX_BYTES or len(cols.nonces) != n * width:
+            self._reject(rnd, Reason.BAD_NONCE, rejected, n)  # every nonce has a bad length, or none is defined
+            return 0, []
+        nonces = [cols.nonces[i : i + width] for i in range(0, n * width, width)]
+        fresh = set(keys)
+        honest = (
+            len(fresh) == n
+            and len(set(nonces)) == n
+            and rnd.nonces.isdisjoint(nonces)
+            and fresh <= self._admitted
+            and fresh <= rnd.invited.keys()
+            and rnd.answered.isdisjoint(fresh)
+        )
+        # each answer is used up once its sender checks pass, whether or not its payload passes below
+        if honest:
+            rnd.nonces.update(nonces)
+            rnd.answered.update(fresh)
+            good: list[int] | range = range(n)
+        else:  # somebody fails: the per-user checks in order give each message its reason
+            good = []
+            for i, (ukey, nonce) in enumerate(zip(keys, nonces, strict=True)):
+                why = self._check_sender(rnd, ukey, nonce)
+                if why is None:
+                    rnd.answered.add(ukey)
+                    good.append(i)
+                else:
+                    self._reject(rnd, why, rejected)
+        if not good:
+            return 0, []
+        row_bytes = rnd.req.dim * rnd.wire_dtype.itemsize if rnd.wire_dtype is not None else 0
+        if rnd.checking_in:  # a check-in carries no payload (CheckIn)
+            if cols.counts:
+                self._reject(rnd, Reason.WRONG_PAYLOAD, rejected, len(good))
+                return 0, []
+            rnd.checked_in.extend(keys[i] for i in good)
+            return len(good), []
+        if rnd.req.transport != Transport.COUNTS or not cols.counts:
+            self._reject(rnd, Reason.WRONG_PAYLOAD, rejected, len(good))
+            return 0, []
+        if len(cols.counts) != n * row_bytes:  # rows cannot be told apart: none has the round's length
+            self._reject(rnd, Reason.WRONG_COUNT_LENGTH, rejected, len(good))
+            return 0, []
+        return 0, good
+
+    def _check_message(self, rnd: _OpenRound, ukey: str, msg: UserMessage) -> Reason | bytes | object | None:
+        """First failing check of design 5.3 for one user message (a Reason), else for COUNTS the payload as
+        d values of rnd.wire_dtype (bytes; its range is checked by _add_counts), else None. Caller holds the lock."""
+        why = self._check_sender(rnd, ukey, bytes(msg.nonce))
+        if why is not None:
+            return why
         if rnd.checking_in:  # a check-in carries no payload (CheckIn)
             empty = msg.counts is None and msg.counts_packed is None and msg.ciphertexts is None
             return _CHECK_IN if empty else Reason.WRONG_PAYLOAD

@@ -34,3 +34,18 @@ class Recorder(grpc.ServerInterceptor):
     def for_round(self, round_: int) -> list[pb.Contribution]:
         with self._lock:
             return [c for c in self.contributions if c.round == round_]
+
+
+def user_messages(c: pb.Contribution) -> list[pb.UserMessage]:
+    """Every user message of a Contribution as a UserMessage: `messages`, then one per row of `columns` (a COUNTS
+    row as CountVector.packed, a check-in without payload), as the shuffler checks them."""
+    out = list(c.messages)
+    cols = c.columns
+    n, w = len(cols.user_ids), cols.nonce_bytes
+    row = len(cols.counts) // n if n else 0
+    for i, u in enumerate(cols.user_ids):
+        m = pb.UserMessage(user_id=u, nonce=cols.nonces[i * w : (i + 1) * w])
+        if cols.counts:
+            m.counts.packed = cols.counts[i * row : (i + 1) * row]
+        out.append(m)
+    return out

@@ -9,6 +9,7 @@ order stands in for the shuffler's secret selection. Randomness from make_rng(se
 from __future__ import annotations
 
 import numpy as np
+from _intercept import user_messages
 from shuffledp.services.ledger import PrivacyEvent
 from shuffledp.services.run_manager import _optimizer, plan_run, round_spec
 
@@ -44,7 +45,9 @@ def simulate_run(config_toml: str, seed: int) -> tuple[float, dict]:
         out = pb.Contribution()
         G = users.per_example_gradients(theta, ds.X_train[idx], ds.y_train[idx])
         protocol.randomize(spec, G, [str(i) for i in idx], [b""] * idx.size, rng, out)
-        totals = np.sum([np.frombuffer(m.counts.packed, dtype=dtype).astype(np.int64) for m in out.messages], axis=0)
+        totals = np.sum(
+            [np.frombuffer(m.counts.packed, dtype=dtype).astype(np.int64) for m in user_messages(out)], axis=0
+        )
         decoded = protocol.decode(pb.ShuffledBatch(label_totals=totals.tolist()), idx.size, plan, params, None, b"")
         _, state = opt.step(decoded.total / decoded.used, state, theta)
     return excess_risk(model, opt.release(state, plan["output"]), ds), plan

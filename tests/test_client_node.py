@@ -7,6 +7,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from _intercept import user_messages
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shuffledp.clients.node import NodeCore, UserShard, start_node
 from shuffledp.clients.policy import Refusal, UserPolicy
@@ -84,13 +85,13 @@ def test_counts_pipeline_is_unbiased_for_clipped_gradient_sum():
     R, est = 300, []
     for r in range(R):
         con = core.handle(invite(make_spec(round_=r), shard))
-        assert not con.refusals and len(con.messages) == N
-        assert all(m.WhichOneof("payload") == "counts" and not m.counts.counts for m in con.messages)
+        assert not con.refusals and len(user_messages(con)) == N
+        assert all(m.WhichOneof("payload") == "counts" and not m.counts.counts for m in user_messages(con))
         wire = pvec.count_wire_dtype(16 + 8)  # g + m = 24: one byte per count on the wire
-        assert wire.itemsize == 1 and all(len(m.counts.packed) == D for m in con.messages)
-        counts = np.array([np.frombuffer(m.counts.packed, dtype=wire) for m in con.messages], dtype=np.int64)
+        assert wire.itemsize == 1 and all(len(m.counts.packed) == D for m in user_messages(con))
+        counts = np.array([np.frombuffer(m.counts.packed, dtype=wire) for m in user_messages(con)], dtype=np.int64)
         assert counts.shape == (N, D) and counts.min() >= 0 and counts.max() <= 16 + 8
-        assert len({m.nonce for m in con.messages}) == N and all(len(m.nonce) == 16 for m in con.messages)
+        assert len({m.nonce for m in user_messages(con)}) == N and all(len(m.nonce) == 16 for m in user_messages(con))
         est.append(pvec.decode_counts(counts.sum(axis=0), N, params))
     se = np.sqrt(pvec.pvec_variance(ref, params) / R)
     assert np.all(np.abs(np.mean(est, axis=0) - ref.sum(axis=0)) <= 4 * se), (np.mean(est, axis=0), ref.sum(0), se)
@@ -106,9 +107,9 @@ def test_bits_mode_sealed_per_labelled_bit():
     spec = make_spec(round_=7, transport=pb.BITS, g=4, m=3, p=0.5, analyzer_public_key=pub)
     spec.randomizer.message_bytes = BIT_MESSAGE_BYTES
     con = core.handle(invite(spec, shard))
-    assert len(con.messages) == 5
+    assert len(user_messages(con)) == 5
     info = round_info("run", 7)
-    for msg in con.messages:
+    for msg in user_messages(con):
         cts = list(msg.sealed.ciphertexts)
         assert len(cts) == D * (4 + 3)  # d (g+m) messages per user (Alg 2, spec 000 sec 7 item 1)
         assert {len(c) for c in cts} == {sealed_length(BIT_MESSAGE_BYTES)}
@@ -129,7 +130,7 @@ def test_policy_refusals_with_reasons():
     ]
     core = NodeCore("node", shard, policies, rng=make_rng(4))
     con = core.handle(invite(make_spec(1), shard))
-    assert [m.user_id for m in con.messages] == ["u2", "u3"]
+    assert [m.user_id for m in user_messages(con)] == ["u2", "u3"]
     assert {r.user_id: r.reason for r in con.refusals} == {"u0": Refusal.ROUND_EPS, "u1": Refusal.TRANSPORT}
     con = core.handle(invite(make_spec(2, trust_model=pb.CENTRAL), shard))
     assert {r.user_id: r.reason for r in con.refusals} == {
@@ -156,11 +157,11 @@ def test_invalid_or_unsupported_specs_are_refused():
         (make_spec(3, transport=pb.SEALED), Refusal.PROTOCOL),
     ):
         con = core.handle(invite(s, shard))
-        assert not con.messages and {r.reason for r in con.refusals} == {reason}
+        assert not user_messages(con) and {r.reason for r in con.refusals} == {reason}
     bad_model = make_spec(4)
     bad_model.randomizer.dim = D + 1  # model and randomizer disagree: nothing computed, nothing charged
     con = core.handle(invite(bad_model, shard))
-    assert not con.messages and {r.reason for r in con.refusals} == {Refusal.INVALID_SPEC}
+    assert not user_messages(con) and {r.reason for r in con.refusals} == {Refusal.INVALID_SPEC}
     assert core.spent("u0") == (0.0, 0.0)
 
 
@@ -176,16 +177,16 @@ def test_randomizer_is_verified_not_trusted():
     good = calibrate_pvec(1.0, 1e-6, n, D, 1.0)
     assert pvec_round_epsilon(good, n, 1e-6) <= 1.0
     spec = make_spec(1, g=good.g, m=good.m, p=good.p, eps=1.0, delta=1e-6, min_contributors=n, cohort_size=n)
-    assert len(core.handle(invite(spec, shard)).messages) == 2  # honest round: joined
+    assert len(user_messages(core.handle(invite(spec, shard)))) == 2  # honest round: joined
     # the same randomizer with a threshold of 1 contributor: far less noise in the released sum -> weaker
     weak = make_spec(2, g=good.g, m=good.m, p=good.p, eps=1.0, delta=1e-6, min_contributors=1, cohort_size=n)
     assert pvec_round_epsilon(good, 1, 1e-6) > 2.0
     con = core.handle(invite(weak, shard))
-    assert not con.messages and {r.reason for r in con.refusals} == {Refusal.WEAK_RANDOMIZER}
+    assert not user_messages(con) and {r.reason for r in con.refusals} == {Refusal.WEAK_RANDOMIZER}
     # parameters the accountant cannot evaluate (m n' < g) are not trusted either
     odd = make_spec(3, g=16, m=1, p=0.01, eps=0.5, delta=1e-6, min_contributors=1)
     con = core.handle(invite(odd, shard))
-    assert not con.messages and {r.reason for r in con.refusals} == {Refusal.UNVERIFIABLE}
+    assert not user_messages(con) and {r.reason for r in con.refusals} == {Refusal.UNVERIFIABLE}
 
 
 def test_node_service_status_health_and_registration():
@@ -243,10 +244,10 @@ def test_users_compose_their_spend_like_the_ledger_and_keep_it_across_restarts(t
     def joined_until_refused(core: NodeCore, start: int) -> int:
         for r in range(start, start + 200):
             con = core.handle(invite(spec(r), shard))
-            if not con.messages:
+            if not user_messages(con):
                 assert {x.reason for x in con.refusals} == {Refusal.TOTAL_EPS}
                 return r - start
-            assert len(con.messages) == 4
+            assert len(user_messages(con)) == 4
         raise AssertionError("never refused")
 
     store = SqliteSpendStore(tmp_path / "spend.sqlite")
@@ -277,7 +278,7 @@ def test_unknown_enum_values_are_refused_not_a_crash(field, value, reason):
     spec = make_spec(1)
     setattr(spec, field, value)
     con = core.handle(pb.Invitation(spec=spec, user_ids=shard.user_ids[1:4]))
-    assert not con.messages and [r.reason for r in con.refusals] == [reason] * 3
+    assert not user_messages(con) and [r.reason for r in con.refusals] == [reason] * 3
 
 
 def test_check_in_invitation_is_answered_without_payload_and_charges_nothing():
@@ -290,13 +291,13 @@ def test_check_in_invitation_is_answered_without_payload_and_charges_nothing():
     first = make_spec(round_=3, g=16, m=8, min_contributors=5)
     first.check_in.noise_trials, first.check_in.report_fraction = 40, 0.99
     con = core.handle(invite(first, shard))
-    assert [m.user_id for m in con.messages] == shard.user_ids[:5]
-    assert all(m.WhichOneof("payload") is None and len(m.nonce) == 16 for m in con.messages)
+    assert [m.user_id for m in user_messages(con)] == shard.user_ids[:5]
+    assert all(m.WhichOneof("payload") is None and len(m.nonce) == 16 for m in user_messages(con))
     assert [(r.user_id, r.reason) for r in con.refusals] == [(shard.user_ids[5], Refusal.ROUND_EPS)]
     assert core.spent("u0") == (0.0, 0.0) and core.status().rounds_joined == 0
     second = make_spec(round_=3, g=16, m=8, min_contributors=5)
     second.CopyFrom(first)
     second.check_in.checked_in, second.randomizer.m = 5, 8  # c = 5: c_min = 5, m = ceil(40 / 5)
     con = core.handle(pb.Invitation(spec=second, user_ids=shard.user_ids[:5]))
-    assert len(con.messages) == 5 and all(m.WhichOneof("payload") == "counts" for m in con.messages)
+    assert len(user_messages(con)) == 5 and all(m.WhichOneof("payload") == "counts" for m in user_messages(con))
     assert core.spent("u0") == pytest.approx((1.0, 1e-6)) and core.status().rounds_joined == 1

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from _intercept import user_messages
 from shuffledp.clients.node import NodeCore, UserShard
 from shuffledp.clients.policy import Refusal, UserPolicy
 from shuffledp.services import run_manager
@@ -99,7 +100,7 @@ def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
     spec = _spec("leastsq")
     spec.randomizer.protocol = "gauss"
     out = node.handle(pb.Invitation(spec=spec, user_ids=["a", "b"]))
-    assert not out.messages and [r.reason for r in out.refusals] == [Refusal.PROTOCOL] * 2
+    assert not user_messages(out) and [r.reason for r in out.refusals] == [Refusal.PROTOCOL] * 2
 
 
 @pytest.mark.parametrize(

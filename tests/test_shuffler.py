@@ -17,7 +17,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
-from _intercept import Recorder
+from _intercept import Recorder, user_messages
 from scipy import stats
 from shuffledp.clients.node import UserShard, start_node_with_shard
 from shuffledp.clients.policy import UserPolicy
@@ -136,7 +136,7 @@ def test_count_mode_batch_holds_only_label_totals(shuffler, nodes):
     batch = shuffler.stub.ExecuteRound(spec(1), timeout=30)
     received = shuffler.recorder.for_round(1)
     assert len(received) == 2  # one Submit per node per round
-    per_user = [wire_counts(m) for c in received for m in c.messages]
+    per_user = [wire_counts(m) for c in received for m in user_messages(c)]
     assert len(per_user) == 11
     assert batch.released and batch.report.contributors == 11 and batch.report.invited == 11
     # only the d per-label totals, equal to the sum of what the nodes sent; no ciphertexts
@@ -148,7 +148,7 @@ def test_count_mode_batch_holds_only_label_totals(shuffler, nodes):
     wire = batch.SerializeToString()
     for c in received:
         assert c.node_id.encode() not in wire
-        for m in c.messages:
+        for m in user_messages(c):
             assert m.user_id.encode() not in wire and m.nonce not in wire
     # population is sizes only
     pop = shuffler.stub.GetPopulation(pb.PopulationRequest(run_id="r"))
@@ -164,7 +164,7 @@ def test_bits_mode_only_ciphertexts_shuffler_cannot_open(shuffler, nodes):
     assert batch.released and batch.report.contributors == 11 and not batch.label_totals
     assert len(batch.ciphertexts) == 11 * per_user
     assert {len(c) for c in batch.ciphertexts} == {sealed_length(BIT_MESSAGE_BYTES)}  # one length only
-    received = [c for con in shuffler.recorder.for_round(1) for m in con.messages for c in m.sealed.ciphertexts]
+    received = [c for con in shuffler.recorder.for_round(1) for m in user_messages(con) for c in m.sealed.ciphertexts]
     assert sorted(received) == sorted(batch.ciphertexts)  # exactly the received multiset ...
     assert list(received) != list(batch.ciphertexts)  # ... in another order
     info = round_info("r", 1)
@@ -202,7 +202,7 @@ def test_central_vectors_reach_the_analyzer_as_one_length_of_ciphertext_only(shu
     batch = shuffler.stub.ExecuteRound(s, timeout=30)
     assert batch.released and batch.report.contributors == 11 and len(batch.ciphertexts) == 11
     assert {len(c) for c in batch.ciphertexts} == {sealed_length(message_bytes(d))}
-    received = [c for con in shuffler.recorder.for_round(1) for m in con.messages for c in m.sealed.ciphertexts]
+    received = [c for con in shuffler.recorder.for_round(1) for m in user_messages(con) for c in m.sealed.ciphertexts]
     assert sorted(received) == sorted(batch.ciphertexts)
     assert set(pb.ShuffledBatch.DESCRIPTOR.fields_by_name) == {
         "run_id",
@@ -359,7 +359,7 @@ def test_sequential_never_reuses_a_user_across_restart(tmp_path):
         for r in (1, 2):
             batch = s1.stub.ExecuteRound(spec(r, schedule=pb.SEQUENTIAL, cohort=3), timeout=30)
             assert batch.released and batch.report.contributors == 3
-            seen.append({m.user_id for c in s1.recorder.for_round(r) for m in c.messages})
+            seen.append({m.user_id for c in s1.recorder.for_round(r) for m in user_messages(c)})
         assert s1.stub.GetPopulation(pb.PopulationRequest(run_id="r")).unused_users == 4
         port = s1.port
         s1.stop()
@@ -372,7 +372,7 @@ def test_sequential_never_reuses_a_user_across_restart(tmp_path):
             assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
             batch = s2.stub.ExecuteRound(spec(3, schedule=pb.SEQUENTIAL, cohort=4), timeout=30)
             assert batch.report.contributors == 4
-            seen.append({m.user_id for c in s2.recorder.for_round(3) for m in c.messages})
+            seen.append({m.user_id for c in s2.recorder.for_round(3) for m in user_messages(c)})
             with pytest.raises(grpc.RpcError) as err:  # every user used once: nobody left
                 s2.stub.ExecuteRound(spec(4, schedule=pb.SEQUENTIAL, cohort=1), timeout=10)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -396,7 +396,7 @@ def test_deadline_ends_round_with_contributors_received(shuffler, nodes):
         elapsed = time.monotonic() - t0
         assert 1.4 <= elapsed < 6.0
         assert batch.released and batch.report.invited == 13 and batch.report.contributors == 11
-        received = [wire_counts(m) for c in shuffler.recorder.for_round(1) for m in c.messages]
+        received = [wire_counts(m) for c in shuffler.recorder.for_round(1) for m in user_messages(c)]
         np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(received, axis=0))
         # threshold above what arrives: released = false, no data at all
         batch = shuffler.stub.ExecuteRound(spec(2, deadline_seconds=1.0, min_contributors=12), timeout=30)
@@ -582,8 +582,8 @@ def test_check_in_shares_the_noise_and_a_dropout_after_check_in_never_weakens_it
         assert rep.contributors * second.randomizer.m >= 30
         # the real nodes answered the check-in without payload, then sent counts in [0, g + 3] only
         received = shuffler.recorder.for_round(1)
-        check_ins = [m for c in received for m in c.messages if m.WhichOneof("payload") is None]
-        sent = [wire_counts(m, 4 + 3) for c in received for m in c.messages if m.WhichOneof("payload")]
+        check_ins = [m for c in received for m in user_messages(c) if m.WhichOneof("payload") is None]
+        sent = [wire_counts(m, 4 + 3) for c in received for m in user_messages(c) if m.WhichOneof("payload")]
         assert len(check_ins) == 13 and len(sent) == 11 and max(int(x.max()) for x in sent) <= 7
         np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(sent, axis=0))
 
@@ -633,3 +633,99 @@ def test_a_check_in_with_a_payload_is_rejected():
     assert ack.rejected == {"wrong_payload": 1} and ack.accepted == 0
     t.join()
     assert not out[0].released and out[0].checked_in == 0  # b never answered, a's answer was used up
+
+
+def _open_counts_round(users: list[str], dim: int, bound_m: int, check_in: bool = False):
+    """An in-process shuffler with `users` registered under "node" and one COUNTS round (g = 1) open for all."""
+    state = ShufflerState(rng=make_rng(11), poll_seconds=0.001)
+    state.register_users("node", users)
+    state.register_users("other", ["o1"])
+    sub = state.subscribe("node")
+    extra = {"check_in_trials": 2, "check_in_fraction": 1.0} if check_in else {}
+    req = RoundRequest(
+        "run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=dim, g=1, m=bound_m,
+        min_contributors=1, deadline_seconds=0.4, **extra,
+    )  # fmt: skip
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(state.execute_round(req)))
+    t.start()
+    assert sub.get(5.0) is not None
+    return state, t, out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_user_columns_are_checked_exactly_as_one_message_per_user(seed):
+    # issue 15: a node sends a COUNTS round's messages as UserColumns; every check of design 5.3 must give each
+    # user the same outcome as that user's UserMessage would, on honest and on adversarial batches alike
+    import random
+
+    from shuffledp.services.shuffler_state import Submission, UserColumns, UserMessage
+
+    r = random.Random(seed)
+    dim, m = 3, 4  # bound g + m = 5, wire width 1 byte
+    users = [f"u{i}" for i in range(40)]
+    ids, nonces, rows = [], [], []
+    for i in range(60 if seed else 40):
+        kind = r.choice(["ok"] * 6 + ["dup_user", "replay", "unknown", "other_node", "range"]) if seed else "ok"
+        uid = users[i % 40] if seed else users[i]
+        nonce = r.randbytes(16)
+        row = [r.randrange(0, 6) for _ in range(dim)]
+        if kind == "dup_user" and ids:
+            uid = r.choice(ids)
+        elif kind == "replay" and nonces:
+            nonce = r.choice(nonces)
+        elif kind in ("unknown", "other_node"):
+            uid = "stranger" if kind == "unknown" else "o1"
+        elif kind == "range":
+            row[r.randrange(dim)] = r.randrange(6, 256)
+        ids.append(uid)
+        nonces.append(nonce)
+        rows.append(row)
+    counts = np.array(rows, dtype=np.uint8)
+    results = []
+    for as_columns in (True, False):
+        state, t, out = _open_counts_round(users, dim, m)
+        if as_columns:
+            sub = Submission("run", 0, "node", columns=UserColumns(ids, b"".join(nonces), 16, counts.tobytes()))
+        else:
+            msgs = [
+                UserMessage(u, n, counts_packed=row.tobytes()) for u, n, row in zip(ids, nonces, counts, strict=True)
+            ]
+            sub = Submission("run", 0, "node", msgs)
+        ack = state.submit(sub)
+        t.join()
+        results.append((ack.accepted, ack.rejected, out[0].contributors, out[0].label_totals.tolist()))
+    assert results[0] == results[1]
+    if seed == 0:  # the honest batch: everyone counted, totals are the column sums
+        assert results[0][:3] == (40, {}, 40) and results[0][3] == counts.sum(axis=0).tolist()
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [("short_counts", "wrong_count_length"), ("no_counts", "wrong_payload"), ("nonce_width", "bad_nonce")],
+)
+def test_malformed_user_columns_are_rejected_user_by_user(case, reason):
+    from shuffledp.services.shuffler_state import Submission, UserColumns
+
+    users = ["a", "b", "c"]
+    state, t, out = _open_counts_round(users, 2, 3)
+    counts = bytes(2 * 3) if case != "short_counts" else bytes(5)
+    width = 16 if case != "nonce_width" else 8
+    cols = UserColumns(users, secrets.token_bytes(width * 3), width, b"" if case == "no_counts" else counts)
+    ack = state.submit(Submission("run", 0, "node", columns=cols))
+    assert ack.accepted == 0 and ack.rejected == {reason: 3}
+    t.join()
+    assert not out[0].released and out[0].contributors == 0
+
+
+def test_check_ins_as_user_columns():
+    from shuffledp.services.shuffler_state import Submission, UserColumns
+
+    state, t, out = _open_counts_round(["a", "b"], 2, 2, check_in=True)
+    nonces = secrets.token_bytes(32)
+    ack = state.submit(Submission("run", 0, "node", columns=UserColumns(["a", "b"], nonces, 16)))
+    assert ack.accepted == 2 and not ack.rejected
+    again = state.submit(Submission("run", 0, "node", columns=UserColumns(["a"], nonces[:16], 16)))
+    assert again.accepted == 0 and again.rejected == {"replayed_nonce": 1}
+    t.join()
+    assert out[0].checked_in == 2

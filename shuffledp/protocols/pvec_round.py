@@ -331,7 +331,8 @@ class PvecRound(AnalyzerHooks):
         rng: np.random.Generator,
         out: pb.Contribution,
     ) -> None:
-        """Append one UserMessage per row of G (the users' gradients, in user_ids order) to out.messages."""
+        """One message per row of G (the users' gradients, in user_ids order): COUNTS as out.columns, BITS as
+        UserMessages in out.messages."""
         params = pvec_params_from_spec(spec)
         # clip to ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7; Alg 2 of paper 000)
         G = pvec.clip_rows(G, params.delta2)
@@ -339,12 +340,13 @@ class PvecRound(AnalyzerHooks):
             counts = pvec.encode_counts(G, params, rng)  # (k, d) int64 in [0, g+m]
             # CountVector.packed: each user's d counts in the round's wire width, cut from one buffer (no
             # per-count Python objects on either side of the wire)
+            # UserColumns: each user's d counts in the round's wire width (CountVector.packed's layout), all users
+            # in one buffer, and their ids and nonces as columns: no protobuf object per user on either side
             dtype = pvec.count_wire_dtype(params.g + params.m)
-            rows = np.ascontiguousarray(counts, dtype=dtype).tobytes()
-            width = dtype.itemsize * counts.shape[1]
-            add = out.messages.add
-            for i, u in enumerate(user_ids):
-                add(user_id=u, nonce=nonces[i]).counts.packed = rows[i * width : (i + 1) * width]
+            out.columns.user_ids.extend(user_ids)
+            out.columns.nonce_bytes = len(nonces[0]) if len(nonces) else 0
+            out.columns.nonces = b"".join(nonces)
+            out.columns.counts = np.ascontiguousarray(counts, dtype=dtype).tobytes()
             return
         if spec.randomizer.message_bytes not in (0, sealing.BIT_MESSAGE_BYTES):
             raise ValueError(

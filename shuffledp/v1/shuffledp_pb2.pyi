@@ -220,19 +220,33 @@ class Refusal(_message.Message):
     reason: str
     def __init__(self, user_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class UserColumns(_message.Message):
+    __slots__ = ("user_ids", "nonces", "nonce_bytes", "counts")
+    USER_IDS_FIELD_NUMBER: _ClassVar[int]
+    NONCES_FIELD_NUMBER: _ClassVar[int]
+    NONCE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    user_ids: _containers.RepeatedScalarFieldContainer[str]
+    nonces: bytes
+    nonce_bytes: int
+    counts: bytes
+    def __init__(self, user_ids: _Optional[_Iterable[str]] = ..., nonces: _Optional[bytes] = ..., nonce_bytes: _Optional[int] = ..., counts: _Optional[bytes] = ...) -> None: ...
+
 class Contribution(_message.Message):
-    __slots__ = ("run_id", "round", "node_id", "messages", "refusals")
+    __slots__ = ("run_id", "round", "node_id", "messages", "refusals", "columns")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     node_id: str
     messages: _containers.RepeatedCompositeFieldContainer[UserMessage]
     refusals: _containers.RepeatedCompositeFieldContainer[Refusal]
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., node_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[UserMessage, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ...) -> None: ...
+    columns: UserColumns
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., node_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[UserMessage, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., columns: _Optional[_Union[UserColumns, _Mapping]] = ...) -> None: ...
 
 class ContributionAck(_message.Message):
     __slots__ = ("accepted", "rejected")
