@@ -133,9 +133,9 @@ def cpu_seconds(pid: int) -> float:
 class InProcessRound:
     """The same round without services: all users' gradients, clip, encode, sum, decode, PGD step."""
 
-    def __init__(self, cfg: RunConfig, model: Model, plan: dict, params: PvecParams):
+    def __init__(self, cfg: RunConfig, model: Model, plan: dict, params: PvecParams, nodes: int = NODES):
         ds = load_dataset(cfg.data, cfg.model.task)
-        parts = [user_shard(ds, i, NODES, 1, cfg.data.max_users) for i in range(NODES)]
+        parts = [user_shard(ds, i, nodes, 1, cfg.data.max_users) for i in range(nodes)]
         self.X = np.concatenate([p[1][:, 0, :] for p in parts])
         self.y = np.concatenate([p[2][:, 0] for p in parts])
         self.model, self.params = model, params

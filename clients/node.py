@@ -189,14 +189,9 @@ class NodeCore:
                 else:
                     # charged, durably, before sending: a message that may have arrived is spent. If the store
                     # fails, the exception leaves handle() and nothing of the round is sent.
-                    charged = idx[join]
-                    keys = self.policy.charge(charged, cost[join], float(spec.per_user_cost.delta), noise_key(spec))
-                    self._spend.save(
-                        [self.shard.user_ids[i] for i in charged],
-                        self.policy.eps_spent[charged],
-                        self.policy.delta_spent[charged],
-                        keys,
-                    )
+                    charged, delta = idx[join], float(spec.per_user_cost.delta)
+                    keys = self.policy.charge(charged, cost[join], delta, noise_key(spec))
+                    self._spend.record([self.shard.user_ids[i] for i in charged], cost[join], delta, keys)
                     self.rounds_joined += 1
             for u, why in zip(np.asarray(ids)[~join], reasons[~join], strict=True):
                 out.refusals.append(pb.Refusal(user_id=str(u), reason=str(why)))

@@ -41,6 +41,7 @@ __all__ = [
     "pvec_params_from_spec",
     "verify_round_epsilon",
     "noise_key",
+    "sum_up",
     "TRUST_NAMES",
     "TRANSPORT_NAMES",
 ]
@@ -208,8 +209,8 @@ class PolicyTable:
                     cost[need] = max(eps, verified)
                     tight = need.copy()
                 refuse(need & (verified > self.max_eps_per_round[idx]), Refusal.WEAK_RANDOMIZER)
-        eps_ok = _sum_up(self.eps_spent[idx], cost) <= self.max_total_eps[idx]
-        basic_ok = eps_ok & (_sum_up(self.delta_spent[idx], delta) <= self.max_total_delta[idx])
+        eps_ok = sum_up(self.eps_spent[idx], cost) <= self.max_total_eps[idx]
+        basic_ok = eps_ok & (sum_up(self.delta_spent[idx], delta) <= self.max_total_delta[idx])
         key = noise_key(spec)
         check = (out == "") & ~basic_ok & tight
         if key is not None and np.any(check):
@@ -248,8 +249,8 @@ class PolicyTable:
         composition, Dwork-Roth Thm 3.16), and the round's noise_key to the history of those who verified it.
         idx holds distinct indices (one message per user per round). Returns the key recorded per user."""
         idx = np.asarray(idx, dtype=np.int64)
-        self.eps_spent[idx] = _sum_up(self.eps_spent[idx], eps)
-        self.delta_spent[idx] = _sum_up(self.delta_spent[idx], delta)
+        self.eps_spent[idx] = sum_up(self.eps_spent[idx], eps)
+        self.delta_spent[idx] = sum_up(self.delta_spent[idx], delta)
         recorded: list[NoiseKey | None] = []
         for u in idx.tolist():
             k = key if self.verify[u] else None  # a round only trusted, not verified, has no place in RDP
@@ -262,7 +263,7 @@ class PolicyTable:
         return recorded
 
 
-def _sum_up(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:
+def sum_up(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:
     """a + b rounded up: a spent total is never below the exact sum (float addition rounds to nearest)."""
     a, b = np.broadcast_arrays(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
     with np.errstate(invalid="ignore"):  # inf operands give nan errors; s is then inf already

@@ -2,30 +2,39 @@
 
 A user's total budget (its [policy] max_total_eps / max_total_delta) protects that user against the analyzer, so
 its record must not be the analyzer's or the shuffler's, and must survive a node restart: otherwise a restart
-gives every user its whole budget again. The node writes a round's spend here before any of the round's messages
+gives every user its whole budget again. The node records a round's charge here before any of the round's messages
 leave it (a message that may have arrived is spent), with SQLite's WAL and synchronous=FULL, as the analyzer's
 ledger does. The in-memory store (tests, in-process benchmarks) has the same interface.
 
-Per user: the basic-composition totals (eps, delta), and the user's history of verified PVEC rounds as a count per
+The record is a log of charges: one row per round and distinct (eps, noise key) among its users (one row for a
+fully interactive round), holding the users' ids, so a round costs one insert however many users joined (issue 15:
+one upsert per user and round made the record a node's largest cost per round). Loading replays the log in order
+with the node's own rounded-up sums (clients/policy.sum_up), so a restarted node holds exactly the totals it had:
+per user the basic-composition totals (eps, delta) and the history of verified PVEC rounds as a count per
 round_noise_key, from which the node composes the user's spend by RDP like the ledger (clients/policy.py). A user
-who ever joined a round without such a key ("tight" = False) is accounted by basic composition only.
+who ever joined a round without such a key is accounted by basic composition only (history None). A store written
+by an earlier version (tables spend and history, absolute per-user values) is read as the totals the log starts
+from.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from shuffledp.clients.policy import sum_up
 
 from shuffledp.durable import open_durable, transaction
 
 __all__ = ["SpendStore", "MemorySpendStore", "SqliteSpendStore", "History"]
 
 History = Counter | None  # round_noise_key -> rounds joined; None: some round has no key (basic composition only)
+Charge = tuple[list[str], float, float, tuple | None]  # (user ids, eps each, delta each, noise key or None)
 
 
 class SpendStore(Protocol):
@@ -33,80 +42,97 @@ class SpendStore(Protocol):
         """(eps spent, delta spent, history) per user id; zeros and an empty history for users never charged."""
         ...
 
-    def save(self, user_ids: Sequence[str], eps: np.ndarray, delta: np.ndarray, keys: Sequence[tuple | None]) -> None:
-        """Set these users' totals (absolute values) and add one round of each user's key (None: not
-        RDP-accountable) to their histories; durable when it returns."""
+    def record(self, user_ids: Sequence[str], eps: np.ndarray, delta: float, keys: Sequence[tuple | None]) -> None:
+        """Add one round's charge: eps[i] and delta to user_ids[i]'s totals, one round of keys[i] (None: not
+        RDP-accountable) to its history; durable when it returns."""
         ...
+
+
+def charges(user_ids: Sequence[str], eps: np.ndarray, delta: float, keys: Sequence[tuple | None]) -> list[Charge]:
+    """One round's charge as log entries: the users grouped by (eps, key), in first-appearance order."""
+    groups: dict[tuple[float, tuple | None], list[str]] = {}
+    for u, e, k in zip(user_ids, np.asarray(eps, dtype=np.float64).tolist(), keys, strict=True):
+        groups.setdefault((e, k), []).append(u)
+    return [(users, e, float(delta), k) for (e, k), users in groups.items()]
+
+
+def replay(
+    user_ids: Sequence[str],
+    log: Iterable[Charge],
+    base: dict[str, tuple[float, float, History]] | None = None,
+) -> tuple[np.ndarray, np.ndarray, list[History]]:
+    """The users' totals and histories after `log` (from `base`: an old store's absolute values), summed in log
+    order exactly as PolicyTable.charge sums them (rounded up)."""
+    index = {u: i for i, u in enumerate(user_ids)}
+    start = [(base or {}).get(u, (0.0, 0.0, Counter())) for u in user_ids]
+    eps = np.array([b[0] for b in start], dtype=np.float64)
+    delta = np.array([b[1] for b in start], dtype=np.float64)
+    history: list[History] = [None if b[2] is None else Counter(b[2]) for b in start]
+    for users, e, d, key in log:
+        ix = np.fromiter((index[u] for u in users if u in index), dtype=np.int64)
+        eps[ix] = sum_up(eps[ix], e)
+        delta[ix] = sum_up(delta[ix], d)
+        for i in ix.tolist():
+            h = history[i]
+            if key is None or h is None:
+                history[i] = None
+            else:
+                h[key] += 1
+    return eps, delta, history
 
 
 class MemorySpendStore:
     def __init__(self) -> None:
-        self._spent: dict[str, tuple[float, float]] = {}
-        self._history: dict[str, History] = {}
+        self._log: list[Charge] = []
 
     def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History]]:
-        rows = [self._spent.get(u, (0.0, 0.0)) for u in user_ids]
-        a = np.array(rows, dtype=np.float64).reshape(len(rows), 2)
-        hist = [self._history.get(u, Counter()) for u in user_ids]
-        return a[:, 0].copy(), a[:, 1].copy(), [None if h is None else Counter(h) for h in hist]
+        return replay(user_ids, self._log)
 
-    def save(self, user_ids: Sequence[str], eps: np.ndarray, delta: np.ndarray, keys: Sequence[tuple | None]) -> None:
-        for u, e, d, key in zip(user_ids, eps.tolist(), delta.tolist(), keys, strict=True):
-            self._spent[u] = (e, d)
-            h = self._history.setdefault(u, Counter())
-            if key is None or h is None:
-                self._history[u] = None
-            else:
-                h[key] += 1
+    def record(self, user_ids: Sequence[str], eps: np.ndarray, delta: float, keys: Sequence[tuple | None]) -> None:
+        self._log.extend(charges(user_ids, eps, delta, keys))
 
 
 class SqliteSpendStore:
-    """Tables spend(user_id, eps, delta, tight) and history(user_id, n_total, p, g, d, rounds)."""
+    """Table charges(seq, users, eps, delta, noise_key): the log; spend / history: an earlier version's totals."""
 
     def __init__(self, path: str | Path) -> None:
         self._db = open_durable(path)  # a charge must survive a crash before the message leaves
         self._lock = threading.Lock()
         with self._lock:
             self._db.execute(
-                "CREATE TABLE IF NOT EXISTS spend (user_id TEXT PRIMARY KEY, eps REAL NOT NULL, delta REAL NOT NULL, "
-                "tight INTEGER NOT NULL)"
+                "CREATE TABLE IF NOT EXISTS charges (seq INTEGER PRIMARY KEY AUTOINCREMENT, users BLOB NOT NULL, "
+                "eps REAL NOT NULL, delta REAL NOT NULL, noise_key TEXT)"
             )
-            columns = {row[1] for row in self._db.execute("PRAGMA table_info(spend)")}
-            if "tight" not in columns:  # a store written before the histories existed: its users are basic-only
-                self._db.execute("ALTER TABLE spend ADD COLUMN tight INTEGER NOT NULL DEFAULT 0")
-            self._db.execute(
-                "CREATE TABLE IF NOT EXISTS history (user_id TEXT NOT NULL, n_total INTEGER NOT NULL, "
-                "p REAL NOT NULL, g INTEGER NOT NULL, d INTEGER NOT NULL, rounds INTEGER NOT NULL, "
-                "PRIMARY KEY (user_id, n_total, p, g, d))"
-            )
+
+    def _base(self) -> dict[str, tuple[float, float, History]]:
+        """An earlier version's per-user totals (tables spend and history), if this store has them."""
+        tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "spend" not in tables:
+            return {}
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(spend)")}
+        tight = "tight" if "tight" in columns else "0"  # a store from before the histories: basic-only users
+        hist: dict[str, Counter] = {}
+        if "history" in tables:
+            for u, n_total, p, g, d, c in self._db.execute("SELECT user_id, n_total, p, g, d, rounds FROM history"):
+                hist.setdefault(u, Counter())[(n_total, p, g, d)] = c
+        rows = self._db.execute(f"SELECT user_id, eps, delta, {tight} FROM spend")
+        return {u: (e, d, hist.get(u, Counter()) if t else None) for u, e, d, t in rows}
 
     def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History]]:
         with self._lock:
-            spent = {u: (e, d, t) for u, e, d, t in self._db.execute("SELECT user_id, eps, delta, tight FROM spend")}
-            rows = self._db.execute("SELECT user_id, n_total, p, g, d, rounds FROM history").fetchall()
-        hist: dict[str, Counter] = {}
-        for u, n_total, p, g, d, c in rows:
-            hist.setdefault(u, Counter())[(n_total, p, g, d)] = c
-        eps = np.array([spent.get(u, (0.0, 0.0, 1))[0] for u in user_ids], dtype=np.float64)
-        delta = np.array([spent.get(u, (0.0, 0.0, 1))[1] for u in user_ids], dtype=np.float64)
-        out: list[History] = [hist.get(u, Counter()) if spent.get(u, (0, 0, 1))[2] else None for u in user_ids]
-        return eps, delta, out
+            base = self._base()
+            rows = self._db.execute("SELECT users, eps, delta, noise_key FROM charges ORDER BY seq").fetchall()
+        log = ((blob.decode().split("\n"), e, d, None if k is None else tuple(json.loads(k))) for blob, e, d, k in rows)
+        return replay(user_ids, log, base)
 
-    def save(self, user_ids: Sequence[str], eps: np.ndarray, delta: np.ndarray, keys: Sequence[tuple | None]) -> None:
-        triples = zip(user_ids, eps.tolist(), delta.tolist(), keys, strict=True)
-        rows = [(u, e, d, int(k is not None)) for u, e, d, k in triples]
+    def record(self, user_ids: Sequence[str], eps: np.ndarray, delta: float, keys: Sequence[tuple | None]) -> None:
+        # ids hold no newline (the shuffler's user_key relies on that too): "\n" separates them
+        rows = [
+            ("\n".join(users).encode(), e, d, None if k is None else json.dumps(list(k)))
+            for users, e, d, k in charges(user_ids, eps, delta, keys)
+        ]
         with self._lock, transaction(self._db) as db:
-            # tight stays 0 once a round without a noise key was joined
-            db.executemany(
-                "INSERT INTO spend (user_id, eps, delta, tight) VALUES (?, ?, ?, ?) ON CONFLICT(user_id) DO UPDATE "
-                "SET eps = excluded.eps, delta = excluded.delta, tight = MIN(tight, excluded.tight)",
-                rows,
-            )
-            db.executemany(
-                "INSERT INTO history (user_id, n_total, p, g, d, rounds) VALUES (?, ?, ?, ?, ?, 1) "
-                "ON CONFLICT(user_id, n_total, p, g, d) DO UPDATE SET rounds = rounds + 1",
-                [(u, *k) for u, k in zip(user_ids, keys, strict=True) if k is not None],
-            )
+            db.executemany("INSERT INTO charges (users, eps, delta, noise_key) VALUES (?, ?, ?, ?)", rows)
 
     def close(self) -> None:
         with self._lock:

@@ -640,6 +640,10 @@ class RunManager:
             stable = last is not None and pop.admitted_users == last.admitted_users
             if pop.connected_nodes >= want_nodes and pop.admitted_users > 0 and stable:
                 return pop
+            if last is None or (pop.admitted_users, pop.connected_nodes) != (last.admitted_users, last.connected_nodes):
+                # progress while a large population registers (the operator's CLI prints each change)
+                what = f"{pop.admitted_users} users admitted, {pop.connected_nodes} of {want_nodes} nodes connected"
+                self.ledger.set_state(run_id, "RUNNING", f"waiting for the population: {what}")
             if self._clock() > deadline or cancel.is_set():
                 if pop.admitted_users > 0:
                     return pop

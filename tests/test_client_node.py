@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import grpc
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from _intercept import user_messages
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shuffledp.clients.node import NodeCore, UserShard, start_node
-from shuffledp.clients.policy import Refusal, UserPolicy
+from shuffledp.clients.policy import PolicyTable, Refusal, UserPolicy
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.config import parse_config
@@ -301,3 +302,44 @@ def test_check_in_invitation_is_answered_without_payload_and_charges_nothing():
     con = core.handle(pb.Invitation(spec=second, user_ids=shard.user_ids[:5]))
     assert len(user_messages(con)) == 5 and all(m.WhichOneof("payload") == "counts" for m in user_messages(con))
     assert core.spent("u0") == pytest.approx((1.0, 1e-6)) and core.status().rounds_joined == 1
+
+
+def test_spend_store_is_a_log_of_rounds_that_replays_to_the_same_totals(tmp_path):
+    """Issue 15: the node's spend record costs one row per round and (eps, key) group, not one per user, and a
+    restarted node reads back bitwise the totals and histories it held; a store of the earlier per-user layout is
+    read as the starting totals."""
+    import sqlite3
+
+    from shuffledp.clients.spend_store import SqliteSpendStore
+
+    ids = [f"u{i}" for i in range(300)]
+    table = PolicyTable(UserPolicy(), len(ids))
+    store = SqliteSpendStore(tmp_path / "spend.sqlite")
+    key_a, key_b = (1000, 0.5, 4, 8), (2000, 0.5, 4, 8)
+    rng = make_rng(21)
+    for r in range(12):
+        idx = np.sort(rng.choice(len(ids), size=200, replace=False))
+        cost = np.where(idx % 3 == 0, 0.1 + r * 1e-3, 0.7 / 3.0)  # two distinct costs per round
+        key = key_a if r % 2 else key_b
+        keys = table.charge(idx, cost, 1e-7, None if r == 5 else key)
+        store.record([ids[i] for i in idx], cost, 1e-7, keys)
+    db = sqlite3.connect(tmp_path / "spend.sqlite")
+    assert db.execute("SELECT COUNT(*) FROM charges").fetchone()[0] == 24  # 12 rounds x 2 costs, not 2400 rows
+    store.close()
+    eps, delta, history = SqliteSpendStore(tmp_path / "spend.sqlite").load(ids)
+    assert eps.tobytes() == table.eps_spent.tobytes() and delta.tobytes() == table.delta_spent.tobytes()
+    assert history == table.history
+
+    old = tmp_path / "old.sqlite"  # the earlier layout: absolute per-user totals and histories
+    db = sqlite3.connect(old)
+    db.execute("CREATE TABLE spend (user_id TEXT PRIMARY KEY, eps REAL, delta REAL, tight INTEGER)")
+    db.execute("CREATE TABLE history (user_id TEXT, n_total INTEGER, p REAL, g INTEGER, d INTEGER, rounds INTEGER)")
+    db.executemany("INSERT INTO spend VALUES (?, ?, ?, ?)", [("u0", 2.5, 1e-6, 1), ("u1", 1.0, 0.0, 0)])
+    db.execute("INSERT INTO history VALUES ('u0', 1000, 0.5, 4, 8, 3)")
+    db.commit()
+    db.close()
+    store = SqliteSpendStore(old)
+    store.record(["u0", "u1"], np.array([0.5, 0.5]), 1e-6, [key_a, key_a])
+    eps, delta, history = SqliteSpendStore(old).load(["u0", "u1", "u2"])
+    assert eps.tolist() == [3.0, 1.5, 0.0] and delta.tolist() == [2e-6, 1e-6, 0.0]
+    assert history == [Counter({key_a: 4}), None, Counter()]
