@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -315,8 +316,16 @@ class ClientNodeHandle:
         core = self.core
         while not self._stop.is_set():
             try:
-                self._stub.RegisterUsers(
-                    pb.RegisterUsersRequest(node_id=core.node_id, user_ids=core.shard.user_ids), timeout=30
+                t0 = time.monotonic()
+                ack = self._stub.RegisterUsers(
+                    pb.RegisterUsersRequest(node_id=core.node_id, user_ids=core.shard.user_ids), timeout=120
+                )
+                log.info(
+                    "node %s: %d users registered at the shuffler (%d in all; %.2f s)",
+                    core.node_id,
+                    ack.admitted,
+                    ack.total_users,
+                    time.monotonic() - t0,
                 )
                 self._call = self._stub.Subscribe(pb.SubscribeRequest(node_id=core.node_id))
                 self.connected.set()
@@ -439,8 +448,10 @@ def start_node(
     policy is `policy` or else the configuration's [policy] section; their spend persists in state_dir."""
     from shuffledp.data import load_dataset, user_shard
 
+    t0 = time.monotonic()
     ds = load_dataset(config.data, config.model.task)
     ids, X, y = user_shard(ds, node_index, num_nodes, config.data.examples_per_user, config.data.max_users)
+    log.info("node %s: %d users' data loaded (%.2f s)", node_id, len(ids), time.monotonic() - t0)
     if policy is None:
         fields = asdict(config.policy)
         policy = UserPolicy(**{**fields, "allowed_protocols": frozenset(fields["allowed_protocols"])})

@@ -274,3 +274,17 @@ def test_operator_channel_receives_results_above_4_mib() -> None:
         assert len(result.ledger_json) == 5 * 2**20
     finally:
         server.stop(0)
+
+
+def test_a_service_imports_only_its_own_subcommand():
+    # start-up (issue 15): `shuffledp serve ...` must not import `account`'s accountants (dp_accounting, ~1 s of CPU
+    # in every service process); `shuffledp --help` still lists every subcommand
+    code = (
+        "import sys\n"
+        "from shuffledp.cli import build_parser\n"
+        "build_parser('serve')\n"
+        "print(sorted(m for m in ('shuffledp.account_cli', 'dp_accounting', 'scipy.stats') if m in sys.modules))\n"
+        "print(sorted(build_parser()._subparsers._group_actions[0].choices))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["[]", "['account', 'health', 'pki', 'run', 'serve']"]
