@@ -19,7 +19,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
@@ -135,6 +135,7 @@ MAX_BIT_MESSAGES_PER_USER = 2**20  # bit mode is for small settings only (spec 0
 MAX_USERS_PER_NODE = 2**20  # what one node identity may register: bounds the memory a node can make us hold
 MAX_REFUSAL_REASONS = 16  # distinct refusal reasons kept per round; further ones are counted as "other"
 MAX_REASON_CHARS = 64
+RECENT_CLOSED_ROUNDS = 4096  # closed rounds remembered in memory (late messages to them count as expired_round)
 _U64 = 2**64
 _I64 = 2**63  # round indices are stored as SQLite INTEGER (signed 64 bit)
 _PROTO_BYTES_OVERHEAD = 6  # tag + length varint of one ciphertext in ShuffledBatch.ciphertexts (<= 2^28 bytes)
@@ -571,7 +572,9 @@ class ShufflerState:
         self._node_users: dict[str, list[str]] = {}  # node -> its users' keys
         self._subs: dict[str, Subscription] = {}
         self._open: dict[tuple[str, int], _OpenRound] = {}
-        self._closed: set[tuple[str, int]] = set()
+        # recently closed rounds, to tell a late message (expired) from a wrong one; bounded, so that the shuffler's
+        # memory does not grow with the rounds it ran (a round is never executed twice: the durable record says so)
+        self._closed: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._counters: Counter = Counter()
 
     # ----- nodes -----------------------------------------------------------------------------------------------
@@ -848,7 +851,9 @@ class ShufflerState:
             finally:
                 rnd.closed = True
                 del self._open[key]
-                self._closed.add(key)
+                self._closed[key] = None
+                while len(self._closed) > RECENT_CLOSED_ROUNDS:
+                    self._closed.popitem(last=False)
             return self._finish(rnd, released_ok=is_active(), invited=len(invited))
 
     def _invite(self, rnd: _OpenRound, relay: Any) -> None:

@@ -24,6 +24,8 @@ from shuffledp.clients.policy import UserPolicy
 from shuffledp.services.shuffler import serve_shuffler
 from shuffledp.services.shuffler_state import (
     CohortUnavailable,
+    RoundExistsError,
+    RoundRejected,
     RoundRequest,
     Schedule,
     ShufflerState,
@@ -729,3 +731,33 @@ def test_check_ins_as_user_columns():
     assert again.accepted == 0 and again.rejected == {"replayed_nonce": 1}
     t.join()
     assert out[0].checked_in == 2
+
+
+def test_the_shuffler_remembers_a_bounded_number_of_closed_rounds(monkeypatch):
+    # issue 15: the shuffler's memory must not grow with the rounds it ran; a late message to a recent round is
+    # expired, one to a forgotten round is a wrong round, and no round runs twice either way (durable record)
+    from shuffledp.services import shuffler_state as ss
+    from shuffledp.services.shuffler_state import Submission, UserColumns
+
+    monkeypatch.setattr(ss, "RECENT_CLOSED_ROUNDS", 3)
+    state = ShufflerState(rng=make_rng(12), poll_seconds=0.001)
+    state.register_users("node", ["a"])
+    state.subscribe("node")  # connected, never answers: each round ends at its deadline
+    for r in range(5):
+        req = RoundRequest(
+            "run", r, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=1, g=1, m=1, min_contributors=1,
+            deadline_seconds=0.01,
+        )  # fmt: skip
+        state.execute_round(req)
+    assert len(state._closed) == 3
+
+    def late(r: int) -> str:
+        with pytest.raises(RoundRejected) as exc:
+            state.submit(Submission("run", r, "node", columns=UserColumns(["a"], bytes(16), 16, bytes(1))))
+        return exc.value.reason.value
+
+    assert late(4) == "expired_round" and late(0) == "wrong_round"
+    with pytest.raises(RoundExistsError):
+        state.execute_round(
+            RoundRequest("run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=1, g=1, m=1, deadline_seconds=0.01)
+        )
