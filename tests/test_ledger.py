@@ -3,6 +3,8 @@
 import json
 import math
 import sqlite3
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -179,3 +181,30 @@ def test_totals_come_from_the_accountant_module():
     # the paper's parameters keep the paper's per-round claim (Thm 3.2), also for fewer contributors than sized
     paper = _event()
     assert round_cost(replace(paper, contributors=90)) == (1.0, 1e-6)
+
+
+def test_a_pvec_ledger_needs_neither_dp_accounting_nor_scipy_optimizers(tmp_path):
+    # start-up (issue 15): the analyzer's default run plans, reserves, commits and totals PVEC rounds without the
+    # other seeds' accountants, whose imports cost ~0.6 s of CPU in its first round
+    code = f"""
+import sys
+from shuffledp.config import DEFAULT_TOML, parse_config
+from shuffledp.data import load_dataset
+from shuffledp.models import make_model
+from shuffledp.protocols.registry import round_protocol
+from shuffledp.services.ledger import BudgetLimit, Ledger, PrivacyEvent
+from shuffledp.services.run_manager import plan_run
+cfg = parse_config(DEFAULT_TOML)
+ds = load_dataset(cfg.data, cfg.model.task)
+plan = plan_run(cfg, 1348, 1348, make_model("logreg", ds.num_features, ds.num_classes), ds.feature_norm_bound)
+led = Ledger({str(tmp_path / "l.sqlite")!r})
+led.create_run("r", DEFAULT_TOML)
+led.set_budget("r", BudgetLimit(plan["eps"], plan["delta"], plan["composition"], plan["advanced_slack"]), plan)
+pvec = round_protocol("pvec")
+for r in range(2):
+    led.reserve("r", r, PrivacyEvent("pvec", pvec.event_params(plan, r), plan["min_contributors"], plan["kind"]))
+    led.commit("r", r, 1348)
+print(led.totals("r").eps_spent > 0, sorted(m for m in ("dp_accounting", "scipy.optimize") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "[]"]
