@@ -64,6 +64,7 @@ __all__ = [
     "tree_zeta",
 ]
 
+
 class _OnFirstUse:
     """A module imported at its first attribute access. A PVEC ledger needs none of these (dp_accounting, scipy's
     optimizers: ~0.6 s of CPU that an analyzer used to spend in its first round, issue 15)."""
