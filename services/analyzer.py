@@ -141,17 +141,13 @@ class AnalyzerServicer(pbg.AnalyzerServicer):
         try:
             deadline = time.monotonic() + min(request.wait_ms, MAX_STATUS_WAIT_MS) / 1000.0
             ledger = self.manager.ledger
+            seen = (request.seen_rounds, request.seen_state, request.seen_message)
             while True:
                 version = ledger.version
-                status = _status(*self._view(request.run_id))
-                news = (len(status.metrics), status.state, status.message) != (
-                    request.seen_rounds,
-                    request.seen_state,
-                    request.seen_message,
-                )
                 left = deadline - time.monotonic()
-                if news or left <= 0 or not context.is_active():
-                    return status
+                now = ledger.progress(request.run_id)  # cheap: the full view composes the budget
+                if left <= 0 or not context.is_active() or now is None or (now[0], _STATES[now[1]], now[2]) != seen:
+                    return _status(*self._view(request.run_id))
                 ledger.wait_change(version, min(left, 1.0))
         except Exception as exc:
             _abort(context, exc)

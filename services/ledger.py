@@ -474,6 +474,18 @@ class Ledger:
             ).fetchone()
         return None if row is None else (int(row[0]), bytes(row[1]))
 
+    def progress(self, run_id: str) -> tuple[int, str, str] | None:
+        """(rounds with metrics, state, message) of a run, None if unknown: what an operator's status shows changing,
+        read without decoding the metrics or composing the budget (the status long poll checks it at every write)."""
+        with self._lock:
+            row = self._db.execute("SELECT state, message FROM runs WHERE run_id=?", (run_id,)).fetchone()
+            if row is None:
+                return None
+            (n,) = self._db.execute(
+                "SELECT COUNT(*) FROM checkpoints WHERE run_id=? AND round >= 0", (run_id,)
+            ).fetchone()
+        return int(n), row[0], row[1]
+
     def metrics(self, run_id: str) -> list[dict[str, Any]]:
         """Per-round metrics in round order (round -1 is the initial model)."""
         with self._lock:
