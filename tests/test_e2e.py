@@ -252,19 +252,17 @@ def test_cldp_sgd_over_the_subsampled_shuffle(cluster, randomizer):
     shuffler; one sealed fixed-length eps0-LDP report per user; the ledger's eps is `shuffledp account
     subsampled-shuffle --bound tight-pld` for the rounds run; the analyzer receives only equal-length ciphertexts,
     no ids."""
-    # k = 150 (eps 3.59 by the tight accountant), each user pays <= 16 of its max_total_eps 64. k = 200 would give
-    # r_one's loss more margin below ln 2 (it crossed it in about 1 run of 50) but spends more of the users' budget
-    # than the later tests of this module leave room for (they then refuse rounds: total_eps_above_max_total_eps)
-    k, rounds, eps0 = 150, 8, 2.0
+    k, rounds, eps0 = 150, 8, 2.0  # eps 3.59 by the tight accountant; each user pays <= 16 of its max_total_eps 64
     toml = DATA + f'[privacy]\nprotocol = "{randomizer}"\neps = 4.0\ndelta = 1e-5\neps0 = {eps0}\n'
-    toml += f'[schedule]\nkind = "subsampled"\ncohort_size = {k}\nrounds = {rounds}\nlearning_rate = 1.0\n'
+    toml += f'[schedule]\nkind = "subsampled"\ncohort_size = {k}\nrounds = {rounds}\nlearning_rate = 2.0\n'
     toml += '[transport]\nmode = "sealed"\n'
     run_id, result = cluster.run(toml)
     st = result.status
     assert st.state == pb.COMPLETED, st.message
     assert [(m.released, m.contributors) for m in st.metrics] == [(True, k)] * rounds
     # the released model (the mean of the iterates) improves on the initial one (held-out loss ln 2 = 0.69 at
-    # theta = 0); observed 0.38-0.52 (r_one) and 0.28-0.35 (privunit) over 3 runs each
+    # theta = 0). Learning rate 2: over 20 runs r_one gave 0.22-0.47 (at learning rate 1: 0.30-0.65, and ln 2 was
+    # crossed in about 1 run of 50), privunit 0.20-0.36 over 8; learning rate 3 diverges now and then (0.79)
     assert result.loss < np.log(2), (result.loss, [m.loss for m in st.metrics])
     cli = subprocess.run(
         [
