@@ -82,7 +82,10 @@ import scipy  # scipy.stats / scipy.optimize load on first use: a client node's 
 from scipy.special import logsumexp
 
 from shuffledp.accountants.rdp import extended_rdp_to_dp, rdp_to_dp
+from shuffledp.lazy import OnFirstUse
 from shuffledp.protocols.pvec import MAX_M, PvecParams
+
+gaussian_acc = OnFirstUse("shuffledp.accountants.gaussian")  # dp_accounting: only when calibrating
 
 __all__ = [
     "DEFAULT_ORDERS",
@@ -538,8 +541,6 @@ def _eps_for(N: int, g: int, d: int, rounds: int, delta: float) -> float:
 @lru_cache(maxsize=1024)
 def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g: int, rounds: int) -> PvecParams:
     # Start from the Gaussian RDP guess: noise std s = (g + sqrt d) sqrt(rounds) / rho, rho = rho_for_epsilon.
-    from shuffledp.accountants import gaussian as gaussian_acc  # dp_accounting: imported when calibrating
-
     rho = gaussian_acc.rho_for_epsilon(eps, delta, method="rdp", orders=DEFAULT_ORDERS)
     s2 = rounds * (g + math.sqrt(d)) ** 2 / rho**2
     m = max(1, math.ceil(4.0 * s2 / n), math.ceil(g / n))
@@ -634,7 +635,5 @@ def gaussian_variance(eps: float, delta: float, delta2: float, rounds: int = 1, 
     """Per-coordinate variance of the Gaussian mechanism with l2 sensitivity 2 delta2 meeting (eps, delta)
     over ``rounds`` compositions: method "exact" = analytic Gaussian (Balle & Wang 2018; composition of
     Gaussians is Gaussian), "rdp" = same RDP conversion as this module."""
-    from shuffledp.accountants import gaussian as gaussian_acc  # dp_accounting: imported when calibrating
-
     rho = gaussian_acc.rho_for_epsilon(eps, delta, method=method)
     return rounds * (2.0 * delta2 / rho) ** 2

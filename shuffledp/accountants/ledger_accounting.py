@@ -28,7 +28,6 @@ another). Every reported eps is an upper bound rounded up; delta is the one requ
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -48,6 +47,7 @@ from shuffledp.events import (
     TreeAggregation,
     trust_of,
 )
+from shuffledp.lazy import OnFirstUse
 from shuffledp.protocols.pvec import PvecParams
 
 __all__ = [
@@ -65,27 +65,19 @@ __all__ = [
 ]
 
 
-class _OnFirstUse:
-    """A module imported at its first attribute access. A PVEC ledger needs none of these (dp_accounting, scipy's
-    optimizers: ~0.6 s of CPU that an analyzer used to spend in its first round, issue 15)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(importlib.import_module(self._name), attr)
-
-
-dp_event = _OnFirstUse("dp_accounting.dp_event")
-dpa_pld = _OnFirstUse("dp_accounting.pld.pld_privacy_accountant")
-dpa_pld_dist = _OnFirstUse("dp_accounting.pld.privacy_loss_distribution")
-dpa_rdp = _OnFirstUse("dp_accounting.rdp.rdp_privacy_accountant")
-composition = _OnFirstUse("shuffledp.accountants.composition")
-fmt_shuffle = _OnFirstUse("shuffledp.accountants.fmt_shuffle")
-gaussian = _OnFirstUse("shuffledp.accountants.gaussian")
-pnsgd = _OnFirstUse("shuffledp.accountants.pnsgd")
-subsampled_shuffle = _OnFirstUse("shuffledp.accountants.subsampled_shuffle")
-tree_aggregation = _OnFirstUse("shuffledp.accountants.tree_aggregation")
+# imported at first use: a PVEC ledger needs none of these but pvec_pld (dp_accounting, scipy's optimizers: ~0.6 s
+# of CPU that an analyzer used to spend in its first round)
+dp_event = OnFirstUse("dp_accounting.dp_event")
+dpa_pld = OnFirstUse("dp_accounting.pld.pld_privacy_accountant")
+dpa_pld_dist = OnFirstUse("dp_accounting.pld.privacy_loss_distribution")
+dpa_rdp = OnFirstUse("dp_accounting.rdp.rdp_privacy_accountant")
+composition = OnFirstUse("shuffledp.accountants.composition")
+fmt_shuffle = OnFirstUse("shuffledp.accountants.fmt_shuffle")
+gaussian = OnFirstUse("shuffledp.accountants.gaussian")
+pnsgd = OnFirstUse("shuffledp.accountants.pnsgd")
+subsampled_shuffle = OnFirstUse("shuffledp.accountants.subsampled_shuffle")
+tree_aggregation = OnFirstUse("shuffledp.accountants.tree_aggregation")
+pvec_pld = OnFirstUse("shuffledp.accountants.pvec_pld")
 
 Accountant = Literal["tight", "paper"]
 ACCOUNTANTS = ("tight", "paper")
@@ -416,17 +408,10 @@ def _account_pnsgd(items: Items, delta: float, acc: str, trust: str) -> AccountR
 
 
 # ------------------------------------------------------------------------------------------------ seed 000
-def _calibrated():
-    # imported on first use: scipy and dp_accounting's PLD (~1 s), not needed by the other seeds' accountants
-    from shuffledp.accountants import pvec_pld
-
-    return pvec_pld
-
-
 def calibrate_pvec_round(eps: float, delta: float, n: int, d: int, delta2: float, rounds: int = 1) -> PvecParams:
     """pvec_pld.calibrate_pvec_pld: least binomial noise meeting (eps, delta) over ``rounds`` rounds (PLD-certified
     where a PLD route exists, else calibrated_pvec's RDP; issue 16 item 2)."""
-    return _calibrated().calibrate_pvec_pld(eps, delta, n, d, delta2, rounds=rounds)
+    return pvec_pld.calibrate_pvec_pld(eps, delta, n, d, delta2, rounds=rounds)
 
 
 def _paper_round(ev: PvecRound) -> tuple[float, float]:
@@ -459,7 +444,7 @@ def _pvec_composed(hist: Items, delta: float) -> tuple[float, float | None]:
     """(eps, optimal order) of adaptively composed PVEC rounds: the smaller of calibrated_pvec's exact-binomial RDP
     (RDP adds, Mironov 2017 Prop. 1; CKS20 conversion over an extended grid) and pvec_pld's PLD / GDP bound
     (pvec_pld.composed_epsilon; order None when the PLD bound is the smaller)."""
-    eps, order = _calibrated().composed_epsilon([(e.params, e.contributors, c) for e, c in hist], delta, True)
+    eps, order = pvec_pld.composed_epsilon([(e.params, e.contributors, c) for e, c in hist], delta, True)
     return eps, (float(order) if math.isfinite(eps) and order is not None else None)
 
 

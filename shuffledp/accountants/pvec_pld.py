@@ -67,11 +67,16 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
-import scipy  # scipy.stats loads on first use (the exhaustive route); dp_accounting likewise (start-up time)
+import scipy  # scipy.stats loads on first use (the exhaustive route)
 from scipy.special import log_ndtr, ndtri
 
 from shuffledp.accountants import calibrated_pvec as cal
+from shuffledp.lazy import OnFirstUse
 from shuffledp.protocols.pvec import PvecParams
+
+# the exhaustive route's PLDs only: the gaussian route (the default run's) needs no dp_accounting (start-up time)
+pld_pmf = OnFirstUse("dp_accounting.pld.pld_pmf")
+dpa_pld_dist = OnFirstUse("dp_accounting.pld.privacy_loss_distribution")
 
 if TYPE_CHECKING:
     from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
@@ -133,9 +138,6 @@ def maximal_gap_vectors(g: int, d: int, limit: int = EXHAUSTIVE_MAX_VECTORS) -> 
 @lru_cache(maxsize=512)
 def _coord_pld(N: int, a: int, vdi: float) -> tuple[PrivacyLossDistribution, int, int]:
     """Connect-the-Dots PLD of P = a + Bin(N, 1/2) vs Q = Bin(N, 1/2) from the explicit pmfs; (pld, i_lo, i_hi)."""
-    from dp_accounting.pld import pld_pmf
-    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
-
     k = np.arange(a, N + 1, dtype=np.float64)  # common support; P(k > N) has Q = 0 (infinite loss)
     log_p = scipy.stats.binom.logpmf(k - a, N, 0.5)
     log_q = scipy.stats.binom.logpmf(k, N, 0.5)
@@ -155,7 +157,7 @@ def _coord_pld(N: int, a: int, vdi: float) -> tuple[PrivacyLossDistribution, int
     # exact hockey-stick: delta(eps) = P(inf) + sum_{loss > eps} (P - e^eps Q) (dp_accounting PLDPmf docstring)
     deltas = np.clip(inf_mass + sp[c] - np.exp(eps) * sq[c], 0.0, 1.0)
     pmf = pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(vdi, i_lo, i_hi, deltas)
-    return PrivacyLossDistribution(pmf), i_lo, i_hi
+    return dpa_pld_dist.PrivacyLossDistribution(pmf), i_lo, i_hi
 
 
 def _vector_pld(N: int, gaps: tuple[int, ...], vdi: float) -> tuple[PrivacyLossDistribution, int, int]:
@@ -183,9 +185,6 @@ def _delta_on_grid(pld: PrivacyLossDistribution, k0: int, k1: int) -> np.ndarray
 
 @lru_cache(maxsize=64)
 def _exhaustive_round(N: int, g: int, d: int, vdi: float) -> PrivacyLossDistribution:
-    from dp_accounting.pld import pld_pmf
-    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
-
     vecs = maximal_gap_vectors(g, d)
     if vecs is None:
         raise ValueError(f"more than {EXHAUSTIVE_MAX_VECTORS} maximal gap vectors (g={g}, d={d})")
@@ -196,7 +195,7 @@ def _exhaustive_round(N: int, g: int, d: int, vdi: float) -> PrivacyLossDistribu
     k0, k1 = min(p[1] for p in plds), max(p[2] for p in plds)
     env = np.max([_delta_on_grid(p[0], k0, k1) for p in plds], axis=0)
     pmf = pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(vdi, k0, k1, np.clip(env, 0.0, 1.0))
-    return PrivacyLossDistribution(pmf)
+    return dpa_pld_dist.PrivacyLossDistribution(pmf)
 
 
 # -------------------------------------------------------------------------------------- gaussian route
