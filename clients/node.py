@@ -73,9 +73,14 @@ class UserShard:
             raise ValueError("user_ids must be distinct")
 
 
+def _nonce_blob(k: int) -> bytes:
+    """k fresh replay nonces of NONCE_BYTES, concatenated, from one OS CSPRNG read (the UserColumns layout)."""
+    return secrets.token_bytes(NONCE_BYTES * k)
+
+
 def _nonces(k: int) -> list[bytes]:
-    """k fresh replay nonces from one OS CSPRNG read (slices of independent uniform bytes are independent)."""
-    raw = secrets.token_bytes(NONCE_BYTES * k)
+    """k fresh replay nonces (slices of independent uniform bytes are independent)."""
+    raw = _nonce_blob(k)
     return [raw[i : i + NONCE_BYTES] for i in range(0, NONCE_BYTES * k, NONCE_BYTES)]
 
 
@@ -177,7 +182,7 @@ class NodeCore:
                 joined = [ids[i] for i in np.flatnonzero(join)]
                 out.columns.user_ids.extend(joined)
                 out.columns.nonce_bytes = NONCE_BYTES
-                out.columns.nonces = secrets.token_bytes(NONCE_BYTES * len(joined))
+                out.columns.nonces = _nonce_blob(len(joined))
             elif np.any(join):
                 try:
                     self._randomize(spec, idx[join], out)

@@ -338,8 +338,6 @@ class PvecRound(AnalyzerHooks):
         G = pvec.clip_rows(G, params.delta2)
         if spec.transport == pb.COUNTS:
             counts = pvec.encode_counts(G, params, rng)  # (k, d) int64 in [0, g+m]
-            # CountVector.packed: each user's d counts in the round's wire width, cut from one buffer (no
-            # per-count Python objects on either side of the wire)
             # UserColumns: each user's d counts in the round's wire width (CountVector.packed's layout), all users
             # in one buffer, and their ids and nonces as columns: no protobuf object per user on either side
             dtype = pvec.count_wire_dtype(params.g + params.m)
