@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2
-from shuffledp.clients.policy import PolicyTable, UserPolicy, noise_key
+from shuffledp.clients.policy import PolicyTable, Refusal, RunTable, UserPolicy, noise_key
 from shuffledp.clients.spend_store import MemorySpendStore, SpendStore, SqliteSpendStore
 
 from shuffledp import grpc_options, tls
@@ -114,6 +114,8 @@ class NodeCore:
         eps, delta, history = self._spend.load(shard.user_ids)
         policies = policy if policy is not None else UserPolicy()
         self.policy = PolicyTable(policies, len(shard.user_ids), spent=(eps, delta), history=history, **kw)
+        for run, (counts, paid_eps, paid_delta) in self._spend.load_runs(shard.user_ids).items():
+            self.policy.runs[run] = RunTable(counts, paid_eps, paid_delta)
         self._rng = rng if rng is not None else make_rng()
         self._lock = threading.Lock()
         self.rounds_joined = 0
@@ -173,9 +175,23 @@ class NodeCore:
         idx = np.fromiter((self._index[u] for u in ids), dtype=np.int64, count=len(ids))
         protocol = known_protocol(spec.randomizer.protocol)
         supported = protocol is not None and protocol.supports(spec)
+        account = None
+        if supported:
+            try:
+                account = protocol.user_account(spec)
+            except ValueError as exc:
+                log.warning("node %s: round %d of %s is malformed: %s", self.node_id, spec.round, spec.run_id, exc)
+                supported = False  # every invited user refuses it; nothing is counted
         with self._lock:
-            reasons, cost = self.policy.decide(spec, idx, supported)
-            join = reasons == ""
+            if spec.population and inv.eligible < spec.population:
+                # drawn from fewer users than the round is accounted for: a higher rate than charged (item 3)
+                reasons, join = np.full(idx.size, Refusal.POPULATION, dtype=object), np.zeros(idx.size, dtype=bool)
+            elif account is not None:
+                self._handle_in_run(spec, account, idx, supported, out)
+                return out
+            else:
+                reasons, cost = self.policy.decide(spec, idx, supported)
+                join = reasons == ""
             if spec.check_in.noise_trials and not spec.check_in.checked_in:
                 # check-in invitation (protocols/check_in.py): the users whose policy accepts the worst case check
                 # in with a payload-free message; nothing is computed or charged until the second invitation
@@ -199,10 +215,39 @@ class NodeCore:
                     keys = self.policy.charge(charged, cost[join], delta, noise_key(spec))
                     self._spend.record([self.shard.user_ids[i] for i in charged], cost[join], delta, keys)
                     self.rounds_joined += 1
-            for u, why in zip(np.asarray(ids)[~join], reasons[~join], strict=True):
-                out.refusals.append(pb.Refusal(user_id=str(u), reason=str(why)))
-                self.refusals[str(why)] += 1
+            self._refuse(ids, reasons, join, out)
         return out
+
+    def _refuse(self, ids: Sequence[str], reasons: np.ndarray, join: np.ndarray, out: pb.Contribution) -> None:
+        for u, why in zip(np.asarray(ids)[~join], reasons[~join], strict=True):
+            out.refusals.append(pb.Refusal(user_id=str(u), reason=str(why)))
+            self.refusals[str(why)] += 1
+
+    def _handle_in_run(
+        self, spec: pb.RoundSpec, account: Any, idx: np.ndarray, supported: bool, out: pb.Contribution
+    ) -> None:
+        """A round of a protocol whose cost composes per run (protocols.base.UserAccount): decide, randomize for
+        the users who join, and record every charge of the round (joins and eligibility) durably before anything
+        is sent. Caller holds the lock."""
+        reasons, charge = self.policy.decide_in_run(spec, account, idx, supported)
+        join = reasons == ""
+        if np.any(join):
+            try:
+                self._randomize(spec, idx[join], out)
+            except ValueError as exc:
+                log.warning("node %s: round %d of %s is malformed: %s", self.node_id, spec.round, spec.run_id, exc)
+                del out.messages[:]  # nothing of a malformed round is sent or charged for a join
+                reasons[join] = Refusal.INVALID_SPEC
+                join[:] = False
+                _, charge = self.policy.decide_in_run(spec, account, idx, supported, join_allowed=False)
+        if charge.users.size:
+            ids = [self.shard.user_ids[i] for i in charge.users.tolist()]
+            # if the store fails, the exception leaves handle() and nothing of the round is sent
+            self._spend.record(ids, charge.eps, charge.delta, [None] * len(ids), charge.run, charge.steps)
+        self.policy.apply_run(charge)
+        if np.any(join):
+            self.rounds_joined += 1
+        self._refuse([self.shard.user_ids[i] for i in idx.tolist()], reasons, join, out)
 
     def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray, out: pb.Contribution) -> None:
         """One message per user of idx (in idx order) in out, by the round's protocol plug-in."""
@@ -356,6 +401,8 @@ class ClientNodeHandle:
         except Exception:  # a bug for one round must not kill the node
             log.exception("node %s: failed to compute round %d", self.core.node_id, inv.spec.round)
             return
+        if not (contribution.messages or contribution.refusals or contribution.HasField("columns")):
+            return  # a notice of a round none of this node's users was invited to: nothing to answer
         for part in split_contribution(contribution, self._chunk):
             code = self._submit(part, inv.spec.round)
             senders = [m.user_id for m in part.messages] + list(part.columns.user_ids)

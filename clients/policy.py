@@ -13,7 +13,13 @@ Every logical user decides for itself whether to join a round, from the RoundSpe
   every round was a verified PVEC round, composition of those rounds with the ledger's own accountant
   (pvec_pld.epsilon_of_rounds: the tighter of RDP and PLD, from the user's history of round_noise_keys) at
   delta = max_total_delta:
-  the same tight arithmetic the analyzer's ledger uses (issue 10), computed from what the user verified.
+  the same tight arithmetic the analyzer's ledger uses (issue 10), computed from what the user verified;
+- for a protocol whose rounds compose per run (protocols.base.UserAccount: sampled central DP-SGD, DP-FTRL), the
+  user's cost for the run is computed from its own counts in the run (rounds eligible for, rounds joined, leaves
+  per tree), never a per-round share (issue 24 items 1-2). A user of a sampled protocol is counted in every round it
+  is eligible for (the shuffler tells every node of every such round), and withdraws from the run, refusing every
+  later invitation and counting nothing more, as soon as one more round could take it past its limits: what it
+  paid never exceeds them. The shuffler's eligible count must not be below the rate the spec is accounted at.
 
 Decisions are vectorized over the node's invited users (one numpy pass, no per-user Python loop).
 """
@@ -23,13 +29,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from shuffledp.accountants.calibrated_pvec import NoiseKey
 from shuffledp.accountants.pvec_pld import epsilon_of_rounds
 from shuffledp.config import PolicyConfig
+from shuffledp.protocols.base import UserAccount
 from shuffledp.protocols.pvec_round import pvec_params_from_spec
 from shuffledp.protocols.registry import PROTOCOL_NAMES, known_protocol, round_protocol
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -65,6 +72,9 @@ class Refusal:
     UNVERIFIABLE = "randomizer_unverifiable"
     TOTAL_EPS = "total_eps_above_max_total_eps"
     TOTAL_DELTA = "total_delta_above_max_total_delta"
+    # the shuffler drew the cohort from fewer users than the round's accountant assumes (a higher sampling rate)
+    POPULATION = "eligible_below_accounted_population"
+    PARTICIPATION = "participation_limit_exceeded"  # the user's own record: more leaves in a tree, or too close
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,31 @@ def noise_key(spec: pb.RoundSpec) -> NoiseKey | None:
     return None if protocol is None else protocol.noise_key(spec)
 
 
+@dataclass
+class RunTable:
+    """A run's per-user counts (UserAccount), what each user has paid for the run, and who withdrew from it."""
+
+    counts: dict[int, Counter]
+    paid_eps: np.ndarray
+    paid_delta: np.ndarray
+    withdrawn: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    counted_round: int = -1  # the last round whose eligibility was counted (each round once)
+
+
+@dataclass(frozen=True)
+class RunCharge:
+    """One round's charges in a run (PolicyTable.decide_in_run), applied by PolicyTable.apply_run once recorded."""
+
+    run: str
+    round: int
+    counted: bool  # the round's eligibility was counted
+    users: np.ndarray  # user indices whose counts change
+    steps: list[str]  # per user: the counts the round adds, comma-separated
+    eps: np.ndarray  # per user: what it pays now (its run cost minus what it paid for the run), >= 0
+    delta: np.ndarray
+    withdraw: np.ndarray  # user indices that withdraw from the run
+
+
 class PolicyTable:
     """The policies of a node's users as arrays, for vectorized decisions, plus each user's running spend."""
 
@@ -167,14 +202,13 @@ class PolicyTable:
         self.history: list[Counter | None] = [Counter() for _ in range(num_users)] if history is None else list(history)
         if len(self.history) != num_users:
             raise ValueError(f"history must hold {num_users} entries")
+        self.runs: dict[str, RunTable] = {}  # per-run accounts (UserAccount), loaded by the node from its store
 
-    def decide(self, spec: pb.RoundSpec, idx: np.ndarray, supported: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(refusal reason per invited user as an object array, "" = join; eps each user is charged if it joins).
-
-        idx: the users' indices on this node. The charge is the claimed eps, raised to the eps the user verified
-        itself from the randomizer's parameters when its policy verifies (never less than either).
-        """
-        idx = np.asarray(idx, dtype=np.int64)
+    def _static(
+        self, spec: pb.RoundSpec, idx: np.ndarray, supported: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The checks of one round alone, before any total: (reason per user, "" = passes; eps each is charged
+        under basic composition: the claim, raised to what it verified; whether its round was verified)."""
         out = np.full(idx.size, "", dtype=object)
 
         def refuse(mask: np.ndarray, reason: str) -> None:
@@ -189,13 +223,13 @@ class PolicyTable:
         refuse(~self.protocol_ok.get(spec.randomizer.protocol, nobody)[idx], Refusal.PROTOCOL_NOT_ALLOWED)
         eps, delta = float(spec.per_user_cost.eps), float(spec.per_user_cost.delta)
         cost = np.full(idx.size, eps)
+        tight = np.zeros(idx.size, dtype=bool)  # users whose round is verified: RDP composition applies
         if not (math.isfinite(eps) and eps >= 0.0 and 0.0 <= delta <= 1.0):
             refuse(~none, Refusal.INVALID_SPEC)  # a missing or negative cost is never "free"
-            return out, cost
+            return out, cost, tight
         refuse(eps > self.max_eps_per_round[idx], Refusal.ROUND_EPS)
         refuse(delta > self.max_delta_per_round[idx], Refusal.ROUND_DELTA)
         need = self.verify[idx] & (out == "")
-        tight = np.zeros(idx.size, dtype=bool)  # users whose round is verified: RDP composition applies
         if np.any(need):
             try:
                 verified = float(self._verifier(spec))
@@ -209,6 +243,23 @@ class PolicyTable:
                     cost[need] = max(eps, verified)
                     tight = need.copy()
                 refuse(need & (verified > self.max_eps_per_round[idx]), Refusal.WEAK_RANDOMIZER)
+        return out, cost, tight
+
+    def decide(self, spec: pb.RoundSpec, idx: np.ndarray, supported: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(refusal reason per invited user as an object array, "" = join; eps each user is charged if it joins).
+
+        idx: the users' indices on this node. The charge is the claimed eps, raised to the eps the user verified
+        itself from the randomizer's parameters when its policy verifies (never less than either).
+        """
+        idx = np.asarray(idx, dtype=np.int64)
+        out, cost, tight = self._static(spec, idx, supported)
+        delta = float(spec.per_user_cost.delta)
+        if not (np.isfinite(cost).all() and 0.0 <= delta <= 1.0):
+            return out, cost  # every user refused it as invalid_round_spec
+
+        def refuse(mask: np.ndarray, reason: str) -> None:
+            out[(out == "") & mask] = reason
+
         eps_ok = sum_up(self.eps_spent[idx], cost) <= self.max_total_eps[idx]
         basic_ok = eps_ok & (sum_up(self.delta_spent[idx], delta) <= self.max_total_delta[idx])
         key = noise_key(spec)
@@ -218,6 +269,109 @@ class PolicyTable:
         refuse(~basic_ok & ~eps_ok, Refusal.TOTAL_EPS)
         refuse(~basic_ok, Refusal.TOTAL_DELTA)
         return out, cost
+
+    # ----- rounds of a protocol whose cost composes per run (UserAccount) -------------------------------------
+    def run_table(self, run: str) -> RunTable:
+        table = self.runs.get(run)
+        if table is None:
+            n = self.verify.size
+            table = self.runs[run] = RunTable({}, np.zeros(n), np.zeros(n))
+        if table.withdrawn.size != self.verify.size:
+            table.withdrawn = np.zeros(self.verify.size, dtype=bool)
+        return table
+
+    def decide_in_run(
+        self, spec: pb.RoundSpec, account: UserAccount, idx: np.ndarray, supported: bool, join_allowed: bool = True
+    ) -> tuple[np.ndarray, RunCharge]:
+        """(refusal reason per invited user, "" = join; the round's charges in the run). Changes nothing: the node
+        records the charges durably, then applies them (apply_run).
+
+        A user joins when its cost for the run with this round joined stays within its limits (and its own record
+        of the run keeps the protocol's participation limits). When the protocol counts eligibility, every user of
+        the node that passes the round's own checks and has not withdrawn is counted eligible, invited or not, once
+        per round; a user for whom one more eligible round and a join would not fit withdraws (is not counted, and
+        refuses this and every later round of the run), so that what it is charged never exceeds its limits."""
+        idx = np.asarray(idx, dtype=np.int64)
+        table = self.run_table(account.run)
+        counting = account.eligible is not None and int(spec.round) > table.counted_round
+        candidates = np.arange(self.verify.size) if counting else idx
+        static, _, _ = self._static(spec, candidates, supported)
+        ok = dict(zip(candidates.tolist(), (static == "").tolist(), strict=True))
+        reasons = dict(zip(candidates.tolist(), static.tolist(), strict=True))
+        invited = set(idx.tolist())
+        memo: dict[tuple, tuple[float, float]] = {}
+
+        def cost(c: Counter) -> tuple[float, float]:
+            key = tuple(sorted((k, v) for k, v in c.items() if v))
+            if key not in memo:
+                memo[key] = account.cost(key)
+            return memo[key]
+
+        def due(u: int, c: Counter) -> tuple[float, float, str]:
+            """(eps, delta) user u pays now for the run at counts c, and the limit it would break ("" = none)."""
+            e, d = cost(c)
+            pay_e, pay_d = _owed(e, table.paid_eps[u]), _owed(d, table.paid_delta[u])
+            if not sum_up(self.eps_spent[u], pay_e) <= self.max_total_eps[u]:
+                return pay_e, pay_d, Refusal.TOTAL_EPS
+            if not sum_up(self.delta_spent[u], pay_d) <= self.max_total_delta[u]:
+                return pay_e, pay_d, Refusal.TOTAL_DELTA
+            return pay_e, pay_d, ""
+
+        users, steps, pay_eps, pay_delta, withdraw = [], [], [], [], []
+        for u in candidates.tolist():
+            if not ok[u]:
+                continue
+            if table.withdrawn[u]:
+                reasons[u] = Refusal.TOTAL_EPS  # withdrew when one more round could not fit
+                continue
+            c = table.counts.get(u, Counter())
+            full = c + Counter([account.join] + ([account.eligible] if counting else []))
+            why = "" if account.allows(tuple(sorted(full.items()))) else Refusal.PARTICIPATION
+            if not why:
+                why = due(u, full)[2]
+            if why:
+                reasons[u] = why
+                if counting:
+                    withdraw.append(u)
+                continue
+            step = [account.eligible] if counting else []
+            if u in invited and join_allowed:
+                step.append(account.join)
+            if step:
+                e, d, _ = due(u, c + Counter(step))
+                users.append(u)
+                steps.append(",".join(step))
+                pay_eps.append(e)
+                pay_delta.append(d)
+        out = np.array([reasons[u] for u in idx.tolist()], dtype=object)
+        charge = RunCharge(
+            account.run,
+            int(spec.round),
+            counting,
+            np.array(users, dtype=np.int64),
+            steps,
+            np.array(pay_eps, dtype=np.float64),
+            np.array(pay_delta, dtype=np.float64),
+            np.array(withdraw, dtype=np.int64),
+        )
+        return out, charge
+
+    def apply_run(self, charge: RunCharge) -> None:
+        """Apply a recorded RunCharge: the users' counts, what they paid (rounded up, as the store replays it), their
+        totals, and withdrawals. A user charged a positive amount leaves RDP composition (history None)."""
+        table = self.run_table(charge.run)
+        for u, step, e, d in zip(charge.users.tolist(), charge.steps, charge.eps, charge.delta, strict=True):
+            table.counts.setdefault(u, Counter()).update(step.split(","))
+            if e > 0.0 or d > 0.0:
+                self.history[u] = None
+        ix = charge.users
+        table.paid_eps[ix] = sum_up(table.paid_eps[ix], charge.eps)
+        table.paid_delta[ix] = sum_up(table.paid_delta[ix], charge.delta)
+        self.eps_spent[ix] = sum_up(self.eps_spent[ix], charge.eps)
+        self.delta_spent[ix] = sum_up(self.delta_spent[ix], charge.delta)
+        table.withdrawn[charge.withdraw] = True
+        if charge.counted:
+            table.counted_round = max(table.counted_round, charge.round)
 
     def _tight_ok(self, users: np.ndarray, key: NoiseKey) -> np.ndarray:
         """Whether each user's RDP-composed spend with one more round `key`, at delta = its max_total_delta, stays
@@ -261,6 +415,14 @@ class PolicyTable:
                 h[k] += 1
             recorded.append(k)
         return recorded
+
+
+def _owed(cost: float, paid: float) -> float:
+    """What to add to `paid` so that the rounded-up sum covers `cost` (0 when it does already)."""
+    owe = max(0.0, cost - float(paid))
+    while float(sum_up(paid, owe)) < cost:
+        owe = math.nextafter(owe, math.inf)
+    return owe
 
 
 def sum_up(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:

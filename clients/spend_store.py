@@ -15,6 +15,11 @@ round_noise_key, from which the node composes the user's spend by RDP like the l
 who ever joined a round without such a key is accounted by basic composition only (history None). A store written
 by an earlier version (tables spend and history, absolute per-user values) is read as the totals the log starts
 from.
+
+Rounds of a protocol whose cost composes per run (protocols.base.UserAccount: sampled central DP-SGD, DP-FTRL) log
+the run and what the round added to each user's counts in it ("eligible", "joined", a tree's leaf); replaying them
+gives each user's counts per run and what it has paid for the run, from which the node charges the next round
+(clients/policy.py, issue 24 items 1-2).
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from shuffledp.durable import open_durable, transaction
 __all__ = ["SpendStore", "MemorySpendStore", "SqliteSpendStore", "History"]
 
 History = Counter | None  # round_noise_key -> rounds joined; None: some round has no key (basic composition only)
-Charge = tuple[list[str], float, float, tuple | None]  # (user ids, eps each, delta each, noise key or None)
+# (user ids, eps each, delta each, noise key or None, run or None, what the round added to the users' run counts)
+Charge = tuple[list[str], float, float, tuple | None, str | None, str | None]
+RunCounts = dict[str, tuple[dict[int, Counter], np.ndarray, np.ndarray]]  # run -> (counts by user, paid eps, delta)
 
 
 class SpendStore(Protocol):
@@ -42,18 +49,42 @@ class SpendStore(Protocol):
         """(eps spent, delta spent, history) per user id; zeros and an empty history for users never charged."""
         ...
 
-    def record(self, user_ids: Sequence[str], eps: np.ndarray, delta: float, keys: Sequence[tuple | None]) -> None:
-        """Add one round's charge: eps[i] and delta to user_ids[i]'s totals, one round of keys[i] (None: not
-        RDP-accountable) to its history; durable when it returns."""
+    def load_runs(self, user_ids: Sequence[str]) -> RunCounts:
+        """Per run: the users' counts (by index in user_ids) and what each has paid for the run."""
+        ...
+
+    def record(
+        self,
+        user_ids: Sequence[str],
+        eps: np.ndarray,
+        delta: float | np.ndarray,
+        keys: Sequence[tuple | None],
+        run: str | None = None,
+        steps: Sequence[str] | None = None,
+    ) -> None:
+        """Add one round's charge: eps[i] and delta (or delta[i]) to user_ids[i]'s totals, one round of keys[i]
+        (None: not RDP-accountable) to its history, and, for a run's charge, steps[i] (comma-separated count names)
+        to its counts in `run`; durable when it returns."""
         ...
 
 
-def charges(user_ids: Sequence[str], eps: np.ndarray, delta: float, keys: Sequence[tuple | None]) -> list[Charge]:
-    """One round's charge as log entries: the users grouped by (eps, key), in first-appearance order."""
-    groups: dict[tuple[float, tuple | None], list[str]] = {}
-    for u, e, k in zip(user_ids, np.asarray(eps, dtype=np.float64).tolist(), keys, strict=True):
-        groups.setdefault((e, k), []).append(u)
-    return [(users, e, float(delta), k) for (e, k), users in groups.items()]
+def charges(
+    user_ids: Sequence[str],
+    eps: np.ndarray,
+    delta: float | np.ndarray,
+    keys: Sequence[tuple | None],
+    run: str | None = None,
+    steps: Sequence[str] | None = None,
+) -> list[Charge]:
+    """One round's charge as log entries: the users grouped by (eps, delta, key, step), in first-appearance order."""
+    n = len(user_ids)
+    deltas = np.broadcast_to(np.asarray(delta, dtype=np.float64), (n,)).tolist()
+    groups: dict[tuple, list[str]] = {}
+    for u, e, d, k, st in zip(
+        user_ids, np.asarray(eps, dtype=np.float64).tolist(), deltas, keys, steps or [None] * n, strict=True
+    ):
+        groups.setdefault((e, d, k, st), []).append(u)
+    return [(users, e, d, k, run, st) for (e, d, k, st), users in groups.items()]
 
 
 def replay(
@@ -68,10 +99,12 @@ def replay(
     eps = np.array([b[0] for b in start], dtype=np.float64)
     delta = np.array([b[1] for b in start], dtype=np.float64)
     history: list[History] = [None if b[2] is None else Counter(b[2]) for b in start]
-    for users, e, d, key in log:
+    for users, e, d, key, run, _ in log:
         ix = np.fromiter((index[u] for u in users if u in index), dtype=np.int64)
         eps[ix] = sum_up(eps[ix], e)
         delta[ix] = sum_up(delta[ix], d)
+        if run is not None and e == 0.0 and d == 0.0:
+            continue  # a run's counts that cost nothing yet: the history stays (PolicyTable.apply_run)
         for i in ix.tolist():
             h = history[i]
             if key is None or h is None:
@@ -81,6 +114,24 @@ def replay(
     return eps, delta, history
 
 
+def replay_runs(user_ids: Sequence[str], log: Iterable[Charge]) -> RunCounts:
+    """Per run, the users' counts and what each paid for the run (summed rounded up, as PolicyTable.apply_run)."""
+    index = {u: i for i, u in enumerate(user_ids)}
+    out: RunCounts = {}
+    for users, e, d, _, run, step in log:
+        if run is None:
+            continue
+        if run not in out:
+            out[run] = ({}, np.zeros(len(user_ids)), np.zeros(len(user_ids)))
+        counts, paid_eps, paid_delta = out[run]
+        ix = np.fromiter((index[u] for u in users if u in index), dtype=np.int64)
+        paid_eps[ix] = sum_up(paid_eps[ix], e)
+        paid_delta[ix] = sum_up(paid_delta[ix], d)
+        for i in ix.tolist():
+            counts.setdefault(i, Counter()).update(step.split(",") if step else ())
+    return out
+
+
 class MemorySpendStore:
     def __init__(self) -> None:
         self._log: list[Charge] = []
@@ -88,8 +139,19 @@ class MemorySpendStore:
     def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History]]:
         return replay(user_ids, self._log)
 
-    def record(self, user_ids: Sequence[str], eps: np.ndarray, delta: float, keys: Sequence[tuple | None]) -> None:
-        self._log.extend(charges(user_ids, eps, delta, keys))
+    def load_runs(self, user_ids: Sequence[str]) -> RunCounts:
+        return replay_runs(user_ids, self._log)
+
+    def record(
+        self,
+        user_ids: Sequence[str],
+        eps: np.ndarray,
+        delta: float | np.ndarray,
+        keys: Sequence[tuple | None],
+        run: str | None = None,
+        steps: Sequence[str] | None = None,
+    ) -> None:
+        self._log.extend(charges(user_ids, eps, delta, keys, run, steps))
 
 
 class SqliteSpendStore:
@@ -101,8 +163,12 @@ class SqliteSpendStore:
         with self._lock:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS charges (seq INTEGER PRIMARY KEY AUTOINCREMENT, users BLOB NOT NULL, "
-                "eps REAL NOT NULL, delta REAL NOT NULL, noise_key TEXT)"
+                "eps REAL NOT NULL, delta REAL NOT NULL, noise_key TEXT, run TEXT, step TEXT)"
             )
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(charges)")}
+            for col in ("run", "step"):  # a store from before per-run accounting (issue 24)
+                if col not in columns:
+                    self._db.execute(f"ALTER TABLE charges ADD COLUMN {col} TEXT")
 
     def _base(self) -> dict[str, tuple[float, float, History]]:
         """An earlier version's per-user totals (tables spend and history), if this store has them."""
@@ -118,21 +184,42 @@ class SqliteSpendStore:
         rows = self._db.execute(f"SELECT user_id, eps, delta, {tight} FROM spend")
         return {u: (e, d, hist.get(u, Counter()) if t else None) for u, e, d, t in rows}
 
+    def _log(self) -> list[Charge]:
+        rows = self._db.execute("SELECT users, eps, delta, noise_key, run, step FROM charges ORDER BY seq").fetchall()
+        return [
+            (blob.decode().split("\n"), e, d, None if k is None else tuple(json.loads(k)), run, step)
+            for blob, e, d, k, run, step in rows
+        ]
+
     def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History]]:
         with self._lock:
             base = self._base()
-            rows = self._db.execute("SELECT users, eps, delta, noise_key FROM charges ORDER BY seq").fetchall()
-        log = ((blob.decode().split("\n"), e, d, None if k is None else tuple(json.loads(k))) for blob, e, d, k in rows)
+            log = self._log()
         return replay(user_ids, log, base)
 
-    def record(self, user_ids: Sequence[str], eps: np.ndarray, delta: float, keys: Sequence[tuple | None]) -> None:
+    def load_runs(self, user_ids: Sequence[str]) -> RunCounts:
+        with self._lock:
+            log = self._log()
+        return replay_runs(user_ids, log)
+
+    def record(
+        self,
+        user_ids: Sequence[str],
+        eps: np.ndarray,
+        delta: float | np.ndarray,
+        keys: Sequence[tuple | None],
+        run: str | None = None,
+        steps: Sequence[str] | None = None,
+    ) -> None:
         # ids hold no newline (the shuffler's user_key relies on that too): "\n" separates them
         rows = [
-            ("\n".join(users).encode(), e, d, None if k is None else json.dumps(list(k)))
-            for users, e, d, k in charges(user_ids, eps, delta, keys)
+            ("\n".join(users).encode(), e, d, None if k is None else json.dumps(list(k)), r, st)
+            for users, e, d, k, r, st in charges(user_ids, eps, delta, keys, run, steps)
         ]
         with self._lock, transaction(self._db) as db:
-            db.executemany("INSERT INTO charges (users, eps, delta, noise_key) VALUES (?, ?, ?, ?)", rows)
+            db.executemany(
+                "INSERT INTO charges (users, eps, delta, noise_key, run, step) VALUES (?, ?, ?, ?, ?, ?)", rows
+            )
 
     def close(self) -> None:
         with self._lock:

@@ -93,6 +93,7 @@ def _status(v: RunView, output: str = "mean") -> pb.RunStatus:
             refused_reasons=m.get("refused_reasons", {}),
             not_in_run=m.get("not_in_run", 0),
             checked_in=m.get("checked_in", 0),
+            excluded_silent=m.get("excluded_silent", 0),
             failure=m.get("failure", ""),
             excess_risk=m.get(f"excess_risk_{output}"),
             eps_spent_local=m.get("eps_spent_local"),

@@ -828,6 +828,13 @@ class RunManager:
             self._metrics(run_id, r, rd, state, False, rep.contributors, seconds, dict(rep.rejected), rep)
             return "below_threshold", state
         n = int(rep.contributors)
+        if spec.population and rep.eligible < spec.population:
+            # drawn at a higher rate than the round is charged at (issue 24 item 3): charged as planned; the run stops
+            self.ledger.commit(run_id, r, max(n, 1))
+            raise RuntimeError(
+                f"the shuffler drew round {r} from {rep.eligible} eligible users, fewer than the {spec.population} "
+                "its accountant assumes"
+            )
         if batch.run_id != run_id or batch.round != r:
             raise RuntimeError(f"batch for run {batch.run_id!r} round {batch.round} answered round {r}")
         params, ran, n_min = rd.params, None, plan["min_contributors"]
@@ -906,6 +913,7 @@ class RunManager:
             refused_reasons=dict(report.refused_reasons) if report is not None else {},
             not_in_run=int(report.not_in_run) if report is not None else 0,
             checked_in=int(report.checked_in) if report is not None else 0,
+            excluded_silent=int(report.excluded_silent) if report is not None else 0,
         )
         if failure:
             m["failure"] = failure

@@ -164,6 +164,7 @@ def _request(spec: pb.RoundSpec) -> RoundRequest:
         check_in_trials=spec.check_in.noise_trials,
         check_in_fraction=spec.check_in.report_fraction,
         sampling_rate=spec.sampling_rate,
+        population=spec.population,
         relay=spec,
         second_relay=lambda c, c_min, m: _second_spec(spec, c, c_min, m),
     )
@@ -223,6 +224,8 @@ def _batch(b: BatchResult) -> pb.ShuffledBatch:
         refused_reasons=b.refused_reasons,
         not_in_run=b.not_in_run,
         checked_in=b.checked_in,
+        eligible=b.eligible,
+        excluded_silent=b.excluded_silent,
     )
     out = pb.ShuffledBatch(run_id=b.run_id, round=b.round, released=b.released, report=report)
     if b.released:
@@ -274,7 +277,7 @@ class ShufflerServicer(pbg.ShufflerServicer):
                 except EOFError:
                     return
                 if invite is not None:
-                    yield pb.Invitation(spec=invite.relay, user_ids=invite.user_ids)
+                    yield pb.Invitation(spec=invite.relay, user_ids=invite.user_ids, eligible=invite.eligible)
         finally:
             self.state.unsubscribe(sub)
 

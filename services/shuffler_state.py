@@ -177,6 +177,7 @@ class RoundRequest:
     check_in_trials: int = 0  # RoundSpec.check_in.noise_trials: > 0 runs the check-in (protocols/check_in.py)
     check_in_fraction: float = 0.0  # RoundSpec.check_in.report_fraction
     sampling_rate: float = 0.0  # RoundSpec.sampling_rate: > 0 = Poisson sampling (SUBSAMPLED, cohort_size 0)
+    population: int = 0  # RoundSpec.population: SUBSAMPLED, the eligible users the accountant assumes (0: no claim)
     relay: Any = None
     second_relay: Callable[[int, int, int], Any] | None = None  # check-in: (c, c_min, m) -> the second spec
 
@@ -256,6 +257,8 @@ class BatchResult:
     refused_reasons: dict[str, int] = field(default_factory=dict)  # the nodes' reasons, sanitized and bounded
     not_in_run: int = 0  # FULLY_INTERACTIVE: connected users who joined after the run's first round, not invited
     checked_in: int = 0  # check-in rounds: users who checked in
+    eligible: int = 0  # SUBSAMPLED: the users the cohort was drawn from
+    excluded_silent: int = 0  # check-in rounds: users left out for having checked in and then sent nothing
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,7 @@ class Population:
 class Invite:
     relay: Any
     user_ids: list[str]
+    eligible: int = 0  # SUBSAMPLED: the users the cohort was drawn from (Invitation.eligible)
 
 
 _CLOSED = object()
@@ -499,6 +503,9 @@ class _Selection(NamedTuple):
     consumed: list[str]  # SEQUENTIAL: the users this round uses up
     population: list[str]  # FULLY_INTERACTIVE, first round: the run's users from now on
     not_in_run: int  # FULLY_INTERACTIVE: connected users outside the run's population, not invited
+    notify: bool = False  # SUBSAMPLED: every node with eligible users is told of the round
+    drawn_from: int = 0  # SUBSAMPLED: the users the cohort was drawn from
+    excluded_silent: int = 0  # check-in rounds: users left out for their silence in an earlier round
 
 
 @dataclass
@@ -511,7 +518,11 @@ class _OpenRound:
     bound: int  # g + m
     not_in_run: int
     wire_dtype: np.dtype | None  # COUNTS: CountVector.packed is count_wire_dtype(g + m); None otherwise
+    notify: bool = False  # SUBSAMPLED: every node with eligible users is told of the round (_Selection)
+    drawn_from: int = 0
+    excluded_silent: int = 0
     checking_in: bool = False  # check-in rounds: the first invitation's answers are being collected
+    second_invitation: bool = False  # check-in rounds: the checked-in users were invited to report
     checked_in: list[str] = field(default_factory=list)  # user keys that checked in
     answered: set[str] = field(default_factory=set)  # user keys (user_key)
     nonces: set[bytes] = field(default_factory=set)  # replay protection; dropped with the round (design 5.3)
@@ -576,6 +587,10 @@ class ShufflerState:
         # memory does not grow with the rounds it ran (a round is never executed twice: the durable record says so)
         self._closed: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._counters: Counter = Counter()
+        # check-in rounds (issue 24 item 4): per run, users who checked in and then sent nothing; they are not
+        # invited to check in again in that run, so that one silent node cannot hold back every release. Only
+        # liveness rests on it (a lost set lets them in again); the noise guarantee rests on c_min and m alone
+        self._silent: dict[str, set[str]] = {}
 
     # ----- nodes -----------------------------------------------------------------------------------------------
     def register_users(self, node_id: str, user_ids: Sequence[str]) -> tuple[int, int]:
@@ -753,22 +768,36 @@ class ShufflerState:
             # users are counted in the report, under NOT_IN_RUN); one that left and came back is.
             fixed = self._store.run_population(req.run_id)
             invited = eligible if fixed is None else [u for u in eligible if u in fixed]
+            silent = self._silent.get(req.run_id, set()) if req.check_in_trials else set()
+            excluded = 0
+            if silent:
+                kept = [u for u in invited if u not in silent]
+                invited, excluded = kept, len(invited) - len(kept)
             if not invited:
                 raise CohortUnavailable(
                     "no admitted users on connected nodes"
                     if fixed is None
                     else f"none of the run's {len(fixed)} users is connected"
                 )
-            if k not in (0, len(invited)):
+            if k not in (0, len(invited) + excluded):
                 raise CohortUnavailable(
                     f"FULLY_INTERACTIVE cohort_size={k} but {len(invited)} admitted users are connected"
                     + ("" if fixed is None else " of the run's population")
                 )
-            return _Selection(invited, [], eligible if fixed is None else [], len(eligible) - len(invited))
+            not_in_run = len(eligible) - len(invited) - excluded
+            return _Selection(invited, [], eligible if fixed is None else [], not_in_run, excluded_silent=excluded)
+        if req.schedule == Schedule.SUBSAMPLED and len(eligible) < req.population:
+            # the accountant's rate k/n (issue 24 item 3): drawing from fewer users would sample each at a higher
+            # rate than the round is charged at; refused before anyone is invited
+            raise CohortUnavailable(
+                f"SUBSAMPLED round is accounted for a population of {req.population} users but only "
+                f"{len(eligible)} are eligible"
+            )
         if req.sampling_rate > 0.0:
             # each eligible user independently with probability q (CSPRNG): the cohort may be empty
             take = self._rng.random(len(eligible)) < req.sampling_rate
-            return _Selection([eligible[i] for i in np.flatnonzero(take)], [], [], 0)
+            chosen = [eligible[i] for i in np.flatnonzero(take)]
+            return _Selection(chosen, [], [], 0, True, len(eligible))
         if k < 1:
             raise ValueError(f"cohort_size must be >= 1 for {req.schedule.name}, got {k}")
         limited = ""
@@ -790,7 +819,9 @@ class ShufflerState:
             )
         idx = self._rng.choice(len(pool), size=k, replace=False)  # uniform k-subset from the CSPRNG
         chosen = [pool[i] for i in np.sort(idx)]
-        return _Selection(chosen, chosen if req.schedule == Schedule.SEQUENTIAL else [], [], 0)
+        if req.schedule == Schedule.SEQUENTIAL:
+            return _Selection(chosen, chosen, [], 0)
+        return _Selection(chosen, [], [], 0, True, len(pool))
 
     def _check_batch_size(self, req: RoundRequest, invited: int, per_user: int, ct_len: int) -> None:
         """A released SEALED / BITS batch holds up to invited * per_user ciphertexts: it must fit one gRPC message
@@ -837,6 +868,9 @@ class ShufflerState:
                 bound=bound,
                 not_in_run=sel.not_in_run,
                 wire_dtype=wire_dtype,
+                notify=sel.notify,
+                drawn_from=sel.drawn_from,
+                excluded_silent=sel.excluded_silent,
             )
             if req.transport == Transport.COUNTS:
                 rnd.totals = np.zeros(req.dim, dtype=np.uint64)
@@ -854,16 +888,25 @@ class ShufflerState:
                 self._closed[key] = None
                 while len(self._closed) > RECENT_CLOSED_ROUNDS:
                     self._closed.popitem(last=False)
+            if rnd.second_invitation:
+                # checked in, invited again, and sent nothing: not asked to check in again in this run (item 4)
+                silent = [u for u in rnd.invited if u not in rnd.answered]
+                if silent:
+                    self._silent.setdefault(req.run_id, set()).update(silent)
             return self._finish(rnd, released_ok=is_active(), invited=len(invited))
 
     def _invite(self, rnd: _OpenRound, relay: Any) -> None:
-        """Send the invitation to the invited users' nodes. Caller holds the lock."""
+        """Send the invitation to the invited users' nodes; a SUBSAMPLED round's also to every node with eligible
+        users, none of them invited (a notice: design 6, a cost relying on sampling counts every round a user was
+        eligible for). Caller holds the lock."""
         by_node: dict[str, list[str]] = {}
+        if rnd.notify:  # the eligible users are those of the live nodes (_eligible_users)
+            by_node.update((node, []) for node in self._subs if self._node_users.get(node))
         for k in rnd.invited:
             node, user = split_user_key(k)
             by_node.setdefault(node, []).append(user)  # the node's own id of the user
         for node, users in by_node.items():
-            self._subs[node].put(Invite(relay, users))
+            self._subs[node].put(Invite(relay, users, rnd.drawn_from))
 
     def _collect(self, rnd: _OpenRound, is_active: Callable[[], bool], until: float | None = None) -> None:
         """Wait until every invitee answered, the round's deadline (or `until`) passed, or the round is cancelled.
@@ -891,6 +934,7 @@ class ShufflerState:
         rnd.wire_dtype = count_wire_dtype(bound) if req.transport == Transport.COUNTS else None
         rnd.invited = {k: rnd.invited[k] for k in rnd.checked_in}
         rnd.answered = set()
+        rnd.second_invitation = True
         self._invite(rnd, relay)
         return True
 
@@ -926,6 +970,8 @@ class ShufflerState:
             refused_reasons=dict(rnd.refused_reasons),
             not_in_run=rnd.not_in_run,
             checked_in=len(rnd.checked_in),
+            eligible=rnd.drawn_from,
+            excluded_silent=rnd.excluded_silent,
         )
 
     # ----- collection ------------------------------------------------------------------------------------------

@@ -214,6 +214,8 @@ def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
         why.append(f"{m.not_in_run} users joined after the run's first round: not in this run")
     if m.checked_in > m.contributors:  # check-in rounds: dropouts between check-in and message
         why.append(f"{m.checked_in - m.contributors} of {m.checked_in} checked-in users did not report")
+    if m.excluded_silent:
+        why.append(f"{m.excluded_silent} users not invited: they checked in and then sent nothing in an earlier round")
     if m.rejected:
         why.append("rejected " + ", ".join(f"{k}={v}" for k, v in sorted(m.rejected.items())))
     if not m.released:
@@ -458,6 +460,7 @@ def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
             "refused": m.refused,
             "not_in_run": m.not_in_run,
             "checked_in": m.checked_in,
+            "excluded_silent": m.excluded_silent,
             "rejected": dict(sorted(m.rejected.items())),
         }
         for m in result.status.metrics

@@ -99,7 +99,7 @@ def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
     node = NodeCore("n", shard, UserPolicy(verify_randomizer=False), rng=make_rng(4))
     spec = _spec("leastsq")
     spec.randomizer.protocol = "gauss"
-    out = node.handle(pb.Invitation(spec=spec, user_ids=["a", "b"]))
+    out = node.handle(pb.Invitation(spec=spec, user_ids=["a", "b"], eligible=spec.population))
     assert not user_messages(out) and [r.reason for r in out.refusals] == [Refusal.PROTOCOL] * 2
 
 

@@ -100,7 +100,7 @@ def test_a_user_refuses_an_eps0_above_its_own_limit():
     for eps0, reasons in [(1.5, []), (3.0, [Refusal.WEAK_RANDOMIZER])]:
         params = proto.plan(_request(eps0=eps0, rounds=2, k=2)).params
         spec = _spec(proto, params, public)
-        out = strict.handle(pb.Invitation(spec=spec, user_ids=["a", "b"]))
+        out = strict.handle(pb.Invitation(spec=spec, user_ids=["a", "b"], eligible=spec.population))
         assert [r.reason for r in out.refusals] == reasons
         assert len(out.messages) == 2 - len(reasons)
         # what each joining user paid: its own eps0, not the amplified per-round claim
@@ -148,7 +148,7 @@ def test_a_user_refuses_a_randomizer_outside_its_allow_list():
     shard = UserShard(["a", "b"], rng.normal(size=(2, 1, D - 1)), rng.normal(size=(2, 1)))
     node = NodeCore("n", shard, [UserPolicy(), UserPolicy(allowed_protocols=frozenset({"pvec", "privunit"}))])
     spec = _spec(proto, proto.plan(_request(eps0=1.0, rounds=2, k=2)).params, public)
-    out = node.handle(pb.Invitation(spec=spec, user_ids=["a", "b"]))
+    out = node.handle(pb.Invitation(spec=spec, user_ids=["a", "b"], eligible=spec.population))
     assert [(r.user_id, r.reason) for r in out.refusals] == [("b", Refusal.PROTOCOL_NOT_ALLOWED)]
     assert [m.user_id for m in out.messages] == ["a"]
     with pytest.raises(ValueError, match="unknown names"):

@@ -556,15 +556,16 @@ def _check_in_spec(round_, fraction, **kw) -> pb.RoundSpec:
 def test_check_in_shares_the_noise_and_a_dropout_after_check_in_never_weakens_it(shuffler, nodes):
     """Check-in (protocols/check_in.py): 11 real users and 2 of a node that checks in and then goes silent. The
     second invitation carries c = 13, c_min = max(5, ceil(0.8 * 13)) = 11 and m = ceil(30 / 11) = 3; the released
-    noise holds m n' = 33 >= 30 trials. With report_fraction 1 the two dropouts leave 11 < c_min = 13: nothing is
-    released, so no release ever has fewer than N* trials."""
+    noise holds m n' = 33 >= 30 trials. Issue 24 item 4: the silent node's two users are not invited to the run's
+    next round (at report_fraction 1 they would leave 11 < c_min = 13 and block every release): c = 11, c_min = 11,
+    m = 3, released, with the two counted as excluded_silent. A new run invites them again."""
     dropper = FakeNode(shuffler.stub, "dropper", ["d0", "d1"])
     try:
         shuffler.wait_nodes(3, users=13)
         answered: list[pb.RoundSpec] = []
 
         def check_in_then_vanish() -> None:
-            for _ in range(2):  # two rounds
+            for _ in range(1):
                 inv = dropper.q.get(timeout=20)
                 answered.append(inv.spec)
                 c = pb.Contribution(run_id="r", round=inv.spec.round, node_id="dropper")
@@ -589,11 +590,24 @@ def test_check_in_shares_the_noise_and_a_dropout_after_check_in_never_weakens_it
         assert len(check_ins) == 13 and len(sent) == 11 and max(int(x.max()) for x in sent) <= 7
         np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(sent, axis=0))
 
-        batch = shuffler.stub.ExecuteRound(_check_in_spec(2, 1.0), timeout=30)
-        assert answered[3].min_contributors == 13 and answered[3].randomizer.m == 3  # ceil(30 / 13)
-        assert not batch.released and batch.report.below_threshold and batch.report.contributors == 11
-        assert not batch.label_totals and batch.report.checked_in == 13
         t.join(timeout=5)
+        batch = shuffler.stub.ExecuteRound(_check_in_spec(2, 1.0), timeout=30)
+        rep = batch.report
+        assert dropper.q.empty()  # not invited again in this run
+        assert batch.released and (rep.invited, rep.checked_in, rep.contributors, rep.excluded_silent) == (
+            11,
+            11,
+            11,
+            2,
+        )
+        other_run = _check_in_spec(3, 1.0)
+        other_run.run_id = "other"
+        done = []
+        other = threading.Thread(target=lambda: done.append(shuffler.stub.ExecuteRound(other_run, timeout=30)))
+        other.start()
+        assert dropper.q.get(timeout=20).spec.run_id == "other"  # another run asks them again
+        other.join(timeout=30)
+        assert done and done[0].report.excluded_silent == 0
     finally:
         dropper.call.cancel()
 

@@ -9,7 +9,7 @@ forward the totals; BITS / SEALED: permute fixed-length ciphertexts and forward 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -27,6 +27,8 @@ __all__ = [
     "UNDECRYPTABLE",
     "MALFORMED_PLAINTEXT",
     "AnalyzerHooks",
+    "UserAccount",
+    "Counts",
 ]
 
 # The analyzer's own rejection reasons (design 5.3), counted per message in the round's metrics["rejected"]
@@ -95,6 +97,26 @@ class Decoded(NamedTuple):
     failure: str = ""
 
 
+Counts = tuple[tuple[str, int], ...]  # a user's counts in one run, sorted by key (hashable: costs are memoised)
+
+
+@dataclass(frozen=True)
+class UserAccount:
+    """How a run's rounds compose for one user, as the user's node computes it from what it can verify itself: the
+    spec's public parameters and what the shuffler tells it (design 6; issue 24 items 1-2). The node keeps, per user
+    and run, counts of what happened to the user (joins, eligible rounds, leaves of a tree) and charges the user
+    cost(counts) in all for the run: composed for the actual counts, never a share of a maximum, and never the
+    amplified cost of only the rounds the user was sampled in. Protocols whose rounds compose by basic composition
+    per participation have none (RoundProtocol.user_account returns None)."""
+
+    run: str  # the run whose rounds compose
+    join: str  # the count that joining this round adds one to
+    # counted for every round the user is eligible for, sampled or not (amplification by sampling); None: not used
+    eligible: str | None
+    cost: Callable[[Counts], tuple[float, float]]  # (eps, delta) of a user's counts in the run; monotone in each
+    allows: Callable[[Counts], bool] = lambda counts: True  # participation limits the node checks for its user
+
+
 class BatchError(RuntimeError):
     """The batch cannot belong to this round (the shuffler broke the protocol): charged with `charged`, run stops."""
 
@@ -154,6 +176,7 @@ class RoundProtocol(Protocol):
     ) -> None: ...
     def verify_epsilon(self, spec: pb.RoundSpec) -> float: ...
     def noise_key(self, spec: pb.RoundSpec) -> Any: ...
+    def user_account(self, spec: pb.RoundSpec) -> UserAccount | None: ...
 
 
 class AnalyzerHooks:
@@ -165,6 +188,9 @@ class AnalyzerHooks:
 
     def local_vectors(self, spec: pb.RoundSpec, node: Any, idx: np.ndarray) -> np.ndarray:
         return node.batch_gradients(spec, idx)
+
+    def user_account(self, spec: pb.RoundSpec) -> UserAccount | None:
+        return None  # each participation is charged its verified cost, by basic composition
 
     def event_params(self, plan: dict[str, Any], round_index: int) -> dict[str, Any]:
         return plan["params"]

@@ -30,6 +30,7 @@ here) and is in its per-round metrics: the accountant covers the released model,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -38,11 +39,11 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-from shuffledp.protocols.base import PlanRequest, RoundPlan
+from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
 from shuffledp.protocols.central import CentralRound
 from shuffledp.v1 import shuffledp_pb2 as pb
 
-__all__ = ["GaussianRound", "wor_epsilon", "poisson_epsilon"]
+__all__ = ["GaussianRound", "wor_epsilon", "poisson_epsilon", "unamplified_epsilon"]
 
 _NOISE_FIELD = "noise_multiplier"
 
@@ -71,6 +72,21 @@ def poisson_epsilon(noise_multiplier: float, q: float, rounds: int, delta: float
         return 0.0
     event = GaussianEvent(noise_multiplier, 1.0, "central", "poisson", q)  # sigma = z C, sensitivity C, C = 1
     return float(ledger_accounting.account([(event, rounds)], delta, accountant).eps)
+
+
+@lru_cache(maxsize=4096)
+def unamplified_epsilon(noise_multiplier: float, joined: int, delta: float, poisson: bool) -> float:
+    """eps of `joined` rounds of the Gaussian (std z C) on a sum that holds the user's C-clipped vector, without
+    amplification by sampling: a Gaussian mechanism composed exactly (mu-GDP, Dong-Roth-Su 2019 Cor 3.3) with
+    mu = sqrt(joined) * sensitivity / (z C): sensitivity 2C under replace-one (fixed cohort), C under
+    add-or-remove-one (Poisson), the neighbouring relation of the run's own accountant; exact conversion (Balle-Wang
+    2018)."""
+    from shuffledp.accountants.gaussian import epsilon_for_rho
+
+    if joined == 0:
+        return 0.0
+    sensitivity = 1.0 if poisson else 2.0
+    return epsilon_for_rho(math.sqrt(joined) * sensitivity / noise_multiplier, delta, "exact")
 
 
 def _poisson(params: dict[str, Any]) -> bool:
@@ -138,8 +154,12 @@ class GaussianRound(CentralRound):
         extra["delta"] = float(params["delta"])
         if _poisson(params):
             extra["q"] = float(params["q"])  # what RoundSpec.sampling_rate must say (verify_epsilon)
+        # a fixed cohort's rate is k/n: the shuffler draws from no fewer than n (issue 24 item 3); a Poisson round's
+        # rate is q whatever the population
+        population = {} if _poisson(params) else {"population": int(params["n"])}
         return {
             **self._sealed_fields(params, key, extra),
+            **population,
             "per_user_cost": pb.PrivacyCost(
                 eps=eps_r, delta=delta_r, accountant=self.accountant_name(event, "rdp"), trust_model=self.trust_model
             ),
@@ -181,13 +201,40 @@ class GaussianRound(CentralRound):
 
     def verify_epsilon(self, spec: pb.RoundSpec) -> float:
         """One round's eps recomputed from the spec's z, n, k (the claim the analyzer must not understate)."""
-        x = dict(spec.randomizer.extra)
-        n, k = int(x.get("n", 0)), int(x.get("k", 0))
-        if not (1 <= k <= n and x.get(_NOISE_FIELD, 0.0) > 0.0 and 0.0 < x.get("delta", 0.0) < 1.0):
-            raise ValueError("the spec lacks a valid noise multiplier, n, k or delta")
-        q = spec.sampling_rate  # what the shuffler will do decides the accountant, not the extra's claim
+        z, n, k, q, delta = _spec_params(spec)
         if q > 0.0:
-            if not (q <= 1.0 and x.get("q") == q):
-                raise ValueError(f"the spec's sampling_rate {q} is not a probability or disagrees with its q")
-            return poisson_epsilon(float(x[_NOISE_FIELD]), q, 1, float(x["delta"]))
-        return wor_epsilon(float(x[_NOISE_FIELD]), n, k, 1, float(x["delta"]))
+            return poisson_epsilon(z, q, 1, delta)
+        return wor_epsilon(z, n, k, 1, delta)
+
+    def user_account(self, spec: pb.RoundSpec) -> UserAccount:
+        """A user's cost in the run (issue 24 item 1; design 6): amplification by sampling holds only if every round
+        the user was eligible for counts, sampled or not, so the node charges the smaller of two bounds it can certify
+        from the spec alone: the amplified accountant of the run (the ledger's) over every round the user was
+        eligible for, at the spec's rate (k/n, n no more than the eligible count the shuffler reported: a smaller
+        rate costs less), or the unamplified Gaussian composed over the rounds it joined."""
+        z, n, k, q, delta = _spec_params(spec)
+
+        def cost(counts: Counts) -> tuple[float, float]:
+            c = dict(counts)
+            joined, eligible = c.get("joined", 0), c.get("eligible", 0)
+            if joined == 0:
+                return 0.0, 0.0  # the user's data was in no release
+            amplified = poisson_epsilon(z, q, eligible, delta) if q > 0.0 else wor_epsilon(z, n, k, eligible, delta)
+            return min(amplified, unamplified_epsilon(z, joined, delta, q > 0.0)), delta
+
+        return UserAccount(spec.run_id, "joined", "eligible", cost)
+
+
+def _spec_params(spec: pb.RoundSpec) -> tuple[float, int, int, float, float]:
+    """(z, n, k, q, delta) of a spec, checked: what a user's node computes the round's cost from."""
+    x = dict(spec.randomizer.extra)
+    n, k = int(x.get("n", 0)), int(x.get("k", 0))
+    if not (1 <= k <= n and x.get(_NOISE_FIELD, 0.0) > 0.0 and 0.0 < x.get("delta", 0.0) < 1.0):
+        raise ValueError("the spec lacks a valid noise multiplier, n, k or delta")
+    q = spec.sampling_rate  # what the shuffler will do decides the accountant, not the extra's claim
+    if q > 0.0:
+        if not (q <= 1.0 and x.get("q") == q):
+            raise ValueError(f"the spec's sampling_rate {q} is not a probability or disagrees with its q")
+    elif spec.population != n:
+        raise ValueError(f"the spec's population {spec.population} is not its accountant's n = {n}")
+    return float(x[_NOISE_FIELD]), n, k, q, float(x["delta"])

@@ -202,6 +202,8 @@ class LdpRound(AnalyzerHooks):
                 eps=eps_r, delta=delta_r, accountant=self.accountant_name(event, "rdp"), trust_model=self.trust_model
             ),
             "analyzer_public_key": key,
+            # the accountant's n: the shuffler draws k from no fewer (issue 24 item 3)
+            "population": int(params["n"]),
         }
 
     def decode(

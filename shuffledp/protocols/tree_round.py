@@ -36,12 +36,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from shuffledp.protocols import tree_noise
-from shuffledp.protocols.base import PlanRequest, RoundPlan
+from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
 from shuffledp.protocols.central import CentralRound
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -279,3 +280,47 @@ class TreeRound(CentralRound):
             "delta": float(x.get("delta", 0.0)),
         }
         return self.per_user_claim(params)[0]
+
+    def user_account(self, spec: pb.RoundSpec) -> UserAccount:
+        """A user's cost in the run (issue 24 item 2; design 6): the trees it joined, each as a tree of the run's
+        public parameters whose participation limit is the user's actual number of leaves in it, composed exactly
+        as the ledger composes trees (zeta adds up, spec 003 sec 3), at the run's delta. eps is not linear in
+        participations: two leaves of a 16-leaf tree cost more than twice one's share. Whole trees are counted
+        (zeta grows with the leaves), so a user with E leaves in every tree is charged at least the ledger's
+        figure. The node checks the limits itself: at most E leaves per tree, >= xi rounds between two."""
+        x = dict(spec.randomizer.extra)
+        z, delta = float(x.get("noise_multiplier", 0.0)), float(x.get("delta", 0.0))
+        E, xi, per_tree = (int(x.get(f, 0)) for f in ("max_participations", "min_separation", "rounds_per_tree"))
+        completion = bool(x.get("completion", 0.0))
+        if not (z > 0.0 and 0.0 < delta < 1.0 and E >= 1 and xi >= 0 and per_tree >= 1):
+            raise ValueError("the spec lacks a valid noise multiplier, delta or participation limits")
+        tree, leaf = divmod(int(spec.round), per_tree)
+
+        def cost(counts: Counts) -> tuple[float, float]:
+            per = Counter(key.split(":")[0] for key, _ in counts)  # leaves joined per tree
+            return _trees_epsilon(z, per_tree, xi, completion, delta, tuple(sorted(per.values()))), delta
+
+        def allows(counts: Counts) -> bool:
+            leaves: dict[str, list[int]] = {}
+            for key, _ in counts:
+                t, at = key.split(":")
+                leaves.setdefault(t, []).append(int(at))
+            for ls in leaves.values():
+                ls.sort()
+                if len(ls) > E or any(b - a - 1 < xi for a, b in zip(ls, ls[1:], strict=False)):
+                    return False
+            return True
+
+        return UserAccount(spec.run_id, f"{tree}:{leaf}", None, cost, allows)
+
+
+@lru_cache(maxsize=4096)
+def _trees_epsilon(z: float, per_tree: int, xi: int, completion: bool, delta: float, leaves: tuple[int, ...]) -> float:
+    """eps of trees of per_tree leaves in which a user joined leaves[j] leaves (TreeRound.user_account)."""
+    from shuffledp.accountants import ledger_accounting as la
+    from shuffledp.events import TreeAggregation
+
+    if not leaves:
+        return 0.0
+    items = Counter(TreeAggregation(z, per_tree, k, xi, completion) for k in leaves)
+    return la.account(list(items.items()), delta).eps

@@ -113,7 +113,7 @@ class PrivacyCost(_message.Message):
     def __init__(self, eps: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in", "sampling_rate")
+    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in", "sampling_rate", "population")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class RoundSpec(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     CHECK_IN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_RATE_FIELD_NUMBER: _ClassVar[int]
+    POPULATION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     schedule: Schedule
@@ -156,7 +157,8 @@ class RoundSpec(_message.Message):
     hidden: int
     check_in: CheckIn
     sampling_rate: float
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ..., sampling_rate: _Optional[float] = ...) -> None: ...
+    population: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ..., sampling_rate: _Optional[float] = ..., population: _Optional[int] = ...) -> None: ...
 
 class CheckIn(_message.Message):
     __slots__ = ("noise_trials", "report_fraction", "checked_in")
@@ -179,12 +181,14 @@ class ParticipationLimit(_message.Message):
     def __init__(self, max_per_tree: _Optional[int] = ..., min_separation: _Optional[int] = ..., rounds_per_tree: _Optional[int] = ...) -> None: ...
 
 class Invitation(_message.Message):
-    __slots__ = ("spec", "user_ids")
+    __slots__ = ("spec", "user_ids", "eligible")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     USER_IDS_FIELD_NUMBER: _ClassVar[int]
+    ELIGIBLE_FIELD_NUMBER: _ClassVar[int]
     spec: RoundSpec
     user_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, spec: _Optional[_Union[RoundSpec, _Mapping]] = ..., user_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    eligible: int
+    def __init__(self, spec: _Optional[_Union[RoundSpec, _Mapping]] = ..., user_ids: _Optional[_Iterable[str]] = ..., eligible: _Optional[int] = ...) -> None: ...
 
 class CountVector(_message.Message):
     __slots__ = ("counts", "packed")
@@ -264,7 +268,7 @@ class ContributionAck(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class BatchReport(_message.Message):
-    __slots__ = ("invited", "contributors", "rejected", "refused", "below_threshold", "refused_reasons", "not_in_run", "checked_in")
+    __slots__ = ("invited", "contributors", "rejected", "refused", "below_threshold", "refused_reasons", "not_in_run", "checked_in", "eligible", "excluded_silent")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +291,8 @@ class BatchReport(_message.Message):
     REFUSED_REASONS_FIELD_NUMBER: _ClassVar[int]
     NOT_IN_RUN_FIELD_NUMBER: _ClassVar[int]
     CHECKED_IN_FIELD_NUMBER: _ClassVar[int]
+    ELIGIBLE_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_SILENT_FIELD_NUMBER: _ClassVar[int]
     invited: int
     contributors: int
     rejected: _containers.ScalarMap[str, int]
@@ -295,7 +301,9 @@ class BatchReport(_message.Message):
     refused_reasons: _containers.ScalarMap[str, int]
     not_in_run: int
     checked_in: int
-    def __init__(self, invited: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., below_threshold: _Optional[bool] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., not_in_run: _Optional[int] = ..., checked_in: _Optional[int] = ...) -> None: ...
+    eligible: int
+    excluded_silent: int
+    def __init__(self, invited: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., below_threshold: _Optional[bool] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., not_in_run: _Optional[int] = ..., checked_in: _Optional[int] = ..., eligible: _Optional[int] = ..., excluded_silent: _Optional[int] = ...) -> None: ...
 
 class ShuffledBatch(_message.Message):
     __slots__ = ("run_id", "round", "released", "label_totals", "ciphertexts", "report")
@@ -407,7 +415,7 @@ class BudgetStatus(_message.Message):
     def __init__(self, eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., eps_reserved: _Optional[float] = ..., delta_reserved: _Optional[float] = ..., eps_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., rounds_committed: _Optional[int] = ..., honest_fraction: _Optional[float] = ..., eps_spent_robust: _Optional[float] = ..., views: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
-    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure", "excess_risk", "eps_spent_local", "not_in_run", "checked_in")
+    __slots__ = ("round", "contributors", "loss", "accuracy", "eps_spent", "delta_spent", "released", "seconds", "rejected", "refused", "refused_reasons", "failure", "excess_risk", "eps_spent_local", "not_in_run", "checked_in", "excluded_silent")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +446,7 @@ class RoundMetrics(_message.Message):
     EPS_SPENT_LOCAL_FIELD_NUMBER: _ClassVar[int]
     NOT_IN_RUN_FIELD_NUMBER: _ClassVar[int]
     CHECKED_IN_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_SILENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     contributors: int
     loss: float
@@ -454,7 +463,8 @@ class RoundMetrics(_message.Message):
     eps_spent_local: float
     not_in_run: int
     checked_in: int
-    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ..., excess_risk: _Optional[float] = ..., eps_spent_local: _Optional[float] = ..., not_in_run: _Optional[int] = ..., checked_in: _Optional[int] = ...) -> None: ...
+    excluded_silent: int
+    def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ..., excess_risk: _Optional[float] = ..., eps_spent_local: _Optional[float] = ..., not_in_run: _Optional[int] = ..., checked_in: _Optional[int] = ..., excluded_silent: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "state", "rounds_done", "rounds_planned", "budget", "metrics", "message")

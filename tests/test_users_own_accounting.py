@@ -1,0 +1,248 @@
+"""Each user's own account matches the run's guarantee (issue 24 items 1-3; design 6): a user's node charges what it
+can certify for that user alone, for sampled central DP-SGD (Poisson and fixed k of n), DP-FTRL with several
+participations, and a population that shrinks mid-run. Runs over real gRPC services with real SQLite stores: the
+users' limits lie below the run's guarantee, and every node's record is checked against an independent
+recomputation from the user's own counts, never above its limit.
+
+On the code before issue 24 these fail: nodes charged the amplified one-round eps only in the rounds their users
+were sampled (Poisson users recorded 1.706 under a 3.33 guarantee), a tree's participations at eps(tree)/E each
+(1.0 and 2.0 where 1.319 and 2.339 are due), and the shuffler drew k from whoever was connected."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import grpc
+import numpy as np
+import pytest
+from _runs import wait_for_run
+from shuffledp.clients.node import NodeCore, UserShard, start_node
+from shuffledp.clients.policy import Refusal, UserPolicy
+from shuffledp.clients.spend_store import SqliteSpendStore
+from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
+from shuffledp.services.ledger import Ledger
+from shuffledp.services.shuffler import start_shuffler
+
+from shuffledp.config import parse_config
+from shuffledp.protocols.gaussian_round import GaussianRound, poisson_epsilon, unamplified_epsilon, wor_epsilon
+from shuffledp.protocols.tree_round import _trees_epsilon
+from shuffledp.rng import make_rng
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+
+@pytest.fixture
+def data(tmp_path) -> str:
+    """A synthetic 2-class problem in R^3: 225 training users (of 300 examples), one example each."""
+    path = tmp_path / "blobs.npz"
+    rng = make_rng(7)
+    y = np.arange(300) % 2
+    np.savez(path, X=rng.normal(size=(300, 3)) * 0.5 + np.where(y[:, None] == 1, 0.6, -0.6), y=y)
+    return f'[data]\ndataset = "path"\npath = "{path}"\n'
+
+
+class Cluster:
+    """Shuffler, analyzer and two nodes in this process over real sockets; the nodes keep their spend in SQLite."""
+
+    def __init__(self, tmp_path, toml: str, nodes: int = 2):
+        self.tmp = tmp_path
+        self.shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(3))
+        self.analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{aport}")
+        self.stub = pbg.AnalyzerStub(self.channel)
+        self.toml = toml
+        cfg = parse_config(toml)
+        self.nodes = [
+            start_node(f"n{i}", cfg, i, nodes, f"127.0.0.1:{sport}", state_dir=tmp_path / "nodes", rng=make_rng(10 + i))
+            for i in range(nodes)
+        ]
+        self.stopped: set[int] = set()
+
+    def run(self, timeout: float = 180) -> pb.RunStatus:
+        run_id = self.stub.CreateRun(pb.CreateRunRequest(config_toml=self.toml)).run_id
+        self.stub.StartRun(pb.RunRef(run_id=run_id))
+        self.run_id = run_id
+        return wait_for_run(self.stub, run_id, timeout=timeout)
+
+    def ledger_rows(self) -> list[dict]:
+        return Ledger(self.tmp / "state" / LEDGER_FILE).rounds(self.run_id)
+
+    def records(self) -> list[tuple[float, Counter]]:
+        """(recorded eps, counts in the run) of every user of every node, read back from the nodes' SQLite stores."""
+        out = []
+        for i, n in enumerate(self.nodes):
+            ids = n.core.shard.user_ids
+            store = SqliteSpendStore(self.tmp / "nodes" / f"n{i}.spend.sqlite")
+            eps, _, _ = store.load(ids)
+            runs = store.load_runs(ids)
+            counts = runs[self.run_id][0] if self.run_id in runs else {}
+            out += [(float(eps[u]), counts.get(u, Counter())) for u in range(len(ids))]
+            store.close()
+        return out
+
+    def stop_node(self, i: int) -> None:
+        self.nodes[i].stop()
+        self.stopped.add(i)
+
+    def close(self) -> None:
+        for i, n in enumerate(self.nodes):
+            if i not in self.stopped:
+                n.stop()
+        self.channel.close()
+        self.analyzer.stop(0)
+        self.shuffler.stop(0)
+
+
+def _refused(st: pb.RunStatus, reason: str) -> int:
+    return sum(m.refused_reasons.get(reason, 0) for m in st.metrics)
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "fixed"])
+def test_sampled_dp_sgd_users_are_charged_every_eligible_round_and_stop_at_their_limit(tmp_path, data, sampling):
+    """Item 1: 20 rounds of 30 of 225 users at a budget whose ledger figure is above the users' max_total_eps = 2.5.
+    Each user's record equals min(the run's amplified accountant over every round it was eligible for, the
+    unamplified Gaussian over the rounds it joined), recomputed here from its counts; no record exceeds 2.5; users
+    refuse (withdraw) once one more round could take them past it."""
+    toml = data + (
+        '[model]\ntask = "logreg"\n[privacy]\neps = 4.0\ndelta = 1e-5\nprotocol = "gaussian"\n'
+        f'[schedule]\nkind = "subsampled"\nsampling = "{sampling}"\ncohort_size = 30\nrounds = 20\n'
+        'learning_rate = 0.5\n[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
+        "[policy]\nmax_total_eps = 2.5\n"
+    )
+    c = Cluster(tmp_path, toml)
+    try:
+        st = c.run()
+        rows = c.ledger_rows()
+        params = rows[0]["event"]["params"]
+        z, n, k = params["noise_multiplier"], params["n"], params["k"]
+        poisson = sampling == "poisson"
+        planned = poisson_epsilon(z, params.get("q", 0.0), 20, 1e-5) if poisson else wor_epsilon(z, n, k, 20, 1e-5)
+        assert planned > 2.5  # the run's guarantee is above the users' limit...
+        assert _refused(st, Refusal.TOTAL_EPS) > 0  # ...so users' nodes refused rounds
+        records = c.records()
+        joined = [r for r in records if r[1]["joined"]]
+        assert len(joined) > 30  # more than one round's cohort
+        for eps, counts in records:
+            e, j = counts["eligible"], counts["joined"]
+            assert e >= j and e <= 20
+            amplified = poisson_epsilon(z, params.get("q", 0.0), e, 1e-5) if poisson else wor_epsilon(z, n, k, e, 1e-5)
+            due = min(amplified, unamplified_epsilon(z, j, 1e-5, poisson)) if j else 0.0
+            assert eps >= due and eps == pytest.approx(due, rel=1e-12, abs=1e-15)
+            assert eps <= 2.5
+        # every user who joined was counted in the rounds before it withdrew, sampled or not: its amplified count
+        # is the rounds it stayed in, not the rounds it was sampled in (the old charge)
+        assert max(counts["eligible"] for _, counts in joined) > max(counts["joined"] for _, counts in joined)
+    finally:
+        c.close()
+
+
+def test_dp_ftrl_charges_participations_by_their_actual_count_in_each_tree(tmp_path, data):
+    """Item 2: one tree of 16 rounds, E = 2 participations per user (>= 3 rounds apart): a user with k leaves is
+    charged eps(tree of 16, E = k), 1 leaf ~ half of 2 leaves' cost is NOT what it pays. A user with E leaves records
+    at least the ledger's figure; under max_total_eps between eps(1 leaf) and eps(2 leaves), users refuse a second."""
+    toml = data + (
+        '[model]\ntask = "logreg"\n[privacy]\neps = 3.0\ndelta = 1e-5\nprotocol = "tree"\nmax_participations = 2\n'
+        'min_separation = 3\n[schedule]\nkind = "subsampled"\ncohort_size = 20\nrounds = 16\nlearning_rate = 0.5\n'
+        '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
+    )
+    one_run = Cluster(tmp_path / "a", toml)
+    try:
+        st = one_run.run()
+        assert st.state == pb.COMPLETED, st.message
+        p = one_run.ledger_rows()[0]["event"]["params"]
+        z, xi = p["noise_multiplier"], p["min_separation"]
+        one, two = (_trees_epsilon(z, 16, xi, False, 1e-5, (k,)) for k in (1, 2))
+        assert two > 1.5 * one  # not linear: the old per-participation share was eps(E = 2) / 2 each
+        by_leaves = Counter()
+        for eps, counts in one_run.records():
+            leaves = sum(counts.values())
+            by_leaves[leaves] += 1
+            assert eps == pytest.approx({0: 0.0, 1: one, 2: two}[leaves], rel=1e-12, abs=0.0)
+            assert eps >= {0: 0.0, 1: one, 2: two}[leaves]
+        assert by_leaves[2] > 0 and by_leaves[1] > 0
+        assert two >= st.budget.eps_spent  # a user with E leaves records at least the ledger's guarantee
+    finally:
+        one_run.close()
+    limited = Cluster(tmp_path / "b", toml + f"[policy]\nmax_total_eps = {(one + two) / 2}\n")
+    try:
+        st = limited.run()
+        assert _refused(st, Refusal.TOTAL_EPS) > 0
+        for eps, counts in limited.records():
+            assert sum(counts.values()) <= 1 and eps <= (one + two) / 2
+    finally:
+        limited.close()
+
+
+def test_a_fixed_cohort_is_never_drawn_from_fewer_users_than_it_is_charged_for(tmp_path, data):
+    """Item 3: after one of two nodes leaves, the shuffler would sample the remaining users at about twice the
+    rate the ledger charges. It refuses every such round before inviting anyone (nothing charged); the ledger's
+    figure is the fixed-cohort accountant over the committed rounds at the planned n."""
+    toml = data + (
+        '[model]\ntask = "logreg"\n[privacy]\neps = 6.0\ndelta = 1e-5\nprotocol = "gaussian"\n'
+        '[schedule]\nkind = "subsampled"\ncohort_size = 30\nrounds = 30\nlearning_rate = 0.5\n'
+        '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
+    )
+    c = Cluster(tmp_path, toml)
+    try:
+        run_id = c.stub.CreateRun(pb.CreateRunRequest(config_toml=toml)).run_id
+        c.run_id = run_id
+        c.stub.StartRun(pb.RunRef(run_id=run_id))
+        for _ in range(600):
+            st = c.stub.GetRunStatus(pb.RunRef(run_id=run_id))
+            if st.rounds_done >= 3:
+                break
+            time.sleep(0.05)
+        c.stop_node(1)
+        st = wait_for_run(c.stub, run_id, timeout=240)
+        rows = c.ledger_rows()
+        committed = [r for r in rows if r["state"] == "committed"]
+        p = rows[0]["event"]["params"]
+        assert 3 <= len(committed) < 30
+        refused = [m for m in st.metrics if "accounted for a population of" in m.failure]
+        assert refused, [m.failure for m in st.metrics]
+        expected = wor_epsilon(p["noise_multiplier"], p["n"], p["k"], len(committed), 1e-5)
+        assert st.budget.eps_spent == pytest.approx(expected, rel=1e-9)
+    finally:
+        c.close()
+
+
+def _gaussian_spec(run: str, r: int, population: int) -> pb.RoundSpec:
+    """A fixed-cohort central DP-SGD round (k = 10 of n = 100, z = 1) for logistic regression on 3 features."""
+    from types import SimpleNamespace
+
+    from shuffledp import sealing
+
+    params = {"d": 8, "clip": 1.0, "k": 10, "n": 100, "delta": 1e-5, "noise_multiplier": 1.0}
+    fields = GaussianRound().spec_fields({}, params, SimpleNamespace(params=params), sealing.generate_keypair()[1])
+    spec = pb.RoundSpec(run_id=run, round=r, schedule=pb.SUBSAMPLED, task="logreg", num_classes=2, **fields)
+    spec.model.shape.append(8)  # 2 classes x (3 features + bias)
+    spec.model.f64 = np.zeros(8).tobytes()
+    spec.population = population
+    return spec
+
+
+def test_a_node_refuses_a_round_drawn_from_fewer_users_than_accounted_and_counts_notices():
+    """Items 1 and 3 at one node: the rate is checked on the shuffler's eligible count, not the analyzer's n; a
+    notice (an invitation with no user of this node) counts every user eligible once per round, charges nothing
+    until a user joins, and is not answered."""
+    shard = UserShard([f"u{i}" for i in range(4)], np.zeros((4, 1, 3)), np.zeros((4, 1), dtype=np.int64))
+    core = NodeCore("node", shard, UserPolicy(max_total_eps=100.0))
+    low = core.handle(pb.Invitation(spec=_gaussian_spec("r", 0, 100), user_ids=["u0"], eligible=99))
+    assert [x.reason for x in low.refusals] == [Refusal.POPULATION]
+    assert "r" not in core.policy.runs or not core.policy.runs["r"].counts
+    spec = _gaussian_spec("r", 1, 100)
+    with pytest.raises(ValueError, match="population"):
+        GaussianRound().user_account(_gaussian_spec("r", 1, 0))  # a spec that escapes the shuffler's check
+    for _ in range(2):  # the same round twice counts once
+        out = core.handle(pb.Invitation(spec=spec, user_ids=[], eligible=100))
+        assert not out.refusals and not out.messages
+    counts = core.policy.runs["r"].counts
+    assert [counts[u]["eligible"] for u in range(4)] == [1, 1, 1, 1]
+    assert all(core.spent(f"u{i}") == (0.0, 0.0) for i in range(4))
+    # a join: charged min(amplified over its 2 eligible rounds, unamplified over 1 join) for the run, in all
+    out = core.handle(pb.Invitation(spec=_gaussian_spec("r", 2, 100), user_ids=["u1"], eligible=100))
+    assert len(out.messages) == 1 and not out.refusals
+    due = min(wor_epsilon(1.0, 100, 10, 2, 1e-5), unamplified_epsilon(1.0, 1, 1e-5, False))
+    assert core.spent("u1") == (pytest.approx(due, rel=1e-12), 1e-5) and core.spent("u1")[0] >= due
+    assert core.spent("u0") == (0.0, 0.0)
