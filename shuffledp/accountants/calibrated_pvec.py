@@ -321,7 +321,10 @@ def _hull_value(U: np.ndarray, cost: np.ndarray, w: float) -> tuple[np.ndarray, 
     """Least concave majorant of the points (cost[a], U[:, a]) evaluated at w, per row; and the maximising pair.
 
     h(w) = max over i with cost_i <= w, j with cost_j >= w of the chord value at w (i = j allowed).
+    An infinite bound (inf RDP at an order) makes chords with it inf - inf or 0 * inf = NaN; NaN is read as +inf,
+    the safe direction (an upper bound that cannot be evaluated is no bound), before any comparison or argmax.
     """
+    U = np.where(np.isnan(U), np.inf, U)
     left = np.nonzero(cost <= w)[0]
     right = np.nonzero(cost >= w)[0]
     best_left = U[:, left]  # points left of w alone (h is non-decreasing)
@@ -335,7 +338,9 @@ def _hull_value(U: np.ndarray, cost: np.ndarray, w: float) -> tuple[np.ndarray, 
         # value = U_i + lam (U_j - U_i), shape (orders, |left|, |right|)
         Ui = U[:, left][:, :, None]
         Uj = U[:, right][:, None, :]
-        V = Ui + lam[None] * (Uj - Ui)
+        with np.errstate(invalid="ignore"):  # inf - inf, 0 * inf: NaN, read as +inf just below
+            V = Ui + lam[None] * (Uj - Ui)
+        V = np.where(np.isnan(V), np.inf, V)
         flat = V.reshape(U.shape[0], -1)
         k = np.argmax(flat, axis=1)
         v = flat[np.arange(U.shape[0]), k]
