@@ -19,9 +19,18 @@ import math
 import sys
 from typing import Any
 
-from shuffledp.accountants import gaussian, pnsgd
 from shuffledp.accountants import ledger_accounting as la
 from shuffledp.events import GaussianRound, LdpShuffleRound, PnsgdRun, PrivacyEvent, PvecRound, TreeAggregation
+from shuffledp.lazy import OnFirstUse
+
+# imported at first use: `--help` and argument errors need none of them (dp_accounting and scipy are ~3 s)
+gaussian = OnFirstUse("shuffledp.accountants.gaussian")
+pnsgd = OnFirstUse("shuffledp.accountants.pnsgd")
+gaussian_round = OnFirstUse("shuffledp.protocols.gaussian_round")
+mechanism_calibration = OnFirstUse("dp_accounting.mechanism_calibration")
+dp_event = OnFirstUse("dp_accounting.dp_event")
+dpa_pld = OnFirstUse("dp_accounting.pld.pld_privacy_accountant")
+dpa_rdp = OnFirstUse("dp_accounting.rdp.rdp_privacy_accountant")
 
 __all__ = ["add_parser", "run"]
 
@@ -33,6 +42,13 @@ PROTOCOLS: dict[str, str] = {
     "pnsgd": "seed 004: shuffled projected noisy SGD, one or more epochs",
 }
 
+_GAUSSIAN_NOTE = (
+    "Three accountants: no sampling (exact Gaussian); --sampling-probability q (Poisson, add-or-remove-one, "
+    "sensitivity C); --sample-size k --dataset-size n (a fixed cohort drawn without replacement, replace-one: "
+    "what the ledger charges protocol gaussian with sampling fixed). z is always per clip norm C (noise std z C); "
+    "under replace-one one user moves the sum by up to 2C, so the fixed-cohort accountant sees multiplier z/2."
+)
+
 _EPILOG = """\
 queries (every protocol):
   cost            default: eps at --delta of --rounds rounds
@@ -42,10 +58,13 @@ queries (every protocol):
 
 examples:
   shuffledp account gaussian --sigma 20 --rounds 100 --delta 1e-5
+  shuffledp account gaussian --noise-multiplier 1.1 --sampling-probability 0.01 --rounds 1000 --delta 1e-5
+  shuffledp account gaussian --sample-size 100 --dataset-size 10000 --rounds 1000 --eps 1 --delta 1e-5 --min-noise
   shuffledp account subsampled-shuffle --eps0 1 --n 60000 --k 10000 --rounds 600 --delta 1e-5
   shuffledp account subsampled-shuffle --eps0 1 --n 60000 --k 10000 --eps 1 --delta 1e-5 --max-rounds
   shuffledp account pvec --n 1000 --d 100 --schedule pgd --rounds 16 --eps 8 --delta 1e-3 --min-noise
-  shuffledp account tree --noise-multiplier 1 --steps 1000 --max-participations 4 --min-separation 100 --delta 1e-6
+  shuffledp account tree --noise-multiplier 1 --leaves-per-tree 1000 --max-participations 4 --min-separation 100 \
+      --delta 1e-6
   shuffledp account pnsgd --noise gaussian --n 10000 --lipschitz 1 --eta 0.1 --diameter 1 --eps 1 --delta 1e-5 \\
       --min-noise
 Run `shuffledp account PROTOCOL --help` for the options of one protocol.
@@ -117,11 +136,13 @@ def _nonneg_int(text: str) -> int:
     return v
 
 
-def _common(p: argparse.ArgumentParser, rounds_help: str = "number of rounds (default 1)") -> None:
+def _common(
+    p: argparse.ArgumentParser, rounds_help: str = "number of rounds (default 1)", rounds_flags: tuple[str, ...] = ()
+) -> None:
     g = p.add_argument_group("budget and query")
     g.add_argument("--delta", type=_unit, required=True, help="target delta, in (0, 1)")
     g.add_argument("--eps", type=_positive, help="eps budget (needed by --max-rounds and --min-noise)")
-    g.add_argument("--rounds", type=_count, default=None, help=rounds_help)
+    g.add_argument(*(rounds_flags or ("--rounds",)), dest="rounds", type=_count, default=None, help=rounds_help)
     q = g.add_mutually_exclusive_group()
     q.add_argument("--max-rounds", action="store_true", help="largest number of rounds that fits (--eps, --delta)")
     q.add_argument("--min-noise", action="store_true", help="least noise for which --rounds fit (--eps, --delta)")
@@ -198,11 +219,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, _parser=p)
 
     p = sub.add_parser(
-        "gaussian", help=PROTOCOLS["gaussian"], description=PROTOCOLS["gaussian"] + ".", formatter_class=fmt
+        "gaussian",
+        help=PROTOCOLS["gaussian"],
+        description=PROTOCOLS["gaussian"] + ". " + _GAUSSIAN_NOTE,
+        formatter_class=fmt,
     )
     noise = p.add_mutually_exclusive_group()
     noise.add_argument("--sigma", type=_positive, help="noise std per round (not with --min-noise)")
-    noise.add_argument("--noise-multiplier", type=_positive, help="sigma / sensitivity")
+    noise.add_argument(
+        "--noise-multiplier",
+        type=_positive,
+        help="z = sigma / sensitivity; fixed cohort: z = sigma / C per clip norm C, while the replace-one "
+        "sensitivity is 2C (dp_accounting is given z/2)",
+    )
     p.add_argument("--sensitivity", type=_positive, help="l2 sensitivity of one round's release (default 1)")
     p.add_argument(
         "--lipschitz-increment",
@@ -211,19 +240,46 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--machines", type=_count, default=1, help="M, machines averaged by the server (central)")
     p.add_argument("--trust", choices=("central", "local"), default="central", help="who adds the noise")
-    p.add_argument("--sampling-rate", type=_prob, help="Poisson sampling rate q per round (default: no sampling)")
+    p.add_argument(
+        "--sampling-probability",
+        "--sampling-rate",
+        dest="sampling_rate",
+        type=_prob,
+        help="Poisson sampling probability q per round, add-or-remove-one (dp_accounting's PoissonSampledDpEvent; "
+        "--sampling-rate is the old name)",
+    )
+    p.add_argument(
+        "--sample-size",
+        "--k",
+        dest="sample_size",
+        type=_count,
+        help="fixed cohort: k users drawn without replacement per round, replace-one (the ledger's accountant for "
+        "protocol gaussian, sampling fixed; with --dataset-size)",
+    )
+    p.add_argument("--dataset-size", "--n", dest="dataset_size", type=_count, help="fixed cohort: n users drawn from")
+    p.add_argument(
+        "--neighboring",
+        choices=("add_or_remove_one", "replace_one"),
+        help="neighbouring relation (dp_accounting's names); default and only choice per query: add_or_remove_one "
+        "(Poisson, unsampled), replace_one (fixed cohort)",
+    )
     _common(p)
     p.set_defaults(func=run, _parser=p)
 
     p = sub.add_parser("tree", help=PROTOCOLS["tree"], description=PROTOCOLS["tree"] + ".", formatter_class=fmt)
     p.add_argument("--noise-multiplier", type=_positive, help="z: node noise std / leaf sensitivity")
-    p.add_argument("--steps", type=_count, help="leaves per tree (--max-rounds without it: most steps in one tree)")
+    p.add_argument(
+        "--leaves-per-tree",
+        "--steps",
+        dest="leaves_per_tree",
+        type=_count,
+        help="rounds (leaves) in each tree; --max-rounds without it: the most leaves in one tree (--steps: old name)",
+    )
     p.add_argument("--max-participations", type=_count, default=1, help="E: leaves per record in one tree")
     p.add_argument("--min-separation", type=_nonneg_int, default=0, help="xi: leaves between two participations")
     p.add_argument("--completion", action="store_true", help="trees padded to a power of two before a restart")
     p.add_argument("--fixed-order", action="store_true", help="same data order every epoch (E epochs per tree)")
-    _common(p, "number of trees, i.e. restarts + 1 (default 1)")
-    p.add_argument("--trees", dest="rounds", type=_count, help="alias of --rounds")
+    _common(p, "number of trees, i.e. restarts + 1 (default 1; --rounds: old name)", ("--trees", "--rounds"))
     p.set_defaults(func=run, _parser=p)
 
     p = sub.add_parser("pnsgd", help=PROTOCOLS["pnsgd"], description=PROTOCOLS["pnsgd"] + ".", formatter_class=fmt)
@@ -293,22 +349,22 @@ def _template(args: argparse.Namespace, query: str) -> tuple[PrivacyEvent, dict[
         if query != "min_noise":
             _require(args, "--noise-multiplier", why=f"the {query.replace('_', '-')} query")
         if query != "max_rounds":
-            _require(args, "--steps", why=f"the {query.replace('_', '-')} query")
+            _require(args, "--leaves-per-tree", why=f"the {query.replace('_', '-')} query")
         ev = TreeAggregation(
             args.noise_multiplier or 1.0,
-            args.steps or 1,
+            args.leaves_per_tree or 1,
             args.max_participations,
             args.min_separation,
             args.completion,
             "fixed" if args.fixed_order else "any",
         )
         return ev, {
-            "steps": args.steps,
+            "steps": args.leaves_per_tree,
             "max_participations": args.max_participations,
             "min_separation": args.min_separation,
             "completion": args.completion,
             "order": ev.order,
-            "zeta": la.tree_zeta(ev) if args.steps else None,
+            "zeta": la.tree_zeta(ev) if args.leaves_per_tree else None,
         }
     if proto == "pnsgd":
         if query != "min_noise":
@@ -391,8 +447,121 @@ def _noise_report(ev: PrivacyEvent) -> dict[str, Any]:
     return {}
 
 
+_WOR = "sampled-without-replacement-gaussian-rdp (dp_accounting, replace-one; the ledger's for a fixed cohort)"
+
+
+def _fixed_cohort(args: argparse.Namespace, query: str) -> dict[str, Any]:
+    """k of n drawn without replacement per round, replace-one: gaussian_round.wor_epsilon, the ledger's own
+    accountant for protocol "gaussian" with sampling "fixed" (Wang, Balle & Kasiviswanathan 2019, Thm 27)."""
+    n, k = args.dataset_size, args.sample_size
+    if n is None or k is None:
+        raise _Usage("a fixed cohort needs --sample-size and --dataset-size")
+    if args.sampling_rate is not None:
+        raise _Usage("give --sampling-probability (Poisson) or --sample-size/--dataset-size (fixed cohort), not both")
+    if args.neighboring == "add_or_remove_one":
+        raise _Usage("the fixed-cohort accountant is replace-one (n is public): --neighboring replace_one")
+    if k > n:
+        raise _Usage(f"--sample-size {k} must be <= --dataset-size {n}")
+    if args.sigma is not None or args.sensitivity is not None or args.lipschitz_increment is not None:
+        raise _Usage(
+            "a fixed cohort takes --noise-multiplier z (noise std z C per clip norm C), not --sigma/--sensitivity"
+        )
+    if args.trust != "central" or args.machines != 1:
+        raise _Usage("a fixed cohort is central DP-SGD: no --trust local or --machines")
+    delta, z, t = args.delta, args.noise_multiplier, args.rounds or 1
+    out: dict[str, Any] = {"protocol": "gaussian", "query": query}
+    if query != "min_noise" and z is None:
+        raise _Usage(f"the {query.replace('_', '-')} query needs --noise-multiplier")
+    if query == "cost":
+        eps = gaussian_round.wor_epsilon(z, n, k, t, delta)
+        out["rounds"] = t
+        if args.eps is not None:
+            out["fits"] = eps <= args.eps
+    elif query == "max_rounds":
+        t = la.composition.max_rounds(lambda r: gaussian_round.wor_epsilon(z, n, k, r, delta) <= args.eps)
+        eps = gaussian_round.wor_epsilon(z, n, k, t, delta) if t else 0.0
+        out["max_rounds"] = t
+        out["eps_next"] = gaussian_round.wor_epsilon(z, n, k, t + 1, delta)
+    else:
+        z = _calibrated_z(
+            lambda: dpa_rdp.RdpAccountant(neighboring_relation=dpa_rdp.NeighborRel.REPLACE_ONE),
+            # sensitivity 2C under replace-one: the accountant's multiplier is z C / (2 C) (gaussian_round docstring)
+            lambda x: dp_event.SampledWithoutReplacementDpEvent(n, k, dp_event.GaussianDpEvent(x / 2.0)),
+            lambda x: gaussian_round.wor_epsilon(x, n, k, t, delta),
+            t,
+            args.eps,
+            delta,
+        )
+        eps = gaussian_round.wor_epsilon(z, n, k, t, delta)
+        out["rounds"] = t
+    result: dict[str, Any] = {"eps": eps, "delta": delta, "accountant": _WOR, "optimal_order": None}
+    result["trust"] = "central"
+    result.update(out)
+    if args.eps is not None:
+        result["eps_budget"] = args.eps
+    result.update({"dataset_size": n, "sample_size": k, "neighboring": "replace_one", "noise_multiplier": z})
+    return result
+
+
+def _calibrated_z(
+    make_accountant: Any, make_round: Any, eps_of: Any, rounds: int, eps: float, delta: float, bracket: Any = None
+) -> float:
+    """Least noise multiplier z with eps_of(z) <= eps: dp_accounting's calibrate_dp_mechanism (Brent's method) on
+    the accountant the ledger uses, then checked with eps_of itself and raised by 1e-6 relative steps until it fits
+    (never below the requirement)."""
+
+    def event(x: float) -> Any:
+        return dp_event.SelfComposedDpEvent(make_round(x), rounds)
+
+    bracket = bracket or mechanism_calibration.LowerEndpointAndGuess(1e-3, 1.0)
+    try:
+        z = float(mechanism_calibration.calibrate_dp_mechanism(make_accountant, event, eps, delta, bracket))
+    except mechanism_calibration.NoBracketIntervalFoundError:
+        raise ValueError(f"no noise multiplier fits eps={eps}, delta={delta} over {rounds} rounds") from None
+    for _ in range(64):
+        if eps_of(z) <= eps:
+            return z
+        z *= 1.0 + 1e-6
+    raise ValueError(f"the calibrated noise multiplier {z:.6g} does not fit eps={eps} under the ledger's accountant")
+
+
+def _poisson_min_noise(ev: GaussianRound, rounds: int, eps: float, delta: float, acc: str) -> GaussianRound:
+    """Least sigma of a Poisson-sampled Gaussian: calibrated with dp_accounting's PLD (tight) or RDP (paper)
+    accountant, then checked with ledger_accounting.account (min of PLD and RDP, or RDP over extended orders)."""
+    q, sens = ev.sampling_rate, ev.sensitivity
+
+    def one(x: float) -> Any:
+        return dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(x))
+
+    def eps_of(x: float) -> float:
+        return la.account([(_with_sigma(ev, x * sens), rounds)], delta, acc).eps
+
+    # RDP first (cheap at any z); the ledger's tight figure is at most the RDP one, so the PLD's z lies below it
+    z = _calibrated_z(dpa_rdp.RdpAccountant, one, eps_of, rounds, eps, delta)
+    if acc == "tight":
+        lower = 0.5 * z
+        while eps_of(lower) <= eps:  # the bracket must hold the answer (PLD far below RDP: tiny q, few rounds)
+            lower *= 0.5
+        bracket = mechanism_calibration.ExplicitBracketInterval(lower, z)
+        pld = lambda: dpa_pld.PLDAccountant(value_discretization_interval=la._PLD_INTERVAL)  # noqa: E731
+        z = _calibrated_z(pld, one, eps_of, rounds, eps, delta, bracket)
+    return _with_sigma(ev, z * sens)
+
+
+def _with_sigma(ev: GaussianRound, sigma: float) -> GaussianRound:
+    return GaussianRound(sigma, ev.sensitivity, ev.trust, ev.sampling, ev.sampling_rate)
+
+
 def _answer(args: argparse.Namespace) -> dict[str, Any]:
     query = _query(args)
+    if args.protocol == "gaussian":
+        if args.sample_size is not None or args.dataset_size is not None:
+            return _fixed_cohort(args, query)
+        if args.neighboring == "replace_one":
+            raise _Usage(
+                "replace_one is accounted here for a fixed cohort (--sample-size/--dataset-size); Poisson and "
+                "unsampled queries are add_or_remove_one"
+            )
     ev, echo = _template(args, query)
     acc = args.accountant
     bound = getattr(args, "bound", None)
@@ -404,7 +573,7 @@ def _answer(args: argparse.Namespace) -> dict[str, Any]:
         if args.eps is not None:
             out["fits"] = res.eps <= args.eps
     elif query == "max_rounds":
-        if isinstance(ev, TreeAggregation) and args.steps is None:
+        if isinstance(ev, TreeAggregation) and args.leaves_per_tree is None:
             steps = la.max_tree_steps(ev.noise_multiplier, args.eps, args.delta, acc)
             out["max_steps"] = steps
             echo["steps"] = steps
@@ -427,7 +596,11 @@ def _answer(args: argparse.Namespace) -> dict[str, Any]:
                 out["eps_next"] = la.account([(ev, shown + 1)], args.delta, acc, ldp_bound=bound).eps
     else:
         t = args.rounds or 1
-        ev, res = la.min_noise(ev, t, args.eps, args.delta, acc, ldp_bound=bound)
+        if isinstance(ev, GaussianRound) and ev.sampling == "poisson":
+            ev = _poisson_min_noise(ev, t, args.eps, args.delta, acc)
+            res = la.account([(ev, t)], args.delta, acc)
+        else:
+            ev, res = la.min_noise(ev, t, args.eps, args.delta, acc, ldp_bound=bound)
         out["rounds"] = t
     base = res.to_dict()
     details = {k: v for k, v in base.items() if k not in ("eps", "delta", "accountant", "optimal_order", "trust")}

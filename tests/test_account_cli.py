@@ -82,7 +82,7 @@ BAD = [
     (["subsampled-shuffle", "--n", "10", "--k", "2", "--delta", "1e-5"], "needs --eps0"),
     (["subsampled-shuffle", "--eps0", "1", "--k", "2", "--delta", "1e-5"], "required: --n"),
     (["subsampled-shuffle", "--eps0", "1", "--n", "9", "--k", "2", "--delta", "1e-5", "--bound", "x"], "--bound"),
-    (["tree", "--noise-multiplier", "1", "--delta", "1e-5"], "needs --steps"),
+    (["tree", "--noise-multiplier", "1", "--delta", "1e-5"], "needs --leaves-per-tree"),
     (
         [
             "tree",
@@ -254,3 +254,76 @@ def test_real_cli_json(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert set(KEYS) <= set(out) and math.isfinite(out["eps"]) and out["eps"] > 0
+
+
+# ------------------------------------------------------------------------- issue 24 C14: names, fixed cohort, speed
+def test_fixed_cohort_query_is_the_ledgers_accountant(capsys) -> None:
+    """--sample-size k --dataset-size n: gaussian_round.wor_epsilon (what the ledger charges protocol gaussian with a
+    fixed cohort), for cost, --max-rounds and --min-noise."""
+    from shuffledp.protocols.gaussian_round import wor_epsilon
+
+    base = ["gaussian", "--sample-size", "50", "--dataset-size", "2000", "--delta", "1e-5"]
+    cost = _run(capsys, *base, "--noise-multiplier", "2", "--rounds", "100")
+    assert cost["eps"] == wor_epsilon(2.0, 2000, 50, 100, 1e-5)
+    assert cost["neighboring"] == "replace_one"
+    most = _run(capsys, *base, "--noise-multiplier", "2", "--eps", "1", "--max-rounds")
+    t = most["max_rounds"]
+    assert wor_epsilon(2.0, 2000, 50, t, 1e-5) <= 1.0 < wor_epsilon(2.0, 2000, 50, t + 1, 1e-5)
+    least = _run(capsys, *base, "--rounds", "100", "--eps", "1", "--min-noise")
+    z = least["noise_multiplier"]
+    assert least["eps"] == wor_epsilon(z, 2000, 50, 100, 1e-5) <= 1.0  # never below the requirement
+    assert wor_epsilon(z * (1 - 1e-4), 2000, 50, 100, 1e-5) > 1.0  # and near-least
+
+
+def test_fixed_cohort_refuses_add_or_remove_and_mixed_sampling(capsys) -> None:
+    for extra, msg in (
+        (["--neighboring", "add_or_remove_one"], "replace-one"),
+        (["--sampling-probability", "0.1"], "not both"),
+        (["--sigma", "2"], "--noise-multiplier z"),
+    ):
+        argv = ["gaussian", "--sample-size", "5", "--dataset-size", "50", "--delta", "1e-5", *extra]
+        with pytest.raises(SystemExit):
+            cli.main(["account", *argv])
+        assert msg in capsys.readouterr().err
+
+
+def test_poisson_min_noise_fits_the_ledgers_accountant(capsys) -> None:
+    """dp_accounting's calibration, checked with ledger_accounting.account: never above the budget, near-least."""
+    out = _run(capsys, "gaussian", "--sampling-probability", "0.05", "--rounds", "50", "--eps", "2", "--delta", "1e-5",
+               "--min-noise")  # fmt: skip
+    ev = GaussianRound(out["sigma"], 1.0, "central", "poisson", 0.05)
+    assert la.account([(ev, 50)], 1e-5).eps == out["eps"] <= 2.0
+    worse = GaussianRound(out["sigma"] * (1 - 1e-4), 1.0, "central", "poisson", 0.05)
+    assert la.account([(worse, 50)], 1e-5).eps > 2.0
+
+
+def test_old_option_names_are_aliases(capsys) -> None:
+    new = _run(capsys, "gaussian", "--noise-multiplier", "1.5", "--sampling-probability", "0.05", "--rounds", "20",
+               "--delta", "1e-5")  # fmt: skip
+    old = _run(capsys, "gaussian", "--noise-multiplier", "1.5", "--sampling-rate", "0.05", "--rounds", "20",
+               "--delta", "1e-5")  # fmt: skip
+    assert new == old
+    tree_new = _run(capsys, "tree", "--noise-multiplier", "3", "--leaves-per-tree", "64", "--trees", "3",
+                    "--delta", "1e-6")  # fmt: skip
+    tree_old = _run(capsys, "tree", "--noise-multiplier", "3", "--steps", "64", "--rounds", "3", "--delta", "1e-6")
+    assert tree_new == tree_old
+    assert tree_new["rounds"] == 3 and tree_new["steps"] == 64
+
+
+def test_help_imports_no_dp_accounting_and_states_the_noise_convention() -> None:
+    """`shuffledp account --help` used to take 3.7 s, mostly importing dp_accounting and scipy it never used."""
+    code = (
+        "import sys\n"
+        "from shuffledp import cli\n"
+        "for argv in (['account', '--help'], ['account', 'gaussian', '--help']):\n"
+        "    try:\n"
+        "        cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('dp_accounting', 'scipy.stats', 'scipy.optimize') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    text = " ".join(proc.stdout.split())
+    assert "noise std z C" in text and "2C" in text

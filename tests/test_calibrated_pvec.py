@@ -228,3 +228,18 @@ def test_calibrated_bad_input(small):
         cal.composed_epsilon([(1, 2)], 1e-5)
     with pytest.raises(ValueError, match="count"):
         cal.composed_epsilon([(small, 40, -1)], 1e-5)
+
+
+def test_hull_value_reads_nan_chords_as_infinite():
+    """Issue 24 D20: a chord from a vertex at cost exactly w (lam = 0) to a point with an infinite bound is 0 * inf =
+    NaN. The old code let argmax pick that NaN and then dropped it (NaN > x is False), returning the finite left
+    maximum 2 although the chord from a = 0 to the infinite point makes the majorant infinite."""
+    U = np.array([[0.0, 1.0, 2.0, np.inf]])
+    cost = np.array([0.0, 0.0, 1.0, 4.0])  # w = 1 is the cost of a = 2 exactly (as g^2/d is when sqrt(d) | g)
+    with np.errstate(all="raise"):
+        vals, _, right = cal._hull_value(U, cost, 1.0)
+    assert vals[0] == math.inf
+    assert right[0] == 3
+    # a NaN bound itself (0 * inf in the interpolation) counts as +inf, never as "no value"
+    vals, _, _ = cal._hull_value(np.array([[0.0, np.nan, 1.0]]), np.array([0.0, 0.0, 1.0]), 0.5)
+    assert vals[0] == math.inf

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -272,3 +274,64 @@ def test_exact_check_fails_on_an_optimistic_discretisation(monkeypatch):
     assert cheat < honest
     assert _worst_delta(N, g, d, honest) <= delta * (1 + 1e-9)
     assert _worst_delta(N, g, d, cheat) > delta  # the exact check rejects the optimistic accountant
+
+
+# ------------------------------------------------------------------------ planning speed (issue 24 B8)
+@pytest.mark.parametrize("N, g, d", [(10**7, 91, 2), (10**8, 100, 4), (3 * 10**6, 120, 9)])
+def test_gauss_round_grid_bounds_the_lp_over_every_gap(N, g, d):
+    """The gaussian route's sparse grid (from sqrt of the spread up, dense around it) still bounds the LP
+    relaxation computed from the exact u(a) = a mu^2(N // a) at every gap a = 1..g, and is tight to 1e-9."""
+    pp._gauss_round.cache_clear()
+    mu2, _ = pp._gauss_round(N, g, d)
+    exact = {a: np.array([a * pp.unit_gdp_mu2(N // a)]) for a in range(1, g + 1)}
+    U, _ = cal._interpolate(exact, N, g, 1)
+    cost = np.maximum(np.arange(0, g + 1) - 1, 0).astype(np.float64) ** 2
+    full = d * float(cal._hull_value(U, cost, g * g / d)[0][0])
+    assert full <= mu2 <= full * (1.0 + 2e-9)
+
+
+def test_interpolation_below_the_grid_is_an_upper_bound():
+    """Gaps below the smallest grid point are bounded by a r(N // a_0) (r non-increasing in M): never below the
+    exact a mu^2(N // a)."""
+    N, a0 = 10**7, 8
+    exact = {a0: np.array([a0 * pp.unit_gdp_mu2(N // a0)]), 20: np.array([20 * pp.unit_gdp_mu2(N // 20)])}
+    U, _ = cal._interpolate(exact, N, 20, 1)
+    for a in range(1, a0):
+        assert U[0, a] >= a * pp.unit_gdp_mu2(N // a)
+
+
+def test_calibration_refuses_noise_it_cannot_certify_quickly_and_names_the_smallest_eps(monkeypatch):
+    """Below the smallest plannable eps the calibration refuses at once, naming it; at that eps it calibrates.
+    (PLAN_MAX_N lowered so the accepted case is quick; the default size is checked over a real process below.)"""
+    monkeypatch.setattr(pp, "PLAN_MAX_N", 10**8)
+    n, d, rounds, delta = 1000, 10, 4, 1e-5
+    g = cal.default_g(d, n)
+    e_min = pp.smallest_plannable_eps(delta, n, d, g, rounds)
+    with pytest.raises(ValueError, match=f"smallest eps that can work at this size is {e_min:.2g}$"):
+        pp.calibrate_pvec_pld(e_min * 0.9, delta, n, d, 1.0, rounds=rounds)
+    params = pp.calibrate_pvec_pld(e_min, delta, n, d, 1.0, rounds=rounds)
+    assert params.m * n <= 10**8
+    assert pp.composed_epsilon([(params, n, rounds)], delta) <= e_min
+
+
+def test_planner_refuses_eps_001_at_the_default_size_within_seconds():
+    """Issue 24 B8: eps = 0.01 in the embedded default run planned for over 2 minutes; now the plan is refused at
+    once with the smallest eps that can work (the 20 s timeout includes the interpreter's imports)."""
+    code = (
+        "from shuffledp.config import DEFAULT_TOML, parse_config\n"
+        "from shuffledp.data import load_dataset\n"
+        "from shuffledp.models import make_model\n"
+        "from shuffledp.services.run_manager import PlanError, plan_run\n"
+        "cfg = parse_config(DEFAULT_TOML.replace('eps = 8.0', 'eps = 0.01'))\n"
+        "ds = load_dataset(cfg.data, cfg.model.task)\n"
+        "model = make_model('logreg', ds.num_features, ds.num_classes)\n"
+        "try:\n"
+        "    plan_run(cfg, 1348, 1348, model, ds.feature_norm_bound)\n"
+        "except PlanError as exc:\n"
+        "    print(exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 0, proc.stderr
+    assert "eps=0.01" in proc.stdout
+    e_min = float(proc.stdout.rsplit("smallest eps that can work at this size is ", 1)[1])
+    assert 0.01 < e_min < 0.1  # eps = 0.1 plans at this size (benchmarks/bench_pvec_planning.py times it)

@@ -321,7 +321,10 @@ def _hull_value(U: np.ndarray, cost: np.ndarray, w: float) -> tuple[np.ndarray, 
     """Least concave majorant of the points (cost[a], U[:, a]) evaluated at w, per row; and the maximising pair.
 
     h(w) = max over i with cost_i <= w, j with cost_j >= w of the chord value at w (i = j allowed).
+    An infinite bound (inf RDP at an order) makes chords with it inf - inf or 0 * inf = NaN; NaN is read as +inf,
+    the safe direction (an upper bound that cannot be evaluated is no bound), before any comparison or argmax.
     """
+    U = np.where(np.isnan(U), np.inf, U)
     left = np.nonzero(cost <= w)[0]
     right = np.nonzero(cost >= w)[0]
     best_left = U[:, left]  # points left of w alone (h is non-decreasing)
@@ -335,7 +338,9 @@ def _hull_value(U: np.ndarray, cost: np.ndarray, w: float) -> tuple[np.ndarray, 
         # value = U_i + lam (U_j - U_i), shape (orders, |left|, |right|)
         Ui = U[:, left][:, :, None]
         Uj = U[:, right][:, None, :]
-        V = Ui + lam[None] * (Uj - Ui)
+        with np.errstate(invalid="ignore"):  # inf - inf, 0 * inf: NaN, read as +inf just below
+            V = Ui + lam[None] * (Uj - Ui)
+        V = np.where(np.isnan(V), np.inf, V)
         flat = V.reshape(U.shape[0], -1)
         k = np.argmax(flat, axis=1)
         v = flat[np.arange(U.shape[0]), k]
@@ -358,6 +363,9 @@ def _initial_grid(g: int, d: int) -> set[int]:
 def _interpolate(exact: dict[int, np.ndarray], N: int, g: int, n_orders: int) -> tuple[np.ndarray, np.ndarray]:
     """Upper bounds U[:, a] on u(a) for a = 0..g from the exact values at grid points, and the grid points.
 
+    Below the smallest grid point a_0: u(a) = a r(N // a) <= a r(N // a_0), as N // a >= N // a_0 and r is
+    non-increasing in M (post-processing).
+
     For a_p < a < a_n (adjacent grid points, M_p = N // a_p >= M_n = N // a_n) split the shift a into k
     unit pieces of >= M_p trials and a - k of >= M_n trials, k M_p + (a - k) M_n <= N (post-processing and
     monotonicity of r in M): u(a) <= k r(M_p) + (a - k) r(M_n). With r ~ c/M this overshoots c a^2 by only
@@ -370,7 +378,9 @@ def _interpolate(exact: dict[int, np.ndarray], N: int, g: int, n_orders: int) ->
     i = np.searchsorted(pts, a)  # pts[i] >= a
     on = pts[np.minimum(i, len(pts) - 1)] == a
     U[:, a[on]] = R[:, i[on]] * a[on]
-    off = ~on
+    below = a < pts[0]
+    U[:, a[below]] = R[:, :1] * a[below]
+    off = ~on & ~below
     if off.any():
         aa = a[off]
         ip, inn = i[off] - 1, i[off]
@@ -381,6 +391,18 @@ def _interpolate(exact: dict[int, np.ndarray], N: int, g: int, n_orders: int) ->
         k = np.where(Mp > Mn, k, 0)
         U[:, aa] = k[None, :] * R[:, ip] + (aa - k)[None, :] * R[:, inn]
     return U, pts
+
+
+def _refine(grid: set[int], pts: np.ndarray, active: set[int]) -> None:
+    """Add grid points in the interval around each inexact active vertex (below the grid: between 0 and a_0)."""
+    for v in active:
+        j = int(np.searchsorted(pts, v))
+        ap, an = (int(pts[j - 1]) if j else 0), int(pts[j])
+        if an - ap <= 12:
+            grid.update(range(ap + 1, an))
+        else:
+            grid.update(int(x) for x in np.linspace(ap, an, 8)[1:-1].round())
+            grid.add(v)
 
 
 @lru_cache(maxsize=4096)
@@ -398,14 +420,7 @@ def _worst_round(N: int, p: float, g: int, d: int, orders: tuple[float, ...]) ->
         active = ({int(x) for x in il} | {int(x) for x in ir}) - exact.keys() - {0}
         if not active:  # every maximising vertex is an exactly evaluated point
             break
-        for v in active:  # refine the grid interval around each inexact active vertex
-            j = int(np.searchsorted(pts, v))
-            ap, an = int(pts[j - 1]), int(pts[j])
-            if an - ap <= 12:
-                grid.update(range(ap + 1, an))
-            else:
-                grid.update(int(x) for x in np.linspace(ap, an, 8)[1:-1].round())
-                grid.add(v)
+        _refine(grid, pts, active)
     rdp = d * vals * _SAFETY
     # slack: every coordinate splits into <= g shift-1 pieces of >= floor(N/g) trials each
     log_t = math.log(d * g) + _log_tau(max(1, N // g), p, 1)

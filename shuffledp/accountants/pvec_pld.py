@@ -92,6 +92,8 @@ __all__ = [
     "round_gdp",
     "pld_epsilon",
     "calibrate_pvec_pld",
+    "PLAN_MAX_N",
+    "smallest_plannable_eps",
     "epsilon_of_rounds",
     "composed_epsilon",
     "pvec_round_epsilon",
@@ -106,6 +108,10 @@ EXHAUSTIVE_MAX_G = 32
 EXHAUSTIVE_MAX_VECTORS = 64
 GAUSS_MIN_M = 1000  # gaussian route needs N // g >= this (unit pieces of >= 1000 trials: mu^2 M / 4 - 1 <= ~4%)
 GAUSS_MAX_WINDOW = 3 * 10**7  # largest unit window (points, ~9.7 sqrt(N) at a = 1) evaluated
+# Calibration refuses noise above this many binomial trials per coordinate (m n): the gaussian route's window grows
+# like sqrt(N) and certifying 10^11 takes seconds, 6 * 10^12 (eps = 0.01 at the default size) minutes.
+PLAN_MAX_N = 10**11
+_GUESS_N = 10**9  # calibration: largest N at which the gaussian route's guess is rescaled from the exact mu^2
 _SAFETY = 1.0 + 1e-9  # relative safety factor on mu^2 (float rounding), as calibrated_pvec._SAFETY
 ROUTES = ("exhaustive", "gaussian", "rdp")
 
@@ -242,7 +248,17 @@ def unit_gdp_mu2(M: int) -> float:
 def _gauss_round(N: int, g: int, d: int) -> tuple[float, float]:
     cost = np.maximum(np.arange(0, g + 1) - 1, 0).astype(np.float64) ** 2
     w = g * g / d
-    grid = cal._initial_grid(g, d)
+    # Small gaps are the costly evaluations (window ~ sqrt(N / a) points) and lie far from the maximiser (the
+    # even spread s = 1 + g / sqrt(d)): start the grid at sqrt(s); below it u(a) <= a u(a_lo) / a_lo
+    # (calibrated_pvec._interpolate), which stays under the hull's tangent at s (u ~ a^2: a sqrt(s) - (a - 1)^2
+    # <= s), and is refined like any other inexact point should it become active.
+    spread = 1.0 + g / math.sqrt(d)
+    a_lo = max(1, math.isqrt(math.floor(spread)))
+    # Near the maximiser u(a) ~ a^2 lies x^2 / (s - 1) below the hull's tangent at distance x from s, and the
+    # interpolation between grid points h apart overshoots by ~(h / 2)^2: spacing h = 0.2 x around s leaves
+    # (almost) nothing to refine (a grid geometric in a refined ~100 points one by one at the default size).
+    xs = np.unique(np.round(np.geomspace(1.0, g, 2 + math.ceil(math.log(g) / math.log(1.2)))))
+    grid = {a_lo, g} | {min(g, max(a_lo, round(spread + sgn * x))) for x in xs for sgn in (-1.0, 1.0)}
     exact: dict[int, np.ndarray] = {}
     # same LP relaxation and adaptive refinement as calibrated_pvec._worst_round, with u(a) = a mu^2(N // a)
     while True:
@@ -253,14 +269,7 @@ def _gauss_round(N: int, g: int, d: int) -> tuple[float, float]:
         active = ({int(x) for x in il} | {int(x) for x in ir}) - exact.keys() - {0}
         if not active:
             break
-        for v in active:
-            j = int(np.searchsorted(pts, v))
-            ap, an = int(pts[j - 1]), int(pts[j])
-            if an - ap <= 12:
-                grid.update(range(ap + 1, an))
-            else:
-                grid.update(int(x) for x in np.linspace(ap, an, 8)[1:-1].round())
-                grid.add(v)
+        cal._refine(grid, pts, active)
     pieces = min(d * g, d + g * math.sqrt(d))  # sum_j a_j over A
     return d * float(vals[0]) * _SAFETY, pieces * TAU
 
@@ -429,6 +438,18 @@ def pvec_round_epsilon(params: PvecParams, n_contrib: int, delta: float) -> floa
     return composed_epsilon([(params, n_contrib)], delta)
 
 
+def smallest_plannable_eps(delta: float, n: int, d: int, g: int, rounds: int) -> float:
+    """The smallest eps (two significant digits, rounded up) whose Gaussian guess stays within PLAN_MAX_N trials
+    per coordinate (1% margin): mu^2 = 4 rounds (g + sqrt d)^2 / N (module docstring), eps from the exact
+    Gaussian curve."""
+    mu = math.sqrt(4.0 * rounds * (g + math.sqrt(d)) ** 2 / (0.99 * PLAN_MAX_N))
+    e = _gauss_eps(mu, delta)
+    if e <= 0.0:
+        return 0.0
+    scale = 10.0 ** (math.floor(math.log10(e)) - 1)
+    return math.ceil(e / scale) * scale
+
+
 @lru_cache(maxsize=1024)
 def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g: int, rounds: int) -> PvecParams:
     def params(m: int) -> PvecParams:
@@ -446,14 +467,23 @@ def _calibrate_cached(eps: float, delta: float, n: int, d: int, delta2: float, g
         lo_mu, hi_mu = (mid, hi_mu) if _gauss_eps(mid, delta) <= eps else (lo_mu, mid)
     mu_t = lo_mu
     m = max(1, math.ceil(4.0 * rounds * (g + math.sqrt(d)) ** 2 / (mu_t**2 * n)), math.ceil(g / n))
+    if m * n > PLAN_MAX_N:  # refuse in milliseconds rather than certify for minutes (issue 24 B8)
+        raise ValueError(
+            f"eps={eps} needs ~{m * n:.3g} binomial trials of noise per coordinate (n={n}, d={d}, rounds={rounds}, "
+            f"delta={delta:.3g}), more than the {PLAN_MAX_N:.0e} the accountant certifies in seconds; the smallest "
+            f"eps that can work at this size is {smallest_plannable_eps(delta, n, d, g, rounds):.2g}"
+        )
     route = pld_route(params(m), n)
     if route == "rdp":  # fallback: no PLD at this size; its m is checked with the ledger's accountant below
         m = cal.calibrate_pvec(eps, delta, n, d, delta2, g=g, rounds=rounds).m
         if ok(m):  # the RDP answer, unless a PLD route covers it and does not certify it (then search up from it)
             return params(m)
     if route == "gaussian":  # mu^2 scales like 1/N: rescale the guess by the exact round's mu^2 (no rigour needed)
-        mu2, _ = _gauss_round(m * n, g, d)
-        m = max(1, math.ceil(m * rounds * mu2 / mu_t**2 * (1.0 + 2e-4)), math.ceil(g / n))
+        # N mu^2 varies by < 1e-5 above N = 1e9 (module docstring), so a large N is rescaled from mu^2 at a
+        # smaller one: a window of ~sqrt(N) points less to evaluate; the rigorous checks below use the real N
+        n_guess = min(m * n, max(_GUESS_N, GAUSS_MIN_M * g))
+        mu2, _ = _gauss_round(n_guess, g, d)
+        m = max(1, math.ceil(m * rounds * mu2 * n_guess / (m * n) / mu_t**2 * (1.0 + 2e-4)), math.ceil(g / n))
     hi = cal.smallest_feasible_m(ok, m, n, g, f"eps={eps}, delta={delta} with g={g}, d={d}, n={n}")
     return params(hi)
 
