@@ -9,11 +9,19 @@ Sizes, per hop (design section 1):
 Keepalive: nodes ping their idle Subscribe stream every KEEPALIVE_TIME_MS to notice a dead shuffler; servers must
 permit pings at least that often (MIN_PING_INTERVAL_MS < KEEPALIVE_TIME_MS), or gRPC answers GOAWAY "too_many_pings"
 and the stream drops. The option names are gRPC core's (grpc/impl/channel_arg_names.h).
+Binding (issue 24 item 6): gRPC sets SO_REUSEPORT on Linux by default, so a second server on a running one's address
+binds too and the kernel splits the connections between them. Every server here turns it off and binds through
+bind_server, which refuses an address in use with one line naming it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import errno
+import socket
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # only annotations: this module is imported by light modules that never serve
+    import grpc
 
 __all__ = [
     "CLIENT_MESSAGE_BYTES",
@@ -26,6 +34,9 @@ __all__ = [
     "analyzer_channel_options",
     "operator_channel_options",
     "ROUND_REFUSED_METADATA_KEY",
+    "BindError",
+    "check_address_free",
+    "bind_server",
 ]
 
 CLIENT_MESSAGE_BYTES = 64 * 2**20
@@ -50,6 +61,7 @@ def server_options(max_receive: int = CLIENT_MESSAGE_BYTES, max_send: int = BATC
         ("grpc.max_send_message_length", max_send),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.so_reuseport", 0),  # an address in use is refused, never shared with another process (item 6)
     ]
 
 
@@ -76,3 +88,61 @@ def operator_channel_options() -> Options:
     """The operator's channel to the analyzer: RunResult carries the model and the whole ledger; a restarted
     analyzer is found again within seconds (gRPC's default reconnect backoff grows to 120 s)."""
     return [("grpc.max_receive_message_length", BATCH_MESSAGE_BYTES), ("grpc.max_reconnect_backoff_ms", 5000)]
+
+
+class BindError(OSError):
+    """A server could not listen on its address; str() is the one line to print."""
+
+
+def _bind_problem(address: str) -> str | None:
+    """Why `address` ('host:port') cannot be bound by a new listener, or None when it can (or cannot be probed here:
+    port 0, a unix socket). Binds a throw-away socket the way gRPC does once SO_REUSEPORT is off (SO_REUSEADDR on,
+    which on Linux lets a port in TIME_WAIT be reused but never one that a socket listens on)."""
+    if address.startswith(("unix:", "unix-abstract:")) or ":" not in address:
+        return None
+    host, port_text = address.rsplit(":", 1)
+    host = host.strip("[]") or None  # ":50051" is every address, as in gRPC
+    try:
+        port = int(port_text)
+    except ValueError:
+        return f"{port_text!r} is not a port number"
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r} ({exc.strerror})"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return "the address is already in use (is this service already running?)"
+                return exc.strerror or str(exc)
+    return None
+
+
+def check_address_free(address: str) -> None:
+    """BindError (one line naming `address`) if a server could not listen on it now: called before a service opens
+    any state, so that a second instance of a running service stops before touching the first one's files."""
+    problem = _bind_problem(address)
+    if problem is not None:
+        raise BindError(f"cannot listen on {address}: {problem}")
+
+
+def bind_server(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind `server` to `address` (mTLS with `credentials`, else plain text; the caller checks plain text is
+    allowed) and return the bound port. BindError with one line naming the address if it cannot: gRPC returns 0 or
+    raises RuntimeError depending on its version, and never says why, so the reason is probed here."""
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise BindError(f"cannot listen on {address}: {_bind_problem(address) or 'gRPC could not bind it'}")
+    return port

@@ -21,7 +21,7 @@ import grpc
 from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shuffledp import pki
+from shuffledp import grpc_options, pki
 from shuffledp.tls import check_plain_text
 
 __all__ = ["HealthError", "role_of", "check", "start_with_health", "add_parser", "main"]
@@ -53,17 +53,13 @@ def start_with_health(
 ) -> tuple[int, health.HealthServicer]:
     """Add the standard gRPC health service to `server`, bind `listen` (mTLS when credentials are given, else plain
     text), start it; returns (bound port, health servicer). The whole server ("") reports SERVING once started;
-    `service` reports SERVING or, with serving=False, NOT_SERVING until its owner says otherwise. OSError if the
-    address cannot be bound."""
+    `service` reports SERVING or, with serving=False, NOT_SERVING until its owner says otherwise.
+    grpc_options.BindError (an OSError) if the address cannot be bound or is in use."""
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     if credentials is None:
         check_plain_text(listen, "listen address")  # the one plain-text rule (issue 10 item 12)
-        port = server.add_insecure_port(listen)
-    else:
-        port = server.add_secure_port(listen, credentials)
-    if port == 0:
-        raise OSError(f"{service}: could not bind {listen!r}")
+    port = grpc_options.bind_server(server, listen, credentials)  # BindError: one line naming the address
     server.start()
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -289,6 +290,117 @@ def party_paths(pki_dir: str | os.PathLike[str], name: str) -> tuple[Path, Path]
     return d / CERT_FILE, d / KEY_FILE
 
 
+@dataclass(frozen=True)
+class PartyMaterial:
+    """The PEM bytes a party's TLS credentials are made of, checked by load_party."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
+def _init_hint(pki_dir: Path, client_nodes: int | None = None) -> str:
+    nodes = "N" if client_nodes is None else str(client_nodes)
+    return f"create it with `shuffledp pki init --out {pki_dir} --client-nodes {nodes}`"
+
+
+def _load_ca(pki_dir: Path) -> tuple[bytes, x509.Certificate]:
+    """The CA certificate of `pki_dir`, after checking the folder itself (the first mistakes users make)."""
+    if not pki_dir.exists():
+        raise FileNotFoundError(f"PKI folder {pki_dir} does not exist: {_init_hint(pki_dir)}")
+    if not pki_dir.is_dir():
+        raise NotADirectoryError(f"PKI folder {pki_dir} is a file, not the folder `shuffledp pki init --out` writes")
+    ca_path = pki_dir / CA_CERT_FILE
+    if not ca_path.is_file():
+        what = "is empty" if not any(pki_dir.iterdir()) else f"has no {CA_CERT_FILE}"
+        raise FileNotFoundError(f"PKI folder {pki_dir} {what}: {_init_hint(pki_dir)}")
+    pem = ca_path.read_bytes()
+    try:
+        ca = x509.load_pem_x509_certificate(pem)
+    except ValueError:
+        raise ValueError(f"{ca_path} is not a PEM certificate (corrupt or empty)") from None
+    _check_dates(ca_path, ca)
+    return pem, ca
+
+
+def _check_dates(path: Path, cert: x509.Certificate) -> None:
+    now = dt.datetime.now(dt.UTC)
+    if now > cert.not_valid_after_utc:
+        raise ValueError(f"{path} expired on {cert.not_valid_after_utc:%Y-%m-%d}: re-create the PKI")
+    if now < cert.not_valid_before_utc:
+        raise ValueError(f"{path} is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (clock?)")
+
+
+def _client_nodes_in(pki_dir: Path) -> int:
+    """How many client-node certificates client-0, client-1, ... exist in a row."""
+    n = 0
+    while party_paths(pki_dir, client_node_name(n))[0].is_file():
+        n += 1
+    return n
+
+
+def _load_party(pki_dir: Path, ca_pem: bytes, ca: x509.Certificate, role: str, name: str) -> PartyMaterial:
+    cert_path, key_path = party_paths(pki_dir, name)
+    if not cert_path.is_file():
+        if role == ROLE_CLIENT_NODE and name.startswith("client-") and name[len("client-") :].isdigit():
+            have, need = _client_nodes_in(pki_dir), int(name[len("client-") :]) + 1
+            raise FileNotFoundError(
+                f"{cert_path} not found: {pki_dir} has certificates for {have} client node(s), {need} or more are "
+                f"needed; re-create it with `shuffledp pki init --out {pki_dir} --client-nodes {need} --force`"
+            )
+        raise FileNotFoundError(f"{cert_path} not found: {_init_hint(pki_dir)}")
+    cert_pem_bytes = cert_path.read_bytes()
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem_bytes)
+    except ValueError:
+        raise ValueError(f"{cert_path} is not a PEM certificate (corrupt or empty)") from None
+    ident = identity_of(cert)
+    if ident != Identity(role, name):
+        raise ValueError(f"{cert_path} names {ident}, not role={role!r} name={name!r}")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise ValueError(f"{cert_path} is not signed by {pki_dir / CA_CERT_FILE} (from another PKI?)") from None
+    _check_dates(cert_path, cert)
+    if not key_path.is_file():
+        raise FileNotFoundError(f"{key_path} not found: {_init_hint(pki_dir)}")
+    mode = key_path.stat().st_mode & 0o777
+    if mode & 0o077:
+        # a readable private key is a leaked identity; refuse instead of serving with it
+        raise PermissionError(f"{key_path} is readable by group/others (mode {mode:o}); chmod 600")
+    key_pem_bytes = key_path.read_bytes()
+    try:
+        key = serialization.load_pem_private_key(key_pem_bytes, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        # TypeError: encrypted; gRPC would only say "Failed to bind to address" (issue 24 item 11)
+        raise ValueError(f"{key_path} is not an unencrypted PEM private key (corrupt or empty)") from None
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        raise ValueError(f"{key_path} is not the key of {cert_path}")
+    return PartyMaterial(ca=ca_pem, cert=cert_pem_bytes, key=key_pem_bytes)
+
+
+def load_party(pki_dir: str | os.PathLike[str], role: str, name: str) -> PartyMaterial:
+    """CA, certificate and key of party `name`, each checked: the folder exists, the CA certificate, the party's
+    certificate names that role and name and is signed by the CA and valid today, its key is private (0600), parses
+    and belongs to the certificate. Raises OSError (FileNotFoundError, NotADirectoryError, PermissionError) or
+    ValueError with one line naming the file and the problem."""
+    if role not in ROLES:
+        raise ValueError(f"role={role!r} is not a shuffledp role; allowed: {', '.join(ROLES)}")
+    pki_dir = Path(pki_dir)
+    ca_pem, ca = _load_ca(pki_dir)
+    return _load_party(pki_dir, ca_pem, ca, role, name)
+
+
+def check_pki(pki_dir: str | os.PathLike[str], parties: Sequence[Identity]) -> None:
+    """load_party for every party, the CA read once: what `shuffledp run` calls before starting anything, so that a
+    PKI mistake is one line in a second instead of a service failing at start-up (issue 24 item 11)."""
+    pki_dir = Path(pki_dir)
+    ca_pem, ca = _load_ca(pki_dir)
+    for party in parties:
+        _load_party(pki_dir, ca_pem, ca, party.role, party.name)
+
+
 def default_parties(client_nodes: int) -> list[Identity]:
     """analyzer, shuffler, client-0..client-(N-1), operator."""
     if not isinstance(client_nodes, int) or not 1 <= client_nodes <= MAX_CLIENT_NODES:
@@ -299,6 +411,11 @@ def default_parties(client_nodes: int) -> list[Identity]:
         *(Identity(ROLE_CLIENT_NODE, client_node_name(i)) for i in range(client_nodes)),
         Identity(ROLE_OPERATOR, "operator"),
     ]
+
+
+def check_local_run(pki_dir: str | os.PathLike[str], client_nodes: int) -> None:
+    """check_pki for a local `shuffledp run` with `client_nodes` nodes: every party it starts, and its operator."""
+    check_pki(pki_dir, default_parties(client_nodes))
 
 
 def _existing(out: Path) -> list[Path]:

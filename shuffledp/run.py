@@ -563,6 +563,14 @@ def _run_command(
     except ConfigError as exc:
         print(f"shuffledp run: {args.config or 'default config'}: {exc}", file=sys.stderr)
         return 2
+    if not args.analyzer and not config.deployment.insecure:  # before anything starts (issue 24 item 11)
+        from shuffledp.pki import check_local_run
+
+        try:
+            check_local_run(config.deployment.pki_dir, config.deployment.client_nodes)
+        except (OSError, ValueError) as exc:
+            print(f"shuffledp run: {args.config or 'default config'}: deployment.pki_dir: {exc}", file=sys.stderr)
+            return 2
     label = args.config.stem if args.config else "default"
     out = args.out or Path("results") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)

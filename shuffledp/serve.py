@@ -13,7 +13,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from shuffledp import grpc_options
 
 log = logging.getLogger("shuffledp.serve")
 SHUFFLER_WAIT_S = 60.0
@@ -52,14 +55,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _security(args: argparse.Namespace, role: str):
-    """(server_credentials, channel_credentials, interceptors) for this party; Nones in insecure mode."""
+    """(server_credentials, channel_credentials, interceptors) for this party; Nones in insecure mode. Every PKI
+    file this party uses is checked here, before anything starts: SystemExit with one line naming a bad one."""
     from shuffledp import tls
 
     if args.insecure:
         # one rule for every party (tls.check_plain_text), on what is bound and on what is dialled
         try:
             tls.check_plain_text(args.listen, "--listen")
-            if role != "shuffler":
+            if role != "shuffler" and args.shuffler_port_file is None:  # a port file means 127.0.0.1
                 tls.check_plain_text(args.shuffler, "--shuffler")
         except ValueError as exc:
             raise SystemExit(f"shuffledp serve {role}: --insecure: {exc}") from exc
@@ -69,11 +73,22 @@ def _security(args: argparse.Namespace, role: str):
         raise SystemExit(f"shuffledp serve {role}: give --pki DIR (mTLS) or --insecure (loopback experiments only)")
 
     name = _party_name(args, role)
-    return (
-        tls.server_credentials(args.pki, role, name),
-        tls.channel_credentials(args.pki, role, name),
-        (tls.RoleInterceptor(tls.DEFAULT_POLICY),),
-    )
+    try:
+        # one check covers both: server and channel credentials are made of the same three files
+        server_creds = tls.server_credentials(args.pki, role, name)
+        channel_creds = tls.channel_credentials(args.pki, role, name)
+    except (OSError, ValueError) as exc:  # pki.load_party: one line naming the file and the problem
+        raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
+    return server_creds, channel_creds, (tls.RoleInterceptor(tls.DEFAULT_POLICY),)
+
+
+def _check_listen(args: argparse.Namespace, role: str) -> None:
+    """Refuse an address in use before any state is opened (issue 24 item 6): a second instance of a running service
+    must not touch its state files, let alone share its address."""
+    try:
+        grpc_options.check_address_free(args.listen)
+    except grpc_options.BindError as exc:
+        raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
 
 
 def _shuffler_address(args: argparse.Namespace) -> str:
@@ -94,55 +109,62 @@ def _party_name(args: argparse.Namespace, role: str) -> str:
     return args.name or (f"client-{args.node_index}" if role == "client-node" else role)
 
 
+def _start(args: argparse.Namespace, role: str) -> tuple[int, Callable[[], object]]:
+    """Start the service: (bound port, stop function). Checks first what needs nothing started (the PKI files, the
+    listen address), then waits for the shuffler's port file, then opens state and binds."""
+    if args.service == "client" and (args.num_nodes < 1 or not 0 <= args.node_index < args.num_nodes):
+        raise SystemExit(
+            f"--node-index must be in [0, --num-nodes) and --num-nodes >= 1, got {args.node_index} of {args.num_nodes}"
+        )
+    server_creds, channel_creds, interceptors = _security(args, role)
+    _check_listen(args, role)
+    if args.service == "analyzer":
+        from shuffledp.services.analyzer import start_analyzer
+
+        args.shuffler = _shuffler_address(args)
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+        server, port = start_analyzer(
+            args.listen, args.shuffler, args.state_dir, server_creds, channel_creds, interceptors
+        )
+        return port, lambda: server.stop(grace=5).wait()
+    if args.service == "shuffler":
+        from shuffledp.services.shuffler import start_shuffler
+
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+        server, port = start_shuffler(args.listen, args.state_dir / "shuffler.sqlite", server_creds, interceptors)
+        return port, lambda: server.stop(grace=5).wait()
+    from shuffledp.clients.node import start_node
+    from shuffledp.config import load_config
+
+    config = load_config(args.config)
+    args.shuffler = _shuffler_address(args)
+    handle = start_node(
+        _party_name(args, role),
+        config,
+        args.node_index,
+        args.num_nodes,
+        args.shuffler,
+        args.listen,
+        channel_creds,
+        server_creds,
+        interceptors=interceptors,
+        state_dir=args.state_dir,  # the users' spend (clients/spend_store.py)
+    )
+    return handle.port, handle.stop
+
+
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
-    if args.service == "analyzer":
-        from shuffledp.services.analyzer import start_analyzer
-
-        args.shuffler = _shuffler_address(args)
-        server_creds, channel_creds, interceptors = _security(args, "analyzer")
-        args.state_dir.mkdir(parents=True, exist_ok=True)
-        server, port = start_analyzer(
-            args.listen, args.shuffler, args.state_dir, server_creds, channel_creds, interceptors
-        )
-        stopper = lambda: server.stop(grace=5).wait()  # noqa: E731
-    elif args.service == "shuffler":
-        from shuffledp.services.shuffler import start_shuffler
-
-        server_creds, _, interceptors = _security(args, "shuffler")
-        args.state_dir.mkdir(parents=True, exist_ok=True)
-        server, port = start_shuffler(args.listen, args.state_dir / "shuffler.sqlite", server_creds, interceptors)
-        stopper = lambda: server.stop(grace=5).wait()  # noqa: E731
-    else:
-        from shuffledp.clients.node import start_node
-        from shuffledp.config import load_config
-
-        if args.num_nodes < 1 or not 0 <= args.node_index < args.num_nodes:
-            raise SystemExit(
-                f"--node-index must be in [0, --num-nodes) and --num-nodes >= 1, "
-                f"got {args.node_index} of {args.num_nodes}"
-            )
-        config = load_config(args.config)
-        args.shuffler = _shuffler_address(args)
-        server_creds, channel_creds, interceptors = _security(args, "client-node")
-        handle = start_node(
-            _party_name(args, "client-node"),
-            config,
-            args.node_index,
-            args.num_nodes,
-            args.shuffler,
-            args.listen,
-            channel_creds,
-            server_creds,
-            interceptors=interceptors,
-            state_dir=args.state_dir,  # the users' spend (clients/spend_store.py)
-        )
-        port = handle.port
-        stopper = handle.stop
+    role = {"analyzer": "analyzer", "shuffler": "shuffler", "client": "client-node"}[args.service]
+    try:
+        port, stopper = _start(args, role)
+    except grpc_options.BindError as exc:
+        # the address was taken between the check and the bind: gRPC refuses it too (no SO_REUSEPORT)
+        raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
 
     if args.port_file:
         tmp = args.port_file.with_suffix(".tmp")

@@ -7,7 +7,11 @@ it explicitly (insecure=True, used by `shuffledp run` on loopback) and always lo
 Typical server:
 
     sec = ServerSecurity(pki_dir, "shuffler", "shuffler")          # or ServerSecurity.insecure_loopback()
-    server = grpc.server(pool, interceptors=sec.interceptors({"/shuffledp.v1.Shuffler/": {"client-node"}}))
+    server = grpc.server(
+        pool,
+        interceptors=sec.interceptors({"/shuffledp.v1.Shuffler/": {"client-node"}}),
+        options=grpc_options.server_options(),  # among others: an address in use is refused, not shared
+    )
     port = sec.add_port(server, "0.0.0.0:50052")
 
 Typical client:
@@ -22,14 +26,13 @@ import ipaddress
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
 import grpc
 from cryptography import x509
 
-from shuffledp import pki
+from shuffledp import grpc_options, pki
 from shuffledp.pki import Identity
 
 log = logging.getLogger(__name__)
@@ -54,43 +57,15 @@ DEFAULT_POLICY: dict[str, frozenset[str]] = {
 }
 
 
-@dataclass(frozen=True)
-class _Material:
-    ca: bytes
-    cert: bytes
-    key: bytes
-
-
-def _load(pki_dir: str | os.PathLike[str], role: str, name: str) -> _Material:
-    """Read CA, certificate and key of party `name`, checking the certificate really is that role."""
-    if role not in pki.ROLES:
-        raise ValueError(f"role={role!r} is not a shuffledp role; allowed: {', '.join(pki.ROLES)}")
-    ca_path = Path(pki_dir) / pki.CA_CERT_FILE
-    cert_path, key_path = pki.party_paths(pki_dir, name)
-    for p in (ca_path, cert_path, key_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"{p} not found: create the PKI with `shuffledp pki init --out {pki_dir}`")
-    if key_path.stat().st_mode & 0o077:
-        # a readable private key is a leaked identity; refuse instead of serving with it
-        raise PermissionError(
-            f"{key_path} is readable by group/others (mode {key_path.stat().st_mode & 0o777:o}); chmod 600"
-        )
-    cert = cert_path.read_bytes()
-    ident = pki.identity_of(x509.load_pem_x509_certificate(cert))
-    if ident != Identity(role, name):
-        raise ValueError(f"{cert_path} names {ident}, not role={role!r} name={name!r}")
-    return _Material(ca=ca_path.read_bytes(), cert=cert, key=key_path.read_bytes())
-
-
 def server_credentials(pki_dir: str | os.PathLike[str], role: str, name: str) -> grpc.ServerCredentials:
     """TLS server credentials of party `name` that require and verify a client certificate from the CA."""
-    m = _load(pki_dir, role, name)
+    m = pki.load_party(pki_dir, role, name)  # every file checked: one line naming a bad one (issue 24 item 11)
     return grpc.ssl_server_credentials([(m.key, m.cert)], root_certificates=m.ca, require_client_auth=True)
 
 
 def channel_credentials(pki_dir: str | os.PathLike[str], role: str, name: str) -> grpc.ChannelCredentials:
     """TLS channel credentials that trust only the project CA and present party `name`'s certificate."""
-    m = _load(pki_dir, role, name)
+    m = pki.load_party(pki_dir, role, name)
     return grpc.ssl_channel_credentials(root_certificates=m.ca, private_key=m.key, certificate_chain=m.cert)
 
 
@@ -318,15 +293,10 @@ class ServerSecurity(_PartySecurity):
 
     def add_port(self, server: grpc.Server, address: str) -> int:
         """Bind `address` ('host:port', port 0 = any free) with TLS, or plain text on loopback only."""
-        if not self.insecure:
-            port = server.add_secure_port(address, self._credentials)
-        else:
+        if self.insecure:
             check_plain_text(address, "listen address")
             log.warning("%s %s: listening WITHOUT TLS on %s (insecure mode)", self.role, self.name, address)
-            port = server.add_insecure_port(address)
-        if port == 0:
-            raise OSError(f"could not bind {address}")
-        return port
+        return grpc_options.bind_server(server, address, self._credentials)  # BindError if in use
 
 
 class ChannelSecurity(_PartySecurity):

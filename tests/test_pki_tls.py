@@ -96,6 +96,15 @@ def _channel(target: str, pki_dir: Path, role: str, name: str) -> grpc.Channel:
     return tls.ChannelSecurity(pki_dir, role, name).channel(target, server_name="shuffler")
 
 
+def _impostor_channel(target: str, d: Path) -> grpc.Channel:
+    """A channel presenting client-0's material under `d` as is: an impostor runs raw gRPC, not our loader's checks
+    (pki.load_party refuses such a certificate before any connection, see the test below)."""
+    c, k = pki.party_paths(d, "client-0")
+    ca = (d / pki.CA_CERT_FILE).read_bytes()
+    creds = grpc.ssl_channel_credentials(ca, private_key=k.read_bytes(), certificate_chain=c.read_bytes())
+    return grpc.secure_channel(target, creds, options=[("grpc.ssl_target_name_override", "shuffler")])
+
+
 def _write_identity(d: Path, cert: x509.Certificate, key) -> Path:
     """A PKI-shaped directory holding `cert`/`key` as party 'client-0' and trusting the real CA."""
     (d / "client-0").mkdir(parents=True)
@@ -173,8 +182,11 @@ def test_self_signed_certificate_is_refused(server: str, pki_dir: Path, tmp_path
     assert pki.identity_of(cert) == pki.Identity("client-node", "client-0")  # it does claim the right role
     d = _write_identity(tmp_path, cert, key)
     (d / pki.CA_CERT_FILE).write_bytes((pki_dir / pki.CA_CERT_FILE).read_bytes())
-    with _channel(server, d, pki.ROLE_CLIENT_NODE, "client-0") as ch:
+    with _impostor_channel(server, d) as ch:
         assert _code_of(lambda: _check(ch)) == grpc.StatusCode.UNAVAILABLE
+    # our own loader names the problem before any connection (issue 24 item 11)
+    with pytest.raises(ValueError, match="client-0/cert.pem is not signed by"):
+        tls.channel_credentials(d, pki.ROLE_CLIENT_NODE, "client-0")
 
 
 def test_certificate_from_other_ca_is_refused(server: str, pki_dir: Path, other_pki: Path, tmp_path: Path) -> None:
@@ -186,8 +198,10 @@ def test_certificate_from_other_ca_is_refused(server: str, pki_dir: Path, other_
         serialization.load_pem_private_key(k.read_bytes(), None),
     )
     (d / pki.CA_CERT_FILE).write_bytes((pki_dir / pki.CA_CERT_FILE).read_bytes())
-    with _channel(server, d, pki.ROLE_CLIENT_NODE, "client-0") as ch:
+    with _impostor_channel(server, d) as ch:
         assert _code_of(lambda: _check(ch)) == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(ValueError, match="client-0/cert.pem is not signed by"):
+        tls.channel_credentials(d, pki.ROLE_CLIENT_NODE, "client-0")
 
 
 def test_client_refuses_server_of_other_ca(server: str, other_pki: Path) -> None:
