@@ -17,10 +17,13 @@ import argparse
 import contextlib
 import csv
 import json
+import math
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,7 +104,11 @@ class Cluster:
         log = open(self.workdir / "logs" / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
         self.logs.append(log)
         cmd = [sys.executable, "-m", "shuffledp.cli", "serve", *argv, "--port-file", str(port_file)]
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        # a process group of its own: a terminal's Ctrl-C reaches only the CLI, which cancels the run, fetches
+        # what exists from the analyzer and then stops the services (the same group would stop them first)
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), process_group=0
+        )
         return port_file
 
     def wait_port(self, name: str, port_file: Path) -> int:
@@ -249,6 +256,33 @@ def fetch_command(analyzer: str, run_id: str, pki: Path | None = None, server_na
     return " ".join([*parts, "--fetch", run_id])
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while a run was driven: the run was cancelled; `result` is what the analyzer had (status, ledger,
+    metrics, and the model unless it releases only a completed run), None if it did not answer."""
+
+    def __init__(self, run_id: str, result: pb.RunResult | None):
+        super().__init__(run_id)
+        self.run_id, self.result = run_id, result
+
+
+def _cancel_and_fetch(stub: pbg.AnalyzerStub, ref: pb.RunRef, config_toml: str) -> pb.RunResult | None:
+    """After Ctrl-C: cancel the run, then fetch its result (status, ledger, metrics, model); a hidden-iterate run
+    that did not complete has no model. None if the analyzer does not answer or Ctrl-C is pressed again."""
+    try:
+        with contextlib.suppress(grpc.RpcError):
+            stub.CancelRun(ref, timeout=10)
+        try:
+            return stub.GetRunResult(ref, timeout=30)
+        except grpc.RpcError:
+            pass
+        try:  # no result to give (e.g. not planned yet): the status still carries the metrics and the spend
+            return pb.RunResult(status=stub.GetRunStatus(ref, timeout=10), config_toml=config_toml)
+        except grpc.RpcError:
+            return None
+    except KeyboardInterrupt:
+        return None
+
+
 class AnalyzerLost(Exception):
     """The CLI gave up on the analyzer: it stayed unreachable or too slow for the whole retry window, or a CreateRun
     timed out (never repeated). `during` says what the CLI was doing ("" before any run existed)."""
@@ -378,16 +412,16 @@ def drive_run(
             ref = pb.RunRef(run_id=run_id)
             hint = f"  (fetch its results again with: {fetch_command(analyzer, run_id, pki, server_name)})"
             echo(f"run id: {run_id}" + (hint if cluster is None else ""))
-            try:
-                status = rpc.call(stub.StartRun, ref, call_timeout_s)
-            except grpc.RpcError as exc:
-                # a repeated StartRun after a first attempt that did arrive: the run is started, as asked
-                if not (rpc.retried and _code(exc) == grpc.StatusCode.FAILED_PRECONDITION):
-                    raise
-            shown, message = 0, status.message if status.state == pb.RUNNING else ""
-            if message:
-                echo(f"  [analyzer] {message}")
-            try:
+            try:  # from here a Ctrl-C cancels the run and fetches what it has
+                try:
+                    status = rpc.call(stub.StartRun, ref, call_timeout_s)
+                except grpc.RpcError as exc:
+                    # a repeated StartRun after a first attempt that did arrive: the run is started, as asked
+                    if not (rpc.retried and _code(exc) == grpc.StatusCode.FAILED_PRECONDITION):
+                        raise
+                shown, message = 0, status.message if status.state == pb.RUNNING else ""
+                if message:
+                    echo(f"  [analyzer] {message}")
                 while True:
                     # long poll: the analyzer answers when the run differs from what was shown, or after WAIT_MS
                     asked = time.monotonic()
@@ -409,12 +443,10 @@ def drive_run(
                         cluster.check_alive()
                     if not news and time.monotonic() - asked < WAIT_MS / 2000:
                         time.sleep(POLL_S)  # an analyzer that does not wait (older version): poll
+                return rpc.call(stub.GetRunResult, ref, 2 * call_timeout_s)
             except KeyboardInterrupt:
-                echo("interrupted: cancelling the run")
-                with contextlib.suppress(grpc.RpcError):
-                    stub.CancelRun(ref, timeout=10)
-                raise
-            return rpc.call(stub.GetRunResult, ref, 2 * call_timeout_s)
+                echo("interrupted: cancelling the run and fetching what it has")
+                raise Interrupted(run_id, _cancel_and_fetch(stub, ref, config_toml)) from None
         except AnalyzerLost as lost:
             if run_id:
                 lost.run_id, lost.during = run_id, _during(run_id, status)
@@ -441,8 +473,9 @@ def fetch_result(
             raise
 
 
-def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
-    """Write everything a run produced; never raises half-way silently (a missing plot is reported, not fatal)."""
+def write_results(out: Path, config_toml: str, result: pb.RunResult, *, interrupted: bool = False) -> None:
+    """Write everything a run produced (a cancelled or interrupted run: what exists); never raises half-way silently
+    (a missing plot is reported, not fatal)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(config_toml)
     rows = [
@@ -471,32 +504,265 @@ def write_results(out: Path, config_toml: str, result: pb.RunResult) -> None:
         writer.writeheader()
         # CSV cells are flat: rejected as "reason=count;reason=count"
         writer.writerows({**row, "rejected": ";".join(f"{k}={v}" for k, v in row["rejected"].items())} for row in rows)
-    (out / "ledger.json").write_text(result.ledger_json)
-    model = np.frombuffer(result.model.f64, dtype="<f8").reshape(tuple(result.model.shape) or (-1,))
-    np.savez(out / "model.npz", params=model)
+    if result.ledger_json:
+        (out / "ledger.json").write_text(result.ledger_json)
+    plan = _plan_of(result)
+    released = _released(result)
+    layout = None
+    if released is not None:
+        layout = model_layout(plan, config_toml, released.size)
+        np.savez(out / "model.npz", params=released, layout=json.dumps(layout), **_named_arrays(released, layout))
+    summary = run_summary(result, plan, layout, interrupted=interrupted)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
-        _plot(out / "plot.png", rows)
+        _plot(out / "plot.png", rows, summary)
     except Exception as exc:  # the data files above are written already; a plotting failure must not lose them
         print(f"warning: plot not written: {exc}", file=sys.stderr)
 
 
-def _plot(path: Path, rows: list[dict]) -> None:
+def _plan_of(result: pb.RunResult) -> dict:
+    """The analyzer's plan of the run, from its ledger export ({} before the run was planned)."""
+    if not result.ledger_json:
+        return {}
+    try:
+        return json.loads(result.ledger_json).get("run", {}).get("plan") or {}
+    except ValueError:
+        return {}
+
+
+def _released(result: pb.RunResult) -> np.ndarray | None:
+    """The released model, or None when the analyzer sent none (nothing released yet, or hidden iterates of a run
+    that did not complete)."""
+    if not result.HasField("model") or not result.model.f64:
+        return None
+    return np.frombuffer(result.model.f64, dtype="<f8").reshape(tuple(result.model.shape) or (-1,))
+
+
+def _class_labels(config_toml: str, task: str) -> list[int] | None:
+    """The data label of each class index (None: a file's distinct labels, in increasing order; the CLI does not read
+    the data). Mirrors shuffledp.data.load_dataset: data.classes in the order given, else the sorted labels."""
+    if task not in ("logreg", "mlp", "hinge"):
+        return None
+    from shuffledp.config import ConfigError, parse_config
+
+    try:
+        data = parse_config(config_toml).data
+    except ConfigError:
+        return None
+    if data.classes:
+        return list(data.classes)
+    return {"digits": list(range(10)), "mnist5k": list(range(10)), "synthetic": [0, 1]}.get(data.dataset)
+
+
+def model_layout(plan: dict, config_toml: str, size: int) -> dict:
+    """How the flat parameter vector of model.npz is laid out (shuffledp.models.Model): its task, the named arrays
+    it splits into and what their rows and columns mean."""
+    task = plan.get("task", "")
+    f, c, h = int(plan.get("num_features", 0)), int(plan.get("num_classes", 1)), int(plan.get("hidden", 0))
+    if task == "logreg":
+        arrays = {"W": [c, f + 1]}
+        how = "scores = W @ [x, 1]; predicted class index = argmax"
+    elif task == "mlp":
+        arrays = {"W1": [h, f + 1], "W2": [c, h + 1]}
+        how = "h = tanh(W1 @ [x, 1]); scores = W2 @ [h, 1]; predicted class index = argmax"
+    elif task == "hinge":
+        arrays = {"w": [f + 1]}
+        how = "class index 1 where w @ [x, 1] > 0, else 0"
+    elif task == "distance":
+        arrays = {"w": [f]}
+        how = "the point theta itself (loss ||theta - x||)"
+    elif task:
+        arrays = {"w": [f + 1]}
+        how = "prediction = w @ [x, 1]"
+    else:
+        arrays = {}
+        how = "unknown (the run was not planned)"
+    layout = {
+        "task": task,
+        "num_features": f,
+        "num_classes": c,
+        "hidden": h,
+        "params": [size],
+        "arrays": arrays,
+        "bias": "last column" if task not in ("distance", "") else "none",
+        "predict": how,
+        "class_labels": _class_labels(config_toml, task),
+    }
+    if sum(math.prod(s) for s in arrays.values()) != size:  # a protocol with another layout: say so, keep params
+        layout["arrays"] = {}
+        layout["predict"] = f"unknown layout: {size} parameters"
+    return layout
+
+
+def _named_arrays(params: np.ndarray, layout: dict) -> dict[str, np.ndarray]:
+    out, at = {}, 0
+    for name, shape in layout["arrays"].items():
+        k = math.prod(shape)
+        out[name] = params[at : at + k].reshape(shape)
+        at += k
+    return out
+
+
+def accuracy_note(task: str, accuracy: float) -> str:
+    """What to print instead of a NaN accuracy: why the model's accuracy was not evaluated."""
+    if not math.isnan(accuracy):
+        return ""
+    if task == "distance":
+        return "not evaluated (the distance task has no labels)"
+    if task in ("leastsq", "absolute"):
+        return "not evaluated (the targets are not integer labels: see the loss)"
+    return "not evaluated"
+
+
+def run_summary(result: pb.RunResult, plan: dict, layout: dict | None, *, interrupted: bool = False) -> dict:
+    """summary.json: the released model's held-out figures, the planner's choices and the final spend."""
+    s, b = result.status, result.status.budget
+    task = plan.get("task", "")
+    model = None
+    if layout is not None:
+        note = accuracy_note(task, result.accuracy)
+        model = {
+            "file": "model.npz",
+            "loss": result.loss,
+            "accuracy": None if note else result.accuracy,
+            **({"accuracy_note": note} if note else {}),
+            "excess_risk": result.excess_risk if result.HasField("excess_risk") else None,
+            "output": plan.get("output", "mean"),
+            "layout": layout,
+        }
+    why = (
+        ""
+        if model
+        else (
+            "hidden iterates: the model is released only when the run completes"
+            if plan.get("hidden_iterates")
+            else "no round was released"
+        )
+    )
+    optimizer = plan.get("optimizer") or {}
+    return {
+        "run_id": s.run_id,
+        "state": pb.RunState.Name(s.state),
+        "message": s.message,
+        "interrupted": interrupted,
+        "rounds_done": s.rounds_done,
+        "rounds_planned": s.rounds_planned,
+        "released_model": model,
+        **({"no_model": why} if why else {}),
+        "plan": {
+            "protocol": plan.get("protocol"),
+            "schedule": plan.get("kind"),
+            "optimizer": optimizer.get("name"),
+            "rounds": plan.get("rounds"),
+            "cohort": plan.get("cohort"),
+            "min_contributors": plan.get("min_contributors"),
+            "sampling_rate": plan.get("sampling_rate") or None,
+            "learning_rate": plan.get("learning_rate"),
+            "radius": plan.get("radius"),
+            "eps": plan.get("eps"),
+            "delta": plan.get("delta"),
+            # the protocol's own sizing: PVEC's (g, m, p), an LDP randomizer's eps0, a noise multiplier z, ...
+            "protocol_params": plan.get("params"),
+            "check_in": plan.get("check_in"),
+        },
+        "spend": {
+            "eps": b.eps_spent,
+            "delta": b.delta_spent,
+            "eps_with_round_in_flight": b.eps_reserved,  # the ledger's total with the rounds reserved now
+            "eps_limit": b.eps_limit,
+            "delta_limit": b.delta_limit,
+            "accountant": b.accountant,
+            "trust_model": pb.TrustModel.Name(b.trust_model),
+            "eps_robust": b.eps_spent_robust if b.honest_fraction < 1.0 else None,
+            "honest_fraction": b.honest_fraction,
+            "views": dict(sorted(b.views.items())),
+        },
+    }
+
+
+def _finite(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["round"], r[key]) for r in rows if r["released"] and key in r and math.isfinite(r[key])]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _plot(path: Path, rows: list[dict], summary: dict) -> dict[str, list[str]]:
+    """Held-out loss (and excess risk where known), accuracy where it is defined, and the eps spent, against rounds;
+    the released model's figures as a dashed line (it is the mean of the iterates unless output = "last", so it
+    differs from the last round's point). Hidden-iterate runs have no per-round figures: the plot says so.
+    Returns what it drew: {"panels": [metric, ...], "notes": [text, ...]}."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rounds = [r["round"] for r in rows if r["released"]]
-    fig, ax1 = plt.subplots(figsize=(7, 4))
-    ax1.plot(rounds, [r["accuracy"] for r in rows if r["released"]], "o-", color="tab:blue")
-    ax1.set_xlabel("round")
-    ax1.set_ylabel("held-out accuracy", color="tab:blue")
-    ax2 = ax1.twinx()
-    ax2.step([r["round"] for r in rows], [r["eps_spent"] for r in rows], where="post", color="tab:red")
-    ax2.set_ylabel("eps spent", color="tab:red")
+    model = summary.get("released_model") or {}
+    panels = [("loss", "held-out loss"), ("excess_risk", "excess risk"), ("accuracy", "held-out accuracy")]
+    per_round = any(_finite(rows, k)[0] for k, _ in panels)
+    shown = [(k, label) for k, label in panels if _finite(rows, k)[0] or model.get(k) is not None]
+    n = len(shown) + (0 if per_round else 1) + 1  # a line of text where no round has figures; eps at the bottom
+    fig, axes = plt.subplots(n, 1, figsize=(7, 2.4 * n), sharex=True, squeeze=False)
+    axes = list(axes[:, 0])
+    last = max((r["round"] for r in rows), default=1)
+    drawn: dict[str, list[str]] = {"panels": [k for k, _ in shown] + ["eps_spent"], "notes": []}
+    if not per_round:
+        hidden = summary.get("plan", {}).get("protocol") in ("pnsgd", "pnsgd_online")
+        why = "iterates are hidden (spec 004): no per-round figures" if hidden else "no per-round figures"
+        figures = ", ".join(f"{k} {model[k]:.4g}" for k, _ in panels if model.get(k) is not None)
+        what = f"released model: {figures}" if model else summary.get("no_model", "no model released")
+        ax = axes.pop(0)
+        drawn["notes"].append(f"{why}\n{what}")
+        ax.text(0.5, 0.5, drawn["notes"][-1], ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+    for ax, (key, label) in zip(axes, shown, strict=False):
+        x, y = _finite(rows, key)
+        if x:
+            ax.plot(x, y, "o-", ms=3, color="tab:blue", label="after each round")
+        if model.get(key) is not None:
+            ax.axhline(model[key], ls="--", color="tab:green", label=f"released model: {model[key]:.4g}")
+            ax.plot([last], [model[key]], "*", ms=12, color="tab:green")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8, loc="best")
+    ax = axes[-1]
+    ax.step([r["round"] for r in rows], [r["eps_spent"] for r in rows], where="post", color="tab:red")
+    ax.set_ylabel("eps spent")
+    ax.set_xlabel("round")
+    fig.suptitle(
+        f"{summary.get('plan', {}).get('protocol') or ''} run {summary.get('run_id', '')}: {summary.get('state', '')}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return drawn
+
+
+def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt) -> int:
+    """Ctrl-C during a run: write what the analyzer had (drive_run fetched it before the services stopped), print
+    the spend; exit status 130."""
+    result, run_id = getattr(exc, "result", None), getattr(exc, "run_id", "")
+    try:
+        if result is None:
+            what = f"run {run_id} cancelled, but the analyzer gave no results" if run_id else "no run was started"
+            print(f"stopped by Ctrl-C: {what}; logs in {out / 'logs'}", file=sys.stderr)
+            return 130
+        write_results(out, config_toml, result, interrupted=True)
+        s, b = result.status, result.status.budget
+        print(
+            f"stopped by Ctrl-C: run {run_id} {pb.RunState.Name(s.state)} after {s.rounds_done} of "
+            f"{s.rounds_planned} rounds; results so far in {out}",
+            file=sys.stderr,
+        )
+        # the ledger's reserved total includes a round in flight, which counts as spent if it was delivered
+        in_flight = f"; eps = {b.eps_reserved:.4f} with the round in flight" if b.eps_reserved > b.eps_spent else ""
+        print(
+            f"privacy spent: eps = {b.eps_spent:.4f}, delta = {b.delta_spent:.3g}  (limit eps = {b.eps_limit:g}, "
+            f"delta = {b.delta_limit:.3g}; accountant: {b.accountant}){in_flight}"
+        )
+        if _released(result) is None:
+            print(f"no model: {run_summary(result, _plan_of(result), None).get('no_model', '')}")
+    except KeyboardInterrupt:
+        print("stopped by a second Ctrl-C: the results were not all written", file=sys.stderr)
+    return 130
 
 
 def _rpc_failed(exc: grpc.RpcError, analyzer: str, doing: str) -> int:
@@ -584,9 +850,8 @@ def _run_command(
         print(f"shuffledp run: {label}: on the deployment at {args.analyzer}; results in {out}")
         try:
             result = drive_run(args.analyzer, config_toml, None, echo, args.pki, args.server_name, **timing)
-        except KeyboardInterrupt:
-            print("stopped by Ctrl-C; the run was cancelled", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as exc:
+            return _interrupted(out, config_toml, exc)
         except AnalyzerLost as lost:
             # the deployment keeps the run (its ledger): say how to pick it up again
             resume = ""
@@ -608,12 +873,17 @@ def _run_command(
         except ServiceFailed as exc:  # start_local_cluster stopped the others already
             print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
             return EXIT_LOST
+        # the services have a process group of their own (Cluster.spawn): a hang-up or SIGTERM of the CLI must
+        # stop them too, as Ctrl-C does
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.default_int_handler)
         try:
             result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
             cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
-        except KeyboardInterrupt:
-            print("stopped by Ctrl-C; services shut down; partial logs in", out / "logs", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as exc:
+            cluster.terminate()  # what the analyzer had is fetched already: the services stop while it is written
+            return _interrupted(out, config_toml, exc)
         except ServiceFailed as exc:
             print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
             return EXIT_LOST
@@ -636,7 +906,8 @@ def _run_command(
     print(f"state: {pb.RunState.Name(status.state)}  {status.message}".rstrip())
     if final is not None:  # the released model's figures (model.npz), not the last round's
         risk = f"  excess risk: {result.excess_risk:.4g}" if result.HasField("excess_risk") else ""
-        print(f"test accuracy: {result.accuracy:.4f}  test loss: {result.loss:.4f}{risk}")
+        acc = accuracy_note(_plan_of(result).get("task", ""), result.accuracy) or f"{result.accuracy:.4f}"
+        print(f"test accuracy: {acc}  test loss: {result.loss:.4f}{risk}")
     print(
         f"privacy spent: eps = {budget.eps_spent:.4f}, delta = {budget.delta_spent:.3g}  "
         f"(limit eps = {budget.eps_limit:g}, delta = {budget.delta_limit:.3g}; accountant: {budget.accountant}; "
