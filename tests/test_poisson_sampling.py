@@ -51,10 +51,10 @@ def test_inclusion_rate_matches_q_and_users_are_drawn_independently():
         # nobody answers: released anyway (Poisson, min_contributors 0), empty
         assert res.released and res.contributors == 0 and res.ciphertexts == []
         sizes.append(res.invited)
-        if res.invited:
-            inv = sub.get(timeout=1)
-            assert len(set(inv.user_ids)) == res.invited
-            hits[[users.index(u) for u in inv.user_ids]] += 1
+        # every round reaches the node, sampled or not (a notice: issue 24 item 1), with the count drawn from
+        inv = sub.get(timeout=1)
+        assert len(set(inv.user_ids)) == res.invited and inv.eligible == res.eligible == len(users)
+        hits[[users.index(u) for u in inv.user_ids]] += 1
     total = int(hits.sum())
     assert total == sum(sizes)
     assert stats.binomtest(total, len(users) * rounds, q).pvalue > 1e-3, total / (len(users) * rounds)
@@ -71,9 +71,11 @@ def test_inclusion_rate_matches_q_and_users_are_drawn_independently():
 def test_a_round_with_nobody_sampled_is_released_empty():
     state = ShufflerState(rng=make_rng(9), poll_seconds=0.001)
     state.register_users("node", ["a", "b"])
-    state.subscribe("node")
+    sub = state.subscribe("node")
     res = state.execute_round(_request(0, 1e-9))  # P(anyone) = 2e-9
     assert res.invited == 0 and res.released and res.contributors == 0 and not res.below_threshold
+    notice = sub.get(timeout=1)  # the node still learns of the round its users were eligible for
+    assert notice is not None and notice.user_ids == [] and notice.eligible == 2
     # a fixed-cohort round with nobody answering releases nothing (never an empty batch there)
     fixed = RoundRequest(
         "run",

@@ -246,3 +246,35 @@ def test_a_node_refuses_a_round_drawn_from_fewer_users_than_accounted_and_counts
     due = min(wor_epsilon(1.0, 100, 10, 2, 1e-5), unamplified_epsilon(1.0, 1, 1e-5, False))
     assert core.spent("u1") == (pytest.approx(due, rel=1e-12), 1e-5) and core.spent("u1")[0] >= due
     assert core.spent("u0") == (0.0, 0.0)
+
+
+def test_the_shuffler_refuses_a_fixed_cohort_round_with_fewer_eligible_users_and_tells_every_node():
+    """Item 3 at the shuffler: a SUBSAMPLED round is refused before anyone is invited (nothing recorded) when fewer
+    users are eligible than its population; otherwise every live node with eligible users hears of it, with the
+    count the cohort was drawn from. CLDP-SGD's specs carry their accountant's n as the population too."""
+    from shuffledp.services.shuffler_state import CohortUnavailable, RoundRequest, Schedule, ShufflerState, Transport
+
+    from shuffledp.protocols.ldp_round import LdpRound
+    from shuffledp.sealing import PUBLIC_KEY_BYTES
+
+    state = ShufflerState(rng=make_rng(2), poll_seconds=0.001)
+    state.register_users("a", ["u0", "u1", "u2"])
+    state.register_users("b", ["v0"])
+    subs = {node: state.subscribe(node) for node in ("a", "b")}
+    common = dict(message_bytes=16, analyzer_public_key=bytes(PUBLIC_KEY_BYTES), deadline_seconds=1e-4)
+    with pytest.raises(CohortUnavailable, match="population of 5 users but only 4 are eligible"):
+        state.execute_round(
+            RoundRequest("run", 0, Schedule.SUBSAMPLED, Transport.SEALED, cohort_size=1, population=5, **common)
+        )
+    assert not state._store.round_exists("run", 0) and all(s.get(timeout=0.01) is None for s in subs.values())
+    res = state.execute_round(
+        RoundRequest("run", 0, Schedule.SUBSAMPLED, Transport.SEALED, cohort_size=1, population=4, **common)
+    )
+    assert res.eligible == 4 and res.invited == 1
+    got = {node: s.get(timeout=1) for node, s in subs.items()}
+    assert all(inv.eligible == 4 for inv in got.values()) and sum(len(inv.user_ids) for inv in got.values()) == 1
+    from test_seed001_runs import _request, _spec
+
+    ldp = LdpRound("r_inf")
+    params = ldp.plan(_request(eps0=1.5, rounds=2, k=2)).params
+    assert _spec(ldp, params, bytes(PUBLIC_KEY_BYTES)).population == params["n"] > 0
