@@ -114,24 +114,14 @@ def test_poisson_requests_are_validated_before_any_state_changes(kw, match):
 
 
 # ------------------------------------------------------------------------------------- over the services
-@pytest.fixture
-def data(tmp_path) -> str:
-    """A synthetic 2-class problem in R^3: 225 training users, one example each."""
-    path = tmp_path / "blobs.npz"
-    rng = make_rng(7)
-    y = np.arange(300) % 2
-    np.savez(path, X=rng.normal(size=(300, 3)) * 0.5 + np.where(y[:, None] == 1, 0.6, -0.6), y=y)
-    return f'[data]\ndataset = "path"\npath = "{path}"\n'
-
-
-def test_central_dp_sgd_with_poisson_sampling_releases_and_charges_empty_rounds(tmp_path, data):
+def test_central_dp_sgd_with_poisson_sampling_releases_and_charges_empty_rounds(tmp_path, blobs_data):
     """q = 1/225: about a third of the rounds sample nobody (fixed shuffler seed). Every round is committed in the
     ledger, empty ones with 0 contributors, and the run's eps is exactly `shuffledp account gaussian` of the
     Poisson-sampled Gaussian over all its rounds."""
     shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(3))
     analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
     channel = grpc.insecure_channel(f"127.0.0.1:{aport}")
-    toml = data + (
+    toml = blobs_data + (
         '[model]\ntask = "logreg"\n[privacy]\neps = 4.0\ndelta = 1e-5\nprotocol = "gaussian"\n'
         '[schedule]\nkind = "subsampled"\nsampling = "poisson"\ncohort_size = 1\nrounds = 12\nlearning_rate = 0.5\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'

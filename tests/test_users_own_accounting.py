@@ -32,16 +32,6 @@ from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
 
-@pytest.fixture
-def data(tmp_path) -> str:
-    """A synthetic 2-class problem in R^3: 225 training users (of 300 examples), one example each."""
-    path = tmp_path / "blobs.npz"
-    rng = make_rng(7)
-    y = np.arange(300) % 2
-    np.savez(path, X=rng.normal(size=(300, 3)) * 0.5 + np.where(y[:, None] == 1, 0.6, -0.6), y=y)
-    return f'[data]\ndataset = "path"\npath = "{path}"\n'
-
-
 class Cluster:
     """Shuffler, analyzer and two nodes in this process over real sockets; the nodes keep their spend in SQLite."""
 
@@ -99,12 +89,12 @@ def _refused(st: pb.RunStatus, reason: str) -> int:
 
 
 @pytest.mark.parametrize("sampling", ["poisson", "fixed"])
-def test_sampled_dp_sgd_users_are_charged_every_eligible_round_and_stop_at_their_limit(tmp_path, data, sampling):
+def test_sampled_dp_sgd_users_are_charged_every_eligible_round_and_stop_at_their_limit(tmp_path, blobs_data, sampling):
     """Item 1: 20 rounds of 30 of 225 users at a budget whose ledger figure is above the users' max_total_eps = 2.5.
     Each user's record equals min(the run's amplified accountant over every round it was eligible for, the
     unamplified Gaussian over the rounds it joined), recomputed here from its counts; no record exceeds 2.5; users
     refuse (withdraw) once one more round could take them past it."""
-    toml = data + (
+    toml = blobs_data + (
         '[model]\ntask = "logreg"\n[privacy]\neps = 4.0\ndelta = 1e-5\nprotocol = "gaussian"\n'
         f'[schedule]\nkind = "subsampled"\nsampling = "{sampling}"\ncohort_size = 30\nrounds = 20\n'
         'learning_rate = 0.5\n[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
@@ -137,11 +127,11 @@ def test_sampled_dp_sgd_users_are_charged_every_eligible_round_and_stop_at_their
         c.close()
 
 
-def test_dp_ftrl_charges_participations_by_their_actual_count_in_each_tree(tmp_path, data):
+def test_dp_ftrl_charges_participations_by_their_actual_count_in_each_tree(tmp_path, blobs_data):
     """Item 2: one tree of 16 rounds, E = 2 participations per user (>= 3 rounds apart): a user with k leaves is
     charged eps(tree of 16, E = k), 1 leaf ~ half of 2 leaves' cost is NOT what it pays. A user with E leaves records
     at least the ledger's figure; under max_total_eps between eps(1 leaf) and eps(2 leaves), users refuse a second."""
-    toml = data + (
+    toml = blobs_data + (
         '[model]\ntask = "logreg"\n[privacy]\neps = 3.0\ndelta = 1e-5\nprotocol = "tree"\nmax_participations = 2\n'
         'min_separation = 3\n[schedule]\nkind = "subsampled"\ncohort_size = 20\nrounds = 16\nlearning_rate = 0.5\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
@@ -174,11 +164,11 @@ def test_dp_ftrl_charges_participations_by_their_actual_count_in_each_tree(tmp_p
         limited.close()
 
 
-def test_a_fixed_cohort_is_never_drawn_from_fewer_users_than_it_is_charged_for(tmp_path, data):
+def test_a_fixed_cohort_is_never_drawn_from_fewer_users_than_it_is_charged_for(tmp_path, blobs_data):
     """Item 3: after one of two nodes leaves, the shuffler would sample the remaining users at about twice the
     rate the ledger charges. It refuses every such round before inviting anyone (nothing charged); the ledger's
     figure is the fixed-cohort accountant over the committed rounds at the planned n."""
-    toml = data + (
+    toml = blobs_data + (
         '[model]\ntask = "logreg"\n[privacy]\neps = 6.0\ndelta = 1e-5\nprotocol = "gaussian"\n'
         '[schedule]\nkind = "subsampled"\ncohort_size = 30\nrounds = 30\nlearning_rate = 0.5\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
