@@ -645,7 +645,7 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
     elif not run_id:
         usage = "--fetch needs a RUN_ID (printed by `shuffledp run` as 'run id: ...')"
     out = args.out or Path("results") / run_id
-    usage = usage or _plain_text_refused(args) or _out_refused(out, args.reuse_out, False, run_id) or _make_out(out)
+    usage = usage or _plain_text_refused(args) or _out_refused(out, args.reuse_out, False, run_id)
     if usage:
         print(f"shuffledp run: {usage}", file=sys.stderr)
         return 2
@@ -661,6 +661,10 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
             print(f"shuffledp run: the analyzer at {args.analyzer} has no run {run_id!r}", file=sys.stderr)
             return 2
         return _rpc_failed(exc, args.analyzer, f"GetRunResult of run {run_id}")
+    failed = _make_out(out)  # only now: a failed fetch leaves no empty directory behind
+    if failed:
+        print(f"shuffledp run: {failed}", file=sys.stderr)
+        return 2
     write_results(out, result.config_toml, result)
     s = result.status
     print(

@@ -270,3 +270,18 @@ def test_ctrl_c_during_account_is_one_line(tmp_path: Path):
         proc.kill()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip() == "shuffledp account: interrupted (Ctrl-C)", err
+
+
+def test_fetch_refreshes_the_same_runs_results_but_not_another_runs(tmp_path: Path):
+    from shuffledp.run import _out_refused
+
+    out = tmp_path / "results"
+    assert _out_refused(out, reuse=False, local=False, run_id="abc") is None  # new
+    out.mkdir()
+    assert _out_refused(out, reuse=False, local=False, run_id="abc") is None  # empty
+    (out / "ledger.json").write_text('{"run": {"run_id": "abc"}}')
+    assert _out_refused(out, reuse=False, local=False, run_id="abc") is None  # "fetch again later"
+    refused = _out_refused(out, reuse=False, local=False, run_id="xyz")
+    assert refused.startswith(f"--out {out} is not empty: choose a new directory, or pass --reuse-out to replace")
+    assert "state/" not in refused  # a deployment keeps its state itself
+    assert _out_refused(out, reuse=True, local=False, run_id="xyz") is None
