@@ -588,7 +588,7 @@ def check_before_start(config: RunConfig) -> None:
     from shuffledp.config import ConfigError
     from shuffledp.data import load_dataset, num_users
     from shuffledp.models import make_model
-    from shuffledp.services.run_manager import PlanError, plan_run
+    from shuffledp.services.run_manager import plan_run
 
     try:
         ds = load_dataset(config.data, config.model.task)
@@ -605,7 +605,7 @@ def check_before_start(config: RunConfig) -> None:
     model = make_model(m.task, ds.num_features, ds.num_classes, l2=m.l2, hidden=m.hidden)
     try:
         plan_run(config, n, n, model, ds.feature_norm_bound)
-    except PlanError as exc:
+    except ValueError as exc:  # PlanError, and what the planner's helpers raise before it wraps them
         raise ConfigError(f"the run cannot be planned for the data's {n} users: {exc}") from exc
 
 
