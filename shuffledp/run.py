@@ -720,7 +720,7 @@ def _plot(path: Path, rows: list[dict], summary: dict) -> dict[str, list[str]]:
         ax.set_ylabel(label)
         ax.legend(fontsize=8, loc="best")
     ax = axes[-1]
-    ax.step([r["round"] for r in rows], [r["eps_spent"] for r in rows], where="post", color="tab:red")
+    ax.step([r["round"] for r in rows], [r["eps_spent"] for r in rows], "o-", where="post", ms=3, color="tab:red")
     ax.set_ylabel("eps spent")
     ax.set_xlabel("round")
     fig.suptitle(
