@@ -733,6 +733,21 @@ def _plot(path: Path, rows: list[dict], summary: dict) -> dict[str, list[str]]:
     return drawn
 
 
+@contextlib.contextmanager
+def _hangup_interrupts():
+    """SIGTERM and SIGHUP of the CLI act as Ctrl-C while it drives a local run: the services have a process group of
+    their own (Cluster.spawn), so a closed terminal or a `kill` must reach them through the CLI. Restored after."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
+        yield
+        return
+    old = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt) -> int:
     """Ctrl-C during a run: write what the analyzer had (drive_run fetched it before the services stopped), print
     the spend; exit status 130."""
@@ -868,7 +883,8 @@ def _run_command(
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, signal.default_int_handler)
         try:
-            result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
+            with _hangup_interrupts():
+                result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
             cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
         except KeyboardInterrupt as exc:
             cluster.terminate()  # what the analyzer had is fetched already: the services stop while it is written

@@ -4,6 +4,7 @@ carries its layout; no NaN is printed as a test accuracy; the plot of a hidden-i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -31,9 +32,11 @@ def _lines(stream, q: queue.Queue) -> None:
     q.put(None)
 
 
-def test_ctrl_c_writes_what_exists_and_prints_the_spend(tmp_path: Path):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_writes_what_exists_and_prints_the_spend(tmp_path: Path, how: str):
     """A terminal's Ctrl-C goes to the whole foreground process group: the CLI and, before, every service it had
-    started, which stopped at once and took the results with them."""
+    started, which stopped at once and took the results with them. A SIGTERM of the CLI alone (a `kill`, a closed
+    terminal's SIGHUP likewise) does the same instead of leaving the services running."""
     cfg = tmp_path / "long.toml"
     cfg.write_text("[schedule]\nrounds = 300\n")  # digits, about 0.15 s a round: far from its end after 3 rounds
     out = tmp_path / "out"
@@ -53,10 +56,13 @@ def test_ctrl_c_writes_what_exists_and_prints_the_spend(tmp_path: Path):
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             assert line is not None, "".join(shown) + proc.stderr.read()
             shown.append(line)
-        os.killpg(proc.pid, signal.SIGINT)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
+    finally:  # whatever is left in the group (services of a CLI that did not stop them)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     stderr = proc.stderr.read()
     while (line := lines.get(timeout=5)) is not None:
