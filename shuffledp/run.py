@@ -2,8 +2,9 @@
 
 Starts the shuffler, the analyzer and the configured number of client nodes (each `shuffledp serve ...`), creates and
 starts the run through the analyzer's operator API, prints progress per round, and writes a results directory:
-config.toml, metrics.csv, metrics.json, ledger.json, model.npz, plot.png, logs/. Everything is stopped on success,
-failure and Ctrl-C. With no CONFIG the embedded default (digits, one example per user) runs.
+config.toml, metrics.csv, metrics.json, ledger.json, summary.json, model.npz (with its layout), plot.png, logs/.
+Everything is stopped on success, failure and Ctrl-C; Ctrl-C (or SIGTERM/SIGHUP of the CLI) first cancels the run
+and writes what the analyzer has. With no CONFIG the embedded default (digits, one example per user) runs.
 
 With --analyzer it drives an already running deployment instead; `--fetch RUN_ID` writes the results directory of an
 existing run. Operator calls survive a slow or briefly unreachable analyzer (bounded retries); when the CLI gives up
