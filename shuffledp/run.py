@@ -211,6 +211,11 @@ def start_local_cluster(
     return cluster, shuffler, analyzer
 
 
+def _num(x: float, width: int, digits: int) -> str:
+    """A figure of a progress line; "n/a" where it is not defined (hidden iterates, no integer labels), never nan."""
+    return f"{x:{width}.{digits}f}" if math.isfinite(x) else f"{'n/a':>{width}}"
+
+
 def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
     # why users are missing: they refused the round (by the reason their node gave: a [policy] limit it names, or
     # a delivery failure), or their messages were rejected (by reason, at the shuffler or the analyzer)
@@ -229,8 +234,8 @@ def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
         detail = "; ".join([cause, *why])
         return f"round {m.round + 1:>4}/{planned}  NOT RELEASED ({detail})"
     return (
-        f"round {m.round + 1:>4}/{planned}  contributors {m.contributors:>6}  loss {m.loss:8.4f}  "
-        f"accuracy {m.accuracy:6.3f}  eps spent {m.eps_spent:7.4f}  ({m.seconds:5.2f} s)"
+        f"round {m.round + 1:>4}/{planned}  contributors {m.contributors:>6}  loss {_num(m.loss, 8, 4)}  "
+        f"accuracy {_num(m.accuracy, 6, 3)}  eps spent {m.eps_spent:7.4f}  ({m.seconds:5.2f} s)"
         + "".join(f"  [{w}]" for w in why)
     )
 

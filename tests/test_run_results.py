@@ -104,8 +104,9 @@ def test_summary_and_model_layout_of_a_completed_run(tmp_path: Path):
 
 def test_a_regression_run_prints_no_nan_accuracy(tmp_path: Path):
     toml = '[data]\ndataset = "synthetic"\nn = 2000\ndim = 3\n[model]\ntask = "leastsq"\n[schedule]\nrounds = 2\n'
-    _, _, stdout = run_cli(tmp_path, "lsq", toml)
+    _, _, stdout = run_cli(tmp_path, "lsq", toml, quiet=False)
     assert "nan" not in stdout.lower(), stdout
+    assert "accuracy    n/a" in stdout  # the progress lines too
     assert "test accuracy: not evaluated (the targets are not integer labels" in stdout
     summary = json.loads((tmp_path / "lsq" / "summary.json").read_text())
     assert summary["released_model"]["accuracy"] is None and summary["released_model"]["excess_risk"] is not None
