@@ -2,8 +2,9 @@
 
 Starts the shuffler, the analyzer and the configured number of client nodes (each `shuffledp serve ...`), creates and
 starts the run through the analyzer's operator API, prints progress per round, and writes a results directory:
-config.toml, metrics.csv, metrics.json, ledger.json, model.npz, plot.png, logs/. Everything is stopped on success,
-failure and Ctrl-C. With no CONFIG the embedded default (digits, one example per user) runs.
+config.toml, metrics.csv, metrics.json, ledger.json, summary.json, model.npz (with its layout), plot.png, logs/.
+Everything is stopped on success, failure and Ctrl-C; Ctrl-C (or SIGTERM/SIGHUP of the CLI) first cancels the run
+and writes what the analyzer has. With no CONFIG the embedded default (digits, one example per user) runs.
 
 With --analyzer it drives an already running deployment instead; `--fetch RUN_ID` writes the results directory of an
 existing run. Operator calls survive a slow or briefly unreachable analyzer (bounded retries); when the CLI gives up
@@ -236,6 +237,11 @@ def _round_label(m: pb.RoundMetrics, planned: int) -> str:
     return f"round {planned:>4}/{planned} (attempt {m.round + 2 - planned})"
 
 
+def _num(x: float, width: int, digits: int) -> str:
+    """A figure of a progress line; "n/a" where it is not defined (hidden iterates, no integer labels), never nan."""
+    return f"{x:{width}.{digits}f}" if math.isfinite(x) else f"{'n/a':>{width}}"
+
+
 def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
     # why users are missing: they refused the round (by the reason their node gave: a [policy] limit it names, or
     # a delivery failure), or their messages were rejected (by reason, at the shuffler or the analyzer)
@@ -256,8 +262,8 @@ def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
         detail = "; ".join([cause, *why])
         return f"{_round_label(m, planned)}  NOT RELEASED ({detail})"
     return (
-        f"{_round_label(m, planned)}  contributors {m.contributors:>6}  loss {m.loss:8.4f}  "
-        f"accuracy {m.accuracy:6.3f}  eps spent {m.eps_spent:7.4f}  ({m.seconds:5.2f} s)"
+        f"{_round_label(m, planned)}  contributors {m.contributors:>6}  loss {_num(m.loss, 8, 4)}  "
+        f"accuracy {_num(m.accuracy, 6, 3)}  eps spent {m.eps_spent:7.4f}  ({m.seconds:5.2f} s)"
         + "".join(f"  [{w}]" for w in why)
     )
 
@@ -749,7 +755,7 @@ def _plot(path: Path, rows: list[dict], summary: dict) -> dict[str, list[str]]:
         ax.set_ylabel(label)
         ax.legend(fontsize=8, loc="best")
     ax = axes[-1]
-    ax.step([r["round"] for r in rows], [r["eps_spent"] for r in rows], where="post", color="tab:red")
+    ax.step([r["round"] for r in rows], [r["eps_spent"] for r in rows], "o-", where="post", ms=3, color="tab:red")
     ax.set_ylabel("eps spent")
     ax.set_xlabel("round")
     fig.suptitle(
@@ -760,6 +766,21 @@ def _plot(path: Path, rows: list[dict], summary: dict) -> dict[str, list[str]]:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return drawn
+
+
+@contextlib.contextmanager
+def _hangup_interrupts():
+    """SIGTERM and SIGHUP of the CLI act as Ctrl-C while it drives a local run: the services have a process group of
+    their own (Cluster.spawn), so a closed terminal or a `kill` must reach them through the CLI. Restored after."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
+        yield
+        return
+    old = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt) -> int:
@@ -1034,7 +1055,8 @@ def _run_command(
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, signal.default_int_handler)
         try:
-            result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
+            with _hangup_interrupts():
+                result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
             cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
         except KeyboardInterrupt as exc:
             cluster.terminate()  # what the analyzer had is fetched already: the services stop while it is written
