@@ -300,7 +300,10 @@ def test_cldp_sgd_over_the_subsampled_shuffle(cluster, randomizer):
         assert batch.released and not batch.label_totals and len(batch.ciphertexts) == k
         assert len({len(c) for c in batch.ciphertexts}) == 1  # every report has the round's fixed length
         assert batch.SerializeToString() == raw and not any(s in raw for s in forbidden)
-        assert {f.name for f, _ in batch.report.ListFields()} <= {"invited", "contributors", "rejected", "refused"}
+        # the report's sizes only; `eligible` (the count the cohort was drawn from) lets the analyzer check the rate
+        # it charges (issue 24 item 3): it is the admitted population the analyzer already asks for
+        fields = {f.name for f, _ in batch.report.ListFields()}
+        assert fields <= {"invited", "contributors", "rejected", "refused", "eligible"}
 
 
 def test_small_sequential_run_with_default_delta_is_accepted_by_the_default_users(cluster):
@@ -407,15 +410,20 @@ def test_dropouts_after_check_in_never_make_a_round_cost_more_than_charged(clust
     assert plan["min_contributors"] == n_min == int(np.ceil(0.9 * (N_USERS + 10)))
     assert trials == plan["params"]["m"] * n_min and fraction == 0.95
     sent = {s.round: s for s in ghost.specs if s.run_id == run_id and s.check_in.checked_in}
-    assert sorted(sent) == [0, 1, 2], ([(s.round, s.check_in.checked_in) for s in ghost.specs], st.metrics)
+    # issue 24 item 4: having checked in and sent nothing in round 0, the ghost's users are not invited again
+    assert sorted(sent) == [0], ([(s.round, s.check_in.checked_in) for s in ghost.specs], st.metrics)
+    assert [m.excluded_silent for m in st.metrics] == [0, 10, 10]
     for r, metrics in zip(rounds, st.metrics, strict=True):
-        # c: the users who checked in, the ghost's 10 and the real users whose policy still accepts the round (the
-        # earlier tests of this module spent some users' budget: they refuse)
-        spec = sent[r["round"]]
-        c = spec.check_in.checked_in
+        # c: the users who checked in, the ghost's 10 (round 0 only) and the real users whose policy still accepts
+        # the round (the earlier tests of this module spent some users' budget: they refuse)
+        c = metrics.checked_in
         c_min, m = check_in.share(trials, fraction, n_min, c)
-        assert (spec.min_contributors, spec.randomizer.m, metrics.checked_in) == (c_min, m, c) and c > N_USERS - 20
-        assert r["state"] == "committed" and metrics.released and r["contributors"] == c - 10  # the ghost's dropped
+        ghosts = 10 if r["round"] == 0 else 0
+        if r["round"] == 0:
+            spec = sent[0]
+            assert (spec.min_contributors, spec.randomizer.m, spec.check_in.checked_in) == (c_min, m, c)
+        assert c > N_USERS - 20 - 10 + ghosts
+        assert r["state"] == "committed" and metrics.released and r["contributors"] == c - ghosts  # ghosts dropped
         assert r["event"]["params"]["m"] == m and m * r["contributors"] >= trials  # charged at what ran; >= N*
     recomputed = composed_epsilon([(PvecParams(**r["event"]["params"]), r["contributors"]) for r in rounds], 1e-3)
     assert st.budget.eps_spent == pytest.approx(recomputed, rel=1e-12) and st.budget.eps_spent <= 1.0
