@@ -22,8 +22,9 @@ exact (eps, delta) curve / PLD of the continuous Gaussian is NOT implied by this
 Grid: by default g is the largest power of two <= 2^-20 D / ceil(sqrt(d)), so the noise grows by a factor of at
 most 1 + 2^-20 (utility unchanged) and sigma / g >= 2^20 z ceil(sqrt d) (z = sigma / D): the discreteness is far
 below the noise (for s2 >= 1 the discrete Gaussian's variance is within a relative 1e-8 of s2 and below it,
-CKS20 Prop 19 / Cor 9). Only when z > 2^12 / ceil(sqrt d) is g set by the noise instead (g ~ 2^-32 sigma, so the
-sampler's integers stay below 2^34); the inflation g ceil(sqrt d) / D is then still tiny and still paid for.
+CKS20 Prop 19 / Cor 9). When z > 2^12 / ceil(sqrt d), g is set by the noise instead (g ~ 2^-32 sigma, so the
+sampler's integers stay below 2^34), and when z < 2^4 / ceil(sqrt d) by g <= 2^-16 sigma (so the grid stays far
+below the noise); the inflation g ceil(sqrt d) / D is still paid for either way.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ __all__ = [
     "discrete_laplace",
     "sample_discrete_gaussian",
     "default_granularity",
+    "granularity",
+    "round_to_grid",
     "grid_variance",
     "grid_noise",
     "release_on_grid",
@@ -177,14 +180,18 @@ def sample_discrete_gaussian(s2: int, n: int, rng: np.random.Generator) -> np.nd
 
 # ------------------------------------------------------------------------------------------------ the grid
 def default_granularity(std: float, sensitivity: float, d: int) -> float:
-    """The largest power of two <= max(2^-GRID_BITS D / ceil(sqrt d), 2^-32 std) (module docstring; the second
-    term keeps std / g <= 2^33 so that the sampler's integers stay small when the noise is huge against D)."""
+    """The largest power of two <= min(max(2^-GRID_BITS D / ceil(sqrt d), 2^-32 std), 2^-16 std) (module
+    docstring): 2^-32 std keeps std / g <= 2^33 (the sampler's integers small) when the noise is huge against D,
+    2^-16 std keeps the grid far below the noise when the noise is tiny against D."""
     s, c = float(std), float(sensitivity)
     if not (math.isfinite(c) and c > 0.0 and math.isfinite(s) and s >= 0.0):
         raise ValueError(f"need std >= 0 and sensitivity > 0 finite, got {std!r}, {sensitivity!r}")
     if isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 1:
         raise ValueError(f"d must be an integer >= 1, got {d!r}")
-    return math.ldexp(1.0, math.floor(math.log2(max(c / _ceil_sqrt(int(d)) / 2**GRID_BITS, s / 2**32))))
+    target = max(c / _ceil_sqrt(int(d)) / 2**GRID_BITS, s / 2**32)
+    if s > 0.0:
+        target = min(target, s / 2**16)
+    return math.ldexp(1.0, math.floor(math.log2(target)))
 
 
 def _grid(std: float, sensitivity: float, d: int, granularity: float | None) -> float:
@@ -205,6 +212,11 @@ def grid_variance(std: float, sensitivity: float, d: int, granularity: float) ->
         raise ValueError("std, sensitivity and granularity must be > 0")
     ratio = s * (c + g * _ceil_sqrt(int(d))) / (c * g)
     return max(1, math.ceil(ratio * ratio))
+
+
+def granularity(params: dict, std: float, sensitivity: float, d: int) -> float:
+    """The run's grid: params["granularity"] when the plan sets one (a power of two), else the default."""
+    return _grid(std, sensitivity, int(d), params.get("granularity"))
 
 
 def grid_noise(
@@ -244,12 +256,14 @@ def release_on_grid(
     rng: np.random.Generator,
     granularity: float | None = None,
 ) -> np.ndarray:
-    """round_g(x) + g DG(s2): the discrete Gaussian mechanism replacing x + N(0, std^2 I) for a query x of l2
-    sensitivity `sensitivity` (module docstring; the ledger's continuous-Gaussian RDP at std covers it)."""
+    """round_g(x) + g DG(s2): the discrete Gaussian mechanism replacing x + N(0, std^2 I) for a query x (each row
+    of x one query of d = x.shape[-1] coordinates) of l2 sensitivity at least `sensitivity` (module docstring;
+    the ledger's continuous-Gaussian RDP at std covers it). A smaller `sensitivity` than the query's is safe: it
+    only inflates the noise more."""
     x = np.asarray(x, dtype=np.float64)
     if not np.all(np.isfinite(x)):
         raise ValueError("the noised query must contain only finite values")
-    d = max(int(x.size), 1)
+    d = max(int(x.shape[-1]) if x.ndim else 1, 1)  # one query per row (e.g. one machine's message each)
     g = _grid(std, sensitivity, d, granularity)
     out = round_to_grid(x, g) + grid_noise(x.shape, std, sensitivity, rng, g, d)
     if out.size and not np.all(np.abs(out) < _EXACT_FLOAT * g):
