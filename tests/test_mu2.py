@@ -26,6 +26,7 @@ from shuffledp.services.shuffler import start_shuffler
 from shuffledp.accountants import gaussian
 from shuffledp.config import ConfigError, parse_config
 from shuffledp.optimizers.mu2 import mu2
+from shuffledp.protocols import mu2_round
 from shuffledp.protocols.base import PlanRequest
 from shuffledp.protocols.mu2_round import Mu2Round, mu2_epsilon
 from shuffledp.rng import make_rng
@@ -223,12 +224,21 @@ def test_config_checks_the_mu2_combinations():
 
 # ------------------------------------------------------------------------------------ over real services
 class ZeroNoise:
-    """A dishonest machine's randomness: every Gaussian draw is 0 (its noise is switched off)."""
-
-    def standard_normal(self, shape):
-        return np.zeros(shape)
+    """A dishonest machine's randomness: its noise is switched off (see _noise_off)."""
 
 
+@pytest.fixture
+def _noise_off(monkeypatch):
+    """The machine whose rng is a ZeroNoise releases its q_t as is (the others the real discrete Gaussian)."""
+    real = mu2_round.discrete_gaussian.release_on_grid
+
+    def release(x, std, sensitivity, rng, granularity=None):
+        return np.asarray(x, dtype=np.float64) if isinstance(rng, ZeroNoise) else real(x, std, sensitivity, rng)
+
+    monkeypatch.setattr(mu2_round.discrete_gaussian, "release_on_grid", release)
+
+
+@pytest.mark.usefixtures("_noise_off")
 def test_untrusted_analyzer_never_gets_a_noiseless_message_unless_the_machine_drops_its_noise():
     """Trust boundary (untrusted server): the test plays the analyzer over a real shuffler with two real nodes. The
     honest machines' opened messages differ from their q_t by noise of the spec's std (||.||^2/sigma^2 within the

@@ -6,7 +6,9 @@ size, secret from the analyzer's point of view only up to what it decodes); each
 it (protocols.central); the shuffler releases the batch only when all k arrived (threshold k, as for CLDP-SGD: a
 dropout releases nothing and costs nothing, dropouts being independent of the data); the analyzer sums the valid
 vectors (a skipped one counts as a zero vector, inside the clip ball), adds N(0, (z C)^2 I) from the CSPRNG and
-divides by k.
+divides by k. The noise is the discrete Gaussian on a fine grid (protocols.discrete_gaussian: exact sampling, the
+sum rounded to the grid and the std raised by the rounding's sensitivity growth, <= 2^-20), whose Renyi DP is at
+most the continuous one's that the RDP accountant charges.
 
 Privacy: what the accountant assumes is what the shuffler does: sampling WITHOUT replacement of a fixed k of n,
 under replace-one neighbours (n public), for which dp_accounting's RDP accountant implements Wang, Balle and
@@ -39,6 +41,7 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
+from shuffledp.protocols import discrete_gaussian
 from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
 from shuffledp.protocols.central import CentralRound
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -176,10 +179,14 @@ class GaussianRound(CentralRound):
         rng: np.random.Generator,
         used: int,
     ) -> tuple[np.ndarray, float, None]:
-        std = float(params[_NOISE_FIELD]) * float(params["clip"])
-        total = np.asarray(total, dtype=np.float64)
+        clip = float(params["clip"])
+        std = float(params[_NOISE_FIELD]) * clip
+        # the discrete Gaussian on a grid (protocols.discrete_gaussian): sensitivity C (add-or-remove) is the
+        # smaller of the two relations', so the rounding's noise inflation covers replace-one's 2C too
+        g = discrete_gaussian.granularity(params, std, clip, int(params["d"]))
+        noisy = discrete_gaussian.release_on_grid(total, std, clip, rng, g)
         # divided by k, fixed (Poisson: the expected cohort), never by the batch's size, which the noise does not hide
-        return total + std * rng.standard_normal(total.shape), float(params["k"]), None
+        return noisy, float(params["k"]), None
 
     # ------------------------------------------------------------------------------------ ledger arithmetic
     def accountant_name(self, event: Any, composition: str) -> str:

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from shuffledp.accountants import gaussian
+from shuffledp.protocols import discrete_gaussian
 from shuffledp.protocols.base import (
     Decoded,
     PlanRequest,
@@ -160,7 +161,11 @@ class Mu2Round(CentralRound):
         M = float(params["machines"])
         total = np.asarray(total, dtype=np.float64)
         if self.trusted:  # Alg 2: N(0, sigma_c^2) on the average = N(0, (M sigma_c)^2) on the sum
-            total = total + M * float(params["sigma"]) * rng.standard_normal(total.shape)
+            # as the discrete Gaussian on a grid (protocols.discrete_gaussian); the sum's sensitivity is 2S, S the
+            # smaller reference (more inflation, safe)
+            std, clip = M * float(params["sigma"]), float(params["clip"])
+            g = discrete_gaussian.granularity(params, std, clip, total.shape[-1])
+            total = discrete_gaussian.release_on_grid(total, std, clip, rng, g)
         return total, M, None  # always M: a skipped message is a zero, the sensitivity stays 2S/M
 
     # ------------------------------------------------------------------------------------ ledger arithmetic
@@ -230,6 +235,8 @@ class Mu2Round(CentralRound):
     ) -> None:
         """Seal q_t (trusted) or q_t + N(0, sigma_u^2 I) from the node's CSPRNG (untrusted) per machine."""
         Q = np.asarray(G, dtype=np.float64)
-        if not self.trusted:
-            Q = Q + float(spec.randomizer.extra["sigma"]) * rng.standard_normal(Q.shape)
+        if not self.trusted:  # each machine's q_t (sensitivity 2S, S = clip_norm) with the grid's discrete Gaussian
+            Q = discrete_gaussian.release_on_grid(
+                Q, float(spec.randomizer.extra["sigma"]), float(spec.randomizer.clip_norm), rng
+            )
         seal_rows(spec, Q, user_ids, nonces, out)

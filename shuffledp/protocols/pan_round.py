@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from shuffledp import sealing
+from shuffledp.protocols import discrete_gaussian
 from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, BatchError, Decoded, PlanRequest, RoundPlan
 from shuffledp.protocols.central import _NORM_SLACK, OVER_CLIP_NORM, WIRE_DTYPE, CentralRound, message_bytes
 from shuffledp.protocols.gaussian import analytic_gaussian_sigma, gaussian_delta
@@ -210,9 +211,16 @@ class PanRound(CentralRound):
             ),
         }
 
-    def _initial_noise(self, d: int, std: float, rng: np.random.Generator) -> np.ndarray:
-        """Z1 ~ N(0, std^2 I), the accumulator's starting value (Alg 6 lines 4-5)."""
-        return std * rng.standard_normal(d)
+    def _initial_noise(self, d: int, std: float, rng: np.random.Generator, *, clip: float, grid: float) -> np.ndarray:
+        """Z1 ~ N(0, std^2 I), the accumulator's starting value (Alg 6 lines 4-5): the discrete Gaussian on the
+        run's grid (protocols.discrete_gaussian; each item is rounded to it before it is added, _add_one)."""
+        return discrete_gaussian.grid_noise(d, std, clip, rng, grid)
+
+    @staticmethod
+    def _grid(params: dict[str, Any]) -> float:
+        """The grid of Z1, Z2 and the items: sensitivity reference L (the sum's is 2L: more inflation, safe)."""
+        clip = float(params["clip"])
+        return discrete_gaussian.granularity(params, int(params["B"]) * float(params["zeta"]), clip, int(params["d"]))
 
     def decode(
         self,
@@ -231,14 +239,15 @@ class PanRound(CentralRound):
         std = int(params["B"]) * float(params["zeta"])
         size = message_bytes(d)
         rng = self.rng if self.rng is not None else make_rng()
-        acc = self._initial_noise(d, std, rng)
+        grid = self._grid(params)
+        acc = self._initial_noise(d, std, rng, clip=clip, grid=grid)
         probe = self.probe
         if probe is not None:
             probe(acc.copy())
         rejected: Counter[str] = Counter()
         used = 0
         for ct in batch.ciphertexts:
-            reason = self._add_one(acc, ct, private_key, info, size, d, clip)
+            reason = self._add_one(acc, ct, private_key, info, size, d, clip, grid)
             if reason:
                 rejected[reason] += 1
             else:
@@ -249,8 +258,11 @@ class PanRound(CentralRound):
         return Decoded(acc, used, n, rejected_all)
 
     @staticmethod
-    def _add_one(acc: np.ndarray, ct: bytes, private_key: Any, info: bytes, size: int, d: int, clip: float) -> str:
-        """Open one ciphertext and add it to acc in place if valid; the rejection reason, or "" when added."""
+    def _add_one(
+        acc: np.ndarray, ct: bytes, private_key: Any, info: bytes, size: int, d: int, clip: float, grid: float
+    ) -> str:
+        """Open one ciphertext and add it, rounded to the grid (so the state stays on it), to acc in place if
+        valid; the rejection reason, or "" when added."""
         try:
             plain = sealing.open_sealed(private_key, ct, info)
         except sealing.SealingError:
@@ -264,7 +276,7 @@ class PanRound(CentralRound):
                 return MALFORMED_PLAINTEXT
             if not float(np.linalg.norm(x)) <= clip * (1.0 + _NORM_SLACK):
                 return OVER_CLIP_NORM
-            acc += x
+            acc += discrete_gaussian.round_to_grid(x, grid)
             return ""
         finally:
             x.fill(0.0)  # drop the plaintext vector (best effort, module docstring)
@@ -288,8 +300,8 @@ class PanRound(CentralRound):
     ) -> tuple[np.ndarray, float, None]:
         """The decoded accumulator + Z2 ~ N(0, (B zeta)^2 I), independent of Z1 (Alg 6 line 9); divisor B."""
         B = int(params["B"])
-        total = np.asarray(total, dtype=np.float64)
-        return total + (B * float(params["zeta"])) * rng.standard_normal(total.shape), float(B), None
+        std, clip = B * float(params["zeta"]), float(params["clip"])
+        return discrete_gaussian.release_on_grid(total, std, clip, rng, self._grid(params)), float(B), None
 
     # ------------------------------------------------------------------------------------ ledger arithmetic
     def accountant_name(self, event: Any, composition: str) -> str:

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shuffledp.protocols import tree_noise
+from shuffledp.protocols import discrete_gaussian, tree_noise
 from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
 from shuffledp.protocols.central import CentralRound
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -221,7 +221,13 @@ class TreeRound(CentralRound):
         for r in range(state.next_round, round_index + 1):
             step, state = self._leaf(r, params, state, rng)
             noise += step
-        return np.asarray(total, dtype=np.float64) + noise, float(params["k"]), state
+        # the leaf rounded to the nodes' grid (protocols.discrete_gaussian), so that the tree's values are on it
+        return discrete_gaussian.round_to_grid(total, self._grid(params)) + noise, float(params["k"]), state
+
+    @staticmethod
+    def _grid(params: dict[str, Any]) -> float:
+        clip = float(params["clip"])
+        return discrete_gaussian.granularity(params, float(params["noise_multiplier"]) * clip, clip, int(params["d"]))
 
     def _leaf(
         self, r: int, params: dict[str, Any], state: TreeRun, rng: np.random.Generator
@@ -233,10 +239,12 @@ class TreeRound(CentralRound):
         if leaf == 0 and tree.leaves:
             tree = tree_noise.init_tree(tree.dim)  # a restart (spec 003 sec 2)
         before = tree_noise.prefix_noise(tree)
-        noise, tree = tree_noise.residual_noise(tree, std, rng, efficient)
+        # a node's sensitivity is C per leaf of the user's (zero-out): the grid's inflation is paid per leaf
+        grid = {"sensitivity": float(params["clip"]), "granularity": self._grid(params)}
+        noise, tree = tree_noise.residual_noise(tree, std, rng, efficient, **grid)
         if params["completion"] and leaf == per_tree - 1:
             # the tree's last leaf releases G_T + Z_end, Z_end the padded tree's root noise (spec 003 sec 2)
-            z_end, _, tree = tree_noise.complete_tree(tree, std, rng, efficient)
+            z_end, _, tree = tree_noise.complete_tree(tree, std, rng, efficient, **grid)
             noise = z_end - before
         return noise, TreeRun(r + 1, tree)
 
