@@ -38,10 +38,10 @@ def _unit_nodes(monkeypatch):
     """With ones_rng, every node's noise is std * 1 (the structural tests); else the real discrete Gaussian."""
     real = tree_noise._node_noise
 
-    def node(dim, std, rng, sensitivity, grid):
-        return (
-            std * rng.standard_normal(dim) if isinstance(rng, OnesGenerator) else real(dim, std, rng, sensitivity, grid)
-        )
+    def node(dim, std, rng, sensitivity, grid, noise):
+        if isinstance(rng, OnesGenerator):
+            return std * rng.standard_normal(dim)
+        return real(dim, std, rng, sensitivity, grid, noise)
 
     monkeypatch.setattr(tree_noise, "_node_noise", node)
 

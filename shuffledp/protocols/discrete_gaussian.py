@@ -7,17 +7,23 @@ whatever x was, and Z is sampled EXACTLY, from integer arithmetic only (CKS20 Al
 the injected generator (shuffledp.rng: ChaCha20). numpy's ``integers`` is an unbiased (rejection) integer sampler;
 wider ranges are built here from whole 64-bit words with rejection, so every probability below is exact.
 
-Privacy (what the ledger may keep assuming). The ledger charges a continuous Gaussian of std sigma on a query of
-l2 sensitivity D. Rounding x to the grid moves each coordinate by at most g/2, so the rounded query's sensitivity
-is at most D' = D + g ceil(sqrt(d)) (triangle inequality; deterministic rounding, no extra delta, cf. the
-conditional rounding of Kairouz, Liu & Steinke 2021 which is per user). In grid units the shift is an integer
-vector of norm <= D'/g, and for integer shifts the discrete Gaussian's Renyi divergence of every order alpha is at
-most the continuous one's: D_alpha(DG(mu, s2) || DG(nu, s2)) <= alpha (mu - nu)^2 / (2 s2) (CKS20 Prop 5; the
-coordinates are independent, so divergences add, CKS20 Thm 14). We take s2 = ceil((sigma D' / (D g))^2), i.e.
-the noise std raised by the factor D'/D, so that alpha D'^2 / (2 g^2 s2) <= alpha D^2 / (2 sigma^2): the
-released vector satisfies, at every order, the Renyi DP of the continuous Gaussian the ledger charges. Every
-bound the ledger derives from that RDP curve (composition, RDP -> (eps, delta)) therefore holds as is; the
-exact (eps, delta) curve / PLD of the continuous Gaussian is NOT implied by this argument (see the README).
+Privacy (what the ledger may keep assuming). The ledger charges a Gaussian of std sigma on a query of l2
+sensitivity D, through its RDP curve only (accountants.gaussian.conversion("discrete")). Rounding x to the grid
+moves each coordinate by at most g/2, so the rounded query's sensitivity is at most D' = D + g ceil(sqrt(d))
+(triangle inequality; deterministic rounding, no extra delta, cf. the conditional rounding of Kairouz, Liu &
+Steinke 2021 which is per user). In grid units the shift is an integer vector of norm <= D'/g, and for integer
+shifts the discrete Gaussian's Renyi divergence of every order alpha is at most the continuous one's:
+D_alpha(DG(mu, s2) || DG(nu, s2)) <= alpha (mu - nu)^2 / (2 s2) (CKS20 Prop 5; the coordinates are independent, so
+divergences add, CKS20 Thm 14). We take s2 = ceil((sigma D' / (D g))^2), i.e. the noise std raised by the factor
+D'/D, so that alpha D'^2 / (2 g^2 s2) <= alpha D^2 / (2 sigma^2): the released vector satisfies, at every order,
+the Renyi DP of the continuous Gaussian at std sigma. Every bound derived from that RDP curve (composition, RDP ->
+(eps, delta), subsampling bounds proven for any mechanism with a given RDP curve) holds as is; the exact (eps,
+delta) curve / PLD of the continuous Gaussian, and dp_accounting's sampled-Gaussian bounds, are NOT implied by this
+argument, so the ledger does not use them for this noise.
+
+Noise kind (privacy.noise, issue 24 D19): a plan's params["noise"] is "discrete" (this module) or "continuous"
+(numpy's float Gaussian, for the figures proven only for it: Poisson-sampled DP-SGD); a plan without the key
+adds, and is charged for, the discrete noise (the larger figure). Specs carry it in randomizer.extra[SPEC_KEY].
 
 Grid: by default g is the largest power of two <= 2^-20 D / ceil(sqrt(d)), so the noise grows by a factor of at
 most 1 + 2^-20 (utility unchanged) and sigma / g >= 2^20 z ceil(sqrt d) (z = sigma / D): the discreteness is far
@@ -35,6 +41,10 @@ from fractions import Fraction
 import numpy as np
 
 __all__ = [
+    "NOISES",
+    "SPEC_KEY",
+    "noise_of",
+    "spec_noise",
     "GRID_BITS",
     "bernoulli_exp",
     "discrete_laplace",
@@ -47,9 +57,44 @@ __all__ = [
     "release_on_grid",
 ]
 
+NOISES = ("discrete", "continuous")
+SPEC_KEY = "discrete_noise"  # RoundSpec.randomizer.extra: 1.0 discrete, 0.0 continuous (absent: discrete)
 GRID_BITS = 20  # default g <= 2^-GRID_BITS D / ceil(sqrt d): the rounding raises the noise by <= 2^-20
 _EXACT_FLOAT = 2**53  # integers up to this are exact in float64; multiples of a power of two g stay exact
 _INT64_SAFE = 2**62
+
+
+def noise_of(params: dict) -> str:
+    """The noise a plan's rounds add (module docstring): params["noise"], "discrete" when absent."""
+    noise = params.get("noise", "discrete")
+    if noise not in NOISES:
+        raise ValueError(f"noise must be one of {NOISES}, got {noise!r}")
+    return noise
+
+
+def spec_noise(extra: dict) -> str:
+    """The noise a round spec declares (randomizer.extra[SPEC_KEY]); absent = discrete, so that a node never
+    charges the continuous figure for a round whose noise may be discrete."""
+    v = extra.get(SPEC_KEY, 1.0)
+    if v not in (0.0, 1.0):
+        raise ValueError(f"the spec's {SPEC_KEY} must be 0 or 1, got {v!r}")
+    return "discrete" if v == 1.0 else "continuous"
+
+
+def plan_noise(options: dict, proven_for_discrete: bool = True) -> str:
+    """The noise a new plan adds: privacy.noise (options["noise"]) when set, else "discrete" where the ledger's
+    figure is proven for it and "continuous" where it is not; "discrete" there is refused in one line."""
+    noise = options.get("noise")
+    if noise is None:
+        return "discrete" if proven_for_discrete else "continuous"
+    if noise not in NOISES:
+        raise ValueError(f"privacy.noise must be one of {NOISES}, got {noise!r}")
+    if noise == "discrete" and not proven_for_discrete:
+        raise ValueError(
+            'privacy.noise = "discrete" has no proven accountant with schedule.sampling = "poisson" (dp_accounting\'s '
+            'sampled-Gaussian bounds assume continuous noise): use privacy.noise = "continuous" or a fixed cohort'
+        )
+    return noise
 
 
 def _ceil_sqrt(d: int) -> int:
@@ -226,14 +271,17 @@ def grid_noise(
     rng: np.random.Generator,
     granularity: float | None = None,
     d: int | None = None,
+    noise: str = "discrete",
 ) -> np.ndarray:
     """g * DG(s2) noise of the given shape (exact multiples of g in float64), s2 = grid_variance(std, D, d, g),
     for a query of d coordinates (default: the shape's size) whose inputs are rounded to the same grid.
-    std = 0 gives zeros."""
+    std = 0 gives zeros. noise = "continuous": std * N(0, I) in floating point instead (module docstring)."""
     n = int(np.prod(shape))
     dim = n if d is None else int(d)
     if float(std) == 0.0:
         return np.zeros(shape)
+    if noise == "continuous":
+        return float(std) * rng.standard_normal(shape)
     g = _grid(std, sensitivity, max(dim, 1), granularity)
     z = sample_discrete_gaussian(grid_variance(std, sensitivity, max(dim, 1), g), n, rng)
     if n and int(np.abs(z).max()) >= _EXACT_FLOAT:
@@ -255,14 +303,17 @@ def release_on_grid(
     sensitivity: float,
     rng: np.random.Generator,
     granularity: float | None = None,
+    noise: str = "discrete",
 ) -> np.ndarray:
     """round_g(x) + g DG(s2): the discrete Gaussian mechanism replacing x + N(0, std^2 I) for a query x (each row
     of x one query of d = x.shape[-1] coordinates) of l2 sensitivity at least `sensitivity` (module docstring;
     the ledger's continuous-Gaussian RDP at std covers it). A smaller `sensitivity` than the query's is safe: it
-    only inflates the noise more."""
+    only inflates the noise more. noise = "continuous": x + std N(0, I) in floating point (module docstring)."""
     x = np.asarray(x, dtype=np.float64)
     if not np.all(np.isfinite(x)):
         raise ValueError("the noised query must contain only finite values")
+    if noise == "continuous":
+        return x + float(std) * rng.standard_normal(x.shape)
     d = max(int(x.shape[-1]) if x.ndim else 1, 1)  # one query per row (e.g. one machine's message each)
     g = _grid(std, sensitivity, d, granularity)
     out = round_to_grid(x, g) + grid_noise(x.shape, std, sensitivity, rng, g, d)

@@ -183,10 +183,14 @@ def _check_call(state: TreeState, std: float, rng: np.random.Generator, efficien
     return std, estimator
 
 
-def _node_noise(dim: int, std: float, rng: np.random.Generator, sensitivity: float | None, grid: float | None):
+def _node_noise(
+    dim: int, std: float, rng: np.random.Generator, sensitivity: float | None, grid: float | None, noise: str
+) -> np.ndarray:
     """One node's noise: the discrete Gaussian on the grid (protocols.discrete_gaussian), for leaves rounded to
-    that grid by the caller and a per-leaf sensitivity (None: std, i.e. a noise multiplier of 1)."""
-    return discrete_gaussian.grid_noise(dim, std, std if sensitivity is None else sensitivity, rng, grid)
+    that grid by the caller and a per-leaf sensitivity (None: std, i.e. a noise multiplier of 1); noise =
+    "continuous": std N(0, I) in floating point."""
+    sens = std if sensitivity is None else sensitivity
+    return discrete_gaussian.grid_noise(dim, std, sens, rng, grid, noise=noise)
 
 
 def add_leaf(
@@ -197,6 +201,7 @@ def add_leaf(
     *,
     sensitivity: float | None = None,
     granularity: float | None = None,
+    noise: str = "discrete",
 ) -> tuple[np.ndarray, TreeState]:
     """AddToTree (spec 003 sec 1): leaf t = state.leaves + 1 arrives; returns (Z_t, new state).
 
@@ -208,14 +213,14 @@ def add_leaf(
     heights = state.heights.tolist()
     rows = list(state.values)
     heights.append(0)
-    rows.append(_node_noise(dim, std, rng, sensitivity, granularity))
+    rows.append(_node_noise(dim, std, rng, sensitivity, granularity, noise))
     # merge equal-height tops: a node is created (its noise drawn) only now that its last leaf is in (sec 1)
     while len(heights) >= 2 and heights[-1] == heights[-2]:
         h = heights.pop()
         heights.pop()
         right = rows.pop()
         left = rows.pop()
-        x = _node_noise(dim, std, rng, sensitivity, granularity)
+        x = _node_noise(dim, std, rng, sensitivity, granularity, noise)
         # efficient: u_{h+1} = x_{h+1} + (u_left + u_right)/2 (Honaker bottom-up, sec 1 [R]); vanilla keeps x only
         rows.append(x + 0.5 * (left + right) if estimator == EFFICIENT else x)
         heights.append(h + 1)
@@ -237,6 +242,7 @@ def residual_noise(
     *,
     sensitivity: float | None = None,
     granularity: float | None = None,
+    noise: str = "discrete",
 ) -> tuple[np.ndarray, TreeState]:
     """Adds leaf t and returns (Z_t - Z_{t-1}, new state) (spec 003 sec 1, residual form; Z_0 = 0).
 
@@ -245,7 +251,7 @@ def residual_noise(
     """
     _check_call(state, std, rng, efficient)
     previous = prefix_noise(state)
-    z, new = add_leaf(state, std, rng, efficient, sensitivity=sensitivity, granularity=granularity)
+    z, new = add_leaf(state, std, rng, efficient, sensitivity=sensitivity, granularity=granularity, noise=noise)
     return z - previous, new
 
 
@@ -257,6 +263,7 @@ def complete_tree(
     *,
     sensitivity: float | None = None,
     granularity: float | None = None,
+    noise: str = "discrete",
 ) -> tuple[np.ndarray, int, TreeState]:
     """Tree completion before a restart (spec 003 sec 2 [R]): add virtual zero leaves up to the next power of 2.
 
@@ -272,7 +279,7 @@ def complete_tree(
         return np.zeros(state.dim), 0, state
     virtual = (1 << (t - 1).bit_length()) - t
     for _ in range(virtual):
-        _, state = add_leaf(state, std, rng, efficient, sensitivity=sensitivity, granularity=granularity)
+        _, state = add_leaf(state, std, rng, efficient, sensitivity=sensitivity, granularity=granularity, noise=noise)
     return prefix_noise(state), virtual, state
 
 
