@@ -15,7 +15,9 @@ import math
 
 import numpy as np
 import pytest
+from dp_accounting import dp_event
 from dp_accounting import gaussian_mechanism as dpa_gaussian
+from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
 from shuffledp.services.ledger import BudgetLimit, Ledger, PrivacyEvent
 
 from shuffledp import sealing
@@ -31,12 +33,17 @@ RUN, ROUND = "pan-run", 3
 VAR_TOL = 0.15  # relative tolerance on a sample variance over D coordinates (about 4.7 standard errors)
 
 
-def _request(kind="sequential", calibration="calibrated", eps=EPS, transport="sealed", dim=D) -> PlanRequest:
-    return PlanRequest(kind, calibration, eps, DELTA, None, 10, B, B, dim, L, transport, admitted=10 * B)
+def _request(
+    kind="sequential", calibration="calibrated", eps=EPS, transport="sealed", dim=D, options=None
+) -> PlanRequest:
+    return PlanRequest(
+        kind, calibration, eps, DELTA, None, 10, B, B, dim, L, transport, admitted=10 * B, options=options or {}
+    )
 
 
-def _plan(calibration="calibrated", eps=EPS, dim=D) -> dict:
-    sized = PanRound().plan(_request(calibration=calibration, eps=eps, dim=dim))
+def _plan(calibration="calibrated", eps=EPS, dim=D, noise=None) -> dict:
+    options = {} if noise is None else {"noise": noise}
+    sized = PanRound().plan(_request(calibration=calibration, eps=eps, dim=dim, options=options))
     return {"params": sized.params, "composition": sized.composition, "noise_sq": sized.noise_sq}
 
 
@@ -254,26 +261,50 @@ def test_bad_messages_are_counted_and_never_summed():
 
 
 # ----------------------------------------------------------------------------------------- 4. accounting
+def _rdp_epsilon(noise_multiplier: float) -> float:
+    """An independent RDP conversion of one Gaussian (dp_accounting's RdpAccountant, its own default orders)."""
+    acc = dpa_rdp.RdpAccountant()
+    acc.compose(dp_event.GaussianDpEvent(noise_multiplier))
+    return acc.get_epsilon(DELTA)
+
+
 def test_round_cost_is_the_gaussian_calibration_inverse():
+    """Continuous noise: the exact curve (Balle-Wang), zeta its least; discrete (the default, issue 24 D19): the RDP
+    conversion (CKS20 Thm 14 + Prop 12), never below the exact figure at the same zeta, zeta the least under it."""
     proto = PanRound()
-    plan = _plan()
+    plan = _plan(noise="continuous")
     p = plan["params"]
-    assert plan["composition"] == "parallel"
+    assert plan["composition"] == "parallel" and p["noise"] == "continuous"
     event = PrivacyEvent(proto.name, p, B, "sequential", "central")
     eps_r, delta_r = proto.round_cost(event)
     assert EPS - 1e-9 <= eps_r <= EPS and delta_r == DELTA
     # independent implementation of the same curve (dp_accounting, Balle-Wang): std / sensitivity = B zeta / 2L
     assert eps_r == pytest.approx(dpa_gaussian.get_epsilon_gaussian(B * p["zeta"] / (2 * L), DELTA), abs=1e-8)
-    assert pan_round_epsilon(L, B, p["zeta"] * 0.999, DELTA) > EPS  # the planned zeta is the least that fits
+    assert pan_round_epsilon(L, B, p["zeta"] * 0.999, DELTA, "continuous") > EPS  # the least that fits
+
+    dplan = _plan()
+    dp = dplan["params"]
+    assert dp["noise"] == "discrete" and dp["zeta"] > p["zeta"]  # more noise for the same eps: the proven figure
+    eps_d = proto.round_cost(PrivacyEvent(proto.name, dp, B, "sequential", "central"))[0]
+    assert EPS - 1e-9 <= eps_d <= EPS
+    assert pan_round_epsilon(L, B, dp["zeta"] * 0.999, DELTA) > EPS  # the least that fits under the RDP figure
+    # at one zeta: exact (continuous) < RDP conversion <= dp_accounting's RDP conversion on its coarser order grid
+    z = B * dp["zeta"] / (2 * L)
+    exact = dpa_gaussian.get_epsilon_gaussian(z, DELTA)
+    assert exact < eps_d <= _rdp_epsilon(z) <= eps_d * (1 + 1e-3)
+    assert pan_round_epsilon(L, B, dp["zeta"], DELTA, "continuous") == pytest.approx(exact, abs=1e-8)
 
     # the paper's zeta (Alg 6 line 1), charged what it really costs: below eps, above the calibrated zeta
-    paper = _plan("paper", eps=0.5)["params"]
-    assert paper["zeta"] == pytest.approx(math.sqrt(8 * L**2 * math.log(2 / DELTA) / (B**2 * 0.5**2)), rel=1e-12)
-    assert paper["zeta"] == paper_zeta(L, B, 0.5, DELTA)
-    eps_paper = proto.round_cost(PrivacyEvent(proto.name, paper, B, "sequential", "central"))[0]
-    assert eps_paper < 0.5
-    assert eps_paper == pytest.approx(dpa_gaussian.get_epsilon_gaussian(B * paper["zeta"] / (2 * L), DELTA), abs=1e-8)
-    assert paper["zeta"] > _plan(eps=0.5)["params"]["zeta"]
+    for noise in ("continuous", "discrete"):
+        paper = _plan("paper", eps=0.5, noise=noise)["params"]
+        assert paper["zeta"] == pytest.approx(math.sqrt(8 * L**2 * math.log(2 / DELTA) / (B**2 * 0.5**2)), rel=1e-12)
+        assert paper["zeta"] == paper_zeta(L, B, 0.5, DELTA)
+        eps_paper = proto.round_cost(PrivacyEvent(proto.name, paper, B, "sequential", "central"))[0]
+        assert eps_paper < 0.5
+        z = B * paper["zeta"] / (2 * L)
+        expected = dpa_gaussian.get_epsilon_gaussian(z, DELTA) if noise == "continuous" else _rdp_epsilon(z)
+        assert eps_paper == pytest.approx(expected, rel=1e-3 if noise == "discrete" else 1e-8)
+        assert paper["zeta"] > _plan(eps=0.5, noise=noise)["params"]["zeta"]
     with pytest.raises(ValueError, match="0 < eps < 1"):
         PanRound().plan(_request(calibration="paper", eps=2.0))
 
