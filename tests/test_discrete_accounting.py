@@ -83,7 +83,8 @@ def test_fixed_cohort_discrete_figure_is_wbk19_theorem_9_composed():
     z, n, k, t = 4.0, 100, 50, 20
     orders = np.arange(2, 513)
     rdp = t * subsampled_wor_rdp(lambda o: o / (2 * (z / 2) ** 2), k / n, orders)
-    ref = min(r + math.log1p(-1 / a) - (math.log(DELTA) + math.log(a)) / (a - 1) for a, r in zip(orders, rdp, strict=True))
+    pairs = zip(orders, rdp, strict=True)
+    ref = min(r + math.log1p(-1 / a) - (math.log(DELTA) + math.log(a)) / (a - 1) for a, r in pairs)
     assert wor_epsilon(z, n, k, t, DELTA) == pytest.approx(ref, rel=1e-9)
     assert wor_epsilon(z, n, k, t, DELTA) > wor_epsilon(z, n, k, t, DELTA, "continuous") * (1 + 1e-3)
     # small z, q (DP-SGD's usual regime): the two bounds coincide
