@@ -48,7 +48,7 @@ _GAUSSIAN_NOTE = (
     "--dataset-size n (a fixed cohort drawn without replacement, replace-one: what the ledger charges protocol "
     "gaussian with sampling fixed). z is always per clip norm C (noise std z C); under replace-one one user moves "
     "the sum by up to 2C, so the fixed-cohort accountant sees multiplier z/2. --noise: the noise the protocols add "
-    "(default discrete, the runs' default; continuous with --sampling-probability)."
+    "(the runs' default: discrete without sampling, continuous with --sampling-probability or --sample-size)."
 )
 _NOISE_HELP = (
     "the noise added (privacy.noise): discrete (default; the discrete Gaussian, charged by its RDP curve, CKS20) or "
@@ -466,12 +466,13 @@ _WOR = {
 
 
 def _gaussian_noise(args: argparse.Namespace) -> str:
-    """--noise of gaussian / tree: the runs' default (discrete; continuous for Poisson sampling, where no bound is
-    proven for discrete noise); "continuous" for the other protocols (no Gaussian-mechanism event)."""
+    """--noise of gaussian / tree: the runs' default (discrete; continuous for sampled DP-SGD, Poisson or fixed
+    cohort, as protocol gaussian); "continuous" for the other protocols (no Gaussian-mechanism event)."""
     if args.protocol not in ("gaussian", "tree"):
         return "continuous"
     poisson = getattr(args, "sampling_rate", None) is not None
-    noise = args.gaussian_noise or ("continuous" if poisson else "discrete")
+    sampled = poisson or getattr(args, "sample_size", None) is not None
+    noise = args.gaussian_noise or ("continuous" if sampled else "discrete")
     if noise == "discrete" and poisson:
         raise _Usage("--noise discrete has no proven accountant with --sampling-probability: use --noise continuous")
     return noise

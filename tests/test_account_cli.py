@@ -281,7 +281,7 @@ def test_fixed_cohort_query_is_the_ledgers_accountant(capsys) -> None:
     fixed cohort), for cost, --max-rounds and --min-noise."""
     from shuffledp.protocols.gaussian_round import wor_epsilon
 
-    base = ["gaussian", "--sample-size", "50", "--dataset-size", "2000", "--delta", "1e-5"]
+    base = ["gaussian", "--sample-size", "50", "--dataset-size", "2000", "--delta", "1e-5", "--noise", "discrete"]
     cost = _run(capsys, *base, "--noise-multiplier", "2", "--rounds", "100")
     assert cost["eps"] == wor_epsilon(2.0, 2000, 50, 100, 1e-5)
     assert cost["neighboring"] == "replace_one"
@@ -293,7 +293,7 @@ def test_fixed_cohort_query_is_the_ledgers_accountant(capsys) -> None:
     assert least["eps"] == wor_epsilon(z, 2000, 50, 100, 1e-5) <= 1.0  # never below the requirement
     assert wor_epsilon(z * (1 - 1e-4), 2000, 50, 100, 1e-5) > 1.0  # and near-least
     # --noise continuous: dp_accounting's bound for the continuous Gaussian (WBK19 Thm 27), never above the discrete
-    cont = _run(capsys, *base, "--noise-multiplier", "2", "--rounds", "100", "--noise", "continuous")
+    cont = _run(capsys, *base[:-2], "--noise-multiplier", "2", "--rounds", "100")  # the default: continuous
     assert cont["eps"] == wor_epsilon(2.0, 2000, 50, 100, 1e-5, "continuous") <= cost["eps"]
     assert cost["noise"] == "discrete" and cont["noise"] == "continuous" and cont["accountant"] != cost["accountant"]
 

@@ -78,11 +78,12 @@ def test_subsampled_wor_bound_is_wbk19_theorem_9():
 
 
 def test_fixed_cohort_discrete_figure_is_wbk19_theorem_9_composed():
-    """The discrete fixed-cohort figure: T rounds of Thm 9's RDP (orders 2..512 and beyond, as rdp.optimal_epsilon),
+    """The discrete fixed-cohort figure: T rounds of Thm 9's RDP (orders 2..512, as rdp.optimal_epsilon starts),
     CKS20 Prop 12 conversion; above dp_accounting's Thm 27 figure where the generic bound is looser (large z, q)."""
     z, n, k, t = 4.0, 100, 50, 20
     orders = np.arange(2, 513)
-    rdp = t * subsampled_wor_rdp(lambda o: o / (2 * (z / 2) ** 2), k / n, orders)
+    base = orders / (2 * (z / 2) ** 2)  # capped by the unsampled mechanism's RDP (joint quasi-convexity)
+    rdp = t * np.minimum(subsampled_wor_rdp(lambda o: o / (2 * (z / 2) ** 2), k / n, orders), base)
     pairs = zip(orders, rdp, strict=True)
     ref = min(r + math.log1p(-1 / a) - (math.log(DELTA) + math.log(a)) / (a - 1) for a, r in pairs)
     assert wor_epsilon(z, n, k, t, DELTA) == pytest.approx(ref, rel=1e-9)
@@ -131,9 +132,11 @@ def _gaussian_spec(params: dict) -> pb.RoundSpec:
 
 
 def test_dp_sgd_plan_ledger_and_node_use_the_discrete_figure():
-    """Old code: the plan recorded no noise kind, and the node's unamplified track charged the exact curve."""
+    """privacy.noise = "discrete" with a fixed cohort (DP-SGD's default is continuous: WBK19 Thm 9's floor). Old
+    code: discrete noise was charged WBK19 Thm 27 and, on the node's unamplified track, the exact curve."""
     proto = GaussianRound()
-    plan = proto.plan(_gaussian_request({}))
+    assert proto.plan(_gaussian_request({})).params["noise"] == "continuous"
+    plan = proto.plan(_gaussian_request({"noise": "discrete"}))
     p = plan.params
     assert p["noise"] == "discrete"
     z = p["noise_multiplier"]
@@ -158,7 +161,7 @@ def test_dp_sgd_plan_ledger_and_node_use_the_discrete_figure():
     assert proto.verify_epsilon(spec) == wor_epsilon(z, 100, 10, 1, DELTA)
 
     # continuous noise: today's figures (the exact curve on the unamplified track), less noise for the budget
-    cp = proto.plan(_gaussian_request({"noise": "continuous"})).params
+    cp = proto.plan(_gaussian_request({})).params
     assert cp["noise"] == "continuous" and cp["noise_multiplier"] <= z
     cspec = _gaussian_spec(cp)
     assert dict(cspec.randomizer.extra)[discrete_gaussian.SPEC_KEY] == 0.0

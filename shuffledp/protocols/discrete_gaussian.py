@@ -81,12 +81,13 @@ def spec_noise(extra: dict) -> str:
     return "discrete" if v == 1.0 else "continuous"
 
 
-def plan_noise(options: dict, proven_for_discrete: bool = True) -> str:
-    """The noise a new plan adds: privacy.noise (options["noise"]) when set, else "discrete" where the ledger's
-    figure is proven for it and "continuous" where it is not; "discrete" there is refused in one line."""
+def plan_noise(options: dict, proven_for_discrete: bool = True, default: str = "discrete") -> str:
+    """The noise a new plan adds: privacy.noise (options["noise"]) when set, else the protocol's default ("discrete"
+    where the ledger's figure for it is proven and as tight, "continuous" where it is not); "discrete" where no
+    figure is proven for it is refused in one line."""
     noise = options.get("noise")
     if noise is None:
-        return "discrete" if proven_for_discrete else "continuous"
+        return default if proven_for_discrete else "continuous"
     if noise not in NOISES:
         raise ValueError(f"privacy.noise must be one of {NOISES}, got {noise!r}")
     if noise == "discrete" and not proven_for_discrete:

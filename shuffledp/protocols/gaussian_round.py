@@ -6,16 +6,19 @@ size, secret from the analyzer's point of view only up to what it decodes); each
 it (protocols.central); the shuffler releases the batch only when all k arrived (threshold k, as for CLDP-SGD: a
 dropout releases nothing and costs nothing, dropouts being independent of the data); the analyzer sums the valid
 vectors (a skipped one counts as a zero vector, inside the clip ball), adds N(0, (z C)^2 I) from the CSPRNG and
-divides by k. The noise (privacy.noise, issue 24 D19) is by default the discrete Gaussian on a fine grid
-(protocols.discrete_gaussian: exact sampling, the sum rounded to the grid and the std raised by the rounding's
-sensitivity growth, <= 2^-20), whose Renyi DP is at most the continuous Gaussian's at every order (CKS20 Thm 14).
+divides by k. The noise (privacy.noise, issue 24 D19) is by default numpy's continuous Gaussian: the figures
+proven for the discrete Gaussian here are missing (Poisson) or far looser at small eps (fixed cohort, below).
+privacy.noise = "discrete" (fixed cohort only) adds the discrete Gaussian on a fine grid (protocols.discrete_gaussian:
+exact sampling, the sum rounded to the grid and the std raised by the rounding's sensitivity growth, <= 2^-20),
+whose Renyi DP is at most the continuous Gaussian's at every order (CKS20 Thm 14).
 
 Privacy: what the accountant assumes is what the shuffler does: sampling WITHOUT replacement of a fixed k of n,
 under replace-one neighbours (n public). Replacing one user moves the clipped sum by at most 2C, so the Gaussian's
 noise multiplier is z C / (2 C) = z / 2. Continuous noise: dp_accounting's RDP accountant, Wang, Balle and
 Kasiviswanathan 2019 Thm 27 (SampledWithoutReplacementDpEvent), whose forward differences use the Gaussian's
 exact moments. Discrete noise: their Thm 9, proven for ANY mechanism given an upper bound on its RDP at integer
-orders (accountants.rdp.subsampled_wor_rdp; equal to Thm 27 at small z, up to ~1.3x the RDP at large z or q).
+orders (accountants.rdp.subsampled_wor_rdp), capped by the unsampled RDP; equal to Thm 27 at small z and large
+eps, but its terms q^j C(alpha, j) 2 e^{(j-1) eps(j)} do not vanish as z grows, so small budgets need far more noise.
 Rounds compose in RDP; the conversion to (eps, delta) is the optimal one (CKS20 Prop 12). (Replace-one is the
 stronger relation: DP-FTRL's tree accountant uses zero-out, spec 003 A2, so at equal eps this baseline is held to
 a stricter guarantee; reports name both.)
@@ -67,7 +70,10 @@ def wor_epsilon(noise_multiplier: float, n: int, k: int, rounds: int, delta: flo
         zr = noise_multiplier / 2.0  # sensitivity 2C under replace-one
 
         def curve(orders: np.ndarray) -> np.ndarray:
-            return subsampled_wor_rdp(lambda a: a / (2.0 * zr * zr), k / n, orders)
+            # and never above the unsampled mechanism's RDP: with the subsample coupled, the outputs are mixtures
+            # of pairs at replace-one distance (Renyi divergence is jointly quasi-convex, van Erven-Harremoes Thm 13)
+            base = np.asarray(orders, dtype=np.float64) / (2.0 * zr * zr)
+            return np.minimum(subsampled_wor_rdp(lambda a: a / (2.0 * zr * zr), k / n, orders), base)
 
         return float(optimal_epsilon(curve, rounds, delta)[0])
     acc = rdp.RdpAccountant(neighboring_relation=rdp.NeighborRel.REPLACE_ONE)
@@ -154,7 +160,9 @@ class GaussianRound(CentralRound):
         T, n, k = int(req.rounds), int(req.admitted), int(req.cohort)
         z = req.options.get(_NOISE_FIELD)
         poisson = req.options.get("sampling") == "poisson"
-        noise = discrete_gaussian.plan_noise(req.options, proven_for_discrete=not poisson)
+        # continuous by default: WBK19 Thm 9 (the discrete noise's fixed-cohort figure) has a floor that needs far
+        # more noise at small eps (eps 1, 40 rounds of 100 of 1348: z 1.9e5 against 8.07); discrete on request
+        noise = discrete_gaussian.plan_noise(req.options, proven_for_discrete=not poisson, default="continuous")
         q = k / n  # Poisson: the expected cohort is k
 
         def fits(x: float) -> bool:
