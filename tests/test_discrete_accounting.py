@@ -86,10 +86,10 @@ def test_fixed_cohort_discrete_figure_is_wbk19_theorem_9_composed():
     rdp = t * np.minimum(subsampled_wor_rdp(lambda o: o / (2 * (z / 2) ** 2), k / n, orders), base)
     pairs = zip(orders, rdp, strict=True)
     ref = min(r + math.log1p(-1 / a) - (math.log(DELTA) + math.log(a)) / (a - 1) for a, r in pairs)
-    assert wor_epsilon(z, n, k, t, DELTA) == pytest.approx(ref, rel=1e-9)
-    assert wor_epsilon(z, n, k, t, DELTA) > wor_epsilon(z, n, k, t, DELTA, "continuous") * (1 + 1e-3)
+    assert wor_epsilon(z, n, k, t, DELTA, "discrete") == pytest.approx(ref, rel=1e-9)
+    assert wor_epsilon(z, n, k, t, DELTA, "discrete") > wor_epsilon(z, n, k, t, DELTA, "continuous") * (1 + 1e-3)
     # small z, q (DP-SGD's usual regime): the two bounds coincide
-    assert wor_epsilon(1.0, 1000, 10, 100, DELTA) == pytest.approx(
+    assert wor_epsilon(1.0, 1000, 10, 100, DELTA, "discrete") == pytest.approx(
         wor_epsilon(1.0, 1000, 10, 100, DELTA, "continuous"), rel=1e-9
     )
 
@@ -140,25 +140,25 @@ def test_dp_sgd_plan_ledger_and_node_use_the_discrete_figure():
     p = plan.params
     assert p["noise"] == "discrete"
     z = p["noise_multiplier"]
-    spent = wor_epsilon(z, 100, 10, 20, DELTA)  # the ledger's figure for the default noise
-    assert spent <= 2.0 < wor_epsilon(z * 0.999, 100, 10, 20, DELTA)
+    spent = wor_epsilon(z, 100, 10, 20, DELTA, "discrete")  # the ledger's figure for the default noise
+    assert spent <= 2.0 < wor_epsilon(z * 0.999, 100, 10, 20, DELTA, "discrete")
     events = [PrivacyEvent(proto.name, p, 10, "subsampled", "central") for _ in range(20)]
     assert proto.compose(events, SimpleNamespace(delta=DELTA))[0] == spent
     spec = _gaussian_spec(p)
     assert dict(spec.randomizer.extra)[discrete_gaussian.SPEC_KEY] == 1.0
-    assert spec.per_user_cost.eps == proto.verify_epsilon(spec) == wor_epsilon(z, 100, 10, 1, DELTA)
+    assert spec.per_user_cost.eps == proto.verify_epsilon(spec) == wor_epsilon(z, 100, 10, 1, DELTA, "discrete")
     cost = proto.user_account(spec).cost
     # one join, one eligible round: min(amplified, unamplified), the unamplified one by CKS20 Thm 14's zCDP
     unamplified = gaussian.epsilon_for_rho(2.0 / z, DELTA, "rdp")
-    assert unamplified_epsilon(z, 1, DELTA, False) == unamplified
-    assert cost((("eligible", 1), ("joined", 1)))[0] == min(wor_epsilon(z, 100, 10, 1, DELTA), unamplified)
+    assert unamplified_epsilon(z, 1, DELTA, False, "discrete") == unamplified
+    assert cost((("eligible", 1), ("joined", 1)))[0] == min(wor_epsilon(z, 100, 10, 1, DELTA, "discrete"), unamplified)
     assert cost((("eligible", 40), ("joined", 40)))[0] == min(
-        wor_epsilon(z, 100, 10, 40, DELTA), unamplified_epsilon(z, 40, DELTA, False)
+        wor_epsilon(z, 100, 10, 40, DELTA, "discrete"), unamplified_epsilon(z, 40, DELTA, False, "discrete")
     )
-    assert unamplified_epsilon(z, 40, DELTA, False) > unamplified_epsilon(z, 40, DELTA, False, "continuous")
+    assert unamplified_epsilon(z, 40, DELTA, False, "discrete") > unamplified_epsilon(z, 40, DELTA, False, "continuous")
     # a spec without the key (an analyzer that omits it) is charged the discrete figure, never the continuous one
     del spec.randomizer.extra[discrete_gaussian.SPEC_KEY]
-    assert proto.verify_epsilon(spec) == wor_epsilon(z, 100, 10, 1, DELTA)
+    assert proto.verify_epsilon(spec) == wor_epsilon(z, 100, 10, 1, DELTA, "discrete")
 
     # continuous noise: today's figures (the exact curve on the unamplified track), less noise for the budget
     cp = proto.plan(_gaussian_request({})).params

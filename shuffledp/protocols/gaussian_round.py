@@ -60,7 +60,7 @@ _NOISE_FIELD = "noise_multiplier"
 
 
 @lru_cache(maxsize=4096)
-def wor_epsilon(noise_multiplier: float, n: int, k: int, rounds: int, delta: float, noise: str = "discrete") -> float:
+def wor_epsilon(noise_multiplier: float, n: int, k: int, rounds: int, delta: float, noise: str = "continuous") -> float:
     """eps of `rounds` rounds of the Gaussian (std z C) on the sum of a uniform k-of-n cohort's C-clipped vectors,
     replace-one neighbours (module docstring): continuous noise, dp_accounting RDP (SampledWithoutReplacementDpEvent,
     WBK19 Thm 27); discrete noise, WBK19 Thm 9 on the Gaussian's RDP curve alpha / (2 (z/2)^2) (CKS20 Thm 14)."""
@@ -99,7 +99,7 @@ def poisson_epsilon(noise_multiplier: float, q: float, rounds: int, delta: float
 
 @lru_cache(maxsize=4096)
 def unamplified_epsilon(
-    noise_multiplier: float, joined: int, delta: float, poisson: bool, noise: str = "discrete"
+    noise_multiplier: float, joined: int, delta: float, poisson: bool, noise: str = "continuous"
 ) -> float:
     """eps of `joined` rounds of the Gaussian (std z C) on a sum that holds the user's C-clipped vector, without
     amplification by sampling: a Gaussian mechanism composed exactly (mu-GDP, Dong-Roth-Su 2019 Cor 3.3) with
