@@ -291,7 +291,7 @@ def test_fixed_cohort_query_is_the_ledgers_accountant(capsys) -> None:
     least = _run(capsys, *base, "--rounds", "100", "--eps", "1", "--min-noise")
     z = least["noise_multiplier"]
     assert least["eps"] == wor_epsilon(z, 2000, 50, 100, 1e-5, "discrete") <= 1.0  # never below the requirement
-    assert wor_epsilon(z * (1 - 1e-4), 2000, 50, 100, 1e-5) > 1.0  # and near-least
+    assert wor_epsilon(z * (1 - 1e-4), 2000, 50, 100, 1e-5, "discrete") > 1.0  # and near-least
     # --noise continuous: dp_accounting's bound for the continuous Gaussian (WBK19 Thm 27), never above the discrete
     cont = _run(capsys, *base[:-2], "--noise-multiplier", "2", "--rounds", "100")  # the default: continuous
     assert cont["eps"] == wor_epsilon(2.0, 2000, 50, 100, 1e-5, "continuous") <= cost["eps"]
