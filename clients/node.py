@@ -164,7 +164,8 @@ class NodeCore:
             X = np.take_along_axis(X, pick[:, :, None], axis=1)
             y = np.take_along_axis(y, pick, axis=1)
         g = model.per_example_gradients(params, X.reshape(n * b, f), y.reshape(n * b))
-        return g.reshape(n, b, model.dim).mean(axis=1)
+        # one example per user (the default): the mean would copy the (n, dim) gradients for nothing
+        return g if b == 1 else g.reshape(n, b, model.dim).mean(axis=1)
 
     # ----- one round -------------------------------------------------------------------------------------------
     def handle(self, inv: pb.Invitation) -> pb.Contribution:

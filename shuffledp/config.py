@@ -35,6 +35,7 @@ __all__ = [
     "RunConfig",
     "parse_config",
     "load_config",
+    "read_config_text",
     "DEFAULT_TOML",
     "DEFAULT_ROUNDS",
 ]
@@ -839,7 +840,19 @@ def load_config(path: str | Path | None = None) -> RunConfig:
     """Read a TOML file, or the embedded default when path is None."""
     if path is None:
         return parse_config(DEFAULT_TOML)
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"configuration file {str(p)!r} does not exist")
-    return parse_config(p.read_text(encoding="utf-8"))
+    return parse_config(read_config_text(Path(path)))
+
+
+def read_config_text(path: Path) -> str:
+    """A configuration file's text; ConfigError (one line) when it is missing, unreadable or not UTF-8 (TOML is)."""
+    if not path.is_file():
+        raise ConfigError(f"configuration file {str(path)!r} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{str(path)!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); TOML files "
+            "are UTF-8: save it as UTF-8"
+        ) from exc

@@ -94,10 +94,12 @@ class BindError(OSError):
     """A server could not listen on its address; str() is the one line to print."""
 
 
-def _bind_problem(address: str) -> str | None:
+def _bind_problem(address: str, in_use_only: bool = False) -> str | None:
     """Why `address` ('host:port') cannot be bound by a new listener, or None when it can (or cannot be probed here:
     port 0, a unix socket). Binds a throw-away socket the way gRPC does once SO_REUSEPORT is off (SO_REUSEADDR on,
-    which on Linux lets a port in TIME_WAIT be reused but never one that a socket listens on)."""
+    which on Linux lets a port in TIME_WAIT be reused but never one that a socket listens on). With in_use_only,
+    other failures (no IPv6 for "localhost", a name that does not resolve) are left to gRPC, which may still bind
+    one of the name's addresses."""
     if address.startswith(("unix:", "unix-abstract:")) or ":" not in address:
         return None
     host, port_text = address.rsplit(":", 1)
@@ -105,29 +107,30 @@ def _bind_problem(address: str) -> str | None:
     try:
         port = int(port_text)
     except ValueError:
-        return f"{port_text!r} is not a port number"
+        return None if in_use_only else f"{port_text!r} is not a port number"
     if port == 0:
         return None
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        return f"cannot resolve {host!r} ({exc.strerror})"
+        return None if in_use_only else f"cannot resolve {host!r} ({exc.strerror})"
+    other = None
     for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind(sockaddr)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return "the address is already in use (is this service already running?)"
-                return exc.strerror or str(exc)
-    return None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "the address is already in use (is this service already running?)"
+            other = other or exc.strerror or str(exc)
+    return None if in_use_only else other
 
 
 def check_address_free(address: str) -> None:
     """BindError (one line naming `address`) if a server could not listen on it now: called before a service opens
     any state, so that a second instance of a running service stops before touching the first one's files."""
-    problem = _bind_problem(address)
+    problem = _bind_problem(address, in_use_only=True)
     if problem is not None:
         raise BindError(f"cannot listen on {address}: {problem}")
 

@@ -2,13 +2,20 @@
 
 Starts the shuffler, the analyzer and the configured number of client nodes (each `shuffledp serve ...`), creates and
 starts the run through the analyzer's operator API, prints progress per round, and writes a results directory:
-config.toml, metrics.csv, metrics.json, ledger.json, model.npz, plot.png, logs/. Everything is stopped on success,
-failure and Ctrl-C. With no CONFIG the embedded default (digits, one example per user) runs.
+config.toml, metrics.csv, metrics.json, ledger.json, summary.json, model.npz (with its layout), plot.png, logs/.
+Everything is stopped on success, failure and Ctrl-C; Ctrl-C (or SIGTERM/SIGHUP of the CLI) first cancels the run
+and writes what the analyzer has. With no CONFIG the embedded default (digits, one example per user) runs.
 
 With --analyzer it drives an already running deployment instead; `--fetch RUN_ID` writes the results directory of an
 existing run. Operator calls survive a slow or briefly unreachable analyzer (bounded retries); when the CLI gives up
 it says so in one line. Exit status: 0 run COMPLETED (or results fetched), 1 the run ended otherwise, 2 bad usage,
-configuration or run id, 3 lost the analyzer (or a local service died), 130 Ctrl-C.
+configuration or run id, 3 lost the analyzer (or a local service died), 4 the run ended without releasing any round
+(every round refused by the users' policy, below threshold or failed: the model is the initial one), 130 Ctrl-C.
+
+A local run checks what its configuration and data decide alone before it starts anything: the data loads (every
+label of data.classes occurs) and the analyzer's planner accepts the run for the data's users (check_before_start).
+The results directory must be new or empty; --reuse-out runs in a used one, whose state/ (the users' recorded
+spends, the ledger) then carries over.
 """
 
 from __future__ import annotations
@@ -28,12 +35,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+if TYPE_CHECKING:
+    from shuffledp.config import RunConfig
 
 STARTUP_TIMEOUT_S = 60.0
 POLL_S = 0.5
@@ -49,6 +60,7 @@ BACKOFF_FIRST_S = 0.5
 BACKOFF_CAP_S = 8.0
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 EXIT_LOST = 3  # exit status: lost the analyzer, or a service of a local run died
+EXIT_NOTHING_RELEASED = 4  # exit status: the run ended and no round released an update (untrained model)
 _JITTER = secrets.SystemRandom()  # jitter only; the project draws no randomness from `random`
 
 
@@ -56,6 +68,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="run an experiment: analyzer, shuffler and client nodes on loopback")
     parser.add_argument("config", nargs="?", type=Path, help="run configuration TOML (default: embedded digits run)")
     parser.add_argument("--out", type=Path, help="results directory (default: results/<config name>-<time>)")
+    parser.add_argument(
+        "--reuse-out",
+        action="store_true",
+        help="run in an --out DIR that is not empty (refused otherwise): its results and logs are replaced, and a "
+        "local run keeps DIR/state, so the users' recorded spends (against their [policy] limits), the ledger and "
+        "the shuffler's state of earlier runs there carry over",
+    )
     parser.add_argument("--quiet", action="store_true", help="only the final summary")
     parser.add_argument(
         "--print-default",
@@ -210,6 +229,19 @@ def start_local_cluster(
     return cluster, shuffler, analyzer
 
 
+def _round_label(m: pb.RoundMetrics, planned: int) -> str:
+    if m.round < planned or not planned:
+        return f"round {m.round + 1:>4}/{planned}"
+    # a protocol that releases only its last iterate (PNSGD, one planned round) runs an unreleased round again: the
+    # same planned round, another attempt, not a round beyond the plan
+    return f"round {planned:>4}/{planned} (attempt {m.round + 2 - planned})"
+
+
+def _num(x: float, width: int, digits: int) -> str:
+    """A figure of a progress line; "n/a" where it is not defined (hidden iterates, no integer labels), never nan."""
+    return f"{x:{width}.{digits}f}" if math.isfinite(x) else f"{'n/a':>{width}}"
+
+
 def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
     # why users are missing: they refused the round (by the reason their node gave: a [policy] limit it names, or
     # a delivery failure), or their messages were rejected (by reason, at the shuffler or the analyzer)
@@ -228,10 +260,10 @@ def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
     if not m.released:
         cause = m.failure or f"below threshold: {m.contributors} contributors"
         detail = "; ".join([cause, *why])
-        return f"round {m.round + 1:>4}/{planned}  NOT RELEASED ({detail})"
+        return f"{_round_label(m, planned)}  NOT RELEASED ({detail})"
     return (
-        f"round {m.round + 1:>4}/{planned}  contributors {m.contributors:>6}  loss {m.loss:8.4f}  "
-        f"accuracy {m.accuracy:6.3f}  eps spent {m.eps_spent:7.4f}  ({m.seconds:5.2f} s)"
+        f"{_round_label(m, planned)}  contributors {m.contributors:>6}  loss {_num(m.loss, 8, 4)}  "
+        f"accuracy {_num(m.accuracy, 6, 3)}  eps spent {m.eps_spent:7.4f}  ({m.seconds:5.2f} s)"
         + "".join(f"  [{w}]" for w in why)
     )
 
@@ -723,7 +755,7 @@ def _plot(path: Path, rows: list[dict], summary: dict) -> dict[str, list[str]]:
         ax.set_ylabel(label)
         ax.legend(fontsize=8, loc="best")
     ax = axes[-1]
-    ax.step([r["round"] for r in rows], [r["eps_spent"] for r in rows], where="post", color="tab:red")
+    ax.step([r["round"] for r in rows], [r["eps_spent"] for r in rows], "o-", where="post", ms=3, color="tab:red")
     ax.set_ylabel("eps spent")
     ax.set_xlabel("round")
     fig.suptitle(
@@ -734,6 +766,21 @@ def _plot(path: Path, rows: list[dict], summary: dict) -> dict[str, list[str]]:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return drawn
+
+
+@contextlib.contextmanager
+def _hangup_interrupts():
+    """SIGTERM and SIGHUP of the CLI act as Ctrl-C while it drives a local run: the services have a process group of
+    their own (Cluster.spawn), so a closed terminal or a `kill` must reach them through the CLI. Restored after."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
+        yield
+        return
+    old = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt) -> int:
@@ -773,6 +820,111 @@ def _rpc_failed(exc: grpc.RpcError, analyzer: str, doing: str) -> int:
     return 2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else EXIT_LOST
 
 
+def _plain_text_refused(args: argparse.Namespace) -> str | None:
+    """Why --analyzer cannot be dialled in plain text (None: it can, or --pki is given): a one-line usage error
+    before anything is written, instead of the channel's ValueError."""
+    from shuffledp import tls
+
+    if not args.analyzer or args.pki is not None:
+        return None
+    try:
+        tls.check_plain_text(args.analyzer, "--analyzer")
+    except ValueError as exc:
+        return f"{exc} (--pki DIR)"
+    return None
+
+
+def _holds_run(out: Path, run_id: str) -> bool:
+    """Whether `out` holds the results of run `run_id` (its ledger.json): --fetch may refresh them."""
+    try:
+        return json.loads((out / "ledger.json").read_text())["run"]["run_id"] == run_id
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _out_refused(out: Path, reuse: bool, local: bool, run_id: str = "") -> str | None:
+    """Why the results directory cannot be used (None: it can): it is a file, or it is not empty and --reuse-out is
+    not given (a run there would replace its results and logs, and a local one would reuse its state/: the users'
+    spends would carry over without a word). --fetch may refresh the results of the same run."""
+    try:
+        if out.exists() and not out.is_dir():
+            return f"--out {out} is a file, not a directory"
+        if reuse or not out.is_dir() or not any(out.iterdir()) or (run_id and _holds_run(out, run_id)):
+            return None
+    except OSError as exc:
+        return f"cannot use --out {out}: {exc.strerror}"
+    kept = "; its state/ carries over: the users' recorded spends count against their [policy] limits" if local else ""
+    return (
+        f"--out {out} is not empty: choose a new directory, or pass --reuse-out to replace the results and logs "
+        f"there{kept}"
+    )
+
+
+def _make_out(out: Path) -> str | None:
+    """Create the results directory; why it cannot be created, or None."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the results directory {out}: {exc.strerror}"
+    return None
+
+
+def check_before_start(config: RunConfig) -> None:
+    """What a local run's configuration and data decide alone, checked in the CLI before any process starts (else
+    the run fails at planning, after the services started): the data loads (every data.classes label occurs), and
+    the analyzer's own planner (services/run_manager.plan_run) accepts the run with every user of the data admitted
+    (privacy.protocol "rr" needs a one-number model, cohort_size <= n, an eps that the protocol can reach, ...).
+    Raises ConfigError naming the problem."""
+    from shuffledp.config import ConfigError
+    from shuffledp.data import load_dataset, num_users
+    from shuffledp.models import make_model
+    from shuffledp.services.run_manager import plan_run
+
+    try:
+        ds = load_dataset(config.data, config.model.task)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data: {exc}") from exc
+    n = num_users(ds, config.data.examples_per_user, config.data.max_users)
+    if n < 1:
+        raise ConfigError(
+            f"data: {ds.name} has no training user ({len(ds.X_train)} training examples, data.examples_per_user = "
+            f"{config.data.examples_per_user})"
+        )
+    # the analyzer's model for this data (as its _evaluation_data builds it)
+    m = config.model
+    model = make_model(m.task, ds.num_features, ds.num_classes, l2=m.l2, hidden=m.hidden)
+    try:
+        plan_run(config, n, n, model, ds.feature_norm_bound)
+    except ValueError as exc:  # PlanError, and what the planner's helpers raise before it wraps them
+        raise ConfigError(f"the run cannot be planned for the data's {n} users: {exc}") from exc
+
+
+def _nothing_released(status: pb.RunStatus) -> list[str]:
+    """The summary's lines for a run that ended without releasing any round (the users' policy refused every one,
+    or each was below threshold or failed): its model is the initial one. [] when a round was released, none was
+    run, or the run was cancelled."""
+    rounds = list(status.metrics)
+    if not rounds or any(m.released for m in rounds) or status.state == pb.CANCELLED:
+        return []
+    total = len(rounds)
+    lines = [f"no round released: none of the {total} round(s) run released an update; model.npz is the initial model"]
+    refused: dict[str, list[int]] = {}  # reason -> users refusing, per round where it occurred
+    for m in rounds:
+        for reason, users in m.refused_reasons.items():
+            refused.setdefault(reason, []).append(users)
+    for reason, users in sorted(refused.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"  users refused: {reason} (up to {max(users)} users, in {len(users)} of {total} rounds)")
+    failures = [m.failure for m in rounds if m.failure]
+    for failure in sorted(set(failures), key=failures.count, reverse=True):
+        lines.append(f"  round failed: {failure} (in {failures.count(failure)} of {total} rounds)")
+    rejected = sorted({reason for m in rounds for reason in m.rejected})
+    if rejected:
+        lines.append(f"  messages rejected: {', '.join(rejected)}")
+    if len(lines) == 1:
+        lines.append(f"  below threshold: at most {max(m.contributors for m in rounds)} contributors in a round")
+    return lines
+
+
 def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: float) -> int:
     run_id = args.fetch.strip()
     usage = None
@@ -782,6 +934,8 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
         usage = "--fetch takes no CONFIG (the run's own configuration is fetched with its results)"
     elif not run_id:
         usage = "--fetch needs a RUN_ID (printed by `shuffledp run` as 'run id: ...')"
+    out = args.out or Path("results") / run_id
+    usage = usage or _plain_text_refused(args) or _out_refused(out, args.reuse_out, False, run_id)
     if usage:
         print(f"shuffledp run: {usage}", file=sys.stderr)
         return 2
@@ -797,7 +951,10 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
             print(f"shuffledp run: the analyzer at {args.analyzer} has no run {run_id!r}", file=sys.stderr)
             return 2
         return _rpc_failed(exc, args.analyzer, f"GetRunResult of run {run_id}")
-    out = args.out or Path("results") / run_id
+    failed = _make_out(out)  # only now: a failed fetch leaves no empty directory behind
+    if failed:
+        print(f"shuffledp run: {failed}", file=sys.stderr)
+        return 2
     write_results(out, result.config_toml, result)
     s = result.status
     print(
@@ -812,7 +969,7 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
 def _run_command(
     args: argparse.Namespace, *, give_up_s: float = GIVE_UP_S, call_timeout_s: float = CALL_TIMEOUT_S
 ) -> int:
-    from shuffledp.config import DEFAULT_TOML, ConfigError, parse_config
+    from shuffledp.config import DEFAULT_TOML, ConfigError, parse_config, read_config_text
 
     if args.print_default:
         print(DEFAULT_TOML, end="")
@@ -820,9 +977,9 @@ def _run_command(
     if args.fetch is not None:
         return _fetch_command(args, give_up_s, call_timeout_s)
     try:
-        config_toml = args.config.read_text() if args.config else DEFAULT_TOML
-    except OSError as exc:
-        print(f"shuffledp run: cannot read {args.config}: {exc.strerror}", file=sys.stderr)
+        config_toml = read_config_text(args.config) if args.config else DEFAULT_TOML
+    except ConfigError as exc:
+        print(f"shuffledp run: {exc}", file=sys.stderr)
         return 2
     try:
         config = parse_config(config_toml)
@@ -839,7 +996,26 @@ def _run_command(
             return 2
     label = args.config.stem if args.config else "default"
     out = args.out or Path("results") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    # every mistake that the configuration, the data and the command line decide alone: one line, before the results
+    # directory or any process exists
+    usage = _plain_text_refused(args) or _out_refused(out, args.reuse_out, local=not args.analyzer)
+    if usage:
+        print(f"shuffledp run: {usage}", file=sys.stderr)
+        return 2
+    if not args.analyzer:  # a deployment's analyzer checks its own data when the run is created
+        try:
+            check_before_start(config)
+        except ConfigError as exc:
+            print(f"shuffledp run: {args.config or 'default config'}: {exc}", file=sys.stderr)
+            return 2
+    reused = out.is_dir() and any(out.iterdir())
+    failed = _make_out(out)
+    if failed:
+        print(f"shuffledp run: {failed}", file=sys.stderr)
+        return 2
+    if reused:
+        kept = "" if args.analyzer else "; its state/ carries over (the users' recorded spends, the ledger)"
+        print(f"shuffledp run: --reuse-out: the results and logs in {out} are replaced{kept}")
     config_path = out / "config.toml"
     config_path.write_text(config_toml)
     echo = (lambda *_: None) if args.quiet else print
@@ -879,7 +1055,8 @@ def _run_command(
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, signal.default_int_handler)
         try:
-            result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
+            with _hangup_interrupts():
+                result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
             cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
         except KeyboardInterrupt as exc:
             cluster.terminate()  # what the analyzer had is fetched already: the services stop while it is written
@@ -908,17 +1085,21 @@ def _run_command(
         risk = f"  excess risk: {result.excess_risk:.4g}" if result.HasField("excess_risk") else ""
         acc = accuracy_note(_plan_of(result).get("task", ""), result.accuracy) or f"{result.accuracy:.4f}"
         print(f"test accuracy: {acc}  test loss: {result.loss:.4f}{risk}")
-    print(
-        f"privacy spent: eps = {budget.eps_spent:.4f}, delta = {budget.delta_spent:.3g}  "
-        f"(limit eps = {budget.eps_limit:g}, delta = {budget.delta_limit:.3g}; accountant: {budget.accountant}; "
-        f"trust model: {pb.TrustModel.Name(budget.trust_model)})"
-    )
+    if not status.rounds_planned:  # planning failed (or never happened): there is no limit, accountant or trust model
+        print("privacy spent: nothing (the run was never planned)")
+    else:
+        print(
+            f"privacy spent: eps = {budget.eps_spent:.4f}, delta = {budget.delta_spent:.3g}  "
+            f"(limit eps = {budget.eps_limit:g}, delta = {budget.delta_limit:.3g}; accountant: {budget.accountant}; "
+            f"trust model: {pb.TrustModel.Name(budget.trust_model)})"
+        )
     if budget.trust_model == pb.CENTRAL:
         print(
             "  central trust: the guarantee holds against everyone who sees what the analyzer releases (the other "
             "clients, the shuffler, the outside world), not against the analyzer, which sees every clipped update"
         )
-    if budget.honest_fraction < 1.0:  # spec 000 A.3: if some contributors collude with the analyzer
+    # spec 000 A.3: if some contributors collude with the analyzer (an unplanned run has no figure)
+    if status.rounds_planned and budget.honest_fraction < 1.0:
         print(
             f"  robust: eps = {budget.eps_spent_robust:.4f} if only {budget.honest_fraction:g} of each round's "
             "contributors are honest"
@@ -929,5 +1110,10 @@ def _run_command(
             continue
         label = "local view (a party that sees senders)" if name == "local" else name
         print(f"  {label}: eps = {value:.4f}")
+    nothing = _nothing_released(status)
+    for line in nothing:
+        print(line)
     print(f"wall time: {time.monotonic() - started:.1f} s; results: {out}")
+    if nothing:
+        return EXIT_NOTHING_RELEASED
     return 0 if status.state == pb.COMPLETED else 1

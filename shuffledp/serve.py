@@ -74,7 +74,7 @@ def _security(args: argparse.Namespace, role: str):
 
     name = _party_name(args, role)
     try:
-        # one check covers both: server and channel credentials are made of the same three files
+        # both read the same three files, each checked by pki.load_party (the shuffler dials nobody: unused there)
         server_creds = tls.server_credentials(args.pki, role, name)
         channel_creds = tls.channel_credentials(args.pki, role, name)
     except (OSError, ValueError) as exc:  # pki.load_party: one line naming the file and the problem

@@ -23,13 +23,14 @@ def wait_for_run(stub: pbg.AnalyzerStub, run_id: str, timeout: float = 30) -> pb
     raise AssertionError(f"run {run_id} did not finish in {timeout} s")
 
 
-def run_cli(tmp_path: Path, name: str, toml: str) -> tuple[dict, list[dict], str]:
-    """`shuffledp run` of the configuration over real local processes; (ledger export, metrics rows, stdout)."""
+def run_cli(tmp_path: Path, name: str, toml: str, quiet: bool = True) -> tuple[dict, list[dict], str]:
+    """`shuffledp run` of the configuration over real local processes; (ledger export, metrics rows, stdout; with
+    quiet=False the progress lines too)."""
     cfg = tmp_path / f"{name}.toml"
     cfg.write_text(toml)
     out = tmp_path / name
     proc = subprocess.run(
-        [sys.executable, "-m", "shuffledp.cli", "run", str(cfg), "--out", str(out), "--quiet"],
+        [sys.executable, "-m", "shuffledp.cli", "run", str(cfg), "--out", str(out), *(["--quiet"] if quiet else [])],
         capture_output=True,
         text=True,
         timeout=200,

@@ -51,10 +51,10 @@ def test_inclusion_rate_matches_q_and_users_are_drawn_independently():
         # nobody answers: released anyway (Poisson, min_contributors 0), empty
         assert res.released and res.contributors == 0 and res.ciphertexts == []
         sizes.append(res.invited)
-        if res.invited:
-            inv = sub.get(timeout=1)
-            assert len(set(inv.user_ids)) == res.invited
-            hits[[users.index(u) for u in inv.user_ids]] += 1
+        # every round reaches the node, sampled or not (a notice: issue 24 item 1), with the count drawn from
+        inv = sub.get(timeout=1)
+        assert len(set(inv.user_ids)) == res.invited and inv.eligible == res.eligible == len(users)
+        hits[[users.index(u) for u in inv.user_ids]] += 1
     total = int(hits.sum())
     assert total == sum(sizes)
     assert stats.binomtest(total, len(users) * rounds, q).pvalue > 1e-3, total / (len(users) * rounds)
@@ -71,9 +71,11 @@ def test_inclusion_rate_matches_q_and_users_are_drawn_independently():
 def test_a_round_with_nobody_sampled_is_released_empty():
     state = ShufflerState(rng=make_rng(9), poll_seconds=0.001)
     state.register_users("node", ["a", "b"])
-    state.subscribe("node")
+    sub = state.subscribe("node")
     res = state.execute_round(_request(0, 1e-9))  # P(anyone) = 2e-9
     assert res.invited == 0 and res.released and res.contributors == 0 and not res.below_threshold
+    notice = sub.get(timeout=1)  # the node still learns of the round its users were eligible for
+    assert notice is not None and notice.user_ids == [] and notice.eligible == 2
     # a fixed-cohort round with nobody answering releases nothing (never an empty batch there)
     fixed = RoundRequest(
         "run",
@@ -112,24 +114,14 @@ def test_poisson_requests_are_validated_before_any_state_changes(kw, match):
 
 
 # ------------------------------------------------------------------------------------- over the services
-@pytest.fixture
-def data(tmp_path) -> str:
-    """A synthetic 2-class problem in R^3: 225 training users, one example each."""
-    path = tmp_path / "blobs.npz"
-    rng = make_rng(7)
-    y = np.arange(300) % 2
-    np.savez(path, X=rng.normal(size=(300, 3)) * 0.5 + np.where(y[:, None] == 1, 0.6, -0.6), y=y)
-    return f'[data]\ndataset = "path"\npath = "{path}"\n'
-
-
-def test_central_dp_sgd_with_poisson_sampling_releases_and_charges_empty_rounds(tmp_path, data):
+def test_central_dp_sgd_with_poisson_sampling_releases_and_charges_empty_rounds(tmp_path, blobs_data):
     """q = 1/225: about a third of the rounds sample nobody (fixed shuffler seed). Every round is committed in the
     ledger, empty ones with 0 contributors, and the run's eps is exactly `shuffledp account gaussian` of the
     Poisson-sampled Gaussian over all its rounds."""
     shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(3))
     analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
     channel = grpc.insecure_channel(f"127.0.0.1:{aport}")
-    toml = data + (
+    toml = blobs_data + (
         '[model]\ntask = "logreg"\n[privacy]\neps = 4.0\ndelta = 1e-5\nprotocol = "gaussian"\n'
         '[schedule]\nkind = "subsampled"\nsampling = "poisson"\ncohort_size = 1\nrounds = 12\nlearning_rate = 0.5\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'

@@ -59,3 +59,38 @@ def test_readme_account_example_matches_the_cli(command: str, shown: list[str]):
         lines = {" ".join(line.split()) for line in res.stdout.splitlines()}
         for line in shown:
             assert " ".join(line.split()) in lines, (line, res.stdout)
+
+
+# ---------------------------------------------------------------------------------------------- TOML examples
+def _toml_blocks() -> list[str]:
+    return re.findall(r"```toml\n(.*?)```", README.read_text(), flags=re.S)
+
+
+TOML_BLOCKS = _toml_blocks()
+
+
+def test_readme_has_toml_examples():
+    assert len(TOML_BLOCKS) >= 5
+
+
+@pytest.mark.parametrize("block", TOML_BLOCKS, ids=[f"toml{i}" for i in range(len(TOML_BLOCKS))])
+def test_readme_toml_example_validates_and_plans(block: str):
+    """Every TOML block of the README runs as written (issue 24 C18): the configuration is valid, the analyzer's
+    planner sizes it for the data's users without starting a service, and the users' own policy accepts its rounds
+    (a round's claimed eps, from the plan, within [policy] max_eps_per_round)."""
+    from shuffledp.services.run_manager import plan_run
+
+    from shuffledp.config import parse_config
+    from shuffledp.data import load_dataset, num_users
+    from shuffledp.models import make_model
+
+    cfg = parse_config(block)
+    ds = load_dataset(cfg.data, cfg.model.task)
+    users = num_users(ds, cfg.data.examples_per_user, cfg.data.max_users)
+    model = make_model(cfg.model.task, ds.num_features, ds.num_classes, l2=cfg.model.l2, hidden=cfg.model.hidden)
+    plan = plan_run(cfg, users, users, model, ds.feature_norm_bound)
+    assert plan["rounds"] >= 1
+    params = plan["params"] or {}
+    # what one round claims from each user: an LDP randomizer's eps0; a one-pass run (PNSGD) its whole eps
+    claim = params.get("eps0") or (plan["eps"] if plan["hidden_iterates"] else 0.0)
+    assert claim <= cfg.policy.max_eps_per_round, (claim, cfg.policy.max_eps_per_round)

@@ -4,6 +4,7 @@ carries its layout; no NaN is printed as a test accuracy; the plot of a hidden-i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -31,9 +32,11 @@ def _lines(stream, q: queue.Queue) -> None:
     q.put(None)
 
 
-def test_ctrl_c_writes_what_exists_and_prints_the_spend(tmp_path: Path):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_writes_what_exists_and_prints_the_spend(tmp_path: Path, how: str):
     """A terminal's Ctrl-C goes to the whole foreground process group: the CLI and, before, every service it had
-    started, which stopped at once and took the results with them."""
+    started, which stopped at once and took the results with them. A SIGTERM of the CLI alone (a `kill`, a closed
+    terminal's SIGHUP likewise) does the same instead of leaving the services running."""
     cfg = tmp_path / "long.toml"
     cfg.write_text("[schedule]\nrounds = 300\n")  # digits, about 0.15 s a round: far from its end after 3 rounds
     out = tmp_path / "out"
@@ -53,10 +56,13 @@ def test_ctrl_c_writes_what_exists_and_prints_the_spend(tmp_path: Path):
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             assert line is not None, "".join(shown) + proc.stderr.read()
             shown.append(line)
-        os.killpg(proc.pid, signal.SIGINT)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
+    finally:  # whatever is left in the group (services of a CLI that did not stop them)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     stderr = proc.stderr.read()
     while (line := lines.get(timeout=5)) is not None:
@@ -98,8 +104,9 @@ def test_summary_and_model_layout_of_a_completed_run(tmp_path: Path):
 
 def test_a_regression_run_prints_no_nan_accuracy(tmp_path: Path):
     toml = '[data]\ndataset = "synthetic"\nn = 2000\ndim = 3\n[model]\ntask = "leastsq"\n[schedule]\nrounds = 2\n'
-    _, _, stdout = run_cli(tmp_path, "lsq", toml)
+    _, _, stdout = run_cli(tmp_path, "lsq", toml, quiet=False)
     assert "nan" not in stdout.lower(), stdout
+    assert "accuracy    n/a" in stdout  # the progress lines too
     assert "test accuracy: not evaluated (the targets are not integer labels" in stdout
     summary = json.loads((tmp_path / "lsq" / "summary.json").read_text())
     assert summary["released_model"]["accuracy"] is None and summary["released_model"]["excess_risk"] is not None

@@ -32,16 +32,6 @@ from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
 
-@pytest.fixture
-def data(tmp_path) -> str:
-    """A synthetic 2-class problem in R^3: 225 training users (of 300 examples), one example each."""
-    path = tmp_path / "blobs.npz"
-    rng = make_rng(7)
-    y = np.arange(300) % 2
-    np.savez(path, X=rng.normal(size=(300, 3)) * 0.5 + np.where(y[:, None] == 1, 0.6, -0.6), y=y)
-    return f'[data]\ndataset = "path"\npath = "{path}"\n'
-
-
 class Cluster:
     """Shuffler, analyzer and two nodes in this process over real sockets; the nodes keep their spend in SQLite."""
 
@@ -99,12 +89,12 @@ def _refused(st: pb.RunStatus, reason: str) -> int:
 
 
 @pytest.mark.parametrize("sampling", ["poisson", "fixed"])
-def test_sampled_dp_sgd_users_are_charged_every_eligible_round_and_stop_at_their_limit(tmp_path, data, sampling):
+def test_sampled_dp_sgd_users_are_charged_every_eligible_round_and_stop_at_their_limit(tmp_path, blobs_data, sampling):
     """Item 1: 20 rounds of 30 of 225 users at a budget whose ledger figure is above the users' max_total_eps = 2.5.
     Each user's record equals min(the run's amplified accountant over every round it was eligible for, the
     unamplified Gaussian over the rounds it joined), recomputed here from its counts; no record exceeds 2.5; users
     refuse (withdraw) once one more round could take them past it."""
-    toml = data + (
+    toml = blobs_data + (
         '[model]\ntask = "logreg"\n[privacy]\neps = 4.0\ndelta = 1e-5\nprotocol = "gaussian"\n'
         f'[schedule]\nkind = "subsampled"\nsampling = "{sampling}"\ncohort_size = 30\nrounds = 20\n'
         'learning_rate = 0.5\n[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
@@ -137,11 +127,11 @@ def test_sampled_dp_sgd_users_are_charged_every_eligible_round_and_stop_at_their
         c.close()
 
 
-def test_dp_ftrl_charges_participations_by_their_actual_count_in_each_tree(tmp_path, data):
+def test_dp_ftrl_charges_participations_by_their_actual_count_in_each_tree(tmp_path, blobs_data):
     """Item 2: one tree of 16 rounds, E = 2 participations per user (>= 3 rounds apart): a user with k leaves is
     charged eps(tree of 16, E = k), 1 leaf ~ half of 2 leaves' cost is NOT what it pays. A user with E leaves records
     at least the ledger's figure; under max_total_eps between eps(1 leaf) and eps(2 leaves), users refuse a second."""
-    toml = data + (
+    toml = blobs_data + (
         '[model]\ntask = "logreg"\n[privacy]\neps = 3.0\ndelta = 1e-5\nprotocol = "tree"\nmax_participations = 2\n'
         'min_separation = 3\n[schedule]\nkind = "subsampled"\ncohort_size = 20\nrounds = 16\nlearning_rate = 0.5\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
@@ -174,11 +164,11 @@ def test_dp_ftrl_charges_participations_by_their_actual_count_in_each_tree(tmp_p
         limited.close()
 
 
-def test_a_fixed_cohort_is_never_drawn_from_fewer_users_than_it_is_charged_for(tmp_path, data):
+def test_a_fixed_cohort_is_never_drawn_from_fewer_users_than_it_is_charged_for(tmp_path, blobs_data):
     """Item 3: after one of two nodes leaves, the shuffler would sample the remaining users at about twice the
     rate the ledger charges. It refuses every such round before inviting anyone (nothing charged); the ledger's
     figure is the fixed-cohort accountant over the committed rounds at the planned n."""
-    toml = data + (
+    toml = blobs_data + (
         '[model]\ntask = "logreg"\n[privacy]\neps = 6.0\ndelta = 1e-5\nprotocol = "gaussian"\n'
         '[schedule]\nkind = "subsampled"\ncohort_size = 30\nrounds = 30\nlearning_rate = 0.5\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
@@ -246,3 +236,35 @@ def test_a_node_refuses_a_round_drawn_from_fewer_users_than_accounted_and_counts
     due = min(wor_epsilon(1.0, 100, 10, 2, 1e-5), unamplified_epsilon(1.0, 1, 1e-5, False))
     assert core.spent("u1") == (pytest.approx(due, rel=1e-12), 1e-5) and core.spent("u1")[0] >= due
     assert core.spent("u0") == (0.0, 0.0)
+
+
+def test_the_shuffler_refuses_a_fixed_cohort_round_with_fewer_eligible_users_and_tells_every_node():
+    """Item 3 at the shuffler: a SUBSAMPLED round is refused before anyone is invited (nothing recorded) when fewer
+    users are eligible than its population; otherwise every live node with eligible users hears of it, with the
+    count the cohort was drawn from. CLDP-SGD's specs carry their accountant's n as the population too."""
+    from shuffledp.services.shuffler_state import CohortUnavailable, RoundRequest, Schedule, ShufflerState, Transport
+
+    from shuffledp.protocols.ldp_round import LdpRound
+    from shuffledp.sealing import PUBLIC_KEY_BYTES
+
+    state = ShufflerState(rng=make_rng(2), poll_seconds=0.001)
+    state.register_users("a", ["u0", "u1", "u2"])
+    state.register_users("b", ["v0"])
+    subs = {node: state.subscribe(node) for node in ("a", "b")}
+    common = dict(message_bytes=16, analyzer_public_key=bytes(PUBLIC_KEY_BYTES), deadline_seconds=1e-4)
+    with pytest.raises(CohortUnavailable, match="population of 5 users but only 4 are eligible"):
+        state.execute_round(
+            RoundRequest("run", 0, Schedule.SUBSAMPLED, Transport.SEALED, cohort_size=1, population=5, **common)
+        )
+    assert not state._store.round_exists("run", 0) and all(s.get(timeout=0.01) is None for s in subs.values())
+    res = state.execute_round(
+        RoundRequest("run", 0, Schedule.SUBSAMPLED, Transport.SEALED, cohort_size=1, population=4, **common)
+    )
+    assert res.eligible == 4 and res.invited == 1
+    got = {node: s.get(timeout=1) for node, s in subs.items()}
+    assert all(inv.eligible == 4 for inv in got.values()) and sum(len(inv.user_ids) for inv in got.values()) == 1
+    from test_seed001_runs import _request, _spec
+
+    ldp = LdpRound("r_inf")
+    params = ldp.plan(_request(eps0=1.5, rounds=2, k=2)).params
+    assert _spec(ldp, params, bytes(PUBLIC_KEY_BYTES)).population == params["n"] > 0
