@@ -301,6 +301,8 @@ def _protocol_options(cfg: RunConfig) -> dict[str, Any]:
     }
     if p.noise_multiplier is not None:
         out["noise_multiplier"] = p.noise_multiplier
+    if p.noise is not None:
+        out["noise"] = p.noise  # the central protocols' noise (issue 24 D19; unset: each protocol's default)
     return out
 
 

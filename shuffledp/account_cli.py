@@ -43,10 +43,16 @@ PROTOCOLS: dict[str, str] = {
 }
 
 _GAUSSIAN_NOTE = (
-    "Three accountants: no sampling (exact Gaussian); --sampling-probability q (Poisson, add-or-remove-one, "
-    "sensitivity C); --sample-size k --dataset-size n (a fixed cohort drawn without replacement, replace-one: "
-    "what the ledger charges protocol gaussian with sampling fixed). z is always per clip norm C (noise std z C); "
-    "under replace-one one user moves the sum by up to 2C, so the fixed-cohort accountant sees multiplier z/2."
+    "Three accountants: no sampling (exact Gaussian, or its RDP conversion for discrete noise); "
+    "--sampling-probability q (Poisson, add-or-remove-one, sensitivity C; continuous noise only); --sample-size k "
+    "--dataset-size n (a fixed cohort drawn without replacement, replace-one: what the ledger charges protocol "
+    "gaussian with sampling fixed). z is always per clip norm C (noise std z C); under replace-one one user moves "
+    "the sum by up to 2C, so the fixed-cohort accountant sees multiplier z/2. --noise: the noise the protocols add "
+    "(the runs' default: discrete without sampling, continuous with --sampling-probability or --sample-size)."
+)
+_NOISE_HELP = (
+    "the noise added (privacy.noise): discrete (default; the discrete Gaussian, charged by its RDP curve, CKS20) or "
+    "continuous (the exact Gaussian curve / PLD)"
 )
 
 _EPILOG = """\
@@ -257,6 +263,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "protocol gaussian, sampling fixed; with --dataset-size)",
     )
     p.add_argument("--dataset-size", "--n", dest="dataset_size", type=_count, help="fixed cohort: n users drawn from")
+    p.add_argument("--noise", dest="gaussian_noise", choices=("discrete", "continuous"), help=_NOISE_HELP)
     p.add_argument(
         "--neighboring",
         choices=("add_or_remove_one", "replace_one"),
@@ -279,6 +286,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--min-separation", type=_nonneg_int, default=0, help="xi: leaves between two participations")
     p.add_argument("--completion", action="store_true", help="trees padded to a power of two before a restart")
     p.add_argument("--fixed-order", action="store_true", help="same data order every epoch (E epochs per tree)")
+    p.add_argument("--noise", dest="gaussian_noise", choices=("discrete", "continuous"), help=_NOISE_HELP)
     _common(p, "number of trees, i.e. restarts + 1 (default 1; --rounds: old name)", ("--trees", "--rounds"))
     p.set_defaults(func=run, _parser=p)
 
@@ -427,9 +435,11 @@ def _pvec_template(args: argparse.Namespace, query: str) -> tuple[PrivacyEvent, 
     return PvecRound.from_params(params, args.contributors, schedule), echo
 
 
-def _nothing(ev: PrivacyEvent, delta: float, acc: str, bound: str | None) -> la.AccountResult:
+def _nothing(
+    ev: PrivacyEvent, delta: float, acc: str, bound: str | None, noise: str = "continuous"
+) -> la.AccountResult:
     """Zero rounds cost nothing: (0, 0) under the accountant that would account one round."""
-    one = la.account([ev], delta, acc, ldp_bound=bound)
+    one = la.account([ev], delta, acc, ldp_bound=bound, noise=noise)
     return la.AccountResult(0.0, 0.0, one.accountant_name, None, one.trust, {})
 
 
@@ -447,7 +457,25 @@ def _noise_report(ev: PrivacyEvent) -> dict[str, Any]:
     return {}
 
 
-_WOR = "sampled-without-replacement-gaussian-rdp (dp_accounting, replace-one; the ledger's for a fixed cohort)"
+_WOR = {
+    "continuous": "sampled-without-replacement-gaussian-rdp (dp_accounting, replace-one; the ledger's for a fixed "
+    "cohort)",
+    "discrete": "sampled-without-replacement-discrete-gaussian-rdp (WBK19 Thm 9, CKS20 Thm 14, replace-one; the "
+    "ledger's for a fixed cohort)",
+}
+
+
+def _gaussian_noise(args: argparse.Namespace) -> str:
+    """--noise of gaussian / tree: the runs' default (discrete; continuous for sampled DP-SGD, Poisson or fixed
+    cohort, as protocol gaussian); "continuous" for the other protocols (no Gaussian-mechanism event)."""
+    if args.protocol not in ("gaussian", "tree"):
+        return "continuous"
+    poisson = getattr(args, "sampling_rate", None) is not None
+    sampled = poisson or getattr(args, "sample_size", None) is not None
+    noise = args.gaussian_noise or ("continuous" if sampled else "discrete")
+    if noise == "discrete" and poisson:
+        raise _Usage("--noise discrete has no proven accountant with --sampling-probability: use --noise continuous")
+    return noise
 
 
 def _fixed_cohort(args: argparse.Namespace, query: str) -> dict[str, Any]:
@@ -469,37 +497,47 @@ def _fixed_cohort(args: argparse.Namespace, query: str) -> dict[str, Any]:
     if args.trust != "central" or args.machines != 1:
         raise _Usage("a fixed cohort is central DP-SGD: no --trust local or --machines")
     delta, z, t = args.delta, args.noise_multiplier, args.rounds or 1
+    noise = _gaussian_noise(args)
     out: dict[str, Any] = {"protocol": "gaussian", "query": query}
     if query != "min_noise" and z is None:
         raise _Usage(f"the {query.replace('_', '-')} query needs --noise-multiplier")
+
+    def wor(x: float, r: int) -> float:
+        return gaussian_round.wor_epsilon(x, n, k, r, delta, noise)
+
     if query == "cost":
-        eps = gaussian_round.wor_epsilon(z, n, k, t, delta)
+        eps = wor(z, t)
         out["rounds"] = t
         if args.eps is not None:
             out["fits"] = eps <= args.eps
     elif query == "max_rounds":
-        t = la.composition.max_rounds(lambda r: gaussian_round.wor_epsilon(z, n, k, r, delta) <= args.eps)
-        eps = gaussian_round.wor_epsilon(z, n, k, t, delta) if t else 0.0
+        t = la.composition.max_rounds(lambda r: wor(z, r) <= args.eps)
+        eps = wor(z, t) if t else 0.0
         out["max_rounds"] = t
-        out["eps_next"] = gaussian_round.wor_epsilon(z, n, k, t + 1, delta)
+        out["eps_next"] = wor(z, t + 1)
+    elif noise == "discrete":  # the ledger's own calibration (gaussian_round.plan): bisection on its figure
+        z = gaussian_round.least_noise_multiplier(lambda x: wor(x, t) <= args.eps, f"eps = {args.eps} over {t} rounds")
+        eps = wor(z, t)
+        out["rounds"] = t
     else:
         z = _calibrated_z(
             lambda: dpa_rdp.RdpAccountant(neighboring_relation=dpa_rdp.NeighborRel.REPLACE_ONE),
             # sensitivity 2C under replace-one: the accountant's multiplier is z C / (2 C) (gaussian_round docstring)
             lambda x: dp_event.SampledWithoutReplacementDpEvent(n, k, dp_event.GaussianDpEvent(x / 2.0)),
-            lambda x: gaussian_round.wor_epsilon(x, n, k, t, delta),
+            lambda x: wor(x, t),
             t,
             args.eps,
             delta,
         )
-        eps = gaussian_round.wor_epsilon(z, n, k, t, delta)
+        eps = wor(z, t)
         out["rounds"] = t
-    result: dict[str, Any] = {"eps": eps, "delta": delta, "accountant": _WOR, "optimal_order": None}
+    result: dict[str, Any] = {"eps": eps, "delta": delta, "accountant": _WOR[noise], "optimal_order": None}
     result["trust"] = "central"
     result.update(out)
     if args.eps is not None:
         result["eps_budget"] = args.eps
     result.update({"dataset_size": n, "sample_size": k, "neighboring": "replace_one", "noise_multiplier": z})
+    result["noise"] = noise
     return result
 
 
@@ -565,42 +603,48 @@ def _answer(args: argparse.Namespace) -> dict[str, Any]:
     ev, echo = _template(args, query)
     acc = args.accountant
     bound = getattr(args, "bound", None)
+    noise = _gaussian_noise(args)
     out: dict[str, Any] = {"protocol": args.protocol, "query": query}
+    if args.protocol in ("gaussian", "tree"):
+        out["noise"] = noise
     if query == "cost":
         t = args.rounds or 1
-        res = la.account([(ev, t)], args.delta, acc, ldp_bound=bound)
+        res = la.account([(ev, t)], args.delta, acc, ldp_bound=bound, noise=noise)
         out["rounds"] = t
         if args.eps is not None:
             out["fits"] = res.eps <= args.eps
     elif query == "max_rounds":
         if isinstance(ev, TreeAggregation) and args.leaves_per_tree is None:
-            steps = la.max_tree_steps(ev.noise_multiplier, args.eps, args.delta, acc)
+            steps = la.max_tree_steps(ev.noise_multiplier, args.eps, args.delta, acc, noise)
             out["max_steps"] = steps
             echo["steps"] = steps
             ev = TreeAggregation(ev.noise_multiplier, max(steps, 1))
             echo["zeta"] = la.tree_zeta(ev) if steps else 0
-            res = la.account([ev], args.delta, acc) if steps else _nothing(ev, args.delta, acc, bound)
+            if steps:
+                res = la.account([ev], args.delta, acc, noise=noise)
+            else:
+                res = _nothing(ev, args.delta, acc, bound, noise)
         else:
-            t = la.max_rounds(ev, args.eps, args.delta, acc, ldp_bound=bound)
+            t = la.max_rounds(ev, args.eps, args.delta, acc, ldp_bound=bound, noise=noise)
             unbounded = t == math.inf
             out["max_rounds"] = None if unbounded else int(t)
             if unbounded:
                 out["note"] = "sequential rounds compose in parallel: rounds are limited by fresh users, not privacy"
             shown = 1 if unbounded else int(t)
             res = (
-                la.account([(ev, shown)], args.delta, acc, ldp_bound=bound)
+                la.account([(ev, shown)], args.delta, acc, ldp_bound=bound, noise=noise)
                 if shown
-                else _nothing(ev, args.delta, acc, bound)
+                else _nothing(ev, args.delta, acc, bound, noise)
             )
             if not unbounded:
-                out["eps_next"] = la.account([(ev, shown + 1)], args.delta, acc, ldp_bound=bound).eps
+                out["eps_next"] = la.account([(ev, shown + 1)], args.delta, acc, ldp_bound=bound, noise=noise).eps
     else:
         t = args.rounds or 1
         if isinstance(ev, GaussianRound) and ev.sampling == "poisson":
             ev = _poisson_min_noise(ev, t, args.eps, args.delta, acc)
             res = la.account([(ev, t)], args.delta, acc)
         else:
-            ev, res = la.min_noise(ev, t, args.eps, args.delta, acc, ldp_bound=bound)
+            ev, res = la.min_noise(ev, t, args.eps, args.delta, acc, ldp_bound=bound, noise=noise)
         out["rounds"] = t
     base = res.to_dict()
     details = {k: v for k, v in base.items() if k not in ("eps", "delta", "accountant", "optimal_order", "trust")}

@@ -106,6 +106,9 @@ report_fraction = 0.99      # check-in: share of the checked-in users that must 
 # honest_fraction = 0.9     # robust figure: eps when only this fraction of each round's contributors is honest
                             # (the rest collude with the analyzer; spec 000 A.3); unset = min_contributors_fraction
 # noise_multiplier = 4.0    # "tree", "gaussian": noise std / clip_norm; unset = the least that fits (eps, delta)
+# noise = "discrete"        # central Gaussian protocols: "discrete" (exact on a grid, CKS20; charged by its RDP) or
+                            # "continuous" (charged its exact curve / PLD); unset = "discrete", but "continuous"
+                            # for "gaussian" with sampling = "poisson" (no bound proven for discrete noise there)
 max_participations = 1      # "tree": rounds a user may join per tree (E; the shuffler enforces it)
 min_separation = 0          # "tree": rounds strictly between two of a user's rounds in one tree (xi)
 rounds_per_tree = 0         # "tree": rounds per tree, a fresh tree after each (restarts); 0 = one tree
@@ -173,6 +176,7 @@ _CENTRAL_PROTOCOLS = ("tree", "gaussian")  # over the subsampled schedule
 _PAN_PROTOCOLS = ("pan_gaussian",)  # central trust, sequential, pan-private (paper 000 App C, Alg 6)
 _TREE_KEYS = ("max_participations", "min_separation", "rounds_per_tree", "completion", "tree_estimator")
 _ESTIMATORS = ("efficient", "vanilla")
+_NOISES = ("discrete", "continuous")  # protocols.discrete_gaussian.NOISES
 _CALIBRATIONS = ("calibrated", "paper")
 _KINDS = ("sequential", "fully_interactive", "subsampled")
 _MODES = ("counts", "bits", "sealed")
@@ -231,6 +235,8 @@ class PrivacyConfig:
     honest_fraction: float | None = None
     # central protocols ("tree", "gaussian"): node / noise std over clip_norm; None = the least that fits the budget
     noise_multiplier: float | None = None
+    # central Gaussian protocols: "discrete" / "continuous" noise (issue 24 D19); None = discrete where proven
+    noise: str | None = None
     # "tree" (DP-FTRL, spec 003): per tree, each user in at most max_participations rounds, at least min_separation
     # rounds strictly between two; rounds_per_tree rounds per tree (0 = one tree); completion pads a tree to a power
     # of two before a restart; tree_estimator "efficient" (Honaker) or "vanilla"
@@ -467,6 +473,7 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
         eps0=eps0,
         honest_fraction=honest,
         noise_multiplier=z,
+        noise=None if t.get("noise") is None else _choice("privacy.noise", t["noise"], _NOISES),
         max_participations=_int(
             "privacy.max_participations", t.get("max_participations", p.max_participations), 1, 10**6
         ),
@@ -631,6 +638,15 @@ def _check_central(cfg: RunConfig, optimizer: str) -> None:
         )
     if s.momentum and optimizer != "ftrl":
         raise ConfigError(f'schedule.momentum applies to schedule.optimizer = "ftrl"; it resolves to "{optimizer}"')
+    if p.noise is not None and p.protocol not in (*_CENTRAL_PROTOCOLS, *_PAN_PROTOCOLS, *MU2_PROTOCOLS):
+        raise ConfigError(
+            f'privacy.noise applies to "gaussian", "tree", "pan_gaussian", "mu2_untrusted" and "mu2_trusted", got '
+            f'"{p.protocol}"'
+        )
+    if p.noise == "discrete" and s.sampling == "poisson":
+        raise ConfigError(
+            'privacy.noise = "discrete" has no proven accountant with schedule.sampling = "poisson": use "continuous"'
+        )
     if s.sampling == "poisson" and p.protocol != "gaussian":
         # the one accountant here that assumes Poisson sampling is the sampled Gaussian's (dp_accounting)
         raise ConfigError(

@@ -175,16 +175,26 @@ def test_real_cli_bad_arguments(argv) -> None:
 
 # --------------------------------------------------------------------------------------------- outputs
 def test_json_cost_matches_accountant(capsys) -> None:
+    # default noise: the discrete Gaussian the runs add (issue 24 D19), charged the RDP conversion
     out = _run(capsys, "gaussian", "--sigma", "20", "--rounds", "100", "--delta", "1e-5")
     for k in KEYS:
         assert k in out
-    res = la.account([(GaussianRound(20.0), 100)], 1e-5)
-    assert (out["eps"], out["delta"], out["accountant"], out["trust"]) == (
+    res = la.account([(GaussianRound(20.0), 100)], 1e-5, noise="discrete")
+    assert (out["eps"], out["delta"], out["accountant"], out["trust"], out["noise"]) == (
         res.eps,
         1e-5,
         res.accountant_name,
         "central",
+        "discrete",
     )
+    assert out["eps"] == gaussian.epsilon_for_rho(0.5, 1e-5, "rdp")  # rho = sqrt(100) / 20
+    cont = _run(capsys, "gaussian", "--sigma", "20", "--rounds", "100", "--delta", "1e-5", "--noise", "continuous")
+    assert (
+        cont["eps"]
+        == la.account([(GaussianRound(20.0), 100)], 1e-5).eps
+        == gaussian.epsilon_for_rho(0.5, 1e-5, "exact")
+    )
+    assert cont["eps"] < out["eps"] and "gaussian-exact" in cont["accountant"]
     paper = _run(capsys, "gaussian", "--noise-multiplier", "10", "--sensitivity", "2", "--rounds", "100",
                  "--delta", "1e-5", "--accountant", "paper", "--eps", "6")  # fmt: skip
     assert paper["eps"] == la.account([(GaussianRound(20.0, 2.0), 100)], 1e-5, "paper").eps
@@ -195,12 +205,14 @@ def test_json_cost_matches_accountant(capsys) -> None:
 
 
 def test_table_output_is_human_readable(capsys) -> None:
-    assert cli.main(["account", "tree", "--noise-multiplier", "2", "--steps", "1000", "--delta", "1e-6"]) == 0
-    out = capsys.readouterr().out
-    eps = la.account([TreeAggregation(2.0, 1000)], 1e-6).eps
-    rows = dict(line.split(None, 1) if " " in line else (line, "") for line in out.splitlines())
-    assert float(rows["eps"]) == pytest.approx(eps, rel=1e-5)
-    assert "gaussian-exact" in out and "zeta" in out and "{" not in out
+    argv = ["account", "tree", "--noise-multiplier", "2", "--steps", "1000", "--delta", "1e-6"]
+    for noise, name in (("discrete", "gaussian-rdp"), ("continuous", "gaussian-exact")):
+        assert cli.main([*argv, "--noise", noise]) == 0
+        out = capsys.readouterr().out
+        eps = la.account([TreeAggregation(2.0, 1000)], 1e-6, noise=noise).eps
+        rows = dict(line.split(None, 1) if " " in line else (line, "") for line in out.splitlines())
+        assert float(rows["eps"]) == pytest.approx(eps, rel=1e-5)
+        assert name in out and "zeta" in out and "{" not in out
 
 
 def test_subsampled_shuffle_max_rounds_is_consistent(capsys) -> None:
@@ -218,6 +230,10 @@ def test_subsampled_shuffle_max_rounds_is_consistent(capsys) -> None:
 
 def test_min_noise_queries(capsys) -> None:
     g = _run(capsys, "gaussian", "--rounds", "100", "--eps", "2", "--delta", "1e-5", "--min-noise")
+    assert g["sigma"] == pytest.approx(gaussian.min_sigma(1.0, 100, 2.0, 1e-5, "rdp"), rel=1e-8)  # discrete noise
+    assert g["eps"] <= 2.0
+    g = _run(capsys, "gaussian", "--rounds", "100", "--eps", "2", "--delta", "1e-5", "--min-noise", "--noise",
+             "continuous")  # fmt: skip
     assert g["sigma"] == pytest.approx(gaussian.min_sigma(1.0, 100, 2.0, 1e-5, "exact"), rel=1e-8)
     assert g["eps"] <= 2.0
     p = _run(capsys, "pnsgd", "--n", "10000", "--lipschitz", "1", "--eta", "0.1", "--diameter", "1", "--eps", "1",
@@ -225,6 +241,9 @@ def test_min_noise_queries(capsys) -> None:
     assert p["scale"] == pytest.approx(pnsgd.calibrate_scale("gaussian", 1e-5, 1.0, 10000, 1.0, 0.1, 1.0), rel=1e-8)
     assert p["scale"] == pytest.approx(3.28531, rel=1e-5)  # spec 004 sec 4 calibration value
     t = _run(capsys, "tree", "--noise-multiplier", "5", "--eps", "1", "--delta", "1e-6", "--max-rounds")
+    assert t["max_steps"] == tree_aggregation.max_steps_single_tree(5.0, 1.0, 1e-6, "rdp")
+    t = _run(capsys, "tree", "--noise-multiplier", "5", "--eps", "1", "--delta", "1e-6", "--max-rounds", "--noise",
+             "continuous")  # fmt: skip
     assert t["max_steps"] == tree_aggregation.max_steps_single_tree(5.0, 1.0, 1e-6, "exact")
 
 
@@ -262,17 +281,21 @@ def test_fixed_cohort_query_is_the_ledgers_accountant(capsys) -> None:
     fixed cohort), for cost, --max-rounds and --min-noise."""
     from shuffledp.protocols.gaussian_round import wor_epsilon
 
-    base = ["gaussian", "--sample-size", "50", "--dataset-size", "2000", "--delta", "1e-5"]
+    base = ["gaussian", "--sample-size", "50", "--dataset-size", "2000", "--delta", "1e-5", "--noise", "discrete"]
     cost = _run(capsys, *base, "--noise-multiplier", "2", "--rounds", "100")
-    assert cost["eps"] == wor_epsilon(2.0, 2000, 50, 100, 1e-5)
+    assert cost["eps"] == wor_epsilon(2.0, 2000, 50, 100, 1e-5, "discrete")
     assert cost["neighboring"] == "replace_one"
     most = _run(capsys, *base, "--noise-multiplier", "2", "--eps", "1", "--max-rounds")
     t = most["max_rounds"]
-    assert wor_epsilon(2.0, 2000, 50, t, 1e-5) <= 1.0 < wor_epsilon(2.0, 2000, 50, t + 1, 1e-5)
+    assert wor_epsilon(2.0, 2000, 50, t, 1e-5, "discrete") <= 1.0 < wor_epsilon(2.0, 2000, 50, t + 1, 1e-5, "discrete")
     least = _run(capsys, *base, "--rounds", "100", "--eps", "1", "--min-noise")
     z = least["noise_multiplier"]
-    assert least["eps"] == wor_epsilon(z, 2000, 50, 100, 1e-5) <= 1.0  # never below the requirement
-    assert wor_epsilon(z * (1 - 1e-4), 2000, 50, 100, 1e-5) > 1.0  # and near-least
+    assert least["eps"] == wor_epsilon(z, 2000, 50, 100, 1e-5, "discrete") <= 1.0  # never below the requirement
+    assert wor_epsilon(z * (1 - 1e-4), 2000, 50, 100, 1e-5, "discrete") > 1.0  # and near-least
+    # --noise continuous: dp_accounting's bound for the continuous Gaussian (WBK19 Thm 27), never above the discrete
+    cont = _run(capsys, *base[:-2], "--noise-multiplier", "2", "--rounds", "100")  # the default: continuous
+    assert cont["eps"] == wor_epsilon(2.0, 2000, 50, 100, 1e-5, "continuous") <= cost["eps"]
+    assert cost["noise"] == "discrete" and cont["noise"] == "continuous" and cont["accountant"] != cost["accountant"]
 
 
 def test_fixed_cohort_refuses_add_or_remove_and_mixed_sampling(capsys) -> None:

@@ -15,7 +15,9 @@ import math
 
 import numpy as np
 import pytest
+from dp_accounting import dp_event
 from dp_accounting import gaussian_mechanism as dpa_gaussian
+from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
 from shuffledp.services.ledger import BudgetLimit, Ledger, PrivacyEvent
 
 from shuffledp import sealing
@@ -31,12 +33,17 @@ RUN, ROUND = "pan-run", 3
 VAR_TOL = 0.15  # relative tolerance on a sample variance over D coordinates (about 4.7 standard errors)
 
 
-def _request(kind="sequential", calibration="calibrated", eps=EPS, transport="sealed", dim=D) -> PlanRequest:
-    return PlanRequest(kind, calibration, eps, DELTA, None, 10, B, B, dim, L, transport, admitted=10 * B)
+def _request(
+    kind="sequential", calibration="calibrated", eps=EPS, transport="sealed", dim=D, options=None
+) -> PlanRequest:
+    return PlanRequest(
+        kind, calibration, eps, DELTA, None, 10, B, B, dim, L, transport, admitted=10 * B, options=options or {}
+    )
 
 
-def _plan(calibration="calibrated", eps=EPS, dim=D) -> dict:
-    sized = PanRound().plan(_request(calibration=calibration, eps=eps, dim=dim))
+def _plan(calibration="calibrated", eps=EPS, dim=D, noise=None) -> dict:
+    options = {} if noise is None else {"noise": noise}
+    sized = PanRound().plan(_request(calibration=calibration, eps=eps, dim=dim, options=options))
     return {"params": sized.params, "composition": sized.composition, "noise_sq": sized.noise_sq}
 
 
@@ -84,7 +91,7 @@ def intrusion_flags(views: list[np.ndarray], partials: list[np.ndarray], std: fl
 class _CleanStart(PanRound):
     """What the pan-privacy test must catch: an accumulator that starts clean (all noise added at the end)."""
 
-    def _initial_noise(self, d, std, rng):
+    def _initial_noise(self, d, std, rng, **grid):
         return np.zeros(d)
 
     def add_noise(self, total, round_index, plan, params, state, rng, used):
@@ -96,8 +103,8 @@ class _CleanStart(PanRound):
 class _WeakStart(PanRound):
     """A variant whose initial noise is 10x too small: also an intrusion leak the check must flag."""
 
-    def _initial_noise(self, d, std, rng):
-        return super()._initial_noise(d, std / 10.0, rng)
+    def _initial_noise(self, d, std, rng, **grid):
+        return super()._initial_noise(d, std / 10.0, rng, **grid)
 
 
 # ------------------------------------------------------------------------------------- 1. the intrusion view
@@ -120,7 +127,10 @@ def test_probe_never_sees_a_clean_partial_sum_and_the_check_catches_a_clean_accu
 
     # the same check fails on an implementation that keeps a clean accumulator (issue 12 item 5) ...
     _, clean_views = _decode(_CleanStart(rng=make_rng(11)), cts, params, private, info)
-    np.testing.assert_allclose(clean_views[-1], partials[-1], atol=1e-12)  # it really is the clean sum
+    # it really is the clean sum, up to the items' rounding to the discrete Gaussian's grid (<= g/2 each)
+    grid = PanRound._grid(params)
+    np.testing.assert_allclose(clean_views[-1], partials[-1], rtol=0, atol=B * grid / 2)
+    assert np.all(clean_views[-1] / grid == np.rint(clean_views[-1] / grid))  # and on the grid
     assert intrusion_flags(clean_views, partials, std) == list(range(B + 1))
     # ... and on one whose starting noise is too small to cover a user
     _, weak_views = _decode(_WeakStart(rng=make_rng(11)), cts, params, private, info)
@@ -197,7 +207,8 @@ def test_client_randomize_to_release_round_trip_with_real_sealing():
     dec, views = _decode(proto, cts, params, private, sealing.round_info(RUN, ROUND))
     assert dec.used == B and sum(dec.rejected.values()) == 0
     clipped = G * (L / np.linalg.norm(G, axis=1))[:, None]
-    np.testing.assert_allclose(dec.total - views[0], clipped.sum(axis=0), atol=1e-9)
+    # the items are rounded to the discrete Gaussian's grid before they are added (<= g/2 each)
+    np.testing.assert_allclose(dec.total - views[0], clipped.sum(axis=0), atol=B * PanRound._grid(params) / 2 + 1e-9)
 
 
 # ------------------------------------------------------------------------------------ 3. bad messages
@@ -244,32 +255,56 @@ def test_bad_messages_are_counted_and_never_summed():
     for j, ok in enumerate(is_good, start=1):
         if not ok:
             assert np.array_equal(views[j], views[j - 1]), f"item {j} (a bad message) changed the accumulator"
-    np.testing.assert_allclose(dec.total - views[0], X.sum(axis=0), atol=1e-9)
+    np.testing.assert_allclose(dec.total - views[0], X.sum(axis=0), atol=len(X) * PanRound._grid(params) / 2 + 1e-9)
     with pytest.raises(BatchError):
         proto.decode(batch, len(order) + 1, {}, params, private, info)
 
 
 # ----------------------------------------------------------------------------------------- 4. accounting
+def _rdp_epsilon(noise_multiplier: float) -> float:
+    """An independent RDP conversion of one Gaussian (dp_accounting's RdpAccountant, its own default orders)."""
+    acc = dpa_rdp.RdpAccountant()
+    acc.compose(dp_event.GaussianDpEvent(noise_multiplier))
+    return acc.get_epsilon(DELTA)
+
+
 def test_round_cost_is_the_gaussian_calibration_inverse():
+    """Continuous noise: the exact curve (Balle-Wang), zeta its least; discrete (the default, issue 24 D19): the RDP
+    conversion (CKS20 Thm 14 + Prop 12), never below the exact figure at the same zeta, zeta the least under it."""
     proto = PanRound()
-    plan = _plan()
+    plan = _plan(noise="continuous")
     p = plan["params"]
-    assert plan["composition"] == "parallel"
+    assert plan["composition"] == "parallel" and p["noise"] == "continuous"
     event = PrivacyEvent(proto.name, p, B, "sequential", "central")
     eps_r, delta_r = proto.round_cost(event)
     assert EPS - 1e-9 <= eps_r <= EPS and delta_r == DELTA
     # independent implementation of the same curve (dp_accounting, Balle-Wang): std / sensitivity = B zeta / 2L
     assert eps_r == pytest.approx(dpa_gaussian.get_epsilon_gaussian(B * p["zeta"] / (2 * L), DELTA), abs=1e-8)
-    assert pan_round_epsilon(L, B, p["zeta"] * 0.999, DELTA) > EPS  # the planned zeta is the least that fits
+    assert pan_round_epsilon(L, B, p["zeta"] * 0.999, DELTA, "continuous") > EPS  # the least that fits
+
+    dplan = _plan()
+    dp = dplan["params"]
+    assert dp["noise"] == "discrete" and dp["zeta"] > p["zeta"]  # more noise for the same eps: the proven figure
+    eps_d = proto.round_cost(PrivacyEvent(proto.name, dp, B, "sequential", "central"))[0]
+    assert EPS - 1e-9 <= eps_d <= EPS
+    assert pan_round_epsilon(L, B, dp["zeta"] * 0.999, DELTA) > EPS  # the least that fits under the RDP figure
+    # at one zeta: exact (continuous) < RDP conversion <= dp_accounting's RDP conversion on its coarser order grid
+    z = B * dp["zeta"] / (2 * L)
+    exact = dpa_gaussian.get_epsilon_gaussian(z, DELTA)
+    assert exact < eps_d <= _rdp_epsilon(z) <= eps_d * (1 + 1e-3)
+    assert pan_round_epsilon(L, B, dp["zeta"], DELTA, "continuous") == pytest.approx(exact, abs=1e-8)
 
     # the paper's zeta (Alg 6 line 1), charged what it really costs: below eps, above the calibrated zeta
-    paper = _plan("paper", eps=0.5)["params"]
-    assert paper["zeta"] == pytest.approx(math.sqrt(8 * L**2 * math.log(2 / DELTA) / (B**2 * 0.5**2)), rel=1e-12)
-    assert paper["zeta"] == paper_zeta(L, B, 0.5, DELTA)
-    eps_paper = proto.round_cost(PrivacyEvent(proto.name, paper, B, "sequential", "central"))[0]
-    assert eps_paper < 0.5
-    assert eps_paper == pytest.approx(dpa_gaussian.get_epsilon_gaussian(B * paper["zeta"] / (2 * L), DELTA), abs=1e-8)
-    assert paper["zeta"] > _plan(eps=0.5)["params"]["zeta"]
+    for noise in ("continuous", "discrete"):
+        paper = _plan("paper", eps=0.5, noise=noise)["params"]
+        assert paper["zeta"] == pytest.approx(math.sqrt(8 * L**2 * math.log(2 / DELTA) / (B**2 * 0.5**2)), rel=1e-12)
+        assert paper["zeta"] == paper_zeta(L, B, 0.5, DELTA)
+        eps_paper = proto.round_cost(PrivacyEvent(proto.name, paper, B, "sequential", "central"))[0]
+        assert eps_paper < 0.5
+        z = B * paper["zeta"] / (2 * L)
+        expected = dpa_gaussian.get_epsilon_gaussian(z, DELTA) if noise == "continuous" else _rdp_epsilon(z)
+        assert eps_paper == pytest.approx(expected, rel=1e-3 if noise == "discrete" else 1e-8)
+        assert paper["zeta"] > _plan(eps=0.5, noise=noise)["params"]["zeta"]
     with pytest.raises(ValueError, match="0 < eps < 1"):
         PanRound().plan(_request(calibration="paper", eps=2.0))
 

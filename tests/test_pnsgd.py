@@ -382,6 +382,7 @@ def test_an_online_run_over_real_processes_charges_what_the_account_cli_says(tmp
     p = run["plan"]["params"]
     sigma_n = float(online_sigmas(p, n)[-1])
     argv = ["gaussian", "--sigma", repr(sigma_n), "--sensitivity", repr(2 * p["lipschitz"]), "--delta", "1e-05"]
+    argv += ["--noise", "continuous"]  # pnsgd_online adds continuous noise (amplification by iteration needs it)
     proc = subprocess.run(
         [sys.executable, "-m", "shuffledp.cli", "account", *argv, "--json"], capture_output=True, text=True, timeout=60
     )

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from shuffledp.accountants.tree_aggregation import tree_depth, zeta_restarts
+from shuffledp.protocols import tree_noise
 from shuffledp.protocols.tree_noise import (
     TreeState,
     add_leaf,
@@ -30,6 +31,19 @@ class OnesGenerator(np.random.Generator):
 
 def ones_rng() -> OnesGenerator:
     return OnesGenerator(np.random.PCG64(0))
+
+
+@pytest.fixture(autouse=True)
+def _unit_nodes(monkeypatch):
+    """With ones_rng, every node's noise is std * 1 (the structural tests); else the real discrete Gaussian."""
+    real = tree_noise._node_noise
+
+    def node(dim, std, rng, sensitivity, grid, noise):
+        if isinstance(rng, OnesGenerator):
+            return std * rng.standard_normal(dim)
+        return real(dim, std, rng, sensitivity, grid, noise)
+
+    monkeypatch.setattr(tree_noise, "_node_noise", node)
 
 
 def popcount(t: int) -> int:

@@ -203,7 +203,7 @@ def _gaussian_spec(run: str, r: int, population: int) -> pb.RoundSpec:
 
     from shuffledp import sealing
 
-    params = {"d": 8, "clip": 1.0, "k": 10, "n": 100, "delta": 1e-5, "noise_multiplier": 1.0}
+    params = {"d": 8, "clip": 1.0, "k": 10, "n": 100, "delta": 1e-5, "noise_multiplier": 1.0, "noise": "continuous"}
     fields = GaussianRound().spec_fields({}, params, SimpleNamespace(params=params), sealing.generate_keypair()[1])
     spec = pb.RoundSpec(run_id=run, round=r, schedule=pb.SUBSAMPLED, task="logreg", num_classes=2, **fields)
     spec.model.shape.append(8)  # 2 classes x (3 features + bias)

@@ -19,6 +19,15 @@ Cor. 3.3). Three conversions to (eps, delta) are offered, all monotone in rho:
   ``dp_accounting.get_epsilon_gaussian``). Tightest; valid because each round's sensitivity bound is fixed in
   advance (spec 002 section 4), so adaptive composition is exactly rho-GDP.
 
+Which conversion is proven depends on the noise actually added (issue 24 D19): the exact curve is the
+continuous Gaussian's; the discrete Gaussian of the central protocols (shuffledp.protocols.discrete_gaussian) is
+proven only to have the continuous Gaussian's RDP curve (Canonne-Kamath-Steinke 2020 Thm 14: independent
+coordinates, integer shift of l2 norm Delta -> (Delta^2 / (2 sigma^2))-zCDP, i.e. alpha Delta^2 / (2 sigma^2) at
+every alpha > 1), so it is converted by ``"rdp"`` (``conversion``), which holds for ANY mechanism with that curve.
+Their Thm 7 exact curve is for one coordinate only, and the tau term of Kairouz-Liu-Steinke 2021 (sums of n
+discrete Gaussians, tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 sigma^2 k/(k+1))) does not arise: every release here
+carries one discrete Gaussian draw per coordinate (a prefix sum of tree nodes is a post-processing of them).
+
 The generic Gaussian-curve functions here (``epsilon_for_rho``, ``delta_for_rho``, ``rho_for_epsilon``) are
 also used by the tree-aggregation accountant of seed 003, whose mechanism is the same Gaussian curve with
 rho^2 = zeta / z^2.
@@ -42,6 +51,8 @@ from shuffledp.accountants.rdp import minimise_over_orders
 
 Method = Literal["paper", "rdp", "exact"]
 METHODS: tuple[str, ...] = ("paper", "rdp", "exact")
+Noise = Literal["discrete", "continuous"]
+NOISES: tuple[str, ...] = ("discrete", "continuous")  # the noise a central protocol adds (privacy.noise)
 
 # Orders used by the authors of seed 003 (DP-FTRL repository): 1.1, 1.2, ..., 199.9. Passing these reproduces
 # the papers' printed numbers; the default grid is a superset (so never looser).
@@ -97,6 +108,19 @@ def _check_method(method: str) -> str:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return method
+
+
+def check_noise(noise: str) -> str:
+    """One of NOISES, or a one-line ValueError."""
+    if noise not in NOISES:
+        raise ValueError(f"noise must be one of {NOISES}, got {noise!r}")
+    return noise
+
+
+def conversion(noise: str) -> Method:
+    """The tightest (eps, delta) conversion of a Gaussian-curve rho that is PROVEN for this noise (module
+    docstring): Balle-Wang's exact curve for the continuous Gaussian, the RDP conversion for the discrete one."""
+    return "exact" if check_noise(noise) == "continuous" else "rdp"
 
 
 def _check_orders(orders: Sequence[float] | None) -> tuple[float, ...]:

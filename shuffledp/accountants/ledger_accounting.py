@@ -17,7 +17,10 @@ Routing (tight / paper):
 - LdpShuffleRound: Thm 1 RDP of seed 001 plus monotone envelope and pure-DP cap (spec 001 sec 7.3), optimal
   RDP -> DP conversion / FMT20 numeric shuffle + subsampling + KOV15 (the paper's baseline, spec 001 sec 5).
 - GaussianRound, TreeAggregation: exact Gaussian (GDP) curve, or PLD when Poisson sampled (dp_accounting) /
-  Lemma 2.5 of seed 002, or RDP over the paper's orders 1.1..199.9 when trees are involved (seed 003).
+  Lemma 2.5 of seed 002, or RDP over the paper's orders 1.1..199.9 when trees are involved (seed 003). With
+  ``noise="discrete"`` (the discrete Gaussian of the central protocols, issue 24 D19) the tight figure is the RDP
+  conversion of the same rho instead (gaussian.conversion: the exact curve is proven for continuous noise only),
+  and Poisson sampling is refused (no subsampled bound here is proven for it).
 - PnsgdRun: Thm 2 of seed 004; several epochs: min(basic, advanced composition) / basic composition.
 
 Events of different families are composed by basic composition (Dwork-Roth Thm 3.16) with delta split evenly.
@@ -171,16 +174,26 @@ def account(
     delta: float,
     accountant: Accountant = "tight",
     ldp_bound: str | None = None,
+    noise: str = "continuous",
 ) -> AccountResult:
     """(eps, delta)-DP guarantee of the whole history at the requested ``delta``.
 
     ``events`` may repeat an event or give (event, count) pairs (10^6 identical rounds need not be listed).
-    ``ldp_bound`` overrides the bound used for LdpShuffleRound events (one of LDP_SHUFFLE_BOUNDS).
+    ``ldp_bound`` overrides the bound used for LdpShuffleRound events (one of LDP_SHUFFLE_BOUNDS). ``noise``: the
+    Gaussian noise GaussianRound / TreeAggregation events were released with (gaussian.NOISES; module docstring).
     """
-    return _account(_as_items(events), check_delta(delta), _check_accountant(accountant), ldp_bound)
+    n = gaussian_noise_kind(noise)
+    return _account(_as_items(events), check_delta(delta), _check_accountant(accountant), ldp_bound, n)
 
 
-def _account(items: Items, d: float, acc: str, ldp_bound: str | None) -> AccountResult:
+def gaussian_noise_kind(noise: str) -> str:
+    """gaussian.check_noise without importing dp_accounting for a wrong value."""
+    if noise not in ("discrete", "continuous"):
+        raise ValueError(f"noise must be 'discrete' or 'continuous', got {noise!r}")
+    return noise
+
+
+def _account(items: Items, d: float, acc: str, ldp_bound: str | None, noise: str = "continuous") -> AccountResult:
     """``account`` on validated input."""
     if not items:
         raise ValueError("events must contain at least one privacy event")
@@ -190,10 +203,10 @@ def _account(items: Items, d: float, acc: str, ldp_bound: str | None) -> Account
         families.setdefault(_family(ev), []).append((ev, c))
     if len(families) == 1:
         ((fam, its),) = families.items()
-        return _account_family(fam, its, d, acc, trust, ldp_bound)
+        return _account_family(fam, its, d, acc, trust, ldp_bound, noise)
     # Different mechanisms on the same users: basic composition with delta split evenly (Dwork-Roth Thm 3.16).
     share = d / len(families)
-    parts = {fam: _account_family(fam, its, share, acc, trust, ldp_bound) for fam, its in families.items()}
+    parts = {fam: _account_family(fam, its, share, acc, trust, ldp_bound, noise) for fam, its in families.items()}
     eps = _sum_up(r.eps for r in parts.values())
     name = "basic-composition(" + ", ".join(r.accountant_name for r in parts.values()) + ")"
     details = {
@@ -204,13 +217,15 @@ def _account(items: Items, d: float, acc: str, ldp_bound: str | None) -> Account
     return AccountResult(eps, d, name, None, trust, details)
 
 
-def _account_family(fam: str, items: Items, delta: float, acc: str, trust: str, ldp_bound: str | None) -> AccountResult:
+def _account_family(
+    fam: str, items: Items, delta: float, acc: str, trust: str, ldp_bound: str | None, noise: str = "continuous"
+) -> AccountResult:
     if fam == "pvec":
         return _account_pvec(items, delta, acc, trust)
     if fam == "ldp_shuffle":
         return _account_ldp_shuffle(items, delta, acc, trust, ldp_bound)
     if fam == "gaussian":
-        return _account_gaussian(items, delta, acc, trust)
+        return _account_gaussian(items, delta, acc, trust, noise)
     return _account_pnsgd(items, delta, acc, trust)
 
 
@@ -235,16 +250,27 @@ def _gaussian_rho_sq(ev: GaussianRound | TreeAggregation) -> float:
     return gaussian.round_rho_sq(ev.sensitivity, ev.sigma)  # (Delta/sigma)^2 (seed 002 Lemma 2.2)
 
 
-def _account_gaussian(items: Items, delta: float, acc: str, trust: str) -> AccountResult:
+def _account_gaussian(items: Items, delta: float, acc: str, trust: str, noise: str = "continuous") -> AccountResult:
     rounds = sum(c for _, c in items)
     has_tree = any(isinstance(e, TreeAggregation) for e, _ in items)
     sampled = any(isinstance(e, GaussianRound) and e.sampling == "poisson" for e, _ in items)
     if sampled:
+        if noise == "discrete":
+            raise ValueError(
+                "no accountant here is proven for the Poisson-sampled discrete Gaussian (dp_accounting's sampled "
+                "Gaussian bounds assume continuous noise): Poisson sampling needs noise = 'continuous'"
+            )
         return _account_sampled_gaussian(items, delta, acc, trust, rounds)
-    # Unsampled Gaussian mechanisms compose exactly: rho^2 adds (Dong-Roth-Su 2019 Cor. 3.3; Thm 5.1/6.1 of 002).
+    # Unsampled Gaussian mechanisms compose exactly: rho^2 adds (Dong-Roth-Su 2019 Cor. 3.3; Thm 5.1/6.1 of 002);
+    # for the discrete Gaussian rho^2 adds in RDP / zCDP (CKS20 Thm 14 per round, Mironov 2017 Prop 1 across).
     rho = math.sqrt(math.fsum(c * _gaussian_rho_sq(e) for e, c in items))
-    details: dict[str, Any] = {"rounds": rounds, "rho": rho, "guarantee": True}
+    details: dict[str, Any] = {"rounds": rounds, "rho": rho, "guarantee": True, "noise": noise}
     if acc == "tight":
+        if noise == "discrete":
+            # CKS20 Thm 14 (zCDP of the discrete Gaussian) + the optimal RDP -> DP conversion (CKS20 Prop 12)
+            eps = gaussian.epsilon_for_rho(rho, delta, "rdp")
+            name = "gaussian-rdp (discrete Gaussian: CKS20 Thm 14 zCDP, CKS20 Prop 12 conversion)"
+            return AccountResult(eps, delta, name, None, trust, details)
         eps = gaussian.epsilon_for_rho(rho, delta, "exact")
         return AccountResult(eps, delta, "gaussian-exact (Balle-Wang 2018, dp_accounting)", None, trust, details)
     if has_tree:
@@ -526,6 +552,7 @@ def max_rounds(
     spent: Sequence[PrivacyEvent] | Sequence[tuple[PrivacyEvent, int]] = (),
     ldp_bound: str | None = None,
     t_max: int = _MAX_SEARCH,
+    noise: str = "continuous",
 ) -> int | float:
     """Largest T such that ``spent`` plus T copies of ``event`` cost at most (eps, delta); 0 if none fits.
 
@@ -536,10 +563,11 @@ def max_rounds(
     e = _check_eps(eps)
     d = check_delta(delta)
     acc = _check_accountant(accountant)
+    n = gaussian_noise_kind(noise)
     prior = _as_items(spent)
 
     def fits(t: int) -> bool:
-        return _account(_as_items(prior + [(event, t)]), d, acc, ldp_bound).eps <= e
+        return _account(_as_items(prior + [(event, t)]), d, acc, ldp_bound, n).eps <= e
 
     if _parallel_only(event):
         return math.inf if fits(1) else 0
@@ -567,6 +595,7 @@ def min_noise(
     spent: Sequence[PrivacyEvent] | Sequence[tuple[PrivacyEvent, int]] = (),
     ldp_bound: str | None = None,
     rel_tol: float = 1e-9,
+    noise: str = "continuous",
 ) -> tuple[PrivacyEvent, AccountResult]:
     """The event with the least noise for which ``spent`` plus ``rounds`` copies fit (eps, delta), and its cost.
 
@@ -580,6 +609,7 @@ def min_noise(
     e = _check_eps(eps)
     d = check_delta(delta)
     acc = _check_accountant(accountant)
+    n = gaussian_noise_kind(noise)
     if isinstance(event, PvecRound):
         if spent:
             raise ValueError("min_noise for PVEC re-derives the parameters and takes no spent history")
@@ -594,7 +624,7 @@ def min_noise(
         return dataclasses.replace(event, **{name: x})
 
     def fits(x: float) -> bool:
-        return _account(_as_items(prior + [(with_value(x), int(rounds))]), d, acc, ldp_bound).eps <= e
+        return _account(_as_items(prior + [(with_value(x), int(rounds))]), d, acc, ldp_bound, n).eps <= e
 
     x0 = float(getattr(event, name))
     if name == "eps0":  # fits for small eps0; find the largest
@@ -620,7 +650,7 @@ def min_noise(
             if bad < 1e-12:
                 raise ValueError(f"every {name} >= 1e-12 fits eps={e}, delta={d}: the budget does not bind")
     best = with_value(composition.bisect_boundary(fits, good, bad, rel_tol=rel_tol, geometric=True))
-    return best, account(prior + [(best, int(rounds))], d, acc, ldp_bound)
+    return best, account(prior + [(best, int(rounds))], d, acc, ldp_bound, n)
 
 
 def pvec_min_noise(
@@ -664,10 +694,14 @@ def pvec_min_noise(
     return ev
 
 
-def max_tree_steps(noise_multiplier: float, eps: float, delta: float, accountant: Accountant = "tight") -> int:
+def max_tree_steps(
+    noise_multiplier: float, eps: float, delta: float, accountant: Accountant = "tight", noise: str = "continuous"
+) -> int:
     """Largest T such that one participation in one tree of T leaves fits (eps, delta) (seed 003), with the same
-    conversion as ``account``: exact Gaussian (tight) or RDP over the paper's orders (paper)."""
+    conversion as ``account``: the tightest proven for the noise (tight) or RDP over the paper's orders (paper)."""
     acc = _check_accountant(accountant)
     if acc == "tight":
-        return tree_aggregation.max_steps_single_tree(noise_multiplier, eps, delta, "exact")
+        return tree_aggregation.max_steps_single_tree(
+            noise_multiplier, eps, delta, gaussian.conversion(gaussian_noise_kind(noise))
+        )
     return tree_aggregation.max_steps_single_tree(noise_multiplier, eps, delta, "rdp", gaussian.PAPER_ORDERS)

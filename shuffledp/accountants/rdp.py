@@ -234,3 +234,43 @@ def optimal_epsilon(
         order_cap=order_cap,
         integer=True,
     )
+
+
+def subsampled_wor_rdp(
+    base_rdp: Callable[[np.ndarray], np.ndarray], q: float, orders: Sequence[int] | np.ndarray
+) -> np.ndarray:
+    """RDP at integer orders >= 2 of ANY mechanism with RDP curve ``base_rdp`` (an upper bound, at integer orders)
+    run on a uniform subset of a fraction q = m/n of the records drawn without replacement, replace-one
+    neighbours: Wang, Balle & Kasiviswanathan 2019, Thm 9 with eps(inf) = inf (the min{2, .} factors are 2):
+
+        (alpha - 1) eps'(alpha) <= log(1 + q^2 C(alpha,2) min{4 (e^eps(2) - 1), 2 e^eps(2)}
+                                       + sum_{j=3}^alpha 2 q^j C(alpha,j) e^{(j-1) eps(j)})
+
+    Every term grows with eps(j), so an upper bound on the base curve gives an upper bound here (unlike their
+    Thm 27 / dp_accounting's forward differences, which need the Gaussian's exact moments). Summed in log space."""
+    from scipy.special import gammaln, logsumexp  # at first use: keeps this module's import light
+
+    o = np.asarray(orders)
+    if o.size == 0 or np.any(o < 2) or np.any(o != np.floor(o)):
+        raise ValueError("subsampled_wor_rdp needs integer orders >= 2")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"the sampling fraction q must lie in [0, 1], got {q!r}")
+    top = int(o.max())
+    js = np.arange(2, top + 1)
+    eps_j = np.asarray(base_rdp(js.astype(np.float64)), dtype=np.float64)
+    if q == 0.0:
+        return np.zeros(o.shape)
+    log_q = math.log(q)
+    e2 = float(eps_j[0])
+    # log min{4 (e^e2 - 1), 2 e^e2}; log(4 (e^e2 - 1)) = log 4 + e2 + log1p(-e^-e2)
+    log_t2 = min(math.log(4.0) + e2 + math.log1p(-math.exp(-e2)) if e2 > 0 else -math.inf, math.log(2.0) + e2)
+    # term_j without the binomial: j = 2 as above, j >= 3: log 2 + (j - 1) eps(j); both times q^j
+    log_terms = np.where(js == 2, log_t2, math.log(2.0) + (js - 1) * eps_j) + js * log_q
+    out = np.empty(o.shape, dtype=np.float64)
+    for i, a in enumerate(o.ravel().tolist()):
+        a = int(a)
+        j = js[: a - 1]
+        log_binom = gammaln(a + 1) - gammaln(j + 1) - gammaln(a - j + 1)
+        s = np.concatenate(([0.0], log_binom + log_terms[: a - 1]))  # the leading 1 = e^0
+        out.flat[i] = float(logsumexp(s)) / (a - 1)
+    return out

@@ -6,32 +6,41 @@ size, secret from the analyzer's point of view only up to what it decodes); each
 it (protocols.central); the shuffler releases the batch only when all k arrived (threshold k, as for CLDP-SGD: a
 dropout releases nothing and costs nothing, dropouts being independent of the data); the analyzer sums the valid
 vectors (a skipped one counts as a zero vector, inside the clip ball), adds N(0, (z C)^2 I) from the CSPRNG and
-divides by k.
+divides by k. The noise (privacy.noise, issue 24 D19) is by default numpy's continuous Gaussian: the figures
+proven for the discrete Gaussian here are missing (Poisson) or far looser at small eps (fixed cohort, below).
+privacy.noise = "discrete" (fixed cohort only) adds the discrete Gaussian on a fine grid (protocols.discrete_gaussian:
+exact sampling, the sum rounded to the grid and the std raised by the rounding's sensitivity growth, <= 2^-20),
+whose Renyi DP is at most the continuous Gaussian's at every order (CKS20 Thm 14).
 
 Privacy: what the accountant assumes is what the shuffler does: sampling WITHOUT replacement of a fixed k of n,
-under replace-one neighbours (n public), for which dp_accounting's RDP accountant implements Wang, Balle and
-Kasiviswanathan 2019 (Thm 27; SampledWithoutReplacementDpEvent). Replacing one user moves the clipped sum by at
-most 2C, so the Gaussian's noise multiplier in that accountant is z C / (2 C) = z / 2. Rounds compose in RDP; the
-conversion to (eps, delta) is dp_accounting's. (Replace-one is the stronger relation: DP-FTRL's tree accountant uses
-zero-out, spec 003 A2, so at equal eps this baseline is held to a stricter guarantee; reports name both.)
+under replace-one neighbours (n public). Replacing one user moves the clipped sum by at most 2C, so the Gaussian's
+noise multiplier is z C / (2 C) = z / 2. Continuous noise: dp_accounting's RDP accountant, Wang, Balle and
+Kasiviswanathan 2019 Thm 27 (SampledWithoutReplacementDpEvent), whose forward differences use the Gaussian's
+exact moments. Discrete noise: their Thm 9, proven for ANY mechanism given an upper bound on its RDP at integer
+orders (accountants.rdp.subsampled_wor_rdp), capped by the unsampled RDP; equal to Thm 27 at small z and large
+eps, but its terms q^j C(alpha, j) 2 e^{(j-1) eps(j)} do not vanish as z grows, so small budgets need far more noise.
+Rounds compose in RDP; the conversion to (eps, delta) is the optimal one (CKS20 Prop 12). (Replace-one is the
+stronger relation: DP-FTRL's tree accountant uses zero-out, spec 003 A2, so at equal eps this baseline is held to
+a stricter guarantee; reports name both.)
 
-schedule.sampling = "poisson" (issue 14 item 5): the shuffler invites each eligible user independently with
-q = k/n from its CSPRNG (RoundSpec.sampling_rate) and releases whatever arrives, an empty batch included; the
-analyzer adds N(0, (z C)^2 I) to the sum and divides by the expected k = q n whatever the batch's size. This is the
-sampled Gaussian mechanism as Abadi et al. 2016 and dp_accounting define it: add-or-remove-one neighbours
-(sensitivity C, noise multiplier z), PoissonSampledDpEvent(q, GaussianDpEvent(z)) per round, every round charged.
-The ledger's figure is ledger_accounting.account of the GaussianRound events, i.e. exactly `shuffledp account
-gaussian --sigma zC --sensitivity C --sampling-rate q` (the smaller of dp_accounting's pessimistic PLD and RDP);
-z is calibrated on the RDP bound alone (a bisection of PLD builds would take seconds per step), so the ledger
-charges at most the budget and usually less. A dropout lowers a user's inclusion probability below q, which only
-lowers the sampled Gaussian's privacy loss. The count of a round's contributors is seen by the analyzer (trusted
-here) and is in its per-round metrics: the accountant covers the released model, not those operator metrics.
-"""
+schedule.sampling = "poisson" (issue 14 item 5; CONTINUOUS noise: dp_accounting's sampled-Gaussian RDP / PLD are
+proven for the continuous Gaussian only, so privacy.noise = "discrete" is refused there): the shuffler invites each
+eligible user independently with q = k/n from its CSPRNG (RoundSpec.sampling_rate) and releases whatever arrives,
+an empty batch included; the analyzer adds N(0, (z C)^2 I) to the sum and divides by the expected k = q n whatever
+the batch's size. This is the sampled Gaussian mechanism as Abadi et al. 2016 and dp_accounting define it: add-or-
+remove-one neighbours (sensitivity C, noise multiplier z), PoissonSampledDpEvent(q, GaussianDpEvent(z)) per round,
+every round charged. The ledger's figure is ledger_accounting.account of the GaussianRound events, i.e. exactly
+`shuffledp account gaussian --sigma zC --sensitivity C --sampling-rate q` (the smaller of dp_accounting's
+pessimistic PLD and RDP); z is calibrated on the RDP bound alone (a bisection of PLD builds would take seconds per
+step), so the ledger charges at most the budget and usually less. A dropout lowers a user's inclusion probability
+below q, which only lowers the sampled Gaussian's privacy loss. The count of a round's contributors is seen by the
+analyzer (trusted here) and is in its per-round metrics: the accountant covers the released model, not those
+operator metrics."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -39,21 +48,34 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
+from shuffledp.accountants.rdp import optimal_epsilon, subsampled_wor_rdp
+from shuffledp.protocols import discrete_gaussian
 from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
 from shuffledp.protocols.central import CentralRound
 from shuffledp.v1 import shuffledp_pb2 as pb
 
-__all__ = ["GaussianRound", "wor_epsilon", "poisson_epsilon", "unamplified_epsilon"]
+__all__ = ["GaussianRound", "wor_epsilon", "poisson_epsilon", "unamplified_epsilon", "least_noise_multiplier"]
 
 _NOISE_FIELD = "noise_multiplier"
 
 
 @lru_cache(maxsize=4096)
-def wor_epsilon(noise_multiplier: float, n: int, k: int, rounds: int, delta: float) -> float:
+def wor_epsilon(noise_multiplier: float, n: int, k: int, rounds: int, delta: float, noise: str = "continuous") -> float:
     """eps of `rounds` rounds of the Gaussian (std z C) on the sum of a uniform k-of-n cohort's C-clipped vectors,
-    replace-one neighbours (module docstring): dp_accounting RDP, SampledWithoutReplacementDpEvent."""
+    replace-one neighbours (module docstring): continuous noise, dp_accounting RDP (SampledWithoutReplacementDpEvent,
+    WBK19 Thm 27); discrete noise, WBK19 Thm 9 on the Gaussian's RDP curve alpha / (2 (z/2)^2) (CKS20 Thm 14)."""
     if rounds == 0:
         return 0.0
+    if discrete_gaussian.noise_of({"noise": noise}) == "discrete":
+        zr = noise_multiplier / 2.0  # sensitivity 2C under replace-one
+
+        def curve(orders: np.ndarray) -> np.ndarray:
+            # and never above the unsampled mechanism's RDP: with the subsample coupled, the outputs are mixtures
+            # of pairs at replace-one distance (Renyi divergence is jointly quasi-convex, van Erven-Harremoes Thm 13)
+            base = np.asarray(orders, dtype=np.float64) / (2.0 * zr * zr)
+            return np.minimum(subsampled_wor_rdp(lambda a: a / (2.0 * zr * zr), k / n, orders), base)
+
+        return float(optimal_epsilon(curve, rounds, delta)[0])
     acc = rdp.RdpAccountant(neighboring_relation=rdp.NeighborRel.REPLACE_ONE)
     inner = dp_event.GaussianDpEvent(noise_multiplier / 2.0)  # sensitivity 2C under replace-one
     acc.compose(dp_event.SampledWithoutReplacementDpEvent(n, k, inner), rounds)
@@ -64,7 +86,8 @@ def wor_epsilon(noise_multiplier: float, n: int, k: int, rounds: int, delta: flo
 def poisson_epsilon(noise_multiplier: float, q: float, rounds: int, delta: float, accountant: str = "tight") -> float:
     """eps of `rounds` Poisson-sampled rounds (rate q) of the Gaussian (std z C) on the sum of C-clipped vectors,
     add-or-remove-one (module docstring): what `shuffledp account gaussian --sampling-rate q` reports ("tight": the
-    smaller of PLD and RDP; "paper": dp_accounting's RDP alone, what the calibration uses)."""
+    smaller of PLD and RDP; "paper": dp_accounting's RDP alone, what the calibration uses). Continuous noise only
+    (module docstring)."""
     from shuffledp.accountants import ledger_accounting
     from shuffledp.events import GaussianRound as GaussianEvent
 
@@ -75,18 +98,37 @@ def poisson_epsilon(noise_multiplier: float, q: float, rounds: int, delta: float
 
 
 @lru_cache(maxsize=4096)
-def unamplified_epsilon(noise_multiplier: float, joined: int, delta: float, poisson: bool) -> float:
+def unamplified_epsilon(
+    noise_multiplier: float, joined: int, delta: float, poisson: bool, noise: str = "continuous"
+) -> float:
     """eps of `joined` rounds of the Gaussian (std z C) on a sum that holds the user's C-clipped vector, without
     amplification by sampling: a Gaussian mechanism composed exactly (mu-GDP, Dong-Roth-Su 2019 Cor 3.3) with
     mu = sqrt(joined) * sensitivity / (z C): sensitivity 2C under replace-one (fixed cohort), C under
-    add-or-remove-one (Poisson), the neighbouring relation of the run's own accountant; exact conversion (Balle-Wang
-    2018)."""
-    from shuffledp.accountants.gaussian import epsilon_for_rho
+    add-or-remove-one (Poisson), the neighbouring relation of the run's own accountant; the tightest conversion
+    proven for the noise (accountants.gaussian.conversion: Balle-Wang 2018's exact curve for continuous noise, the
+    RDP conversion of CKS20 Thm 14's zCDP for discrete noise)."""
+    from shuffledp.accountants.gaussian import conversion, epsilon_for_rho
 
     if joined == 0:
         return 0.0
     sensitivity = 1.0 if poisson else 2.0
-    return epsilon_for_rho(math.sqrt(joined) * sensitivity / noise_multiplier, delta, "exact")
+    return epsilon_for_rho(math.sqrt(joined) * sensitivity / noise_multiplier, delta, conversion(noise))
+
+
+def least_noise_multiplier(fits: Callable[[float], bool], what: str) -> float:
+    """The least z (within 1e-9 relative, on the feasible side) with fits(z), for a fits that holds for large z:
+    a geometric bracket, then bisection (composition.bisect_boundary)."""
+    from shuffledp.accountants import composition
+
+    good = 1.0
+    while not fits(good):
+        good *= 4.0
+        if good > 1e9:
+            raise ValueError(f"no noise multiplier fits {what}")
+    bad = good
+    while fits(bad) and bad > 1e-6:
+        bad /= 4.0
+    return composition.bisect_boundary(fits, good, bad, rel_tol=1e-9, geometric=True)
 
 
 def _poisson(params: dict[str, Any]) -> bool:
@@ -97,8 +139,10 @@ def _epsilon(params: dict[str, Any], rounds: int, delta: float) -> float:
     """The run's accountant for its sampling (module docstring)."""
     z = float(params[_NOISE_FIELD])
     if _poisson(params):
+        if discrete_gaussian.noise_of(params) == "discrete":
+            raise ValueError("a Poisson-sampled plan must add continuous noise (module docstring)")
         return poisson_epsilon(z, float(params["q"]), rounds, delta)
-    return wor_epsilon(z, int(params["n"]), int(params["k"]), rounds, delta)
+    return wor_epsilon(z, int(params["n"]), int(params["k"]), rounds, delta, discrete_gaussian.noise_of(params))
 
 
 class GaussianRound(CentralRound):
@@ -107,8 +151,6 @@ class GaussianRound(CentralRound):
     name = "gaussian"
 
     def plan(self, req: PlanRequest) -> RoundPlan:
-        from shuffledp.accountants import composition
-
         if req.kind != "subsampled":
             raise ValueError(
                 f'privacy.protocol = "gaussian" (central DP-SGD) needs schedule.kind = "subsampled", got "{req.kind}"'
@@ -118,24 +160,20 @@ class GaussianRound(CentralRound):
         T, n, k = int(req.rounds), int(req.admitted), int(req.cohort)
         z = req.options.get(_NOISE_FIELD)
         poisson = req.options.get("sampling") == "poisson"
+        # continuous by default: WBK19 Thm 9 (the discrete noise's fixed-cohort figure) has a floor that needs far
+        # more noise at small eps (eps 1, 40 rounds of 100 of 1348: z 1.9e5 against 8.07); discrete on request
+        noise = discrete_gaussian.plan_noise(req.options, proven_for_discrete=not poisson, default="continuous")
         q = k / n  # Poisson: the expected cohort is k
 
         def fits(x: float) -> bool:
             if poisson:  # RDP alone (fast); the ledger's min(PLD, RDP) is never larger
                 return poisson_epsilon(x, q, T, req.delta, "paper") <= req.eps
-            return wor_epsilon(x, n, k, T, req.delta) <= req.eps
+            return wor_epsilon(x, n, k, T, req.delta, noise) <= req.eps
 
         if z is None:
-            good = 1.0
-            while not fits(good):
-                good *= 4.0
-                if good > 1e9:
-                    raise ValueError(f"no noise multiplier fits eps = {req.eps} over {T} rounds of {k} of {n}")
-            bad = good
-            while fits(bad) and bad > 1e-6:
-                bad /= 4.0
-            z = composition.bisect_boundary(fits, good, bad, rel_tol=1e-9, geometric=True)
+            z = least_noise_multiplier(fits, f"eps = {req.eps} over {T} rounds of {k} of {n}")
         params = {"d": req.dim, "clip": req.clip_norm, "k": k, "n": n, "delta": req.delta, _NOISE_FIELD: float(z)}
+        params["noise"] = noise
         if poisson:
             params.update(sampling="poisson", q=q)
         spent = _epsilon(params, T, req.delta)  # the ledger's figure
@@ -152,6 +190,7 @@ class GaussianRound(CentralRound):
         eps_r, delta_r = self.round_cost(event)
         extra = {_NOISE_FIELD: params[_NOISE_FIELD], "n": float(params["n"]), "k": float(params["k"])}
         extra["delta"] = float(params["delta"])
+        extra[discrete_gaussian.SPEC_KEY] = float(discrete_gaussian.noise_of(params) == "discrete")
         if _poisson(params):
             extra["q"] = float(params["q"])  # what RoundSpec.sampling_rate must say (verify_epsilon)
         # a fixed cohort's rate is k/n: the shuffler draws from no fewer than n (issue 24 item 3); a Poisson round's
@@ -176,15 +215,21 @@ class GaussianRound(CentralRound):
         rng: np.random.Generator,
         used: int,
     ) -> tuple[np.ndarray, float, None]:
-        std = float(params[_NOISE_FIELD]) * float(params["clip"])
-        total = np.asarray(total, dtype=np.float64)
+        clip = float(params["clip"])
+        std = float(params[_NOISE_FIELD]) * clip
+        # the discrete Gaussian on a grid (protocols.discrete_gaussian): sensitivity C (add-or-remove) is the
+        # smaller of the two relations', so the rounding's noise inflation covers replace-one's 2C too
+        g = discrete_gaussian.granularity(params, std, clip, int(params["d"]))
+        noisy = discrete_gaussian.release_on_grid(total, std, clip, rng, g, noise=discrete_gaussian.noise_of(params))
         # divided by k, fixed (Poisson: the expected cohort), never by the batch's size, which the noise does not hide
-        return total + std * rng.standard_normal(total.shape), float(params["k"]), None
+        return noisy, float(params["k"]), None
 
     # ------------------------------------------------------------------------------------ ledger arithmetic
     def accountant_name(self, event: Any, composition: str) -> str:
         if _poisson(event.params):
             return "sampled-gaussian-poisson (add-or-remove-one, dp_accounting min(PLD, RDP); central trust)"
+        if discrete_gaussian.noise_of(event.params) == "discrete":
+            return "sampled-discrete-gaussian-wor-rdp (replace-one, WBK19 Thm 9, CKS20 Thm 14; central trust)"
         return "sampled-gaussian-wor-rdp (replace-one, Wang-Balle-Kasiviswanathan 2019; central trust)"
 
     def round_cost(self, event: Any) -> tuple[float, float]:
@@ -201,10 +246,10 @@ class GaussianRound(CentralRound):
 
     def verify_epsilon(self, spec: pb.RoundSpec) -> float:
         """One round's eps recomputed from the spec's z, n, k (the claim the analyzer must not understate)."""
-        z, n, k, q, delta = _spec_params(spec)
+        z, n, k, q, delta, noise = _spec_params(spec)
         if q > 0.0:
             return poisson_epsilon(z, q, 1, delta)
-        return wor_epsilon(z, n, k, 1, delta)
+        return wor_epsilon(z, n, k, 1, delta, noise)
 
     def user_account(self, spec: pb.RoundSpec) -> UserAccount:
         """A user's cost in the run (issue 24 item 1; design 6): amplification by sampling holds only if every round
@@ -212,29 +257,36 @@ class GaussianRound(CentralRound):
         from the spec alone: the amplified accountant of the run (the ledger's) over every round the user was
         eligible for, at the spec's rate (k/n, n no more than the eligible count the shuffler reported: a smaller
         rate costs less), or the unamplified Gaussian composed over the rounds it joined."""
-        z, n, k, q, delta = _spec_params(spec)
+        z, n, k, q, delta, noise = _spec_params(spec)
 
         def cost(counts: Counts) -> tuple[float, float]:
             c = dict(counts)
             joined, eligible = c.get("joined", 0), c.get("eligible", 0)
             if joined == 0:
                 return 0.0, 0.0  # the user's data was in no release
-            amplified = poisson_epsilon(z, q, eligible, delta) if q > 0.0 else wor_epsilon(z, n, k, eligible, delta)
-            return min(amplified, unamplified_epsilon(z, joined, delta, q > 0.0)), delta
+            if q > 0.0:
+                amplified = poisson_epsilon(z, q, eligible, delta)
+            else:
+                amplified = wor_epsilon(z, n, k, eligible, delta, noise)
+            return min(amplified, unamplified_epsilon(z, joined, delta, q > 0.0, noise)), delta
 
         return UserAccount(spec.run_id, "joined", "eligible", cost)
 
 
-def _spec_params(spec: pb.RoundSpec) -> tuple[float, int, int, float, float]:
-    """(z, n, k, q, delta) of a spec, checked: what a user's node computes the round's cost from."""
+def _spec_params(spec: pb.RoundSpec) -> tuple[float, int, int, float, float, str]:
+    """(z, n, k, q, delta, noise) of a spec, checked: what a user's node computes the round's cost from. A Poisson
+    round must declare continuous noise (the only noise its accountant is proven for)."""
     x = dict(spec.randomizer.extra)
     n, k = int(x.get("n", 0)), int(x.get("k", 0))
     if not (1 <= k <= n and x.get(_NOISE_FIELD, 0.0) > 0.0 and 0.0 < x.get("delta", 0.0) < 1.0):
         raise ValueError("the spec lacks a valid noise multiplier, n, k or delta")
     q = spec.sampling_rate  # what the shuffler will do decides the accountant, not the extra's claim
+    noise = discrete_gaussian.spec_noise(x)
+    if q > 0.0 and noise == "discrete":
+        raise ValueError("the spec's Poisson round declares discrete noise, for which no accountant here is proven")
     if q > 0.0:
         if not (q <= 1.0 and x.get("q") == q):
             raise ValueError(f"the spec's sampling_rate {q} is not a probability or disagrees with its q")
     elif spec.population != n:
         raise ValueError(f"the spec's population {spec.population} is not its accountant's n = {n}")
-    return float(x[_NOISE_FIELD]), n, k, q, float(x["delta"])
+    return float(x[_NOISE_FIELD]), n, k, q, float(x["delta"]), noise

@@ -25,9 +25,11 @@ Privacy (spec 002 sec 4): replacing one example of one machine changes its q_t f
 s_tau*(z'), norm <= 2S; so each round is a Gaussian mechanism of sensitivity Delta = 2S (per machine, untrusted) or
 2S/M (the average, trusted), and T rounds compose exactly to rho-GDP, rho = Delta sqrt(T)/sigma (Thm 5.1 / 6.1;
 Dong-Roth-Su Cor 3.3). The ledger's figure is ledger_accounting.account of T GaussianRound events, the same as
-`shuffledp account gaussian --sigma sigma --lipschitz-increment S --machines M --trust local|central`. sigma is the
-paper's 2S sqrt(T)/rho (/ M trusted) with rho the largest that fits (eps, delta) exactly, rounded up until the
-composed figure fits; or privacy.noise_multiplier * Delta.
+`shuffledp account gaussian --sigma sigma --lipschitz-increment S --machines M --trust local|central --noise N`.
+sigma is the paper's 2S sqrt(T)/rho (/ M trusted) with rho the largest that fits (eps, delta) under that figure,
+rounded up until the composed figure fits; or privacy.noise_multiplier * Delta. The noise (privacy.noise, issue 24
+D19) is by default the discrete Gaussian on a grid (protocols.discrete_gaussian), whose rounds are charged the RDP
+conversion of the same rho (CKS20 Thm 14: zCDP; the exact GDP curve holds for continuous noise only).
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ from typing import Any
 import numpy as np
 
 from shuffledp.accountants import gaussian
+from shuffledp.protocols import discrete_gaussian
 from shuffledp.protocols.base import (
     Decoded,
     PlanRequest,
     RoundPlan,
 )
 from shuffledp.protocols.central import CentralRound, open_vectors, seal_rows
+from shuffledp.protocols.discrete_gaussian import noise_of
 from shuffledp.protocols.ldp_round import clip_rows_in_norm
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -57,14 +61,17 @@ STREAM_EXHAUSTED = "this machine's stream holds no example for step"
 _FIELDS = ("sigma", "sensitivity", "machines", "rounds", "delta")
 
 
-def mu2_epsilon(sigma: float, sensitivity: float, trust: str, rounds: int, delta: float) -> float:
+def mu2_epsilon(
+    sigma: float, sensitivity: float, trust: str, rounds: int, delta: float, noise: str = "discrete"
+) -> float:
     """eps of `rounds` Gaussian rounds (module docstring): ledger_accounting.account of GaussianRound events."""
     from shuffledp.accountants import ledger_accounting
     from shuffledp.events import GaussianRound
 
     if rounds == 0:
         return 0.0
-    return float(ledger_accounting.account([(GaussianRound(sigma, sensitivity, trust), rounds)], delta).eps)
+    ev = GaussianRound(sigma, sensitivity, trust)
+    return float(ledger_accounting.account([(ev, rounds)], delta, noise=noise).eps)
 
 
 @dataclass
@@ -101,31 +108,34 @@ class Mu2Round(CentralRound):
             )
         T, M, S = int(req.rounds), int(req.cohort), float(req.clip_norm)
         sens = gaussian.sensitivity(S, M, self.trusted)  # 2S or 2S/M (spec 002 sec 4)
+        noise = discrete_gaussian.plan_noise(req.options)
         z = req.options.get("noise_multiplier")
         if z is not None:
             sigma = float(z) * sens
         else:
-            rho = gaussian.rho_for_epsilon(req.eps, req.delta, "exact")
+            rho = gaussian.rho_for_epsilon(req.eps, req.delta, gaussian.conversion(noise))
             sigma = gaussian.theorem_sigma(S, T, rho, M, self.trusted)  # Alg 1 / Alg 2
             for _ in range(64):  # rho is rounded down already; make sure the composed figure fits
-                if mu2_epsilon(sigma, sens, self.trust, T, req.delta) <= req.eps:
+                if mu2_epsilon(sigma, sens, self.trust, T, req.delta, noise) <= req.eps:
                     break
                 sigma *= 1.0 + 1e-9
-        spent = mu2_epsilon(sigma, sens, self.trust, T, req.delta)
+        spent = mu2_epsilon(sigma, sens, self.trust, T, req.delta, noise)
         if spent > req.eps:
             raise ValueError(
                 f"privacy.noise_multiplier = {z} spends eps = {spent:.4g} over {T} rounds, above privacy.eps = "
                 f"{req.eps}; raise it or leave it unset"
             )
         params = {"d": req.dim, "clip": S, "machines": M, "rounds": T, "delta": req.delta}
-        params.update(sigma=sigma, sensitivity=sens)
+        params.update(sigma=sigma, sensitivity=sens, noise=noise)
         # E||noise of the averaged message||^2: d sigma_u^2 / M untrusted, d sigma_c^2 trusted (optimizers/mu2.py)
         noise_sq = req.dim * sigma**2 * (1.0 if self.trusted else 1.0 / M)
         return RoundPlan(params, "rdp", 0.0, noise_sq, rounds=T, min_contributors=M)
 
     def spec_fields(self, plan: dict[str, Any], params: dict[str, Any], event: Any, key: bytes) -> dict[str, Any]:
         eps_r, delta_r = self.round_cost(event)
-        fields = self._sealed_fields(params, key, {k: float(params[k]) for k in _FIELDS})
+        extra = {k: float(params[k]) for k in _FIELDS}
+        extra[discrete_gaussian.SPEC_KEY] = float(discrete_gaussian.noise_of(params) == "discrete")
+        fields = self._sealed_fields(params, key, extra)
         fields["per_user_cost"] = pb.PrivacyCost(
             eps=eps_r, delta=delta_r, accountant=self.accountant_name(event, "rdp"), trust_model=self.trust_model
         )
@@ -160,23 +170,31 @@ class Mu2Round(CentralRound):
         M = float(params["machines"])
         total = np.asarray(total, dtype=np.float64)
         if self.trusted:  # Alg 2: N(0, sigma_c^2) on the average = N(0, (M sigma_c)^2) on the sum
-            total = total + M * float(params["sigma"]) * rng.standard_normal(total.shape)
+            # as the discrete Gaussian on a grid (protocols.discrete_gaussian); the sum's sensitivity is 2S, S the
+            # smaller reference (more inflation, safe)
+            std, clip = M * float(params["sigma"]), float(params["clip"])
+            g = discrete_gaussian.granularity(params, std, clip, total.shape[-1])
+            noise = discrete_gaussian.noise_of(params)
+            total = discrete_gaussian.release_on_grid(total, std, clip, rng, g, noise=noise)
         return total, M, None  # always M: a skipped message is a zero, the sensitivity stays 2S/M
 
     # ------------------------------------------------------------------------------------ ledger arithmetic
     def accountant_name(self, event: Any, composition: str) -> str:
         who = "trusted server, central" if self.trusted else "untrusted server, local"
-        return f"gaussian-exact (seed 002 Thm {'6.1' if self.trusted else '5.1'}, Balle-Wang; {who} trust)"
+        thm = "6.1" if self.trusted else "5.1"
+        if discrete_gaussian.noise_of(event.params) == "discrete":
+            return f"gaussian-rdp (seed 002 Thm {thm}; discrete Gaussian, CKS20 Thm 14 + Prop 12; {who} trust)"
+        return f"gaussian-exact (seed 002 Thm {thm}, Balle-Wang; {who} trust)"
 
     def round_cost(self, event: Any) -> tuple[float, float]:
         p = event.params
-        return mu2_epsilon(float(p["sigma"]), float(p["sensitivity"]), self.trust, 1, float(p["delta"])), p["delta"]
+        eps = mu2_epsilon(float(p["sigma"]), float(p["sensitivity"]), self.trust, 1, p["delta"], noise_of(p))
+        return eps, p["delta"]
 
     def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]:
         p = events[0].params
-        return mu2_epsilon(
-            float(p["sigma"]), float(p["sensitivity"]), self.trust, len(events), limit.delta
-        ), limit.delta
+        eps = mu2_epsilon(float(p["sigma"]), float(p["sensitivity"]), self.trust, len(events), limit.delta, noise_of(p))
+        return eps, limit.delta
 
     def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]:
         return {}
@@ -190,7 +208,8 @@ class Mu2Round(CentralRound):
         sigma, delta = x.get("sigma", 0.0), x.get("delta", 0.0)
         if not (S > 0 and M >= 1 and sigma > 0 and math.isfinite(sigma) and 0 < delta < 1):
             raise ValueError("the spec lacks a valid clip norm, machine count, sigma or delta")
-        return mu2_epsilon(sigma, gaussian.sensitivity(S, M, self.trusted), self.trust, 1, delta)
+        noise = discrete_gaussian.spec_noise(x)  # absent: discrete (never the continuous figure by default)
+        return mu2_epsilon(sigma, gaussian.sensitivity(S, M, self.trusted), self.trust, 1, delta, noise)
 
     def local_vectors(self, spec: pb.RoundSpec, node: Any, idx: np.ndarray) -> np.ndarray:
         """q_t of each machine of idx (module docstring); its state advances here (the node's lock is held)."""
@@ -230,6 +249,10 @@ class Mu2Round(CentralRound):
     ) -> None:
         """Seal q_t (trusted) or q_t + N(0, sigma_u^2 I) from the node's CSPRNG (untrusted) per machine."""
         Q = np.asarray(G, dtype=np.float64)
-        if not self.trusted:
-            Q = Q + float(spec.randomizer.extra["sigma"]) * rng.standard_normal(Q.shape)
+        if not self.trusted:  # each machine's q_t (sensitivity 2S, S = clip_norm) with the grid's discrete Gaussian
+            x = dict(spec.randomizer.extra)
+            noise = discrete_gaussian.spec_noise(x)  # what the spec's figure is proven for
+            Q = discrete_gaussian.release_on_grid(
+                Q, float(x["sigma"]), float(spec.randomizer.clip_norm), rng, noise=noise
+            )
         seal_rows(spec, Q, user_ids, nonces, out)

@@ -16,8 +16,12 @@ Calibration (PlanRequest.calibration):
 - "calibrated" (default): the least zeta for which ONE Gaussian N(0, zeta^2) with l2 sensitivity 2L/B is
   (eps, delta)-DP by its exact curve (Balle & Wang 2018, Thm 8 "analytic Gaussian mechanism";
   shuffledp.protocols.gaussian.analytic_gaussian_sigma). Valid for every eps > 0 and smaller than the paper's zeta.
-Whatever the calibration, the ledger charges the exact (eps, delta) curve of that one Gaussian (round_cost), so the
-paper's zeta is charged what it really costs (less than eps).
+Whatever the calibration, the ledger charges the tightest (eps, delta) figure of that one Gaussian that is proven
+for the noise added (round_cost), so the paper's zeta is charged what it really costs (less than eps). Noise
+(privacy.noise, issue 24 D19): by default the discrete Gaussian on a grid (Z1, Z2 and every rounded item;
+protocols.discrete_gaussian), charged the RDP conversion of rho = 2L/(B zeta) (CKS20 Thm 14: zCDP; Prop 12:
+conversion), and "calibrated" is then the least zeta under that figure; "continuous": numpy's Gaussian, charged
+its exact curve (Balle & Wang 2018 Thm 8).
 
 Privacy argument for the joint view (paper 000 Def C.2 after Dwork et al. 2010, "Pan-private streaming
 algorithms", and Amin et al. 2020; paper 000 Lemma C.4 and its proof). Neighbours: replace one user's record
@@ -61,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from shuffledp import sealing
+from shuffledp.protocols import discrete_gaussian
 from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, BatchError, Decoded, PlanRequest, RoundPlan
 from shuffledp.protocols.central import _NORM_SLACK, OVER_CLIP_NORM, WIRE_DTYPE, CentralRound, message_bytes
 from shuffledp.protocols.gaussian import analytic_gaussian_sigma, gaussian_delta
@@ -84,24 +89,34 @@ def paper_zeta(clip: float, cohort: int, eps: float, delta: float) -> float:
     return math.sqrt(8.0 * clip**2 * math.log(2.0 / delta) / (cohort**2 * eps**2))
 
 
-def calibrated_zeta(clip: float, cohort: int, eps: float, delta: float) -> float:
-    """The least zeta (rounded up) for which N(0, zeta^2 I) on a mean of sensitivity 2L/B is (eps, delta)-DP:
-    Balle & Wang 2018 Thm 8 (protocols.gaussian.analytic_gaussian_sigma)."""
+def calibrated_zeta(clip: float, cohort: int, eps: float, delta: float, noise: str = "discrete") -> float:
+    """The least zeta (rounded up) for which N(0, zeta^2 I) on a mean of sensitivity 2L/B is (eps, delta)-DP under
+    the figure proven for the noise: Balle & Wang 2018 Thm 8 (protocols.gaussian.analytic_gaussian_sigma) for
+    continuous noise, 2L/B over the largest rho whose RDP conversion fits (CKS20 Thm 14, Prop 12) for discrete."""
     _check(clip, cohort, delta)
     if not (math.isfinite(eps) and eps > 0.0):
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    if discrete_gaussian.noise_of({"noise": noise}) == "discrete":
+        from shuffledp.accountants.gaussian import rho_for_epsilon
+
+        return math.nextafter(2.0 * clip / cohort / rho_for_epsilon(eps, delta, "rdp"), math.inf)
     return analytic_gaussian_sigma(eps, delta, 2.0 * clip / cohort)
 
 
 @lru_cache(maxsize=4096)
-def pan_round_epsilon(clip: float, cohort: int, zeta: float, delta: float) -> float:
-    """eps of one round's joint (intrusion, output) view: the exact (eps, delta) curve of one Gaussian with std zeta
-    and sensitivity 2L/B (Balle & Wang 2018 Thm 8, module docstring), i.e. the least eps >= 0 with
-    gaussian_delta(eps, zeta, 2L/B) <= delta, by bisection; the returned end is always feasible (never below)."""
+def pan_round_epsilon(clip: float, cohort: int, zeta: float, delta: float, noise: str = "discrete") -> float:
+    """eps of one round's joint (intrusion, output) view (module docstring), one Gaussian with std zeta and
+    sensitivity 2L/B. Continuous noise: its exact (eps, delta) curve (Balle & Wang 2018 Thm 8), i.e. the least
+    eps >= 0 with gaussian_delta(eps, zeta, 2L/B) <= delta, by bisection; the returned end is always feasible
+    (never below). Discrete noise: the RDP conversion of rho = 2L/(B zeta) (CKS20 Thm 14 zCDP, Prop 12)."""
     _check(clip, cohort, delta)
     if not (math.isfinite(zeta) and zeta > 0.0):
         raise ValueError(f"zeta must be a finite number > 0, got {zeta!r}")
     sens = 2.0 * clip / cohort
+    if discrete_gaussian.noise_of({"noise": noise}) == "discrete":
+        from shuffledp.accountants.gaussian import epsilon_for_rho
+
+        return epsilon_for_rho(sens / zeta, delta, "rdp")
     if gaussian_delta(0.0, zeta, sens) <= delta:
         return 0.0
     lo, hi = 0.0, 1.0
@@ -130,7 +145,8 @@ def _check(clip: float, cohort: int, delta: float) -> None:
 
 
 def _event_epsilon(params: dict[str, Any]) -> float:
-    return pan_round_epsilon(float(params["clip"]), int(params["B"]), float(params["zeta"]), float(params["delta"]))
+    clip, B, zeta, delta = float(params["clip"]), int(params["B"]), float(params["zeta"]), float(params["delta"])
+    return pan_round_epsilon(clip, B, zeta, delta, discrete_gaussian.noise_of(params))
 
 
 class PanRound(CentralRound):
@@ -169,17 +185,18 @@ class PanRound(CentralRound):
         if eps_r > req.eps:
             raise ValueError(f"privacy.round_eps = {eps_r} exceeds privacy.eps = {req.eps}")
         B, clip, delta = int(req.cohort), float(req.clip_norm), float(req.delta)
+        noise = discrete_gaussian.plan_noise(req.options)
         if req.calibration == "paper":
             zeta = paper_zeta(clip, B, eps_r, delta)
         else:
-            zeta = calibrated_zeta(clip, B, eps_r, delta)
+            zeta = calibrated_zeta(clip, B, eps_r, delta, noise)
         # the ledger refuses a round above the budget: make sure the charged eps (float arithmetic included) fits
         for _ in range(8):
-            if pan_round_epsilon(clip, B, zeta, delta) <= eps_r:
+            if pan_round_epsilon(clip, B, zeta, delta, noise) <= eps_r:
                 break
             zeta *= 1.0 + 1e-12
         else:
-            raise ValueError(f"no zeta found whose round eps fits eps = {eps_r}")
+            raise ValueError(f"no zeta found whose round eps fits eps = {eps_r} with {noise} noise")
         params = {
             "d": int(req.dim),
             "clip": clip,
@@ -189,6 +206,7 @@ class PanRound(CentralRound):
             "delta": delta,
             "zeta": float(zeta),
             "calibration": req.calibration,
+            "noise": noise,
         }
         noise_sq = 2.0 * req.dim * (B * zeta) ** 2  # E||Z1 + Z2||^2 in sum units (Alg 6: two zeta-Gaussians)
         n_min = max(1, math.ceil(req.min_contributors_fraction * B))
@@ -200,6 +218,7 @@ class PanRound(CentralRound):
     def spec_fields(self, plan: dict[str, Any], params: dict[str, Any], event: Any, key: bytes) -> dict[str, Any]:
         eps_r, delta_r = self.round_cost(event)
         extra = {"zeta": float(params["zeta"]), "cohort": float(params["B"]), "delta": float(params["delta"])}
+        extra[discrete_gaussian.SPEC_KEY] = float(discrete_gaussian.noise_of(params) == "discrete")
         return {
             **self._sealed_fields(params, key, extra),
             "per_user_cost": pb.PrivacyCost(
@@ -210,9 +229,19 @@ class PanRound(CentralRound):
             ),
         }
 
-    def _initial_noise(self, d: int, std: float, rng: np.random.Generator) -> np.ndarray:
-        """Z1 ~ N(0, std^2 I), the accumulator's starting value (Alg 6 lines 4-5)."""
-        return std * rng.standard_normal(d)
+    def _initial_noise(
+        self, d: int, std: float, rng: np.random.Generator, *, clip: float, grid: float, noise: str = "discrete"
+    ) -> np.ndarray:
+        """Z1 ~ N(0, std^2 I), the accumulator's starting value (Alg 6 lines 4-5): the discrete Gaussian on the
+        run's grid (protocols.discrete_gaussian; each item is rounded to it before it is added, _add_one), or
+        numpy's continuous Gaussian (noise = "continuous", items not rounded)."""
+        return discrete_gaussian.grid_noise(d, std, clip, rng, grid, noise=noise)
+
+    @staticmethod
+    def _grid(params: dict[str, Any]) -> float:
+        """The grid of Z1, Z2 and the items: sensitivity reference L (the sum's is 2L: more inflation, safe)."""
+        clip = float(params["clip"])
+        return discrete_gaussian.granularity(params, int(params["B"]) * float(params["zeta"]), clip, int(params["d"]))
 
     def decode(
         self,
@@ -231,14 +260,16 @@ class PanRound(CentralRound):
         std = int(params["B"]) * float(params["zeta"])
         size = message_bytes(d)
         rng = self.rng if self.rng is not None else make_rng()
-        acc = self._initial_noise(d, std, rng)
+        noise = discrete_gaussian.noise_of(params)
+        grid = self._grid(params) if noise == "discrete" else None
+        acc = self._initial_noise(d, std, rng, clip=clip, grid=grid, noise=noise)
         probe = self.probe
         if probe is not None:
             probe(acc.copy())
         rejected: Counter[str] = Counter()
         used = 0
         for ct in batch.ciphertexts:
-            reason = self._add_one(acc, ct, private_key, info, size, d, clip)
+            reason = self._add_one(acc, ct, private_key, info, size, d, clip, grid)
             if reason:
                 rejected[reason] += 1
             else:
@@ -249,8 +280,11 @@ class PanRound(CentralRound):
         return Decoded(acc, used, n, rejected_all)
 
     @staticmethod
-    def _add_one(acc: np.ndarray, ct: bytes, private_key: Any, info: bytes, size: int, d: int, clip: float) -> str:
-        """Open one ciphertext and add it to acc in place if valid; the rejection reason, or "" when added."""
+    def _add_one(
+        acc: np.ndarray, ct: bytes, private_key: Any, info: bytes, size: int, d: int, clip: float, grid: float | None
+    ) -> str:
+        """Open one ciphertext and add it, rounded to the grid (so the state stays on it; None: continuous noise,
+        not rounded), to acc in place if valid; the rejection reason, or "" when added."""
         try:
             plain = sealing.open_sealed(private_key, ct, info)
         except sealing.SealingError:
@@ -264,7 +298,7 @@ class PanRound(CentralRound):
                 return MALFORMED_PLAINTEXT
             if not float(np.linalg.norm(x)) <= clip * (1.0 + _NORM_SLACK):
                 return OVER_CLIP_NORM
-            acc += x
+            acc += x if grid is None else discrete_gaussian.round_to_grid(x, grid)
             return ""
         finally:
             x.fill(0.0)  # drop the plaintext vector (best effort, module docstring)
@@ -288,15 +322,20 @@ class PanRound(CentralRound):
     ) -> tuple[np.ndarray, float, None]:
         """The decoded accumulator + Z2 ~ N(0, (B zeta)^2 I), independent of Z1 (Alg 6 line 9); divisor B."""
         B = int(params["B"])
-        total = np.asarray(total, dtype=np.float64)
-        return total + (B * float(params["zeta"])) * rng.standard_normal(total.shape), float(B), None
+        std, clip = B * float(params["zeta"]), float(params["clip"])
+        noise = discrete_gaussian.noise_of(params)
+        return discrete_gaussian.release_on_grid(total, std, clip, rng, self._grid(params), noise=noise), float(B), None
 
     # ------------------------------------------------------------------------------------ ledger arithmetic
     def accountant_name(self, event: Any, composition: str) -> str:
         zeta_from = "Alg 6 zeta" if event.params.get("calibration") == "paper" else "analytic zeta"
+        if discrete_gaussian.noise_of(event.params) == "discrete":
+            figure, how = "pan-discrete-gaussian-rdp", "CKS20 Thm 14 + Prop 12"
+        else:
+            figure, how = "pan-gaussian-exact", "Balle-Wang 2018"
         return (
-            f"pan-gaussian-exact ({zeta_from}; one zeta-Gaussian per user, sensitivity 2L/B replace-one, "
-            "Balle-Wang 2018)/parallel (disjoint cohorts); central trust, pan-private (one intrusion per round)"
+            f"{figure} ({zeta_from}; one zeta-Gaussian per user, sensitivity 2L/B replace-one, "
+            f"{how})/parallel (disjoint cohorts); central trust, pan-private (one intrusion per round)"
         )
 
     def round_cost(self, event: Any) -> tuple[float, float]:
@@ -322,4 +361,5 @@ class PanRound(CentralRound):
         clip = float(spec.randomizer.clip_norm)
         if not (zeta > 0.0 and cohort >= 1.0 and float(cohort).is_integer() and 0.0 < delta < 1.0 and clip > 0.0):
             raise ValueError("the spec lacks a valid zeta, cohort, delta or clip norm")
-        return pan_round_epsilon(clip, int(cohort), float(zeta), float(delta))
+        noise = discrete_gaussian.spec_noise(x)  # absent: discrete (never the continuous figure by default)
+        return pan_round_epsilon(clip, int(cohort), float(zeta), float(delta), noise)

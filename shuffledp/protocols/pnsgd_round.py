@@ -29,9 +29,9 @@ of Thm 7 (alpha = 1.5, C1 = C2 = 100, spec 004 sec 4's setting) at step j. The r
 delta_i(n) = A_i prod_{t > i} B_t: non-uniform, and the newest record's is A_n = theta(2L/sigma_n), i.e. the
 Gaussian mechanism's curve at mu = 2L/sigma_n, which dominates every other record's (A_i <= A_n, B <= 1). Release
 policy (spec 004 sec 5, option 1): the ledger charges that uniform guarantee, exactly `shuffledp account gaussian
---sigma sigma_n --sensitivity 2L` (passes compose as Gaussian mechanisms), a run is refused when it would not fit
-for every user admitted, and the per-record deltas at the charged eps are reported alongside (the ledger's views:
-the oldest, median and newest record's delta).
+--sigma sigma_n --sensitivity 2L --noise continuous` (passes compose as Gaussian mechanisms), a run is refused
+when it would not fit for every user admitted, and the per-record deltas at the charged eps are reported alongside
+(the ledger's views: the oldest, median and newest record's delta).
 
 Privacy (Thm 2): delta_shuf(eps) = A (1 - B^n)/(n (1 - B)), A = theta(2L/sigma), B = theta(M D_K/(eta sigma)),
 L = the loss's Lipschitz bound over the domain (models.Model.lipschitz_bound), M = sqrt(1 - 2 eta beta rho/(beta +

@@ -16,6 +16,10 @@ holds at most lg t + 1 vectors, plus the returned Z_t.
 
 Estimators (the stacked vector depends on it, so the first leaf fixes it for the whole tree):
 - vanilla: the vector is the node's noise x_h ~ N(0, std^2 I); Z_t = sum of the stack; Var = popcount(t) std^2.
+  x_h is drawn as the discrete Gaussian on a power-of-two grid g (protocols.discrete_gaussian: exact sampling,
+  std raised by the rounding's sensitivity growth); with leaves rounded to g, every node value and vanilla prefix
+  sum is an exact float multiple of g. The efficient estimator's weights 1/(2 - 2^-h) are applied in floating
+  point to noise-only values (a post-processing whose rounding errors depend on the noise, not the data).
 - efficient (Honaker, bottom-up only; spec 003 sec 1, marked [R]): the vector is u_h = x_h + (u_left + u_right)/2,
   u_0 = x_0. By induction u_h = c_h S + noise with c_h = 1 + c_{h-1}/2 = 2 - 2^-h (S = node's true sum) and
   Var(u_h) = std^2 (1 + Var(u_{h-1})/2) = std^2 (2 - 2^-h), so u_h / (2 - 2^-h) is an unbiased node estimate
@@ -33,6 +37,8 @@ import math
 from typing import NamedTuple
 
 import numpy as np
+
+from shuffledp.protocols import discrete_gaussian
 
 __all__ = [
     "TreeState",
@@ -177,27 +183,44 @@ def _check_call(state: TreeState, std: float, rng: np.random.Generator, efficien
     return std, estimator
 
 
+def _node_noise(
+    dim: int, std: float, rng: np.random.Generator, sensitivity: float | None, grid: float | None, noise: str
+) -> np.ndarray:
+    """One node's noise: the discrete Gaussian on the grid (protocols.discrete_gaussian), for leaves rounded to
+    that grid by the caller and a per-leaf sensitivity (None: std, i.e. a noise multiplier of 1); noise =
+    "continuous": std N(0, I) in floating point."""
+    sens = std if sensitivity is None else sensitivity
+    return discrete_gaussian.grid_noise(dim, std, sens, rng, grid, noise=noise)
+
+
 def add_leaf(
-    state: TreeState, std: float, rng: np.random.Generator, efficient: bool = False
+    state: TreeState,
+    std: float,
+    rng: np.random.Generator,
+    efficient: bool = False,
+    *,
+    sensitivity: float | None = None,
+    granularity: float | None = None,
+    noise: str = "discrete",
 ) -> tuple[np.ndarray, TreeState]:
     """AddToTree (spec 003 sec 1): leaf t = state.leaves + 1 arrives; returns (Z_t, new state).
 
-    Draws std * N(0, I) for the new leaf node and for every node completed by it (the nodes whose last leaf is
-    t), in increasing height. The input state is not modified.
+    Draws a node's noise (std, on the grid: _node_noise) for the new leaf node and for every node completed by it
+    (the nodes whose last leaf is t), in increasing height. The input state is not modified.
     """
     std, estimator = _check_call(state, std, rng, efficient)
     dim = state.dim
     heights = state.heights.tolist()
     rows = list(state.values)
     heights.append(0)
-    rows.append(std * rng.standard_normal(dim))
+    rows.append(_node_noise(dim, std, rng, sensitivity, granularity, noise))
     # merge equal-height tops: a node is created (its noise drawn) only now that its last leaf is in (sec 1)
     while len(heights) >= 2 and heights[-1] == heights[-2]:
         h = heights.pop()
         heights.pop()
         right = rows.pop()
         left = rows.pop()
-        x = std * rng.standard_normal(dim)
+        x = _node_noise(dim, std, rng, sensitivity, granularity, noise)
         # efficient: u_{h+1} = x_{h+1} + (u_left + u_right)/2 (Honaker bottom-up, sec 1 [R]); vanilla keeps x only
         rows.append(x + 0.5 * (left + right) if estimator == EFFICIENT else x)
         heights.append(h + 1)
@@ -212,7 +235,14 @@ def add_leaf(
 
 
 def residual_noise(
-    state: TreeState, std: float, rng: np.random.Generator, efficient: bool = False
+    state: TreeState,
+    std: float,
+    rng: np.random.Generator,
+    efficient: bool = False,
+    *,
+    sensitivity: float | None = None,
+    granularity: float | None = None,
+    noise: str = "discrete",
 ) -> tuple[np.ndarray, TreeState]:
     """Adds leaf t and returns (Z_t - Z_{t-1}, new state) (spec 003 sec 1, residual form; Z_0 = 0).
 
@@ -221,12 +251,19 @@ def residual_noise(
     """
     _check_call(state, std, rng, efficient)
     previous = prefix_noise(state)
-    z, new = add_leaf(state, std, rng, efficient)
+    z, new = add_leaf(state, std, rng, efficient, sensitivity=sensitivity, granularity=granularity, noise=noise)
     return z - previous, new
 
 
 def complete_tree(
-    state: TreeState, std: float, rng: np.random.Generator, efficient: bool = False
+    state: TreeState,
+    std: float,
+    rng: np.random.Generator,
+    efficient: bool = False,
+    *,
+    sensitivity: float | None = None,
+    granularity: float | None = None,
+    noise: str = "discrete",
 ) -> tuple[np.ndarray, int, TreeState]:
     """Tree completion before a restart (spec 003 sec 2 [R]): add virtual zero leaves up to the next power of 2.
 
@@ -242,7 +279,7 @@ def complete_tree(
         return np.zeros(state.dim), 0, state
     virtual = (1 << (t - 1).bit_length()) - t
     for _ in range(virtual):
-        _, state = add_leaf(state, std, rng, efficient)
+        _, state = add_leaf(state, std, rng, efficient, sensitivity=sensitivity, granularity=granularity, noise=noise)
     return prefix_noise(state), virtual, state
 
 

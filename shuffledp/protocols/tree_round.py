@@ -28,7 +28,11 @@ Privacy (spec 003 sec 3): the released nodes of tree j form a Gaussian mechanism
 zeta_j C^2 (zero-out neighbours, leaf sensitivity C; spec 003 A2), zeta_j from (T_j leaves, E, xi, completion)
 by the tree accountant; the trees compose (zeta adds up). The ledger composes exactly the events of the rounds it
 charged (T_j = last charged leaf of tree j + 1): the same figure as `shuffledp account tree` for the same
-(z, steps, E, xi, trees, completion).
+(z, steps, E, xi, trees, completion, noise). Noise (privacy.noise, issue 24 D19): by default every node is the
+discrete Gaussian on a grid and every leaf is rounded to it (protocols.discrete_gaussian), so the node values are
+integers (in grid units) whose shift has squared norm <= zeta (C + g ceil(sqrt d))^2 / g^2, and the nodes are
+(zeta / (2 z^2))-zCDP (CKS20 Thm 14, std inflated for the rounding); charged the RDP conversion of rho^2 = zeta /
+z^2 (CKS20 Prop 12); "continuous": numpy's Gaussian, charged the exact GDP curve (Balle-Wang 2018).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shuffledp.protocols import tree_noise
+from shuffledp.protocols import discrete_gaussian, tree_noise
 from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
 from shuffledp.protocols.central import CentralRound
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -111,6 +115,7 @@ class TreeRound(CentralRound):
         E, xi = int(o.get("max_participations", 1)), int(o.get("min_separation", 0))
         per_tree = int(o.get("rounds_per_tree", 0)) or T
         completion = bool(o.get("completion", False))
+        noise = discrete_gaussian.plan_noise(o)
         if completion and per_tree >= T:
             raise ValueError("privacy.completion pads a tree before a restart: set privacy.rounds_per_tree < rounds")
         # the shuffler can fill every leaf only if k users are free at each: a user takes at most one leaf in any
@@ -139,15 +144,17 @@ class TreeRound(CentralRound):
             "efficient": bool(o.get("efficient", True)),
             "delta": req.delta,
             "noise_multiplier": 1.0,
+            "noise": noise,
         }
         # planned as `trees` complete trees: a shorter last tree costs less (zeta grows with the leaves)
         full = _tree_event(params, per_tree, completion)
         z = o.get("noise_multiplier")
         if z is None:
-            best, _ = la.min_noise(full, trees, req.eps, req.delta)
+            best, _ = la.min_noise(full, trees, req.eps, req.delta, noise=noise)
             z = best.noise_multiplier
         else:
-            got = la.account([(_tree_event({**params, "noise_multiplier": z}, per_tree, completion), trees)], req.delta)
+            ev = _tree_event({**params, "noise_multiplier": z}, per_tree, completion)
+            got = la.account([(ev, trees)], req.delta, noise=noise)
             if got.eps > req.eps:
                 raise ValueError(
                     f"privacy.noise_multiplier = {z} spends eps = {got.eps:.4g} over {trees} tree(s) of {per_tree} "
@@ -171,7 +178,7 @@ class TreeRound(CentralRound):
         E, trees = int(params["max_participations"]), int(params["trees"])
         delta_tree = float(params["delta"]) / trees
         full = _tree_event(params, int(params["rounds_per_tree"]), bool(params["completion"]))
-        return la.account([full], delta_tree).eps / E, delta_tree / E
+        return la.account([full], delta_tree, noise=discrete_gaussian.noise_of(params)).eps / E, delta_tree / E
 
     def spec_fields(self, plan: dict[str, Any], params: dict[str, Any], event: Any, key: bytes) -> dict[str, Any]:
         eps_r, delta_r = self.per_user_claim(params)
@@ -183,6 +190,7 @@ class TreeRound(CentralRound):
             "trees": float(params["trees"]),
             "completion": float(params["completion"]),
             "delta": float(params["delta"]),
+            discrete_gaussian.SPEC_KEY: float(discrete_gaussian.noise_of(params) == "discrete"),
         }
         return {
             **self._sealed_fields(params, key, extra),
@@ -221,7 +229,15 @@ class TreeRound(CentralRound):
         for r in range(state.next_round, round_index + 1):
             step, state = self._leaf(r, params, state, rng)
             noise += step
-        return np.asarray(total, dtype=np.float64) + noise, float(params["k"]), state
+        # the leaf rounded to the nodes' grid (protocols.discrete_gaussian), so that the tree's values are on it
+        if discrete_gaussian.noise_of(params) == "discrete":
+            total = discrete_gaussian.round_to_grid(total, self._grid(params))
+        return total + noise, float(params["k"]), state
+
+    @staticmethod
+    def _grid(params: dict[str, Any]) -> float:
+        clip = float(params["clip"])
+        return discrete_gaussian.granularity(params, float(params["noise_multiplier"]) * clip, clip, int(params["d"]))
 
     def _leaf(
         self, r: int, params: dict[str, Any], state: TreeRun, rng: np.random.Generator
@@ -233,15 +249,23 @@ class TreeRound(CentralRound):
         if leaf == 0 and tree.leaves:
             tree = tree_noise.init_tree(tree.dim)  # a restart (spec 003 sec 2)
         before = tree_noise.prefix_noise(tree)
-        noise, tree = tree_noise.residual_noise(tree, std, rng, efficient)
+        # a node's sensitivity is C per leaf of the user's (zero-out): the grid's inflation is paid per leaf
+        grid = {
+            "sensitivity": float(params["clip"]),
+            "granularity": self._grid(params),
+            "noise": discrete_gaussian.noise_of(params),
+        }
+        noise, tree = tree_noise.residual_noise(tree, std, rng, efficient, **grid)
         if params["completion"] and leaf == per_tree - 1:
             # the tree's last leaf releases G_T + Z_end, Z_end the padded tree's root noise (spec 003 sec 2)
-            z_end, _, tree = tree_noise.complete_tree(tree, std, rng, efficient)
+            z_end, _, tree = tree_noise.complete_tree(tree, std, rng, efficient, **grid)
             noise = z_end - before
         return noise, TreeRun(r + 1, tree)
 
     # ------------------------------------------------------------------------------------ ledger arithmetic
     def accountant_name(self, event: Any, composition: str) -> str:
+        if discrete_gaussian.noise_of(event.params) == "discrete":
+            return "tree-discrete-gaussian-rdp (seed 003 zeta rule, CKS20 Thm 14 + Prop 12 conversion; central trust)"
         return "tree-gaussian-exact (seed 003 zeta rule, Balle-Wang conversion; central trust)"
 
     def round_cost(self, event: Any) -> tuple[float, float]:
@@ -250,14 +274,15 @@ class TreeRound(CentralRound):
 
         p = event.params
         full = _tree_event(p, int(p["rounds_per_tree"]), bool(p["completion"]))
-        return la.account([full], float(p["delta"])).eps, float(p["delta"])
+        return la.account([full], float(p["delta"]), noise=discrete_gaussian.noise_of(p)).eps, float(p["delta"])
 
     def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]:
         """The trees the charged rounds touched, composed exactly (`shuffledp account tree`); the analyzer adds
         the noise, so no contributor's honesty enters (honest_fraction is not used)."""
         from shuffledp.accountants import ledger_accounting as la
 
-        return la.account(_items(events), limit.delta).eps, limit.delta
+        noise = discrete_gaussian.noise_of(events[0].params)
+        return la.account(_items(events), limit.delta, noise=noise).eps, limit.delta
 
     def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]:
         """The paper's own conversion (RDP over alpha in 1.1..199.9, spec 003 sec 3) of the same trees."""
@@ -278,6 +303,7 @@ class TreeRound(CentralRound):
             "trees": int(x.get("trees", 1)),
             "completion": bool(x.get("completion", 0.0)),
             "delta": float(x.get("delta", 0.0)),
+            "noise": discrete_gaussian.spec_noise(x),  # absent: discrete (never the continuous figure by default)
         }
         return self.per_user_claim(params)[0]
 
@@ -292,13 +318,15 @@ class TreeRound(CentralRound):
         z, delta = float(x.get("noise_multiplier", 0.0)), float(x.get("delta", 0.0))
         E, xi, per_tree = (int(x.get(f, 0)) for f in ("max_participations", "min_separation", "rounds_per_tree"))
         completion = bool(x.get("completion", 0.0))
+        noise = discrete_gaussian.spec_noise(x)
         if not (z > 0.0 and 0.0 < delta < 1.0 and E >= 1 and xi >= 0 and per_tree >= 1):
             raise ValueError("the spec lacks a valid noise multiplier, delta or participation limits")
         tree, leaf = divmod(int(spec.round), per_tree)
 
         def cost(counts: Counts) -> tuple[float, float]:
             per = Counter(key.split(":")[0] for key, _ in counts)  # leaves joined per tree
-            return _trees_epsilon(z, per_tree, xi, completion, delta, tuple(sorted(per.values()))), delta
+            leaves = tuple(sorted(per.values()))
+            return _trees_epsilon(z, per_tree, xi, completion, delta, leaves, noise), delta
 
         def allows(counts: Counts) -> bool:
             leaves: dict[str, list[int]] = {}
@@ -315,12 +343,15 @@ class TreeRound(CentralRound):
 
 
 @lru_cache(maxsize=4096)
-def _trees_epsilon(z: float, per_tree: int, xi: int, completion: bool, delta: float, leaves: tuple[int, ...]) -> float:
-    """eps of trees of per_tree leaves in which a user joined leaves[j] leaves (TreeRound.user_account)."""
+def _trees_epsilon(
+    z: float, per_tree: int, xi: int, completion: bool, delta: float, leaves: tuple[int, ...], noise: str = "discrete"
+) -> float:
+    """eps of trees of per_tree leaves in which a user joined leaves[j] leaves (TreeRound.user_account), under the
+    figure the ledger charges for the noise."""
     from shuffledp.accountants import ledger_accounting as la
     from shuffledp.events import TreeAggregation
 
     if not leaves:
         return 0.0
     items = Counter(TreeAggregation(z, per_tree, k, xi, completion) for k in leaves)
-    return la.account(list(items.items()), delta).eps
+    return la.account(list(items.items()), delta, noise=noise).eps
