@@ -314,13 +314,17 @@ def _load_ca(pki_dir: Path) -> tuple[bytes, x509.Certificate]:
     if not ca_path.is_file():
         what = "is empty" if not any(pki_dir.iterdir()) else f"has no {CA_CERT_FILE}"
         raise FileNotFoundError(f"PKI folder {pki_dir} {what}: {_init_hint(pki_dir)}")
-    pem = ca_path.read_bytes()
-    try:
-        ca = x509.load_pem_x509_certificate(pem)
-    except ValueError:
-        raise ValueError(f"{ca_path} is not a PEM certificate (corrupt or empty)") from None
+    pem, ca = _load_cert(ca_path)
     _check_dates(ca_path, ca)
     return pem, ca
+
+
+def _load_cert(path: Path) -> tuple[bytes, x509.Certificate]:
+    pem = path.read_bytes()
+    try:
+        return pem, x509.load_pem_x509_certificate(pem)
+    except ValueError:
+        raise ValueError(f"{path} is not a PEM certificate (corrupt or empty)") from None
 
 
 def _check_dates(path: Path, cert: x509.Certificate) -> None:
@@ -349,11 +353,7 @@ def _load_party(pki_dir: Path, ca_pem: bytes, ca: x509.Certificate, role: str, n
                 f"needed; re-create it with `shuffledp pki init --out {pki_dir} --client-nodes {need} --force`"
             )
         raise FileNotFoundError(f"{cert_path} not found: {_init_hint(pki_dir)}")
-    cert_pem_bytes = cert_path.read_bytes()
-    try:
-        cert = x509.load_pem_x509_certificate(cert_pem_bytes)
-    except ValueError:
-        raise ValueError(f"{cert_path} is not a PEM certificate (corrupt or empty)") from None
+    cert_pem_bytes, cert = _load_cert(cert_path)
     ident = identity_of(cert)
     if ident != Identity(role, name):
         raise ValueError(f"{cert_path} names {ident}, not role={role!r} name={name!r}")
