@@ -111,10 +111,10 @@ class NodeCore:
         kw = {} if verifier is None else {"verifier": verifier}
         # the users' spend so far: durable with a SqliteSpendStore (issue 10 item 3)
         self._spend = spend_store if spend_store is not None else MemorySpendStore()
-        eps, delta, history = self._spend.load(shard.user_ids)
+        eps, delta, history, runs = self._spend.load_all(shard.user_ids)  # one read of the store's log
         policies = policy if policy is not None else UserPolicy()
         self.policy = PolicyTable(policies, len(shard.user_ids), spent=(eps, delta), history=history, **kw)
-        for run, (counts, paid_eps, paid_delta) in self._spend.load_runs(shard.user_ids).items():
+        for run, (counts, paid_eps, paid_delta) in runs.items():
             self.policy.runs[run] = RunTable(counts, paid_eps, paid_delta)
         self._rng = rng if rng is not None else make_rng()
         self._lock = threading.Lock()
@@ -188,7 +188,7 @@ class NodeCore:
                 # drawn from fewer users than the round is accounted for: a higher rate than charged (item 3)
                 reasons, join = np.full(idx.size, Refusal.POPULATION, dtype=object), np.zeros(idx.size, dtype=bool)
             elif account is not None:
-                self._handle_in_run(spec, account, idx, supported, out)
+                self._handle_in_run(spec, account, ids, idx, supported, out)
                 return out
             else:
                 reasons, cost = self.policy.decide(spec, idx, supported)
@@ -225,7 +225,13 @@ class NodeCore:
             self.refusals[str(why)] += 1
 
     def _handle_in_run(
-        self, spec: pb.RoundSpec, account: Any, idx: np.ndarray, supported: bool, out: pb.Contribution
+        self,
+        spec: pb.RoundSpec,
+        account: Any,
+        ids: Sequence[str],
+        idx: np.ndarray,
+        supported: bool,
+        out: pb.Contribution,
     ) -> None:
         """A round of a protocol whose cost composes per run (protocols.base.UserAccount): decide, randomize for
         the users who join, and record every charge of the round (joins and eligibility) durably before anything
@@ -242,13 +248,13 @@ class NodeCore:
                 join[:] = False
                 _, charge = self.policy.decide_in_run(spec, account, idx, supported, join_allowed=False)
         if charge.users.size:
-            ids = [self.shard.user_ids[i] for i in charge.users.tolist()]
+            charged = [self.shard.user_ids[i] for i in charge.users.tolist()]
             # if the store fails, the exception leaves handle() and nothing of the round is sent
-            self._spend.record(ids, charge.eps, charge.delta, [None] * len(ids), charge.run, charge.steps)
+            self._spend.record(charged, charge.eps, charge.delta, [None] * len(charged), charge.run, charge.steps)
         self.policy.apply_run(charge)
         if np.any(join):
             self.rounds_joined += 1
-        self._refuse([self.shard.user_ids[i] for i in idx.tolist()], reasons, join, out)
+        self._refuse(ids, reasons, join, out)
 
     def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray, out: pb.Contribution) -> None:
         """One message per user of idx (in idx order) in out, by the round's protocol plug-in."""

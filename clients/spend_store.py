@@ -53,6 +53,10 @@ class SpendStore(Protocol):
         """Per run: the users' counts (by index in user_ids) and what each has paid for the run."""
         ...
 
+    def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History], RunCounts]:
+        """load and load_runs from one read of the log (a node's start)."""
+        ...
+
     def record(
         self,
         user_ids: Sequence[str],
@@ -91,45 +95,37 @@ def replay(
     user_ids: Sequence[str],
     log: Iterable[Charge],
     base: dict[str, tuple[float, float, History]] | None = None,
-) -> tuple[np.ndarray, np.ndarray, list[History]]:
+) -> tuple[np.ndarray, np.ndarray, list[History], RunCounts]:
     """The users' totals and histories after `log` (from `base`: an old store's absolute values), summed in log
-    order exactly as PolicyTable.charge sums them (rounded up)."""
+    order exactly as PolicyTable.charge sums them (rounded up), and per run the users' counts and what each paid for
+    the run (as PolicyTable.apply_run sums them)."""
     index = {u: i for i, u in enumerate(user_ids)}
     start = [(base or {}).get(u, (0.0, 0.0, Counter())) for u in user_ids]
     eps = np.array([b[0] for b in start], dtype=np.float64)
     delta = np.array([b[1] for b in start], dtype=np.float64)
     history: list[History] = [None if b[2] is None else Counter(b[2]) for b in start]
-    for users, e, d, key, run, _ in log:
+    runs: RunCounts = {}
+    for users, e, d, key, run, step in log:
         ix = np.fromiter((index[u] for u in users if u in index), dtype=np.int64)
         eps[ix] = sum_up(eps[ix], e)
         delta[ix] = sum_up(delta[ix], d)
-        if run is not None and e == 0.0 and d == 0.0:
-            continue  # a run's counts that cost nothing yet: the history stays (PolicyTable.apply_run)
+        if run is not None:
+            if run not in runs:
+                runs[run] = ({}, np.zeros(len(user_ids)), np.zeros(len(user_ids)))
+            counts, paid_eps, paid_delta = runs[run]
+            paid_eps[ix] = sum_up(paid_eps[ix], e)
+            paid_delta[ix] = sum_up(paid_delta[ix], d)
+            for i in ix.tolist():
+                counts.setdefault(i, Counter()).update(step.split(",") if step else ())
+            if e == 0.0 and d == 0.0:
+                continue  # a run's counts that cost nothing yet: the history stays (PolicyTable.apply_run)
         for i in ix.tolist():
             h = history[i]
             if key is None or h is None:
                 history[i] = None
             else:
                 h[key] += 1
-    return eps, delta, history
-
-
-def replay_runs(user_ids: Sequence[str], log: Iterable[Charge]) -> RunCounts:
-    """Per run, the users' counts and what each paid for the run (summed rounded up, as PolicyTable.apply_run)."""
-    index = {u: i for i, u in enumerate(user_ids)}
-    out: RunCounts = {}
-    for users, e, d, _, run, step in log:
-        if run is None:
-            continue
-        if run not in out:
-            out[run] = ({}, np.zeros(len(user_ids)), np.zeros(len(user_ids)))
-        counts, paid_eps, paid_delta = out[run]
-        ix = np.fromiter((index[u] for u in users if u in index), dtype=np.int64)
-        paid_eps[ix] = sum_up(paid_eps[ix], e)
-        paid_delta[ix] = sum_up(paid_delta[ix], d)
-        for i in ix.tolist():
-            counts.setdefault(i, Counter()).update(step.split(",") if step else ())
-    return out
+    return eps, delta, history, runs
 
 
 class MemorySpendStore:
@@ -137,10 +133,13 @@ class MemorySpendStore:
         self._log: list[Charge] = []
 
     def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History]]:
-        return replay(user_ids, self._log)
+        return self.load_all(user_ids)[:3]
 
     def load_runs(self, user_ids: Sequence[str]) -> RunCounts:
-        return replay_runs(user_ids, self._log)
+        return self.load_all(user_ids)[3]
+
+    def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History], RunCounts]:
+        return replay(user_ids, self._log)
 
     def record(
         self,
@@ -192,15 +191,16 @@ class SqliteSpendStore:
         ]
 
     def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History]]:
+        return self.load_all(user_ids)[:3]
+
+    def load_runs(self, user_ids: Sequence[str]) -> RunCounts:
+        return self.load_all(user_ids)[3]
+
+    def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History], RunCounts]:
         with self._lock:
             base = self._base()
             log = self._log()
         return replay(user_ids, log, base)
-
-    def load_runs(self, user_ids: Sequence[str]) -> RunCounts:
-        with self._lock:
-            log = self._log()
-        return replay_runs(user_ids, log)
 
     def record(
         self,

@@ -503,7 +503,6 @@ class _Selection(NamedTuple):
     consumed: list[str]  # SEQUENTIAL: the users this round uses up
     population: list[str]  # FULLY_INTERACTIVE, first round: the run's users from now on
     not_in_run: int  # FULLY_INTERACTIVE: connected users outside the run's population, not invited
-    notify: bool = False  # SUBSAMPLED: every node with eligible users is told of the round
     drawn_from: int = 0  # SUBSAMPLED: the users the cohort was drawn from
     excluded_silent: int = 0  # check-in rounds: users left out for their silence in an earlier round
 
@@ -518,8 +517,7 @@ class _OpenRound:
     bound: int  # g + m
     not_in_run: int
     wire_dtype: np.dtype | None  # COUNTS: CountVector.packed is count_wire_dtype(g + m); None otherwise
-    notify: bool = False  # SUBSAMPLED: every node with eligible users is told of the round (_Selection)
-    drawn_from: int = 0
+    drawn_from: int = 0  # SUBSAMPLED: the users the cohort was drawn from (_Selection)
     excluded_silent: int = 0
     checking_in: bool = False  # check-in rounds: the first invitation's answers are being collected
     second_invitation: bool = False  # check-in rounds: the checked-in users were invited to report
@@ -797,7 +795,7 @@ class ShufflerState:
             # each eligible user independently with probability q (CSPRNG): the cohort may be empty
             take = self._rng.random(len(eligible)) < req.sampling_rate
             chosen = [eligible[i] for i in np.flatnonzero(take)]
-            return _Selection(chosen, [], [], 0, True, len(eligible))
+            return _Selection(chosen, [], [], 0, len(eligible))
         if k < 1:
             raise ValueError(f"cohort_size must be >= 1 for {req.schedule.name}, got {k}")
         limited = ""
@@ -821,7 +819,7 @@ class ShufflerState:
         chosen = [pool[i] for i in np.sort(idx)]
         if req.schedule == Schedule.SEQUENTIAL:
             return _Selection(chosen, chosen, [], 0)
-        return _Selection(chosen, [], [], 0, True, len(pool))
+        return _Selection(chosen, [], [], 0, len(pool))
 
     def _check_batch_size(self, req: RoundRequest, invited: int, per_user: int, ct_len: int) -> None:
         """A released SEALED / BITS batch holds up to invited * per_user ciphertexts: it must fit one gRPC message
@@ -868,7 +866,6 @@ class ShufflerState:
                 bound=bound,
                 not_in_run=sel.not_in_run,
                 wire_dtype=wire_dtype,
-                notify=sel.notify,
                 drawn_from=sel.drawn_from,
                 excluded_silent=sel.excluded_silent,
             )
@@ -900,7 +897,7 @@ class ShufflerState:
         users, none of them invited (a notice: design 6, a cost relying on sampling counts every round a user was
         eligible for). Caller holds the lock."""
         by_node: dict[str, list[str]] = {}
-        if rnd.notify:  # the eligible users are those of the live nodes (_eligible_users)
+        if rnd.req.schedule == Schedule.SUBSAMPLED:  # the eligible users are those of the live nodes
             by_node.update((node, []) for node in self._subs if self._node_users.get(node))
         for k in rnd.invited:
             node, user = split_user_key(k)
