@@ -21,7 +21,8 @@ Every logical user decides for itself whether to join a round, from the RoundSpe
   later invitation and counting nothing more, as soon as one more round could take it past its limits: what it
   paid never exceeds them. The shuffler's eligible count must not be below the rate the spec is accounted at.
 
-Decisions are vectorized over the node's invited users (one numpy pass, no per-user Python loop).
+Decisions are vectorized over the node's invited users (one numpy pass, no per-user Python loop), except a per-run
+round's totals (decide_in_run): one Python step per user, its cost memoised per distinct counts.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class Refusal:
     # the shuffler drew the cohort from fewer users than the round's accountant assumes (a higher sampling rate)
     POPULATION = "eligible_below_accounted_population"
     PARTICIPATION = "participation_limit_exceeded"  # the user's own record: more leaves in a tree, or too close
+    # a per-run round whose public parameters differ from the run's earlier rounds: its counts would be costed at
+    # parameters that did not hold for them (e.g. a larger noise multiplier claimed later lowers every past round)
+    RUN_CHANGED = "run_parameters_changed"
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,7 @@ class RunTable:
     paid_delta: np.ndarray
     withdrawn: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     counted_round: int = -1  # the last round whose eligibility was counted (each round once)
+    parameters: tuple | None = None  # the run's public parameters, fixed by the first round this process saw
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,7 @@ class RunCharge:
     run: str
     round: int
     counted: bool  # the round's eligibility was counted
+    parameters: tuple  # the round's public parameters (RunTable.parameters)
     users: np.ndarray  # user indices whose counts change
     steps: list[str]  # per user: the counts the round adds, comma-separated
     eps: np.ndarray  # per user: what it pays now (its run cost minus what it paid for the run), >= 0
@@ -293,11 +299,15 @@ class PolicyTable:
         refuses this and every later round of the run), so that what it is charged never exceeds its limits."""
         idx = np.asarray(idx, dtype=np.int64)
         table = self.run_table(account.run)
+        parameters = (tuple(sorted(spec.randomizer.extra.items())), spec.sampling_rate, spec.population)
+        if table.parameters not in (None, parameters):
+            nothing = np.array([], dtype=np.int64)
+            empty = RunCharge(account.run, int(spec.round), False, table.parameters, nothing, [], *[nothing] * 3)
+            return np.full(idx.size, Refusal.RUN_CHANGED, dtype=object), empty
         counting = account.eligible is not None and int(spec.round) > table.counted_round
         candidates = np.arange(self.verify.size) if counting else idx
         static, _, _ = self._static(spec, candidates, supported)
-        ok = dict(zip(candidates.tolist(), (static == "").tolist(), strict=True))
-        reasons = dict(zip(candidates.tolist(), static.tolist(), strict=True))
+        reasons = dict(zip(candidates.tolist(), static.tolist(), strict=True))  # "" = passes the round's checks
         invited = set(idx.tolist())
         memo: dict[tuple, tuple[float, float]] = {}
 
@@ -319,7 +329,7 @@ class PolicyTable:
 
         users, steps, pay_eps, pay_delta, withdraw = [], [], [], [], []
         for u in candidates.tolist():
-            if not ok[u]:
+            if reasons[u]:
                 continue
             if table.withdrawn[u]:
                 reasons[u] = Refusal.TOTAL_EPS  # withdrew when one more round could not fit
@@ -348,6 +358,7 @@ class PolicyTable:
             account.run,
             int(spec.round),
             counting,
+            parameters,
             np.array(users, dtype=np.int64),
             steps,
             np.array(pay_eps, dtype=np.float64),
@@ -370,6 +381,7 @@ class PolicyTable:
         self.eps_spent[ix] = sum_up(self.eps_spent[ix], charge.eps)
         self.delta_spent[ix] = sum_up(self.delta_spent[ix], charge.delta)
         table.withdrawn[charge.withdraw] = True
+        table.parameters = charge.parameters
         if charge.counted:
             table.counted_round = max(table.counted_round, charge.round)
 
