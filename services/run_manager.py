@@ -48,13 +48,12 @@ from shuffledp.services.ledger import (
 )
 
 from shuffledp import grpc_options, sealing
-from shuffledp.config import DEFAULT_ROUNDS, ConfigError, RunConfig, check_in_enabled, parse_config
+from shuffledp.config import DEFAULT_ROUNDS, ConfigError, RunConfig, parse_config
 from shuffledp.data import load_dataset
 from shuffledp.models import Model, make_model
 from shuffledp.optimizers import registry as optimizers
 from shuffledp.optimizers.base import Optimizer
 from shuffledp.optimizers.psgd import AveragingState
-from shuffledp.protocols import check_in
 from shuffledp.protocols.base import (  # noqa: F401 (the rejection reasons are re-exported: their former home)
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
@@ -62,8 +61,7 @@ from shuffledp.protocols.base import (  # noqa: F401 (the rejection reasons are 
     PlanRequest,
     RoundProtocol,
 )
-from shuffledp.protocols.pvec_round import open_bit_messages  # noqa: F401 (re-exported: its former home)
-from shuffledp.protocols.registry import round_protocol
+from shuffledp.protocols.registry import planned_protocol, round_protocol
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
@@ -78,7 +76,6 @@ __all__ = [
     "RunView",
     "plan_run",
     "round_spec",
-    "open_bit_messages",
     "TERMINAL_STATES",
     "UNDECRYPTABLE",
     "MALFORMED_PLAINTEXT",
@@ -164,7 +161,8 @@ def plan_run(
     if admitted < 1:
         raise PlanError("no users are admitted at the shuffler")
     delta = _resolve_delta(cfg, admitted)
-    name = optimizers.resolve(s.optimizer, s.kind, p.protocol)
+    protocol = round_protocol(p.protocol)
+    name = optimizers.resolve(s.optimizer, s.kind, protocol.auto_optimizer)
     smoothing = _smoothing(cfg, model, s.kind, admitted if s.kind != "sequential" else unused, d, delta)
     model = replace(model, smoothing=smoothing) if smoothing else model
     if feature_bound == "load":
@@ -198,13 +196,10 @@ def plan_run(
     q = B / admitted if s.sampling == "poisson" else 0.0
     # the threshold: a subsampled round releases exactly k reports or nothing (spec 001 sec 1)
     n_min = B if s.kind == "subsampled" else max(1, math.ceil(p.min_contributors_fraction * B))
-    protocol = round_protocol(p.protocol)
     request = PlanRequest(
         s.kind,
-        p.calibration,
         p.eps,
         delta,
-        p.round_eps,
         T,
         B,
         n_min,
@@ -212,12 +207,12 @@ def plan_run(
         p.clip_norm,
         cfg.transport.mode,
         admitted=admitted,
-        eps0=p.eps0,
         rounds_requested=s.rounds,
         min_contributors_fraction=p.min_contributors_fraction,
+        settings=p.settings,
         # PNSGD runs the pass itself: it needs the loss, its public domain and the step size
         options={
-            **_protocol_options(cfg),
+            "sampling": s.sampling,
             "task": model.task,
             "num_features": model.num_features,
             "num_classes": model.num_classes,
@@ -267,7 +262,7 @@ def plan_run(
         "composition": sized.composition,
         "advanced_slack": sized.advanced_slack,
         "params": sized.params,
-        "check_in": sized.check_in,
+        **sized.plan_extra,
         "hidden_iterates": sized.hidden_iterates,
         "optimizer": hyper,
         "learning_rate": hyper.get("learning_rate"),
@@ -283,27 +278,6 @@ def plan_run(
         "deadline": cfg.deployment.round_deadline_seconds,
         "output": s.output,
     }
-
-
-def _protocol_options(cfg: RunConfig) -> dict[str, Any]:
-    """The [privacy] keys only some protocols read (DP-FTRL's tree, central DP-SGD; PVEC's check-in); unset ones
-    left out."""
-    p = cfg.privacy
-    out: dict[str, Any] = {
-        "sampling": cfg.schedule.sampling,
-        "check_in_fraction": p.report_fraction if check_in_enabled(p) else None,
-        "max_participations": p.max_participations,
-        "min_separation": p.min_separation,
-        "rounds_per_tree": p.rounds_per_tree,
-        "completion": p.completion,
-        "efficient": p.tree_estimator == "efficient",
-        "randomly_stopped": p.randomly_stopped,
-    }
-    if p.noise_multiplier is not None:
-        out["noise_multiplier"] = p.noise_multiplier
-    if p.noise is not None:
-        out["noise"] = p.noise  # the central protocols' noise (issue 24 D19; unset: each protocol's default)
-    return out
 
 
 def _smoothing(cfg: RunConfig, model: Model, kind: str, n: int, d: int, delta: float) -> float:
@@ -376,7 +350,6 @@ def round_spec(
         local_batch=1,
         l2=plan.get("l2", 0.0),
         smoothing=plan.get("smoothing", 0.0),
-        check_in=pb.CheckIn(**plan["check_in"]) if plan.get("check_in") else None,
         **protocol.spec_fields(plan, params, event, analyzer_public_key),
     )
 
@@ -463,8 +436,8 @@ def _decode_run_state(blob: bytes, opt: Optimizer, protocol: RoundProtocol, plan
 
 
 def _protocol(plan: dict[str, Any]) -> RoundProtocol:
-    """The planned run's protocol plug-in (plans written before protocols were plug-ins are PVEC's)."""
-    return round_protocol(plan.get("protocol", "pvec"))
+    """The planned run's protocol plug-in."""
+    return planned_protocol(plan)
 
 
 def _optimizer(plan: dict[str, Any]) -> Optimizer:
@@ -839,20 +812,11 @@ class RunManager:
             )
         if batch.run_id != run_id or batch.round != r:
             raise RuntimeError(f"batch for run {batch.run_id!r} round {batch.round} answered round {r}")
-        params, ran, n_min = rd.params, None, plan["min_contributors"]
-        if plan.get("check_in"):
-            # check-in round: the threshold c_min and each user's trials m follow from who checked in; the round
-            # is charged at the m it ran with (protocols/check_in.py)
-            ci, c = plan["check_in"], int(rep.checked_in)
-            try:
-                n_min, m = check_in.share(ci["noise_trials"], ci["report_fraction"], n_min, c)
-            except ValueError as exc:  # released, so charged (at the reservation's m); the run stops
-                self.ledger.commit(run_id, r, max(n, 1))
-                raise RuntimeError(f"the shuffler released a check-in round it could not run: {exc}") from None
-            params, ran = replace(params, m=m), {"m": m}
-            if n > c:
-                self.ledger.commit(run_id, r, max(n, 1), ran)
-                raise RuntimeError(f"batch has {n} contributors but only {c} users checked in")
+        try:  # what the round ran with (PVEC's check-in: the threshold and trials of who checked in)
+            params, n_min, ran = rd.protocol.released(plan, rd.params, rep)
+        except BatchError as exc:  # released, so charged; the run stops
+            self.ledger.commit(run_id, r, exc.charged, exc.ran)
+            raise
         if not n_min <= n <= plan["cohort"]:
             # the threshold is what bounds the cost; a batch outside it is charged honestly and the run stops
             self.ledger.commit(run_id, r, max(n, 1), ran)

@@ -14,14 +14,34 @@ DEFAULT_ROUNDS when fully interactive, as many as the unused users allow when se
 
 from __future__ import annotations
 
-import math
 import tomllib
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from shuffledp.optimizers.registry import MU2_PROTOCOLS, OPTIMIZERS, resolve
-from shuffledp.protocols.registry import PROTOCOL_NAMES
+from shuffledp.optimizers.registry import OPTIMIZERS, resolve
+from shuffledp.protocols.registry import PROTOCOL_NAMES, PROTOCOL_SUMMARIES, round_protocol
+from shuffledp.settings import (
+    ConfigError,
+    DataConfig,
+    DeploymentConfig,
+    ModelConfig,
+    PolicyConfig,
+    PrivacyConfig,
+    RunConfig,
+    ScheduleConfig,
+    TransportConfig,
+    read_table,
+    render_table,
+    table_keys,
+    toml_value,
+)
+from shuffledp.settings import boolean as _bool
+from shuffledp.settings import choice as _choice
+from shuffledp.settings import integer as _int
+from shuffledp.settings import number as _float
+from shuffledp.settings import string as _str
 
 __all__ = [
     "ConfigError",
@@ -37,6 +57,7 @@ __all__ = [
     "load_config",
     "read_config_text",
     "DEFAULT_TOML",
+    "default_toml",
     "DEFAULT_ROUNDS",
 ]
 
@@ -44,7 +65,7 @@ __all__ = [
 # 2 cores). Hyper-parameters from the in-process measurements reported with issue 4: PGD (T=16, lr 8, radius 10)
 # reached ~0.90 held-out accuracy at eps=8 (non-private same schedule ~0.90, majority 0.09); sequential PSGD
 # with B=224 (6 rounds) only ~0.80, because PSGD gets floor(n/B) steps.
-DEFAULT_TOML = """\
+_TEMPLATE = """\
 # shuffledp embedded default: multinomial logistic regression on scikit-learn's digits (8x8 images, 10 classes),
 # one example per user, trained with PGD (fully interactive, Alg 5 of Cheu et al. 2022) over PVEC count mode.
 # `shuffledp run --print-default > my.toml` writes this file. Keys left out of a configuration take built-in
@@ -81,41 +102,16 @@ radius = 10.0               # iterates are projected onto the l2 ball of this ra
 [privacy]
 eps = 8.0
 # delta = 1e-5              # unset: min(1/n, policy.max_delta_per_round, policy.max_total_delta), n = users admitted
-protocol = "pvec"           # "pvec" (multi-message sum, seed 000) or an eps0-LDP randomizer over the subsampled
-                            # shuffle (CLDP-SGD, seed 001; schedule.kind = "subsampled", transport.mode = "sealed"):
-                            # "r_inf" (l_inf clip), "r_one" (l_1), "privunit" (l_2), "rr" (one-number tasks);
-                            # central trust (the analyzer sees clipped vectors and adds the noise; "subsampled",
-                            # "sealed"): "tree" (DP-FTRL, seed 003) or "gaussian" (central DP-SGD, its baseline);
-                            # "pan_gaussian" (pan-private AC-SA, seed 000 App C; sequential, "sealed");
-                            # "mu2_untrusted" / "mu2_trusted" (DP-mu2-FL, seed 002: M machines = the users, each
-                            # with a stream of data.examples_per_user >= schedule.rounds examples, all in every
-                            # round; Gaussian noise added by each machine / by the analyzer; fully interactive,
-                            # "sealed", optimizer "mu2"); "pnsgd" (shuffled projected noisy SGD, seed 004: each
-                            # user seals its one record, the analyzer runs one noisy pass in a secret order and
-                            # releases only the last iterate; fully interactive, rounds = 1, "sealed", logreg);
-                            # "pnsgd_online" (the same pass in arrival order with Thm 7's decaying noise)
-# eps0 = 1.0                # LDP protocols: local eps of each report; unset = the largest for which schedule.rounds
-                            # fit (eps, delta)
-calibration = "calibrated"  # "calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)
+protocol = "{protocol}"{pad}# one of the protocols below; its own keys are its table [privacy.<protocol>] (`shuffledp
+                            # run --print-default --protocol NAME` prints a run of NAME with its table):
+{protocols}
 clip_norm = 1.0             # l2 bound on each user's gradient (Delta2 of PVEC)
-min_contributors_fraction = 0.9
-# check_in = true           # pvec, calibrated: the round's noise is shared by the users who check in instead of sized
-                            # for min_contributors (one more node round trip; protocols/check_in.py); unset = on there
-report_fraction = 0.99      # check-in: share of the checked-in users that must report, else nothing is released
-# round_eps = 1.0           # fixed eps per round, rounds run while the total fits eps; unset = from eps and rounds
-# honest_fraction = 0.9     # robust figure: eps when only this fraction of each round's contributors is honest
-                            # (the rest collude with the analyzer; spec 000 A.3); unset = min_contributors_fraction
-# noise_multiplier = 4.0    # "tree", "gaussian": noise std / clip_norm; unset = the least that fits (eps, delta)
-# noise = "discrete"        # central Gaussian protocols: "discrete" (exact on a grid, CKS20; charged by its RDP) or
-                            # "continuous" (charged its exact curve / PLD); unset = "discrete", but "continuous"
-                            # for "gaussian" with sampling = "poisson" (no bound proven for discrete noise there)
-max_participations = 1      # "tree": rounds a user may join per tree (E; the shuffler enforces it)
-min_separation = 0          # "tree": rounds strictly between two of a user's rounds in one tree (xi)
-rounds_per_tree = 0         # "tree": rounds per tree, a fresh tree after each (restarts); 0 = one tree
-completion = false          # "tree": pad each finished tree to a power of two (single-root noise at a restart)
-tree_estimator = "efficient"  # "tree": "efficient" (Honaker, less variance, same privacy) or "vanilla"
-randomly_stopped = false    # "pnsgd": stop the pass at a secret T ~ Unif{1..n}, release w_T (seed 004 sec 3.3)
+min_contributors_fraction = 0.9  # a round with fewer contributors than this share of its cohort releases nothing
+# honest_fraction = 0.9     # shuffle-trust protocols' robust figure: eps when only this fraction of each round's
+                            # contributors is honest (the rest collude with the analyzer; spec 000 A.3); unset =
+                            # min_contributors_fraction
 
+{table}
 [schedule]
 kind = "fully_interactive"  # "sequential" (PSGD, disjoint cohorts), "fully_interactive" (PGD, all users) or
                             # "subsampled" (k = cohort_size of the n users per round, drawn secretly by the shuffler)
@@ -158,8 +154,50 @@ max_total_delta = 1e-2
 """
 
 
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown, of the wrong type or out of range; the message names the key."""
+def default_toml(protocol: str = "pvec") -> str:
+    """The embedded default document; for another protocol, with that protocol's table and the section keys its
+    plug-in gives as an example run (`shuffledp run --print-default --protocol NAME`)."""
+    if protocol not in _PROTOCOLS:
+        raise ConfigError(f"unknown protocol {protocol!r}; known: {', '.join(_PROTOCOLS)}")
+    plugin = round_protocol(protocol)
+    listing = "\n".join(f'{"":28}#   "{name}": {text}' for name, text in PROTOCOL_SUMMARIES.items())
+    text = _TEMPLATE.replace("{protocols}", listing).replace(
+        "{table}", render_table(plugin.settings, f"privacy.{protocol}")
+    )
+    text = text.replace("{protocol}", protocol).replace("{pad}", " " * max(1, 28 - len(f'protocol = "{protocol}"')))
+    if protocol != "pvec":
+        text = (
+            f"# privacy.protocol = {protocol!r}: the example run of its plug-in, on top of the embedded default\n"
+            + text
+        )
+    for section, keys in plugin.example.items():
+        for key, value in keys.items():
+            text = _set_key(text, section, key, value)
+    return text
+
+
+def _set_key(text: str, section: str, key: str, value: Any) -> str:
+    """Set (value None: remove) one key of a section in the document's text, keeping its comment."""
+    lines = text.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.split("#")[0].strip() == f"[{section}]") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
+    for i in range(start, end):
+        if lines[i].startswith((f"{key} = ", f"# {key} = ")):
+            comment = lines[i][28:]
+            drop = 1
+            while i + drop < end and lines[i + drop].startswith(" " * 28 + "#"):
+                drop += 1
+            if value is None:
+                del lines[i : i + drop]
+            else:
+                new = f"{key} = {toml_value(value)}"
+                lines[i] = new.ljust(28) + comment if len(new) < 28 and comment.startswith("#") else new
+            return "\n".join(lines)
+    while end > start and not lines[end - 1].strip():
+        end -= 1
+    if value is not None:
+        lines.insert(end, f"{key} = {toml_value(value)}")
+    return "\n".join(lines)
 
 
 _DATASETS = ("digits", "mnist5k", "path", "synthetic")
@@ -171,134 +209,11 @@ _SYNTHETIC_DEFAULTS = {"n": 10_000, "dim": 20, "noise": 0.5}
 _SYNTHETIC_TEST_SIZE = 20_000
 _SYNTHETIC_MAX_ELEMENTS = 250_000_000  # (n + test size) * dim float64 = 2 GB in every process that loads the data
 _PROTOCOLS = PROTOCOL_NAMES
-_LDP_PROTOCOLS = ("r_inf", "r_one", "privunit", "rr")
-_CENTRAL_PROTOCOLS = ("tree", "gaussian")  # over the subsampled schedule
-_PAN_PROTOCOLS = ("pan_gaussian",)  # central trust, sequential, pan-private (paper 000 App C, Alg 6)
-_TREE_KEYS = ("max_participations", "min_separation", "rounds_per_tree", "completion", "tree_estimator")
-_ESTIMATORS = ("efficient", "vanilla")
-_NOISES = ("discrete", "continuous")  # protocols.discrete_gaussian.NOISES
-_CALIBRATIONS = ("calibrated", "paper")
 _KINDS = ("sequential", "fully_interactive", "subsampled")
 _MODES = ("counts", "bits", "sealed")
 _OUTPUTS = ("mean", "last")
 _SAMPLINGS = ("fixed", "poisson")
 DEFAULT_ROUNDS = 16  # fully interactive T when schedule.rounds is unset (the embedded default's tuned schedule)
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    dataset: str = "digits"
-    path: str = ""  # data file (dataset = "path"); for idx the images file
-    labels_path: str = ""  # idx only: the labels file
-    format: str = ""  # csv | npz | libsvm | idx; "" = from the file extension
-    test_fraction: float = 0.25
-    examples_per_user: int = 1
-    classes: tuple[int, ...] = ()  # keep only these labels (relabelled 0..k-1); () = all
-    max_users: int = 0  # 0 = every training user; else the first max_users users
-    # dataset = "synthetic" only (the parser fills unset ones from _SYNTHETIC_DEFAULTS; 0 / None = unset)
-    n: int = 0  # training examples
-    dim: int = 0  # features
-    noise: float | None = None  # label noise scale
-    seed: int = 0  # generator seed (public data)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    task: str = "logreg"
-    radius: float = 4.0  # radius of the l2 ball Theta (diameter D = 2 radius)
-    l2: float = 0.0  # lambda: adds lambda/2 ||theta||^2 (strongly convex task, spec 000 Thm 4.8)
-    # beta of the Moreau envelope (spec 000 Def 4.5), non-smooth tasks only; 0 = off; "paper" = Thm 4.7's beta
-    # (AC-SA) or Thm 4.9's (PGD), resolved by the analyzer when it plans
-    smoothing: float | str = 0.0
-    smoothness: float = 0.0  # beta of the loss for AC-SA's step rule; 0 = from the data's public bound on ||x||
-    hidden: int = 32  # mlp: hidden units (tanh); ignored by the other tasks
-
-
-@dataclass(frozen=True)
-class PrivacyConfig:
-    eps: float = 8.0
-    # None = min(1/n, policy.max_delta_per_round, policy.max_total_delta), n = admitted users at StartRun: the
-    # default users then accept every round (services/run_manager.plan_run)
-    delta: float | None = None
-    protocol: str = "pvec"
-    calibration: str = "calibrated"
-    clip_norm: float = 1.0
-    min_contributors_fraction: float = 0.9
-    # check-in (shuffledp.protocols.check_in): None = on for pvec with calibration "calibrated", where it applies
-    check_in: bool | None = None
-    report_fraction: float = 0.99  # check-in: the checked-in users' share that must report
-    # Optional fixed per-round eps (the ledger then enforces the total and stops the run when the next round
-    # would exceed it). None = derive the per-round parameters from the total budget and the planned rounds.
-    round_eps: float | None = None
-    eps0: float | None = None  # LDP protocols: local eps of a report; None = the largest that fits the rounds
-    # robust accounting (spec 000 A.3): None = min_contributors_fraction
-    honest_fraction: float | None = None
-    # central protocols ("tree", "gaussian"): node / noise std over clip_norm; None = the least that fits the budget
-    noise_multiplier: float | None = None
-    # central Gaussian protocols: "discrete" / "continuous" noise (issue 24 D19); None = discrete where proven
-    noise: str | None = None
-    # "tree" (DP-FTRL, spec 003): per tree, each user in at most max_participations rounds, at least min_separation
-    # rounds strictly between two; rounds_per_tree rounds per tree (0 = one tree); completion pads a tree to a power
-    # of two before a restart; tree_estimator "efficient" (Honaker) or "vanilla"
-    max_participations: int = 1
-    min_separation: int = 0
-    rounds_per_tree: int = 0
-    completion: bool = False
-    tree_estimator: str = "efficient"
-    randomly_stopped: bool = False  # "pnsgd": stop the pass at a secret T ~ Unif{1..n} (spec 004 sec 3.3)
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    kind: str = "fully_interactive"
-    optimizer: str = "auto"  # auto = psgd (sequential) / pgd (fully interactive) / sgd (subsampled)
-    phases: int = 0  # strongly convex phased restarts (Thm 4.8); 0 = one phase
-    cohort_size: int = 0  # sequential: users per round; 0 = Thm 4.1's B = sqrt(d) ln(d/delta)/eps
-    # fully interactive: T (None = DEFAULT_ROUNDS); sequential: at most T rounds (None = floor(unused users / B))
-    rounds: int | None = None
-    learning_rate: float | None = None  # None = theory rule (Thm 4.1 / Lemma B.6), eta = D/(L_G sqrt(T))
-    output: str = "mean"  # released model: mean of iterates (the papers' output) or the last iterate
-    lr_steps: tuple[int, ...] = ()  # sgd: rounds after which the learning rate is multiplied by lr_step_factor
-    lr_step_factor: float = 0.1
-    momentum: float = 0.0  # ftrl: gamma of DP-FTRLM (0 = DP-FTRL; the paper's experiments use 0.9)
-    sampling: str = "fixed"  # subsampled: "fixed" (uniform k of n) or "poisson" (each user with q = k/n)
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    mode: str = "counts"
-
-
-@dataclass(frozen=True)
-class DeploymentConfig:
-    client_nodes: int = 2
-    round_deadline_seconds: float = 60.0
-    insecure: bool = True
-    pki_dir: str = ""
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """The simulated users' privacy policy (clients/policy.py UserPolicy; the client nodes enforce it, the analyzer
-    reads it only to cap an unset privacy.delta). Defaults accept the embedded run and refuse eps > 8 in one round."""
-
-    max_eps_per_round: float = 8.0
-    max_delta_per_round: float = 1e-3
-    max_total_eps: float = 64.0
-    max_total_delta: float = 1e-2
-    allowed_protocols: tuple[str, ...] = ()  # the randomizers the users run; () = every protocol
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    toml_text: str = ""  # the exact text parsed (kept so every party can be given the same document)
 
 
 _SECTIONS: dict[str, type] = {
@@ -310,51 +225,6 @@ _SECTIONS: dict[str, type] = {
     "deployment": DeploymentConfig,
     "policy": PolicyConfig,
 }
-
-
-# ------------------------------------------------------------------------------------------- typed readers
-def _is_num(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _float(key: str, v: object, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> float:
-    if not _is_num(v):
-        raise ConfigError(f"{key} must be a number, got {v!r}")
-    x = float(v)
-    if not math.isfinite(x):
-        raise ConfigError(f"{key} must be finite, got {v!r}")
-    bad_lo = x <= lo if lo_open else x < lo
-    bad_hi = x >= hi if hi_open else x > hi
-    if bad_lo or bad_hi:
-        lb, rb = ("(" if lo_open else "["), (")" if hi_open else "]")
-        raise ConfigError(f"{key} must lie in {lb}{lo}, {hi}{rb}, got {x}")
-    return x
-
-
-def _int(key: str, v: object, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"{key} must be an integer, got {v!r}")
-    if not lo <= v <= hi:
-        raise ConfigError(f"{key} must lie in [{lo}, {hi}], got {v}")
-    return v
-
-
-def _choice(key: str, v: object, allowed: tuple[str, ...]) -> str:
-    if not isinstance(v, str) or v not in allowed:
-        raise ConfigError(f"{key} must be one of {', '.join(repr(a) for a in allowed)}, got {v!r}")
-    return v
-
-
-def _str(key: str, v: object) -> str:
-    if not isinstance(v, str):
-        raise ConfigError(f"{key} must be a string, got {v!r}")
-    return v
-
-
-def _bool(key: str, v: object) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{key} must be true or false, got {v!r}")
-    return v
 
 
 # --------------------------------------------------------------------------------------------- sections
@@ -433,30 +303,30 @@ def _model(t: dict[str, Any]) -> ModelConfig:
 
 
 def _privacy(t: dict[str, Any]) -> PrivacyConfig:
+    """The common keys here; the chosen protocol's table [privacy.<protocol>] by its plug-in's declaration."""
     p = PrivacyConfig()
+    protocol = _choice("privacy.protocol", t.get("protocol", p.protocol), _PROTOCOLS)
+    plugin = round_protocol(protocol)
+    common = {f.name for f in fields(PrivacyConfig)} - {"settings"}
+    for key in t:
+        if key in common or key == protocol:
+            continue
+        if key in _PROTOCOLS:
+            raise ConfigError(f'[privacy.{key}] is the table of privacy.protocol = "{key}", got "{protocol}"')
+        raise ConfigError(_moved_or_unknown(key, protocol, common))
     # eps <= 15 is where the paper's lemmas hold (paper 000 Lemma 3.1); calibrated mode is valid beyond, but no
     # practitioner would call eps > 64 private, so larger values are refused as typos.
     eps = _float("privacy.eps", t.get("eps", p.eps), 0.0, 64.0, lo_open=True)
     delta = t.get("delta")
     if delta is not None:
         delta = _float("privacy.delta", delta, 0.0, 0.5, lo_open=True, hi_open=True)
-    round_eps = t.get("round_eps")
-    if round_eps is not None:
-        round_eps = _float("privacy.round_eps", round_eps, 0.0, 64.0, lo_open=True)
-    eps0 = t.get("eps0")
-    if eps0 is not None:
-        eps0 = _float("privacy.eps0", eps0, 0.0, 36.0, lo_open=True)  # ldp_common.MAX_EPS0
     honest = t.get("honest_fraction")
     if honest is not None:
         honest = _float("privacy.honest_fraction", honest, 0.0, 1.0, lo_open=True)
-    z = t.get("noise_multiplier")
-    if z is not None:
-        z = _float("privacy.noise_multiplier", z, 0.0, 1e6, lo_open=True)
     return PrivacyConfig(
         eps=eps,
         delta=delta,
-        protocol=_choice("privacy.protocol", t.get("protocol", p.protocol), _PROTOCOLS),
-        calibration=_choice("privacy.calibration", t.get("calibration", p.calibration), _CALIBRATIONS),
+        protocol=protocol,
         clip_norm=_float("privacy.clip_norm", t.get("clip_norm", p.clip_norm), 0.0, 1e6, lo_open=True),
         min_contributors_fraction=_float(
             "privacy.min_contributors_fraction",
@@ -465,24 +335,22 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
             1.0,
             lo_open=True,
         ),
-        check_in=None if t.get("check_in") is None else _bool("privacy.check_in", t["check_in"]),
-        report_fraction=_float(
-            "privacy.report_fraction", t.get("report_fraction", p.report_fraction), 0.0, 1.0, lo_open=True
-        ),
-        round_eps=round_eps,
-        eps0=eps0,
         honest_fraction=honest,
-        noise_multiplier=z,
-        noise=None if t.get("noise") is None else _choice("privacy.noise", t["noise"], _NOISES),
-        max_participations=_int(
-            "privacy.max_participations", t.get("max_participations", p.max_participations), 1, 10**6
-        ),
-        min_separation=_int("privacy.min_separation", t.get("min_separation", p.min_separation), 0, 10**6),
-        rounds_per_tree=_int("privacy.rounds_per_tree", t.get("rounds_per_tree", p.rounds_per_tree), 0, 100_000),
-        completion=_bool("privacy.completion", t.get("completion", p.completion)),
-        tree_estimator=_choice("privacy.tree_estimator", t.get("tree_estimator", p.tree_estimator), _ESTIMATORS),
-        randomly_stopped=_bool("privacy.randomly_stopped", t.get("randomly_stopped", p.randomly_stopped)),
+        settings=read_table(plugin.settings, t.get(protocol, {}), f"privacy.{protocol}"),
     )
+
+
+def _moved_or_unknown(key: str, protocol: str, common: set[str]) -> str:
+    """The one-line error of an unknown [privacy] key: where it lives now when a protocol's table declares it (the
+    flat keys of earlier versions), else the allowed keys."""
+    owners = [name for name in _PROTOCOLS if key in table_keys(round_protocol(name).settings)]
+    if protocol in owners:
+        return f"privacy.{key} is now a key of the protocol's own table: put it under [privacy.{protocol}]"
+    if owners:
+        where = ", ".join(f"[privacy.{name}]" for name in owners)
+        return f'privacy.{key} belongs to the table of another protocol ({where}), not to "{protocol}"'
+    allowed = ", ".join(sorted(common | {protocol}))
+    return f"unknown key privacy.{key}; allowed: {allowed} (the table [privacy.{protocol}])"
 
 
 def _schedule(t: dict[str, Any]) -> ScheduleConfig:
@@ -605,6 +473,8 @@ def parse_config(text: str) -> RunConfig:
             raise ConfigError(f"unknown section [{name}]; allowed: {', '.join(_SECTIONS)}")
         if not isinstance(value, dict):
             raise ConfigError(f"{name} must be a table ([{name}]), got {value!r}")
+        if name == "privacy":
+            continue  # its reader knows the protocols' tables, and where the keys of earlier versions went
         allowed = {f.name for f in fields(_SECTIONS[name])}
         for key in value:
             if key not in allowed:
@@ -617,189 +487,51 @@ def parse_config(text: str) -> RunConfig:
     return cfg
 
 
-def _check_central(cfg: RunConfig, optimizer: str) -> None:
-    """The central protocols' keys (DP-FTRL and central DP-SGD) against the rest."""
-    p, s = cfg.privacy, cfg.schedule
-    defaults = PrivacyConfig()
-    tree_keys = [k for k in _TREE_KEYS if getattr(p, k) != getattr(defaults, k)]
-    if tree_keys and p.protocol != "tree":
-        raise ConfigError(f'privacy.{tree_keys[0]} applies to privacy.protocol = "tree", got "{p.protocol}"')
-    # ("pnsgd_online" has Thm 7's noise schedule)
-    if p.noise_multiplier is not None and p.protocol not in (*_CENTRAL_PROTOCOLS, *MU2_PROTOCOLS, "pnsgd"):
-        raise ConfigError(
-            f'privacy.noise_multiplier applies to "tree", "gaussian", "mu2_untrusted", "mu2_trusted" and "pnsgd", got '
-            f'"{p.protocol}"'
-        )
-    # the tree's residuals feed FTRL, or SGD (post-processing of the same prefix sums; spec 003 sec 1, B.3)
-    if (optimizer == "ftrl" and p.protocol != "tree") or (p.protocol == "tree" and optimizer not in ("ftrl", "sgd")):
-        raise ConfigError(
-            'schedule.optimizer = "ftrl" needs privacy.protocol = "tree", which feeds "ftrl" or "sgd" (DP-FTRL, spec '
-            f'003): got optimizer "{optimizer}" with protocol "{p.protocol}"'
-        )
-    if s.momentum and optimizer != "ftrl":
-        raise ConfigError(f'schedule.momentum applies to schedule.optimizer = "ftrl"; it resolves to "{optimizer}"')
-    if p.noise is not None and p.protocol not in (*_CENTRAL_PROTOCOLS, *_PAN_PROTOCOLS, *MU2_PROTOCOLS):
-        raise ConfigError(
-            f'privacy.noise applies to "gaussian", "tree", "pan_gaussian", "mu2_untrusted" and "mu2_trusted", got '
-            f'"{p.protocol}"'
-        )
-    if p.noise == "discrete" and s.sampling == "poisson":
-        raise ConfigError(
-            'privacy.noise = "discrete" has no proven accountant with schedule.sampling = "poisson": use "continuous"'
-        )
-    if s.sampling == "poisson" and p.protocol != "gaussian":
-        # the one accountant here that assumes Poisson sampling is the sampled Gaussian's (dp_accounting)
-        raise ConfigError(
-            f'schedule.sampling = "poisson" applies to privacy.protocol = "gaussian" (central DP-SGD), got '
-            f'"{p.protocol}"'
-        )
-    if p.protocol not in _CENTRAL_PROTOCOLS:
-        return
-    if s.kind != "subsampled":
-        raise ConfigError(f'privacy.protocol = "{p.protocol}" needs schedule.kind = "subsampled", got "{s.kind}"')
-    if cfg.transport.mode != "sealed":
-        raise ConfigError(
-            f'privacy.protocol = "{p.protocol}" sends one sealed vector per user: set transport.mode = "sealed"'
-        )
-    if s.cohort_size < 1 or s.rounds is None:
-        raise ConfigError(f'privacy.protocol = "{p.protocol}" needs schedule.cohort_size and schedule.rounds')
-    if p.eps0 is not None:
-        raise ConfigError(f'privacy.eps0 applies to LDP protocols; privacy.protocol = "{p.protocol}" has none')
-    if p.rounds_per_tree and p.rounds_per_tree >= s.rounds and p.completion:
-        raise ConfigError("privacy.completion pads a tree before a restart: privacy.rounds_per_tree must be < rounds")
+def _either(names: Sequence[str]) -> str:
+    return " or ".join(f'"{n}"' for n in names)
 
 
-def _check_pan(cfg: RunConfig, optimizer: str) -> None:
-    """privacy.protocol = "pan_gaussian": pan-private AC-SA (paper 000 App C)."""
-    p, s = cfg.privacy, cfg.schedule
-    if s.kind != "sequential":
-        raise ConfigError(f'privacy.protocol = "pan_gaussian" needs schedule.kind = "sequential", got "{s.kind}"')
-    if cfg.transport.mode != "sealed":
+def _check_protocol(cfg: RunConfig, plugin: Any, optimizer: str) -> None:
+    """What the chosen protocol's plug-in declares it runs over (design 3.1), then its own checks. The protocols
+    named in a message are found in the registry (importing their modules only on this error path)."""
+    s, name, mode = cfg.schedule, cfg.privacy.protocol, cfg.transport.mode
+    if s.kind not in plugin.schedules:
         raise ConfigError(
-            'privacy.protocol = "pan_gaussian" sends one sealed vector per user: set transport.mode = "sealed"'
+            f'privacy.protocol = "{name}" runs over schedule.kind = {_either(plugin.schedules)}, got "{s.kind}"'
         )
-    if optimizer not in ("acsa", "psgd"):
+    if mode not in plugin.transports:
         raise ConfigError(
-            f'privacy.protocol = "pan_gaussian" runs schedule.optimizer = "acsa" or "psgd", got "{optimizer}"'
+            f'privacy.protocol = "{name}" sends in transport.mode = {_either(plugin.transports)}: set it, got "{mode}"'
         )
-    if p.eps0 is not None:
-        raise ConfigError('privacy.eps0 applies to LDP protocols; privacy.protocol = "pan_gaussian" has none')
-    if p.calibration == "paper" and not (p.round_eps or p.eps) < 1.0:
+    if optimizer not in plugin.optimizers:
+        feeds = [n for n in _PROTOCOLS if optimizer in round_protocol(n).optimizers]
         raise ConfigError(
-            'privacy.calibration = "paper" for "pan_gaussian" is Alg 6\'s zeta (Lemma C.5), valid for eps < 1'
+            f'schedule.optimizer = "{optimizer}" runs over privacy.protocol = {_either(feeds)}; "{name}" feeds '
+            f"{_either(plugin.optimizers)}"
         )
-
-
-def _check_mu2(cfg: RunConfig) -> None:
-    """privacy.protocol = "mu2_untrusted" / "mu2_trusted": DP-mu2-FL (seed 002)."""
-    p, s = cfg.privacy, cfg.schedule
-    if s.kind != "fully_interactive":
+    if s.sampling == "poisson" and not plugin.poisson_sampling:
+        owners = [n for n in _PROTOCOLS if round_protocol(n).poisson_sampling]
         raise ConfigError(
-            f'privacy.protocol = "{p.protocol}" needs schedule.kind = "fully_interactive" (every machine in every '
-            f'round), got "{s.kind}"'
+            f'schedule.sampling = "poisson" applies to privacy.protocol = {_either(owners)} (whose accountant assumes '
+            f'it), got "{name}"'
         )
-    if cfg.transport.mode != "sealed":
-        raise ConfigError(
-            f'privacy.protocol = "{p.protocol}" seals one vector per machine: set transport.mode = "sealed"'
-        )
-    if s.rounds is None:
-        raise ConfigError(f'privacy.protocol = "{p.protocol}" needs schedule.rounds (T, one example per machine each)')
-    if cfg.data.examples_per_user < s.rounds:
-        raise ConfigError(
-            f"DP-mu2-FL uses one fresh example per machine per round: data.examples_per_user = "
-            f"{cfg.data.examples_per_user} must be >= schedule.rounds = {s.rounds}"
-        )
-    if p.eps0 is not None:
-        raise ConfigError(f'privacy.eps0 applies to LDP protocols; privacy.protocol = "{p.protocol}" has none')
-
-
-def _check_pnsgd(cfg: RunConfig) -> None:
-    """privacy.protocol = "pnsgd" / "pnsgd_online": shuffled or online PNSGD (seed 004), one pass over one record
-    per user."""
-    p, s = cfg.privacy, cfg.schedule
-    name = f'privacy.protocol = "{p.protocol}"'
-    if s.kind != "fully_interactive" or s.rounds != 1:
-        raise ConfigError(
-            f'{name} is one pass over every user\'s record: schedule.kind = "fully_interactive" with '
-            f'schedule.rounds = 1, got "{s.kind}" with rounds = {s.rounds}'
-        )
-    if cfg.transport.mode != "sealed":
-        raise ConfigError(f'{name} seals each record to the analyzer: set transport.mode = "sealed"')
-    if cfg.model.task != "logreg":
-        raise ConfigError(f'{name} runs model.task = "logreg" (its L and beta), got "{cfg.model.task}"')
-    if cfg.data.examples_per_user != 1:
-        raise ConfigError(f"{name}: one record per user, got data.examples_per_user = {cfg.data.examples_per_user}")
-    if p.eps0 is not None:
-        raise ConfigError(f"privacy.eps0 applies to LDP protocols; {name} has none")
-
-
-def check_in_enabled(p: PrivacyConfig) -> bool:
-    """Whether rounds run the check-in (privacy.check_in; unset: for pvec with calibration "calibrated")."""
-    return p.check_in if p.check_in is not None else (p.protocol == "pvec" and p.calibration == "calibrated")
+    plugin.check_config(cfg, optimizer)
 
 
 def _check_combinations(cfg: RunConfig) -> None:
     """Keys that are valid alone but not together: one line naming both."""
     s, m = cfg.schedule, cfg.model
-    if cfg.privacy.check_in and not (cfg.privacy.protocol == "pvec" and cfg.privacy.calibration == "calibrated"):
-        raise ConfigError(
-            'privacy.check_in shares PVEC\'s binomial noise: it needs privacy.protocol = "pvec" with calibration = '
-            f'"calibrated", got "{cfg.privacy.protocol}" with "{cfg.privacy.calibration}"'
-        )
-    if cfg.privacy.report_fraction != PrivacyConfig.report_fraction and not check_in_enabled(cfg.privacy):
-        raise ConfigError("privacy.report_fraction applies to check-in rounds; privacy.check_in is off")
     if s.phases and m.l2 == 0:
         raise ConfigError(
             f"schedule.phases = {s.phases} is the strongly convex reduction (Thm 4.8): it needs model.l2 > 0, got 0"
         )
-    p, mode = cfg.privacy, cfg.transport.mode
-    optimizer = resolve(s.optimizer, s.kind, p.protocol)  # "auto": the planner's own rule (optimizers.registry)
-    pnsgd = p.protocol in ("pnsgd", "pnsgd_online")
-    if (optimizer == "pnsgd") != pnsgd:
-        raise ConfigError(
-            f'schedule.optimizer = "pnsgd" and privacy.protocol = "pnsgd" / "pnsgd_online" go together (seed 004): got '
-            f'optimizer "{optimizer}" with protocol "{p.protocol}"'
-        )
-    if p.randomly_stopped and p.protocol != "pnsgd":
-        raise ConfigError(f'privacy.randomly_stopped applies to privacy.protocol = "pnsgd", got "{p.protocol}"')
-    _check_central(cfg, optimizer)
-    if (optimizer == "mu2") != (p.protocol in MU2_PROTOCOLS):
-        raise ConfigError(
-            'schedule.optimizer = "mu2" and privacy.protocol = "mu2_untrusted" / "mu2_trusted" go together (DP-mu2-FL, '
-            f'seed 002): got optimizer "{optimizer}" with protocol "{p.protocol}"'
-        )
-    if p.protocol in MU2_PROTOCOLS:
-        _check_mu2(cfg)
-    elif pnsgd:
-        _check_pnsgd(cfg)
-    elif p.protocol in _PAN_PROTOCOLS:
-        _check_pan(cfg, optimizer)
-    elif p.protocol in _LDP_PROTOCOLS:
-        if s.kind != "subsampled":
-            raise ConfigError(
-                f'privacy.protocol = "{p.protocol}" (an LDP randomizer, CLDP-SGD) runs over schedule.kind = '
-                f'"subsampled", got schedule.kind = "{s.kind}"'
-            )
-        if mode != "sealed":
-            raise ConfigError(
-                f'privacy.protocol = "{p.protocol}" sends one sealed message per user: set transport.mode = "sealed", '
-                f'got "{mode}"'
-            )
-        if s.cohort_size < 1:
-            raise ConfigError('schedule.kind = "subsampled" needs schedule.cohort_size = k >= 1 (reports per round)')
-    elif p.protocol not in _CENTRAL_PROTOCOLS:
-        if s.kind == "subsampled":
-            raise ConfigError(
-                f'schedule.kind = "subsampled" runs an LDP randomizer (privacy.protocol = "r_inf", "r_one", "privunit" '
-                f'or "rr") or a central one ("tree", "gaussian"), got privacy.protocol = "{p.protocol}"'
-            )
-        if mode == "sealed":
-            raise ConfigError(
-                f'transport.mode = "sealed" carries LDP reports and central vectors; privacy.protocol = "{p.protocol}" '
-                'uses "counts" or "bits"'
-            )
-        if p.eps0 is not None:
-            raise ConfigError(f'privacy.eps0 applies to LDP protocols; privacy.protocol = "{p.protocol}" has none')
+    plugin = round_protocol(cfg.privacy.protocol)
+    optimizer = resolve(s.optimizer, s.kind, plugin.auto_optimizer)  # "auto": the planner's own rule
+    _check_protocol(cfg, plugin, optimizer)
+    if s.kind == "subsampled" and s.cohort_size < 1:
+        raise ConfigError('schedule.kind = "subsampled" needs schedule.cohort_size = k >= 1 (users per round)')
+    if s.momentum and optimizer != "ftrl":
+        raise ConfigError(f'schedule.momentum applies to schedule.optimizer = "ftrl"; it resolves to "{optimizer}"')
     if m.task == "mlp":
         # a non-convex model: the convex theory's step sizes, AC-SA's smoothness and Thm 4.8's phases do not apply
         if s.learning_rate is None:
@@ -856,3 +588,6 @@ def read_config_text(path: Path) -> str:
             f"{str(path)!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); TOML files "
             "are UTF-8: save it as UTF-8"
         ) from exc
+
+
+DEFAULT_TOML = default_toml()

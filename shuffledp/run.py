@@ -82,6 +82,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="print the embedded default configuration (every key, commented) and exit: a start for your own",
     )
     parser.add_argument(
+        "--protocol",
+        metavar="NAME",
+        help="with --print-default: a run of protocol NAME instead (its table [privacy.NAME] and its example keys)",
+    )
+    parser.add_argument(
         "--analyzer",
         help="drive an already running deployment at HOST:PORT (e.g. docker compose) instead of starting processes",
     )
@@ -969,10 +974,20 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
 def _run_command(
     args: argparse.Namespace, *, give_up_s: float = GIVE_UP_S, call_timeout_s: float = CALL_TIMEOUT_S
 ) -> int:
-    from shuffledp.config import DEFAULT_TOML, ConfigError, parse_config, read_config_text
+    from shuffledp.config import DEFAULT_TOML, ConfigError, default_toml, parse_config, read_config_text
 
+    if args.protocol is not None and not args.print_default:
+        print(
+            "shuffledp run: --protocol goes with --print-default (a run's protocol is its privacy.protocol)",
+            file=sys.stderr,
+        )
+        return 2
     if args.print_default:
-        print(DEFAULT_TOML, end="")
+        try:
+            print(default_toml(args.protocol or "pvec"), end="")
+        except ConfigError as exc:
+            print(f"shuffledp run: --protocol: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.fetch is not None:
         return _fetch_command(args, give_up_s, call_timeout_s)

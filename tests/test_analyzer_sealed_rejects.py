@@ -22,13 +22,14 @@ import pytest
 from _runs import wait_for_run
 from shuffledp.clients.policy import pvec_params_from_spec
 from shuffledp.services.analyzer import start_analyzer
-from shuffledp.services.run_manager import MALFORMED_PLAINTEXT, UNDECRYPTABLE, open_bit_messages
+from shuffledp.services.run_manager import MALFORMED_PLAINTEXT, UNDECRYPTABLE
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.accountants.pvec_pld import composed_epsilon
 from shuffledp.optimizers.pgd import pgd
 from shuffledp.protocols import pvec
 from shuffledp.protocols.pvec import PvecParams
+from shuffledp.protocols.pvec_round import open_bit_messages
 from shuffledp.rng import make_rng
 from shuffledp.sealing import (
     BIT_MESSAGE_BYTES,

@@ -19,7 +19,6 @@ from shuffledp.optimizers.base import Optimizer
 
 __all__ = [
     "OPTIMIZERS",
-    "MU2_PROTOCOLS",
     "resolve",
     "cohort_size",
     "hyperparameters",
@@ -28,24 +27,20 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("auto", "psgd", "pgd", "acsa", "sgd", "ftrl", "mu2", "pnsgd")  # schedule.optimizer
-MU2_PROTOCOLS = ("mu2_untrusted", "mu2_trusted")  # DP-mu2-FL's two trust models (seed 002): optimizer "mu2"
 SEQUENTIAL_ONLY = ("psgd", "acsa")
 
 
 _AUTO = {"sequential": "psgd", "fully_interactive": "pgd", "subsampled": "sgd"}
 
 
-def resolve(name: str, kind: str, protocol: str = "") -> str:
-    """schedule.optimizer "auto": PSGD when sequential, PGD when fully interactive (paper 000's pairing), SGD with a
-    step-change learning rate when subsampled (CLDP-SGD, paper 001), FTRL over tree aggregation (DP-FTRL, 003),
-    DP-mu2-FL's AnyTime update over its machines' messages (002)."""
+def resolve(name: str, kind: str, auto: str | None = None) -> str:
+    """schedule.optimizer "auto": the protocol's own optimizer when it has one (its plug-in's auto_optimizer: FTRL
+    over tree aggregation, DP-FTRL 003; DP-mu2-FL's AnyTime update, 002; PNSGD's pass, 004), else PSGD when
+    sequential, PGD when fully interactive (paper 000's pairing), SGD with a step-change learning rate when
+    subsampled (CLDP-SGD, paper 001)."""
     if name != "auto":
         return name
-    if protocol in MU2_PROTOCOLS:
-        return "mu2"
-    if protocol in ("pnsgd", "pnsgd_online"):
-        return "pnsgd"  # the pass is the protocol's; the optimizer adopts its last iterate (seed 004)
-    return "ftrl" if protocol == "tree" else _AUTO[kind]
+    return auto or _AUTO[kind]
 
 
 def cohort_size(

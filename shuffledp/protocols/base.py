@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from shuffledp.settings import NoSettings, RunConfig
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = [
@@ -54,11 +55,9 @@ def open_each(private_key: Any, ciphertexts: Sequence[bytes], info: bytes) -> tu
 class PlanRequest:
     """What the run manager knows when it sizes a protocol (all public: sizes and configuration only)."""
 
-    kind: str  # "sequential" | "fully_interactive"
-    calibration: str  # "calibrated" | "paper"
+    kind: str  # "sequential" | "fully_interactive" | "subsampled"
     eps: float  # the run's eps
     delta: float  # the run's delta
-    round_eps: float | None  # privacy.round_eps
     rounds: int  # T
     cohort: int  # users invited per round (B, or n when fully interactive)
     min_contributors: int  # n_min
@@ -66,10 +65,10 @@ class PlanRequest:
     clip_norm: float
     transport: str  # "counts" | "bits" | "sealed"
     admitted: int = 0  # users admitted at the shuffler (n)
-    eps0: float | None = None  # privacy.eps0: local eps of LDP reports; None = the largest that fits
     rounds_requested: int | None = None  # schedule.rounds as configured (None: as many as fit, for LDP protocols)
     min_contributors_fraction: float = 0.9  # privacy.min_contributors_fraction
-    options: dict[str, Any] = field(default_factory=dict)  # the protocol's own [privacy] keys (central protocols)
+    settings: Any = field(default_factory=NoSettings)  # the protocol's own table, [privacy.<name>] (its `settings`)
+    options: dict[str, Any] = field(default_factory=dict)  # what else of the run a protocol may use (task, sampling)
 
 
 @dataclass(frozen=True)
@@ -80,8 +79,8 @@ class RoundPlan:
     noise_sq: float  # E||decoded sum - true sum||^2 at n_min contributors: what the optimizer's step size needs
     rounds: int | None = None  # T when the protocol sizes it from the budget (None: the schedule's T stands)
     min_contributors: int | None = None  # the release threshold when the protocol sets it (None: the schedule's)
-    # RoundSpec.check_in's noise_trials and report_fraction when the rounds run the check-in (protocols/check_in.py)
-    check_in: dict[str, Any] | None = None
+    # keys of the protocol's own in the run's plan (PVEC: its check-in, protocols/pvec_round.py)
+    plan_extra: dict[str, Any] = field(default_factory=dict)
     # the protocol releases only its last iterate (PNSGD): no per-round evaluation, the model only once the run
     # COMPLETED, and a round whose update no checkpoint holds is run again (services/run_manager.py)
     hidden_iterates: bool = False
@@ -118,10 +117,12 @@ class UserAccount:
 
 
 class BatchError(RuntimeError):
-    """The batch cannot belong to this round (the shuffler broke the protocol): charged with `charged`, run stops."""
+    """The batch cannot belong to this round (the shuffler broke the protocol): charged with `charged` (and, when
+    the round ran with other parameters than reserved, those: `ran`), run stops."""
 
-    def __init__(self, charged: int, message: str):
+    def __init__(self, charged: int, message: str, ran: dict[str, Any] | None = None):
         self.charged = charged
+        self.ran = ran
         super().__init__(message)
 
 
@@ -132,6 +133,17 @@ class RoundProtocol(Protocol):
     name: str  # RandomizerSpec.protocol and PrivacyEvent.mechanism
     trust_model: int  # pb.TrustModel the protocol claims
 
+    # ---- configuration (shuffledp/config.py checks these generically and delegates the rest)
+    settings: type  # frozen dataclass of the protocol's table [privacy.<name>] (shuffledp.settings.setting fields)
+    schedules: tuple[str, ...]  # the schedule.kind values it runs over
+    transports: tuple[str, ...]  # the transport.mode values it sends in
+    optimizers: tuple[str, ...]  # the schedule.optimizer values its released sums feed
+    auto_optimizer: str | None  # what schedule.optimizer = "auto" resolves to; None: by schedule.kind
+    poisson_sampling: bool  # whether its accountant covers schedule.sampling = "poisson"
+    example: dict[str, dict[str, Any]]  # section keys that turn the embedded default into a run of this protocol
+
+    def check_config(self, cfg: RunConfig, optimizer: str) -> None: ...
+
     # ---- analyzer: sizing, the spec, decoding
     def plan(self, req: PlanRequest) -> RoundPlan: ...
     def params(self, plan: dict[str, Any]) -> Any: ...
@@ -141,6 +153,9 @@ class RoundProtocol(Protocol):
         self, batch: pb.ShuffledBatch, n: int, plan: dict[str, Any], params: Any, private_key: Any, info: bytes
     ) -> Decoded: ...
     def event_params(self, plan: dict[str, Any], round_index: int) -> dict[str, Any]: ...
+    def released(
+        self, plan: dict[str, Any], params: Any, report: pb.BatchReport
+    ) -> tuple[Any, int, dict[str, Any] | None]: ...
 
     # ---- analyzer: the noise it adds itself (central trust), with a state that lives in the run's checkpoints
     def noise_state(self, plan: dict[str, Any]) -> Any: ...
@@ -180,11 +195,21 @@ class RoundProtocol(Protocol):
 
 
 class AnalyzerHooks:
-    """Defaults of the analyzer-side hooks, right for a protocol whose users randomize their own messages (shuffle
-    and local trust): events carry the plan's parameters, the analyzer adds nothing, keeps no noise state, and takes
-    the mean over the users it decoded. Central protocols override add_noise (and the state, if they keep one).
-    On the client, the vector a user randomizes is its local batch's gradient at the broadcast model (a stateful
-    estimator, DP-mu2's, overrides local_vectors)."""
+    """Defaults of the configuration hooks (no table of its own, no extra check) and of the analyzer-side hooks,
+    right for a protocol whose users randomize their own messages (shuffle and local trust): events carry the plan's
+    parameters, the analyzer adds nothing, keeps no noise state, and takes the mean over the users it decoded.
+    Central protocols override add_noise (and the state, if they keep one). On the client, the vector a user
+    randomizes is its local batch's gradient at the broadcast model (a stateful estimator, DP-mu2's, overrides
+    local_vectors)."""
+
+    settings: type = NoSettings
+    auto_optimizer: str | None = None
+    poisson_sampling = False
+    example: dict[str, dict[str, Any]] = {}
+
+    def check_config(self, cfg: RunConfig, optimizer: str) -> None:
+        """Combinations of the protocol's table with the rest of the run that the generic checks do not cover:
+        raises shuffledp.settings.ConfigError naming the keys."""
 
     def local_vectors(self, spec: pb.RoundSpec, node: Any, idx: np.ndarray) -> np.ndarray:
         return node.batch_gradients(spec, idx)
@@ -194,6 +219,14 @@ class AnalyzerHooks:
 
     def event_params(self, plan: dict[str, Any], round_index: int) -> dict[str, Any]:
         return plan["params"]
+
+    def released(
+        self, plan: dict[str, Any], params: Any, report: pb.BatchReport
+    ) -> tuple[Any, int, dict[str, Any] | None]:
+        """What a released round ran with, from the shuffler's report: (its parameters, its release threshold, the
+        parameters to record in the ledger where they differ from the reservation, else None). Raises BatchError
+        (charged, run stops) when the report admits no such round. Default: as planned."""
+        return params, plan["min_contributors"], None
 
     def noise_state(self, plan: dict[str, Any]) -> None:
         return None

@@ -31,9 +31,20 @@ from shuffledp.protocols.base import (
     open_each,
 )
 from shuffledp.protocols.ldp_round import clip_rows_in_norm
+from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
-__all__ = ["CentralRound", "OVER_CLIP_NORM", "WIRE_DTYPE", "message_bytes", "open_vectors", "seal_rows"]
+__all__ = [
+    "noise_setting",
+    "noise_multiplier_setting",
+    "check_fixed_cohort",
+    "CentralRound",
+    "OVER_CLIP_NORM",
+    "WIRE_DTYPE",
+    "message_bytes",
+    "open_vectors",
+    "seal_rows",
+]
 
 OVER_CLIP_NORM = "over_clip_norm"  # opened and well formed, but longer than the round's clip norm: never summed
 WIRE_DTYPE = np.dtype(">f8")
@@ -73,12 +84,35 @@ def seal_rows(
         out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=[ct]))
 
 
+def noise_setting(default_is: str = '"discrete"') -> Any:
+    """The `noise` key of a central Gaussian protocol's table (issue 24 D19)."""
+    return setting(
+        None,
+        '"discrete" (exact on a grid, CKS20; charged by its RDP) or "continuous" (charged its exact curve / PLD); '
+        f"unset = {default_is}",
+        choices=("discrete", "continuous"),  # mechanisms' discrete_gaussian.NOISES
+        example="discrete",
+    )
+
+
+def noise_multiplier_setting(what: str = "noise std / clip_norm") -> Any:
+    """The `noise_multiplier` key: None = the least that fits (eps, delta), planned by the protocol."""
+    return setting(None, f"{what}; unset = the least that fits (eps, delta)", lo=0.0, hi=1e6, lo_open=True, example=4.0)
+
+
+def check_fixed_cohort(cfg: RunConfig, name: str) -> None:
+    """A protocol whose noise is planned for T rounds of k users needs both given."""
+    if cfg.schedule.cohort_size < 1 or cfg.schedule.rounds is None:
+        raise ConfigError(f'privacy.protocol = "{name}" needs schedule.cohort_size and schedule.rounds')
+
+
 class CentralRound(AnalyzerHooks):
     """What every central-trust protocol shares: the sealed-vector transport, the client side and the decoder.
     Subclasses size the noise (plan), add it (add_noise) and account it (compose)."""
 
     trust_model = pb.CENTRAL
     trust = "central"
+    transports = ("sealed",)
 
     def params(self, plan: dict[str, Any]) -> dict[str, Any]:
         return dict(plan["params"])

@@ -81,19 +81,18 @@ def spec_noise(extra: dict) -> str:
     return "discrete" if v == 1.0 else "continuous"
 
 
-def plan_noise(options: dict, proven_for_discrete: bool = True, default: str = "discrete") -> str:
-    """The noise a new plan adds: privacy.noise (options["noise"]) when set, else the protocol's default ("discrete"
-    where the ledger's figure for it is proven and as tight, "continuous" where it is not); "discrete" where no
-    figure is proven for it is refused in one line."""
-    noise = options.get("noise")
+def plan_noise(noise: str | None, proven_for_discrete: bool = True, default: str = "discrete") -> str:
+    """The noise a new plan adds: the protocol's `noise` key when set, else its default ("discrete" where the ledger's
+    figure for it is proven and as tight, "continuous" where it is not); "discrete" where no figure is proven for it
+    is refused in one line."""
     if noise is None:
         return default if proven_for_discrete else "continuous"
     if noise not in NOISES:
-        raise ValueError(f"privacy.noise must be one of {NOISES}, got {noise!r}")
+        raise ValueError(f"noise must be one of {NOISES}, got {noise!r}")
     if noise == "discrete" and not proven_for_discrete:
         raise ValueError(
-            'privacy.noise = "discrete" has no proven accountant with schedule.sampling = "poisson" (dp_accounting\'s '
-            'sampled-Gaussian bounds assume continuous noise): use privacy.noise = "continuous" or a fixed cohort'
+            'noise = "discrete" has no proven accountant with schedule.sampling = "poisson" (dp_accounting\'s '
+            'sampled-Gaussian bounds assume continuous noise): use noise = "continuous" or a fixed cohort'
         )
     return noise
 

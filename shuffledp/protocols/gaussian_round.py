@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -51,7 +52,8 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp
 from shuffledp.accountants.rdp import optimal_epsilon, subsampled_wor_rdp
 from shuffledp.protocols import discrete_gaussian
 from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
-from shuffledp.protocols.central import CentralRound
+from shuffledp.protocols.central import CentralRound, check_fixed_cohort, noise_multiplier_setting, noise_setting
+from shuffledp.settings import ConfigError, RunConfig
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = ["GaussianRound", "wor_epsilon", "poisson_epsilon", "unamplified_epsilon", "least_noise_multiplier"]
@@ -145,10 +147,36 @@ def _epsilon(params: dict[str, Any], rounds: int, delta: float) -> float:
     return wor_epsilon(z, int(params["n"]), int(params["k"]), rounds, delta, discrete_gaussian.noise_of(params))
 
 
+@dataclass(frozen=True)
+class GaussianSettings:
+    """[privacy.gaussian]"""
+
+    noise_multiplier: float | None = noise_multiplier_setting()
+    noise: str | None = noise_setting(
+        '"continuous" (the discrete noise\'s fixed-cohort bound needs far more at small eps)'
+    )
+
+
 class GaussianRound(CentralRound):
     """The central DP-SGD plug-in (module docstring)."""
 
     name = "gaussian"
+    settings = GaussianSettings
+    schedules = ("subsampled",)
+    optimizers = ("sgd",)
+    poisson_sampling = True  # the sampled Gaussian's accountant (dp_accounting) assumes it
+    example = {
+        "schedule": {"kind": "subsampled", "cohort_size": 150, "rounds": 24, "learning_rate": 2.0},
+        "transport": {"mode": "sealed"},
+    }
+
+    def check_config(self, cfg: RunConfig, optimizer: str) -> None:
+        check_fixed_cohort(cfg, self.name)
+        if cfg.privacy.settings.noise == "discrete" and cfg.schedule.sampling == "poisson":
+            raise ConfigError(
+                'privacy.gaussian.noise = "discrete" has no proven accountant with schedule.sampling = "poisson": use '
+                '"continuous"'
+            )
 
     def plan(self, req: PlanRequest) -> RoundPlan:
         if req.kind != "subsampled":
@@ -158,11 +186,11 @@ class GaussianRound(CentralRound):
         if req.rounds_requested is None:
             raise ValueError('privacy.protocol = "gaussian" needs schedule.rounds')
         T, n, k = int(req.rounds), int(req.admitted), int(req.cohort)
-        z = req.options.get(_NOISE_FIELD)
+        z = req.settings.noise_multiplier
         poisson = req.options.get("sampling") == "poisson"
         # continuous by default: WBK19 Thm 9 (the discrete noise's fixed-cohort figure) has a floor that needs far
         # more noise at small eps (eps 1, 40 rounds of 100 of 1348: z 1.9e5 against 8.07); discrete on request
-        noise = discrete_gaussian.plan_noise(req.options, proven_for_discrete=not poisson, default="continuous")
+        noise = discrete_gaussian.plan_noise(req.settings.noise, proven_for_discrete=not poisson, default="continuous")
         q = k / n  # Poisson: the expected cohort is k
 
         def fits(x: float) -> bool:
@@ -179,8 +207,8 @@ class GaussianRound(CentralRound):
         spent = _epsilon(params, T, req.delta)  # the ledger's figure
         if spent > req.eps:
             raise ValueError(
-                f"privacy.noise_multiplier = {z} spends eps = {spent:.4g} over {T} rounds, above privacy.eps = "
-                f"{req.eps}; raise it or leave it unset"
+                f"privacy.gaussian.noise_multiplier = {z} spends eps = {spent:.4g} over {T} rounds, above "
+                f"privacy.eps = {req.eps}; raise it or leave it unset"
             )
         noise_sq = req.dim * (float(z) * req.clip_norm) ** 2
         # Poisson: whatever arrives is released, none included (the accountant charges every round)

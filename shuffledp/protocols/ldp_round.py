@@ -44,9 +44,10 @@ from shuffledp.protocols.base import (
     RoundPlan,
     open_each,
 )
+from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
-__all__ = ["LdpRound", "LDP_PROTOCOLS", "UNDECRYPTABLE", "MALFORMED_PLAINTEXT", "clip_rows_in_norm"]
+__all__ = ["LdpRound", "LdpSettings", "LDP_PROTOCOLS", "UNDECRYPTABLE", "MALFORMED_PLAINTEXT", "clip_rows_in_norm"]
 
 # The ledger's accountant: FMT20's clone dominating pair of the subsampled shuffle, composed exactly as a privacy loss
 # distribution (fmt_shuffle.subsampled_fmt_pld, pessimistic discretisation); 9-16x more rounds than the FMT20
@@ -126,14 +127,51 @@ class _Randomizer:
         return float(bound(zero, self.params)[0])
 
 
+@dataclass(frozen=True)
+class LdpSettings:
+    """[privacy.r_inf], [privacy.r_one], [privacy.privunit], [privacy.rr]"""
+
+    eps0: float | None = setting(
+        None,
+        "local eps of each report; unset = the largest for which schedule.rounds fit (eps, delta)",
+        lo=0.0,
+        hi=36.0,  # ldp_common.MAX_EPS0
+        lo_open=True,
+        example=1.0,
+    )
+
+
 class LdpRound(AnalyzerHooks):
     """The plug-in of one LDP randomizer over the subsampled shuffle (module docstring)."""
 
     trust_model = pb.SHUFFLE
+    settings = LdpSettings
+    schedules = ("subsampled",)
+    transports = ("sealed",)
+    optimizers = ("sgd",)
+    # digits (d = 650) as in the README's CLDP-SGD figures; "rr" sends one number, so it runs mean estimation
+    example = {
+        "schedule": {"kind": "subsampled", "cohort_size": 1000, "rounds": 20, "learning_rate": 4.0},
+        "transport": {"mode": "sealed"},
+        "policy": {"max_eps_per_round": 36.0, "max_total_eps": 1e6, "max_total_delta": 1.0},
+    }
+
+    def check_config(self, cfg: RunConfig, optimizer: str) -> None:
+        if cfg.schedule.rounds is None and cfg.privacy.settings.eps0 is None:
+            raise ConfigError(
+                f'privacy.protocol = "{self.name}" needs privacy.{self.name}.eps0 or schedule.rounds (or both)'
+            )
 
     def __init__(self, name: str):
         self.name = name
         self.order = LDP_PROTOCOLS[name]
+        if name == "rr":  # one number per report: mean estimation on a one-feature synthetic set
+            self.example = {
+                **self.example,
+                "data": {"dataset": "synthetic", "n": 5000, "dim": 1, "test_fraction": None},
+                "model": {"task": "distance", "radius": 2.0},
+                "schedule": {**self.example["schedule"], "learning_rate": 0.5},
+            }
 
     # ------------------------------------------------------------------------------------------ analyzer
     def plan(self, req: PlanRequest) -> RoundPlan:
@@ -148,9 +186,9 @@ class LdpRound(AnalyzerHooks):
                 f'privacy.protocol = "{self.name}" runs over schedule.kind = "subsampled", got "{req.kind}"'
             )
         n, k, eps, delta = req.admitted, req.cohort, req.eps, req.delta
-        eps0, rounds = req.eps0, req.rounds_requested
+        eps0, rounds = req.settings.eps0, req.rounds_requested
         if eps0 is None and rounds is None:
-            raise ValueError(f'privacy.protocol = "{self.name}" needs privacy.eps0 or schedule.rounds (or both)')
+            raise ValueError(f'privacy.protocol = "{self.name}" needs privacy.{self.name}.eps0 or schedule.rounds')
         if eps0 is None:  # the least noise (largest eps0) for which the rounds fit, by the ledger's own accountant
             fit, _ = la.min_noise(LdpShuffleRound(self.name, 1.0, n, k), rounds, eps, delta, ldp_bound=BOUND)
             eps0 = min(float(fit.eps0), MAX_EPS0)  # a smaller eps0 costs less: the cap keeps the rounds fitting

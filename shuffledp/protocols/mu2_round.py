@@ -49,9 +49,16 @@ from shuffledp.protocols.base import (
     PlanRequest,
     RoundPlan,
 )
-from shuffledp.protocols.central import CentralRound, open_vectors, seal_rows
+from shuffledp.protocols.central import (
+    CentralRound,
+    noise_multiplier_setting,
+    noise_setting,
+    open_vectors,
+    seal_rows,
+)
 from shuffledp.protocols.discrete_gaussian import noise_of
 from shuffledp.protocols.ldp_round import clip_rows_in_norm
+from shuffledp.settings import ConfigError, RunConfig
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = ["Mu2Round", "Mu2Machines", "mu2_epsilon", "OUT_OF_SYNC", "STREAM_EXHAUSTED"]
@@ -90,8 +97,39 @@ class Mu2Machines:
         return cls(np.zeros(n, np.int64), np.zeros((n, 2, d)), np.zeros((n, d)), np.zeros((n, d)))
 
 
+@dataclass(frozen=True)
+class Mu2Settings:
+    """[privacy.mu2_untrusted], [privacy.mu2_trusted]"""
+
+    noise_multiplier: float | None = noise_multiplier_setting("noise std / the message's sensitivity")
+    noise: str | None = noise_setting()
+
+
 class Mu2Round(CentralRound):
     """DP-mu2-FL, untrusted (local noise) or trusted (central noise) server (module docstring)."""
+
+    settings = Mu2Settings
+    schedules = ("fully_interactive",)
+    optimizers = ("mu2",)
+    auto_optimizer = "mu2"
+    # M machines = the users, each with a stream of examples_per_user >= rounds examples, one fresh per round
+    example = {
+        "data": {"examples_per_user": 20},
+        "schedule": {"rounds": 20, "learning_rate": 0.5},
+        "transport": {"mode": "sealed"},
+    }
+
+    def check_config(self, cfg: RunConfig, optimizer: str) -> None:
+        s = cfg.schedule
+        if s.rounds is None:
+            raise ConfigError(
+                f'privacy.protocol = "{self.name}" needs schedule.rounds (T, one example per machine each)'
+            )
+        if cfg.data.examples_per_user < s.rounds:
+            raise ConfigError(
+                f"DP-mu2-FL uses one fresh example per machine per round: data.examples_per_user = "
+                f"{cfg.data.examples_per_user} must be >= schedule.rounds = {s.rounds}"
+            )
 
     def __init__(self, trusted: bool) -> None:
         self.trusted = trusted
@@ -108,8 +146,8 @@ class Mu2Round(CentralRound):
             )
         T, M, S = int(req.rounds), int(req.cohort), float(req.clip_norm)
         sens = gaussian.sensitivity(S, M, self.trusted)  # 2S or 2S/M (spec 002 sec 4)
-        noise = discrete_gaussian.plan_noise(req.options)
-        z = req.options.get("noise_multiplier")
+        noise = discrete_gaussian.plan_noise(req.settings.noise)
+        z = req.settings.noise_multiplier
         if z is not None:
             sigma = float(z) * sens
         else:
@@ -122,8 +160,8 @@ class Mu2Round(CentralRound):
         spent = mu2_epsilon(sigma, sens, self.trust, T, req.delta, noise)
         if spent > req.eps:
             raise ValueError(
-                f"privacy.noise_multiplier = {z} spends eps = {spent:.4g} over {T} rounds, above privacy.eps = "
-                f"{req.eps}; raise it or leave it unset"
+                f"privacy.{self.name}.noise_multiplier = {z} spends eps = {spent:.4g} over {T} rounds, above "
+                f"privacy.eps = {req.eps}; raise it or leave it unset"
             )
         params = {"d": req.dim, "clip": S, "machines": M, "rounds": T, "delta": req.delta}
         params.update(sigma=sigma, sensitivity=sens, noise=noise)

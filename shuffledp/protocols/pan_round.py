@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -67,9 +68,17 @@ import numpy as np
 from shuffledp import sealing
 from shuffledp.protocols import discrete_gaussian
 from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, BatchError, Decoded, PlanRequest, RoundPlan
-from shuffledp.protocols.central import _NORM_SLACK, OVER_CLIP_NORM, WIRE_DTYPE, CentralRound, message_bytes
+from shuffledp.protocols.central import (
+    _NORM_SLACK,
+    OVER_CLIP_NORM,
+    WIRE_DTYPE,
+    CentralRound,
+    message_bytes,
+    noise_setting,
+)
 from shuffledp.protocols.gaussian import analytic_gaussian_sigma, gaussian_delta
 from shuffledp.rng import make_rng
+from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = ["PanRound", "pan_round_epsilon", "paper_zeta", "calibrated_zeta", "CALIBRATIONS"]
@@ -149,6 +158,21 @@ def _event_epsilon(params: dict[str, Any]) -> float:
     return pan_round_epsilon(clip, B, zeta, delta, discrete_gaussian.noise_of(params))
 
 
+@dataclass(frozen=True)
+class PanSettings:
+    """[privacy.pan_gaussian]"""
+
+    calibration: str = setting(
+        "calibrated",
+        '"calibrated" (the exact Gaussian curve, any eps) or "paper" (Alg 6\'s zeta, Lemma C.5, eps < 1)',
+        choices=CALIBRATIONS,
+    )
+    round_eps: float | None = setting(
+        None, "eps of each round (at most privacy.eps); unset = privacy.eps", lo=0.0, hi=64.0, lo_open=True, example=1.0
+    )
+    noise: str | None = noise_setting()
+
+
 class PanRound(CentralRound):
     """The pan-private AC-SA plug-in (module docstring). `rng`: the generator of the accumulator's initial noise
     (None: a fresh make_rng() per round, as the one registry instance serves every run's thread); `probe`: the
@@ -157,6 +181,17 @@ class PanRound(CentralRound):
     name = "pan_gaussian"
     trust_model = pb.CENTRAL
     trust = "central"
+    settings = PanSettings
+    schedules = ("sequential",)
+    optimizers = ("acsa", "psgd")
+    example = {"schedule": {"kind": "sequential", "optimizer": "acsa"}, "transport": {"mode": "sealed"}}
+
+    def check_config(self, cfg: RunConfig, optimizer: str) -> None:
+        own: PanSettings = cfg.privacy.settings
+        if own.calibration == "paper" and not (own.round_eps or cfg.privacy.eps) < 1.0:
+            raise ConfigError(
+                'privacy.pan_gaussian.calibration = "paper" is Alg 6\'s zeta (Lemma C.5), valid for eps < 1'
+            )
 
     def __init__(
         self,
@@ -179,14 +214,13 @@ class PanRound(CentralRound):
                 f'privacy.protocol = "{self.name}" sends one sealed vector per user: transport.mode = "sealed", '
                 f'got "{req.transport}"'
             )
-        if req.calibration not in CALIBRATIONS:
-            raise ValueError(f"privacy.calibration must be one of {CALIBRATIONS}, got {req.calibration!r}")
-        eps_r = req.round_eps if req.round_eps is not None else req.eps
+        own: PanSettings = req.settings
+        eps_r = own.round_eps if own.round_eps is not None else req.eps
         if eps_r > req.eps:
-            raise ValueError(f"privacy.round_eps = {eps_r} exceeds privacy.eps = {req.eps}")
+            raise ValueError(f"privacy.pan_gaussian.round_eps = {eps_r} exceeds privacy.eps = {req.eps}")
         B, clip, delta = int(req.cohort), float(req.clip_norm), float(req.delta)
-        noise = discrete_gaussian.plan_noise(req.options)
-        if req.calibration == "paper":
+        noise = discrete_gaussian.plan_noise(own.noise)
+        if own.calibration == "paper":
             zeta = paper_zeta(clip, B, eps_r, delta)
         else:
             zeta = calibrated_zeta(clip, B, eps_r, delta, noise)
@@ -205,7 +239,7 @@ class PanRound(CentralRound):
             "eps": float(eps_r),
             "delta": delta,
             "zeta": float(zeta),
-            "calibration": req.calibration,
+            "calibration": own.calibration,
             "noise": noise,
         }
         noise_sq = 2.0 * req.dim * (B * zeta) ** 2  # E||Z1 + Z2||^2 in sum units (Alg 6: two zeta-Gaussians)

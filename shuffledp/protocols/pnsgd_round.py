@@ -16,8 +16,8 @@ from w_0 = 0 runs
 
     w <- Pi_K(w - eta (grad l(w, x_pi(j)) + Z)),  Z ~ N(0, sigma^2 I),  j = 1..n       (spec 004 sec 2)
 
-over K = the l2 ball of model.radius (D_K = 2 radius), and releases w_n; with privacy.randomly_stopped it stops at a
-secret T ~ Unif{1..n} and releases w_T (sec 3.3: at the worst index its exact bound equals Thm 2's). The iterates,
+over K = the l2 ball of model.radius (D_K = 2 radius), and releases w_n; with privacy.pnsgd.randomly_stopped it stops
+at a secret T ~ Unif{1..n} and releases w_T (sec 3.3: at the worst index its exact bound equals Thm 2's). The iterates,
 the permutation and T live in local variables of one call: no log line, metric, checkpoint, RPC or error message
 holds them, per-round metrics carry no loss (NaN), and GetRunResult gives the model only once the run COMPLETED.
 A pass lost to an analyzer crash is run again from the records collected anew, and charged again (RoundPlan.
@@ -36,8 +36,8 @@ when it would not fit for every user admitted, and the per-record deltas at the 
 Privacy (Thm 2): delta_shuf(eps) = A (1 - B^n)/(n (1 - B)), A = theta(2L/sigma), B = theta(M D_K/(eta sigma)),
 L = the loss's Lipschitz bound over the domain (models.Model.lipschitz_bound), M = sqrt(1 - 2 eta beta rho/(beta +
 rho)) with beta the smoothness bound and rho = model.l2; eta <= 2/(beta + rho) is enforced. sigma is the least with
-delta_shuf <= delta at eps for n_min records (or privacy.noise_multiplier * L); the ledger charges each pass at the
-records it ran, exactly `shuffledp account pnsgd --n n --lipschitz L --sigma sigma --eta eta --diameter D_K
+delta_shuf <= delta at eps for n_min records (or privacy.pnsgd.noise_multiplier * L); the ledger charges each pass at
+the records it ran, exactly `shuffledp account pnsgd --n n --lipschitz L --sigma sigma --eta eta --diameter D_K
 --contraction M`. Trust: central (the analyzer sees the records); the guarantee holds against whoever sees the
 released model.
 """
@@ -48,6 +48,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,8 @@ from shuffledp.protocols.base import (
     RoundPlan,
     open_each,
 )
-from shuffledp.protocols.central import WIRE_DTYPE, CentralRound, message_bytes, seal_rows
+from shuffledp.protocols.central import WIRE_DTYPE, CentralRound, message_bytes, noise_multiplier_setting, seal_rows
+from shuffledp.settings import ConfigError, NoSettings, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = ["PnsgdRound", "pnsgd_epsilon", "online_epsilon", "online_sigmas", "OUTSIDE_DOMAIN", "TEST_ITERATE_HOOK"]
@@ -106,12 +108,44 @@ def online_epsilon(params: dict[str, Any], passes: Sequence[int], delta: float) 
     return float(ledger_accounting.account(evs, delta).eps)
 
 
+@dataclass(frozen=True)
+class PnsgdSettings:
+    """[privacy.pnsgd] (the online pass has Thm 7's noise schedule and no keys of its own)"""
+
+    noise_multiplier: float | None = noise_multiplier_setting("noise std / the step's sensitivity")
+    randomly_stopped: bool = setting(False, "stop the pass at a secret T ~ Unif{1..n}, release w_T (seed 004 sec 3.3)")
+
+
 class PnsgdRound(CentralRound):
     """Shuffled or online PNSGD (module docstring)."""
+
+    schedules = ("fully_interactive",)
+    optimizers = ("pnsgd",)
+    auto_optimizer = "pnsgd"  # the pass is the protocol's; the optimizer adopts its last iterate (seed 004)
+    example = {
+        "data": {"dataset": "synthetic", "n": 1000, "dim": 5, "seed": 4, "test_fraction": None},
+        "model": {"radius": 5.0},
+        "privacy": {"eps": 12.0, "delta": 1e-5},
+        "schedule": {"rounds": 1, "learning_rate": None},
+        "transport": {"mode": "sealed"},
+        "policy": {"max_eps_per_round": 12.0},
+    }
 
     def __init__(self, online: bool = False) -> None:
         self.online = online
         self.name = "pnsgd_online" if online else "pnsgd"
+        self.settings = NoSettings if online else PnsgdSettings
+
+    def check_config(self, cfg: RunConfig, optimizer: str) -> None:
+        name = f'privacy.protocol = "{self.name}"'
+        if cfg.schedule.rounds != 1:
+            raise ConfigError(
+                f"{name} is one pass over every user's record: schedule.rounds = 1, got {cfg.schedule.rounds}"
+            )
+        if cfg.model.task != "logreg":
+            raise ConfigError(f'{name} runs model.task = "logreg" (its L and beta), got "{cfg.model.task}"')
+        if cfg.data.examples_per_user != 1:
+            raise ConfigError(f"{name}: one record per user, got data.examples_per_user = {cfg.data.examples_per_user}")
 
     # --------------------------------------------------------------------------------- analyzer: sizing
     def plan(self, req: PlanRequest) -> RoundPlan:
@@ -152,7 +186,7 @@ class PnsgdRound(CentralRound):
             "num_classes": model.num_classes,
             "l2": rho,
             "delta": req.delta,
-            "randomly_stopped": bool(o.get("randomly_stopped")),
+            "randomly_stopped": bool(getattr(req.settings, "randomly_stopped", False)),
         }
         if self.online:
             params.update(ONLINE_SCHEDULE, records_max=req.cohort)
@@ -167,7 +201,7 @@ class PnsgdRound(CentralRound):
             sigma_n = float(online_sigmas(params, req.cohort)[-1])
             return RoundPlan(params, "parallel", 0.0, model.dim * sigma_n**2, rounds=1, hidden_iterates=True)
         n = req.min_contributors  # the fewest records a released batch holds: delta_shuf decreases in n
-        z = o.get("noise_multiplier")
+        z = getattr(req.settings, "noise_multiplier", None)
         if z is None:
             params["sigma"] = pnsgd.calibrate_scale(
                 "gaussian", req.delta, req.eps, n, L, eta, params["diameter"], params["m"]
@@ -177,7 +211,7 @@ class PnsgdRound(CentralRound):
         spent = pnsgd_epsilon(params, n, req.delta)
         if spent > req.eps:
             raise ValueError(
-                f"privacy.noise_multiplier = {z} spends eps = {spent:.4g} on {n} records, above "
+                f"privacy.pnsgd.noise_multiplier = {z} spends eps = {spent:.4g} on {n} records, above "
                 f"privacy.eps = {req.eps}; raise it or leave it unset"
             )
         noise_sq = model.dim * params["sigma"] ** 2

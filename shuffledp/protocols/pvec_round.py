@@ -7,6 +7,7 @@ Each party calls the plug-in through shuffledp.protocols.registry.round_protocol
               decode(batch, n, plan, params, key, info) -> Decoded   the estimate of the sum of the users' vectors
     client    randomize(spec, G, user_ids, nonces, rng, out)   one UserMessage per user (clipped here)
               verify_epsilon(spec), noise_key(spec)  what the round costs a user, recomputed from the spec
+    config    settings ([privacy.pvec]), check_config(cfg, optimizer)   the protocol's own keys and their checks
     shuffler  nothing protocol-specific: it sums counts (COUNTS) or permutes and forwards ciphertexts (BITS,
               SEALED) by RoundSpec.transport, the only thing it needs to know (design 5).
 
@@ -22,13 +23,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from shuffledp import sealing
-from shuffledp.protocols import pvec
+from shuffledp.protocols import check_in, pvec
 from shuffledp.protocols.base import (
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
@@ -40,6 +41,7 @@ from shuffledp.protocols.base import (
     open_each,
 )
 from shuffledp.protocols.pvec import PvecParams
+from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = [
@@ -138,11 +140,62 @@ def _accountant(events: Sequence[Any]) -> str:
     return "paper" if all(e.params.get("method") == "paper" for e in events) else "tight"
 
 
+@dataclass(frozen=True)
+class PvecSettings:
+    """[privacy.pvec]"""
+
+    calibration: str = setting(
+        "calibrated",
+        '"calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)',
+        choices=("calibrated", "paper"),
+    )
+    check_in: bool | None = setting(
+        None,
+        "the round's noise is shared by the users who check in instead of sized for min_contributors (one more node "
+        'round trip; protocols/check_in.py); unset = on with calibration = "calibrated"',
+        example=True,
+    )
+    report_fraction: float = setting(
+        0.99,
+        "check-in: share of the checked-in users that must report, else nothing is released",
+        lo=0.0,
+        hi=1.0,
+        lo_open=True,
+    )
+    round_eps: float | None = setting(
+        None,
+        "fixed eps per round, rounds run while the total fits privacy.eps; unset = from eps and rounds",
+        lo=0.0,
+        hi=64.0,
+        lo_open=True,
+        example=1.0,
+    )
+
+    @property
+    def check_in_on(self) -> bool:
+        """Whether rounds run the check-in (unset: where it applies, with the calibrated accountant)."""
+        return self.check_in if self.check_in is not None else self.calibration == "calibrated"
+
+
 class PvecRound(AnalyzerHooks):
     """The PVEC plug-in (paper 000 Alg 2 over the shuffler; count mode or sealed labelled bits)."""
 
     name = "pvec"
     trust_model = pb.SHUFFLE
+    settings = PvecSettings
+    schedules = ("sequential", "fully_interactive")
+    transports = ("counts", "bits")
+    optimizers = ("psgd", "acsa", "pgd")
+
+    def check_config(self, cfg: RunConfig, optimizer: str) -> None:
+        own: PvecSettings = cfg.privacy.settings
+        if own.check_in and own.calibration != "calibrated":
+            raise ConfigError(
+                "privacy.pvec.check_in shares PVEC's binomial noise: it needs privacy.pvec.calibration = "
+                f'"calibrated", got "{own.calibration}"'
+            )
+        if own.report_fraction != PvecSettings.report_fraction and not own.check_in_on:
+            raise ConfigError("privacy.pvec.report_fraction applies to check-in rounds; privacy.pvec.check_in is off")
 
     def needs_keypair(self, plan: dict[str, Any]) -> bool:
         """BITS: the analyzer opens the ciphertexts with a key of its own (design 5.1)."""
@@ -156,14 +209,14 @@ class PvecRound(AnalyzerHooks):
                 f'privacy.protocol = "pvec" runs sequential or fully interactive rounds in transport.mode "counts" or '
                 f'"bits", got schedule.kind = "{req.kind}", transport.mode = "{req.transport}"'
             )
-        slack = 0.0
+        slack, own = 0.0, req.settings
         if req.kind == "sequential":
             composition = "parallel"  # disjoint cohorts (spec 000 sec 5)
-            eps_r, delta_r, rounds = (req.round_eps or req.eps), req.delta, 1
-        elif req.calibration == "calibrated":
+            eps_r, delta_r, rounds = (own.round_eps or req.eps), req.delta, 1
+        elif own.calibration == "calibrated":
             composition = "rdp"
-            if req.round_eps is not None:
-                eps_r, delta_r, rounds = req.round_eps, req.delta, 1
+            if own.round_eps is not None:
+                eps_r, delta_r, rounds = own.round_eps, req.delta, 1
             else:
                 eps_r, delta_r, rounds = req.eps, req.delta, req.rounds
         else:
@@ -172,21 +225,41 @@ class PvecRound(AnalyzerHooks):
             composition = "advanced"
             slack = req.delta / (req.rounds + 1)  # delta' of advanced composition (spec 000 sec 4)
             eps_r, delta_r = pgd_round_privacy(req.eps, req.delta, req.rounds)  # Alg 5 per-round budget
-            if req.round_eps is not None:
-                eps_r = req.round_eps
+            if own.round_eps is not None:
+                eps_r = own.round_eps
             rounds = 1
         n_min, d = req.min_contributors, req.dim
         try:
-            params = _sized(req.calibration, eps_r, delta_r, n_min, req.cohort, d, req.clip_norm, rounds)
+            params = _sized(own.calibration, eps_r, delta_r, n_min, req.cohort, d, req.clip_norm, rounds)
         except ValueError as exc:
             raise ValueError(f"cannot size PVEC for eps={eps_r}, delta={delta_r}, n={n_min}, d={d}: {exc}") from exc
         noise_sq = d * pvec.pvec_variance_bound(params, n_min)  # E||decoded sum - sum||^2 (spec 000 sec 2)
-        fraction = req.options.get("check_in_fraction")
+        fraction = own.report_fraction if own.check_in_on else None
         if fraction is not None and params.method != "calibrated":
-            raise ValueError('check-in needs privacy.calibration = "calibrated"')
+            raise ValueError('check-in needs privacy.pvec.calibration = "calibrated"')
         # check-in: the noise the worst case (n_min users of m trials each) holds, shared by who checks in
-        check_in = None if fraction is None else {"noise_trials": params.m * n_min, "report_fraction": fraction}
-        return RoundPlan(asdict(params), composition, slack, noise_sq, check_in=check_in)
+        extra = (
+            {} if fraction is None else {"check_in": {"noise_trials": params.m * n_min, "report_fraction": fraction}}
+        )
+        return RoundPlan(asdict(params), composition, slack, noise_sq, plan_extra=extra)
+
+    def released(
+        self, plan: dict[str, Any], params: PvecParams, report: pb.BatchReport
+    ) -> tuple[PvecParams, int, dict[str, Any] | None]:
+        """Check-in rounds: the threshold c_min and each user's trials m follow from who checked in, and the round is
+        charged at the m it ran with (protocols/check_in.py). A report that admits no such round is charged (at the
+        reservation's m when none can be derived) and stops the run."""
+        ci, n = plan.get("check_in"), int(report.contributors)
+        if not ci:
+            return params, plan["min_contributors"], None
+        c = int(report.checked_in)
+        try:
+            n_min, m = check_in.share(ci["noise_trials"], ci["report_fraction"], plan["min_contributors"], c)
+        except ValueError as exc:
+            raise BatchError(max(n, 1), f"the shuffler released a check-in round it could not run: {exc}") from None
+        if n > c:
+            raise BatchError(max(n, 1), f"batch has {n} contributors but only {c} users checked in", {"m": m})
+        return replace(params, m=m), n_min, {"m": m}
 
     def per_user_claim(self, plan: dict[str, Any], params: PvecParams, event: Any) -> tuple[float, float]:
         """What one round costs a participating user on its own (RoundSpec.per_user_cost; clients check it).
@@ -229,6 +302,7 @@ class PvecRound(AnalyzerHooks):
                 eps=eps_r, delta=delta_r, accountant=f"pvec-{params.method}", trust_model=self.trust_model
             ),
             "analyzer_public_key": analyzer_public_key if bits else b"",
+            "check_in": pb.CheckIn(**plan["check_in"]) if plan.get("check_in") else None,
         }
 
     def decode(

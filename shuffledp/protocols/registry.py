@@ -13,21 +13,25 @@ from typing import Any
 
 from shuffledp.protocols.base import RoundProtocol
 
-__all__ = ["round_protocol", "known_protocol", "PROTOCOL_NAMES"]
+__all__ = ["round_protocol", "known_protocol", "planned_protocol", "PROTOCOL_NAMES", "PROTOCOL_SUMMARIES"]
 
-# name -> (module in shuffledp.protocols, class, constructor arguments)
-_PLUGINS: dict[str, tuple[str, str, tuple[Any, ...]]] = {
-    "pvec": ("pvec_round", "PvecRound", ()),
-    **{name: ("ldp_round", "LdpRound", (name,)) for name in ("r_inf", "r_one", "privunit", "rr")},
-    "tree": ("tree_round", "TreeRound", ()),
-    "gaussian": ("gaussian_round", "GaussianRound", ()),
-    "pan_gaussian": ("pan_round", "PanRound", ()),
-    "mu2_untrusted": ("mu2_round", "Mu2Round", (False,)),
-    "mu2_trusted": ("mu2_round", "Mu2Round", (True,)),
-    "pnsgd": ("pnsgd_round", "PnsgdRound", (False,)),
-    "pnsgd_online": ("pnsgd_round", "PnsgdRound", (True,)),
+# name -> (module in shuffledp.protocols, class, constructor arguments, what a user reads in --print-default)
+_PLUGINS: dict[str, tuple[str, str, tuple[Any, ...], str]] = {
+    "pvec": ("pvec_round", "PvecRound", (), "multi-message vector sum over the shuffler (seed 000), counts or bits"),
+    "r_inf": ("ldp_round", "LdpRound", ("r_inf",), "eps0-LDP report, l_inf clip, subsampled shuffle (CLDP-SGD, 001)"),
+    "r_one": ("ldp_round", "LdpRound", ("r_one",), "eps0-LDP report, l_1 clip, subsampled shuffle (CLDP-SGD, 001)"),
+    "privunit": ("ldp_round", "LdpRound", ("privunit",), "eps0-LDP report, l_2 (PrivUnit), subsampled shuffle (001)"),
+    "rr": ("ldp_round", "LdpRound", ("rr",), "eps0-LDP randomized response, one-number tasks (001)"),
+    "tree": ("tree_round", "TreeRound", (), "DP-FTRL, central noise by tree aggregation (seed 003)"),
+    "gaussian": ("gaussian_round", "GaussianRound", (), "central DP-SGD, DP-FTRL's baseline (003)"),
+    "pan_gaussian": ("pan_round", "PanRound", (), "pan-private AC-SA, sequential (seed 000 App C)"),
+    "mu2_untrusted": ("mu2_round", "Mu2Round", (False,), "DP-mu2-FL, noise added by each machine (seed 002)"),
+    "mu2_trusted": ("mu2_round", "Mu2Round", (True,), "DP-mu2-FL, noise added by the analyzer (002)"),
+    "pnsgd": ("pnsgd_round", "PnsgdRound", (False,), "shuffled projected noisy SGD, one pass (seed 004)"),
+    "pnsgd_online": ("pnsgd_round", "PnsgdRound", (True,), "the same pass in arrival order, Thm 7's noise (004)"),
 }
 PROTOCOL_NAMES: tuple[str, ...] = tuple(_PLUGINS)
+PROTOCOL_SUMMARIES: dict[str, str] = {name: entry[3] for name, entry in _PLUGINS.items()}
 
 _loaded: dict[str, RoundProtocol] = {}
 _lock = threading.Lock()  # gRPC handler threads ask concurrently: one instance per name
@@ -39,7 +43,7 @@ def round_protocol(name: str) -> RoundProtocol:
         raise LookupError(f"unknown round protocol {name!r}; known: {', '.join(sorted(_PLUGINS))}")
     with _lock:
         if name not in _loaded:
-            module, cls, args = _PLUGINS[name]
+            module, cls, args, _ = _PLUGINS[name]
             plugin = getattr(importlib.import_module(f"shuffledp.protocols.{module}"), cls)(*args)
             if plugin.name != name:  # the table and the plug-in must agree (tests check every entry)
                 raise RuntimeError(f"registry entry {name!r} built a plug-in named {plugin.name!r}")
@@ -50,3 +54,9 @@ def round_protocol(name: str) -> RoundProtocol:
 def known_protocol(name: str) -> RoundProtocol | None:
     """The plug-in of protocol `name`, None when there is no such protocol (a node refuses such a round)."""
     return round_protocol(name) if name in _PLUGINS else None
+
+
+def planned_protocol(plan: dict[str, Any]) -> RoundProtocol:
+    """The plug-in of a planned run (its plan's "protocol"; plans written before protocols were plug-ins are PVEC's,
+    the one protocol there was)."""
+    return round_protocol(plan.get("protocol", "pvec"))

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -47,7 +48,8 @@ import numpy as np
 
 from shuffledp.protocols import discrete_gaussian, tree_noise
 from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
-from shuffledp.protocols.central import CentralRound
+from shuffledp.protocols.central import CentralRound, check_fixed_cohort, noise_multiplier_setting, noise_setting
+from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = ["TreeRound", "TreeRun"]
@@ -93,10 +95,49 @@ def _items(events: Sequence[Any]) -> list[tuple[Any, int]]:
     return list(out.items())
 
 
+@dataclass(frozen=True)
+class TreeSettings:
+    """[privacy.tree]: per tree, each user in at most max_participations rounds, at least min_separation rounds
+    strictly between two (spec 003 sec 4; the shuffler enforces both)."""
+
+    noise_multiplier: float | None = noise_multiplier_setting("node noise std / clip_norm")
+    noise: str | None = noise_setting()
+    max_participations: int = setting(
+        1, "rounds a user may join per tree (E; the shuffler enforces it)", lo=1, hi=10**6
+    )
+    min_separation: int = setting(0, "rounds strictly between two of a user's rounds in one tree (xi)", lo=0, hi=10**6)
+    rounds_per_tree: int = setting(
+        0, "rounds per tree, a fresh tree after each (restarts); 0 = one tree", lo=0, hi=100_000
+    )
+    completion: bool = setting(False, "pad each finished tree to a power of two (single-root noise at a restart)")
+    tree_estimator: str = setting(
+        "efficient",
+        '"efficient" (Honaker, less variance, same privacy) or "vanilla"',
+        choices=("efficient", "vanilla"),
+    )
+
+
 class TreeRound(CentralRound):
     """The DP-FTRL plug-in (module docstring)."""
 
     name = "tree"
+    settings = TreeSettings
+    schedules = ("subsampled",)
+    # the tree's residuals feed FTRL, or SGD (post-processing of the same prefix sums; spec 003 sec 1, B.3)
+    optimizers = ("ftrl", "sgd")
+    auto_optimizer = "ftrl"
+    example = {
+        "schedule": {"kind": "subsampled", "cohort_size": 150, "rounds": 24, "learning_rate": 2.0},
+        "transport": {"mode": "sealed"},
+    }
+
+    def check_config(self, cfg: RunConfig, optimizer: str) -> None:
+        check_fixed_cohort(cfg, self.name)
+        own: TreeSettings = cfg.privacy.settings
+        if own.completion and own.rounds_per_tree and own.rounds_per_tree >= cfg.schedule.rounds:
+            raise ConfigError(
+                "privacy.tree.completion pads a tree before a restart: privacy.tree.rounds_per_tree must be < rounds"
+            )
 
     # ------------------------------------------------------------------------------------------ analyzer
     def plan(self, req: PlanRequest) -> RoundPlan:
@@ -110,14 +151,14 @@ class TreeRound(CentralRound):
             )
         if req.rounds_requested is None:
             raise ValueError('privacy.protocol = "tree" needs schedule.rounds (the leaves of the run)')
-        o = req.options
+        o: TreeSettings = req.settings
         T, k, n = int(req.rounds), int(req.cohort), int(req.admitted)
-        E, xi = int(o.get("max_participations", 1)), int(o.get("min_separation", 0))
-        per_tree = int(o.get("rounds_per_tree", 0)) or T
-        completion = bool(o.get("completion", False))
-        noise = discrete_gaussian.plan_noise(o)
+        E, xi = o.max_participations, o.min_separation
+        per_tree = o.rounds_per_tree or T
+        completion = o.completion
+        noise = discrete_gaussian.plan_noise(o.noise)
         if completion and per_tree >= T:
-            raise ValueError("privacy.completion pads a tree before a restart: set privacy.rounds_per_tree < rounds")
+            raise ValueError("privacy.tree.completion pads a tree before a restart: set rounds_per_tree < rounds")
         # the shuffler can fill every leaf only if k users are free at each: a user takes at most one leaf in any
         # xi + 1 consecutive ones and at most E per tree (spec 003 sec 4)
         if k * (xi + 1) > n:
@@ -141,14 +182,14 @@ class TreeRound(CentralRound):
             "rounds_per_tree": per_tree,
             "trees": trees,
             "completion": completion,
-            "efficient": bool(o.get("efficient", True)),
+            "efficient": o.tree_estimator == "efficient",
             "delta": req.delta,
             "noise_multiplier": 1.0,
             "noise": noise,
         }
         # planned as `trees` complete trees: a shorter last tree costs less (zeta grows with the leaves)
         full = _tree_event(params, per_tree, completion)
-        z = o.get("noise_multiplier")
+        z = o.noise_multiplier
         if z is None:
             best, _ = la.min_noise(full, trees, req.eps, req.delta, noise=noise)
             z = best.noise_multiplier
@@ -157,8 +198,8 @@ class TreeRound(CentralRound):
             got = la.account([(ev, trees)], req.delta, noise=noise)
             if got.eps > req.eps:
                 raise ValueError(
-                    f"privacy.noise_multiplier = {z} spends eps = {got.eps:.4g} over {trees} tree(s) of {per_tree} "
-                    f"rounds, above privacy.eps = {req.eps}; raise it or leave it unset"
+                    f"privacy.tree.noise_multiplier = {z} spends eps = {got.eps:.4g} over {trees} tree(s) of "
+                    f"{per_tree} rounds, above privacy.eps = {req.eps}; raise it or leave it unset"
                 )
         params["noise_multiplier"] = float(z)
         # E||prefix noise of the sum||^2 at its worst leaf (spec 003 sec 1): what a step-size rule would need
