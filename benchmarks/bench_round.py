@@ -15,7 +15,7 @@ End to end, the services run as separate OS processes on loopback (`python -m sh
                  evaluation: the pure cost of the distributed round.
 In one process: gradients of the 1000 users at the same model, clipping, encode_counts for all users, sum per
 label, decode_counts, PGD step (the same modules the services call).
-Both with the check-in (privacy.check_in, the default for calibrated PVEC: the users are invited twice, once to
+Both with the check-in (privacy.pvec.check_in, the default for calibrated PVEC: the users are invited twice, once to
 check in, then to send) and without (one invitation, the same exchange as the in-process round's single pass).
 Printed: median round times over R rounds after one warm-up round, their ratio (target <= 1.5), the peak
 resident memory (VmHWM of /proc/<pid>/status) of every service process and, in direct mode, each service's CPU
@@ -88,9 +88,10 @@ radius = 10.0
 [privacy]
 eps = 8.0
 delta = 1e-4
-calibration = "calibrated"
 clip_norm = 1.0
 min_contributors_fraction = 0.9
+[privacy.pvec]
+calibration = "calibrated"
 check_in = {str(check_in).lower()}
 
 [schedule]
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "--check-in",
         choices=["both", "on", "off"],
         default="both",
-        help="rounds with the check-in's extra invitation (privacy.check_in, the default), without, or both",
+        help="rounds with the check-in's extra invitation (privacy.pvec.check_in, the default), without, or both",
     )
     ap.add_argument("--profile", action="store_true", help="also time the services' parts in one process")
     args = ap.parse_args(argv)

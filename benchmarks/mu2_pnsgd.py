@@ -16,7 +16,7 @@ paper's noise (sigma_u = 2 S sqrt(T) / rho, sigma_c = sigma_u / M). The table gi
 
 PNSGD (seed 004's delta versus n, shuffled against online). The same synthetic task with one record per user and
 n users (--pnsgd-n), one pass, eta = 1/beta, radius 5, over the services: shuffled PNSGD at a fixed sigma = 4 L
-(privacy.noise_multiplier = 4), and online PNSGD in arrival order with Thm 7's decaying sigma_j. The table gives the
+([privacy.pnsgd] noise_multiplier = 4), online PNSGD in arrival order with Thm 7's decaying sigma_j. The table gives
 eps each ledger charges at delta = 1e-5 for the records the pass ran (shuffled: Thm 2, falling with n, the shuffle's
 amplification; online: its newest record's Gaussian curve, which rises with n as the noise decays), the online
 run's oldest and median records' delta at that eps (its per-record report), and, from the accountant at one common
@@ -59,7 +59,7 @@ def mu2_config(base: str, protocol: str, eps: float, rounds: int) -> str:
 
 
 def pnsgd_config(base: str, protocol: str) -> str:
-    noise = "noise_multiplier = 4.0\n" if protocol == "pnsgd" else ""
+    noise = "[privacy.pnsgd]\nnoise_multiplier = 4.0\n" if protocol == "pnsgd" else ""
     return (
         base + f'[privacy]\neps = 60\ndelta = {DELTA}\nprotocol = "{protocol}"\n{noise}'
         '[schedule]\nkind = "fully_interactive"\nrounds = 1\n[transport]\nmode = "sealed"\n'

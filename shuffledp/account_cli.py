@@ -51,8 +51,8 @@ _GAUSSIAN_NOTE = (
     "(the runs' default: discrete without sampling, continuous with --sampling-probability or --sample-size)."
 )
 _NOISE_HELP = (
-    "the noise added (privacy.noise): discrete (default; the discrete Gaussian, charged by its RDP curve, CKS20) or "
-    "continuous (the exact Gaussian curve / PLD)"
+    "the noise added (the noise key of the protocol's table): discrete (default; the discrete Gaussian, charged by "
+    "its RDP curve, CKS20) or continuous (the exact Gaussian curve / PLD)"
 )
 
 _EPILOG = """\

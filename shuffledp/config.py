@@ -127,7 +127,7 @@ sampling = "fixed"          # subsampled: "fixed" (a uniform k of the n users) o
                             # with q = k / n, as the sampled Gaussian's accountant assumes; privacy.protocol
                             # "gaussian", add-or-remove-one neighbours; a round may have no user and is charged)
 # rounds = 16               # fully interactive: T (unset: 16); sequential: at most T (unset: floor(unused users / B));
-                            # subsampled: T (unset: as many as fit (eps, delta) at privacy.eps0)
+                            # subsampled: T (unset: as many as fit (eps, delta) at the LDP protocol's eps0)
 # lr_steps = [50, 80]       # sgd: rounds after which the learning rate is multiplied by lr_step_factor; unset = none
 lr_step_factor = 0.1        # sgd: the factor of each step change
 momentum = 0.0              # ftrl: gamma of DP-FTRLM (0 = DP-FTRL; the paper's experiments use 0.9)
@@ -177,21 +177,18 @@ def default_toml(protocol: str = "pvec") -> str:
 
 
 def _set_key(text: str, section: str, key: str, value: Any) -> str:
-    """Set (value None: remove) one key of a section in the document's text, keeping its comment."""
+    """Set one key of a section in the document's text, keeping its comment (value None: comment the key out)."""
     lines = text.split("\n")
     start = next(i for i, line in enumerate(lines) if line.split("#")[0].strip() == f"[{section}]") + 1
     end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
     for i in range(start, end):
         if lines[i].startswith((f"{key} = ", f"# {key} = ")):
-            comment = lines[i][28:]
-            drop = 1
-            while i + drop < end and lines[i + drop].startswith(" " * 28 + "#"):
-                drop += 1
-            if value is None:
-                del lines[i : i + drop]
+            body, sep, comment = lines[i].partition("  #")
+            if value is None:  # not for this run: commented out, still documented
+                new = body.rstrip() if body.startswith("#") else f"# {body.rstrip()}"
             else:
                 new = f"{key} = {toml_value(value)}"
-                lines[i] = new.ljust(28) + comment if len(new) < 28 and comment.startswith("#") else new
+            lines[i] = f"{new.ljust(26)}  #{comment}" if sep else new
             return "\n".join(lines)
     while end > start and not lines[end - 1].strip():
         end -= 1

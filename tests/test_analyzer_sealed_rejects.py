@@ -183,7 +183,7 @@ def test_analyzer_skips_bad_ciphertexts_decodes_the_rest_and_fails_below_thresho
     cfg_text = (
         f'[data]\ndataset = "path"\npath = "{tmp_path / "tiny.npz"}"\n[model]\ntask = "leastsq"\nradius = 2.0\n'
         f"[privacy]\neps = 60.0\ndelta = 1e-3\nmin_contributors_fraction = {MIN_FRACTION}\n"
-        "check_in = false\n"  # this node answers every invitation with its messages (no check-in)
+        "[privacy.pvec]\ncheck_in = false\n"  # this node answers every invitation with its messages (no check-in)
         '[schedule]\nrounds = 3\nlearning_rate = 1.0\noutput = "last"\n[transport]\nmode = "bits"\n'
         "[deployment]\nclient_nodes = 1\nround_deadline_seconds = 30\n"
     )

@@ -2,7 +2,8 @@
 
 import pytest
 
-from shuffledp.config import DEFAULT_TOML, ConfigError, load_config, parse_config
+from shuffledp.config import DEFAULT_TOML, ConfigError, default_toml, load_config, parse_config
+from shuffledp.protocols.registry import PROTOCOL_NAMES, round_protocol
 
 
 def test_embedded_default_parses_and_is_practitioner_grade():
@@ -10,13 +11,13 @@ def test_embedded_default_parses_and_is_practitioner_grade():
     assert cfg.toml_text == DEFAULT_TOML
     assert cfg.data.dataset == "digits" and cfg.data.examples_per_user == 1
     assert cfg.privacy.eps <= 8 and cfg.privacy.delta is None  # None -> 1/n at StartRun
-    assert cfg.privacy.calibration == "calibrated" and cfg.transport.mode == "counts"
+    assert cfg.privacy.settings.calibration == "calibrated" and cfg.transport.mode == "counts"
 
 
 def test_minimal_config_takes_defaults():
     cfg = parse_config("")
     assert cfg.model.task == "logreg" and cfg.schedule.kind == "fully_interactive"
-    assert cfg.schedule.learning_rate is None and cfg.privacy.round_eps is None
+    assert cfg.schedule.learning_rate is None and cfg.privacy.settings.round_eps is None
 
 
 def test_builtin_defaults_differ_from_the_embedded_file_only_where_documented():
@@ -64,9 +65,10 @@ radius = 2.5
 [privacy]
 eps = 1.5
 delta = 1e-6
-calibration = "paper"
 clip_norm = 0.5
 min_contributors_fraction = 0.5
+[privacy.pvec]
+calibration = "paper"
 round_eps = 0.7
 [schedule]
 kind = "sequential"
@@ -85,7 +87,7 @@ pki_dir = "/tmp/pki"
     p.write_text(text)
     cfg = load_config(p)
     assert cfg.data.classes == (3, 8) and cfg.data.examples_per_user == 2
-    assert cfg.model.radius == 2.5 and cfg.privacy.delta == 1e-6 and cfg.privacy.round_eps == 0.7
+    assert cfg.model.radius == 2.5 and cfg.privacy.delta == 1e-6 and cfg.privacy.settings.round_eps == 0.7
     assert cfg.schedule.cohort_size == 50 and cfg.schedule.output == "last"
     assert cfg.transport.mode == "bits" and cfg.deployment.round_deadline_seconds == 5.0
     assert not cfg.deployment.insecure and cfg.deployment.pki_dir == "/tmp/pki"
@@ -102,7 +104,10 @@ pki_dir = "/tmp/pki"
         ("[privacy]\ndelta = 0.7", "privacy.delta"),
         ("[privacy]\nclip_norm = 0", "privacy.clip_norm"),
         ("[privacy]\nmin_contributors_fraction = 1.5", "privacy.min_contributors_fraction"),
-        ('[privacy]\ncalibration = "tight"', "privacy.calibration"),
+        ('[privacy]\ncalibration = "tight"', "privacy.calibration"),  # a key of the protocol's table, see below
+        ('[privacy.pvec]\ncalibration = "tight"', "privacy.pvec.calibration"),
+        ("[privacy.pvec]\nround_eps = 0", "privacy.pvec.round_eps"),
+        ("[privacy.tree]\nmax_participations = 2", "[privacy.tree]"),  # the table of another protocol
         ('[privacy]\nprotocol = "rr"', "privacy.protocol"),
         ("[schedule]\nrounds = 0", "schedule.rounds"),
         ("[schedule]\nrounds = 2.5", "schedule.rounds"),
@@ -160,47 +165,73 @@ def _keys_in_toml_text(text: str) -> tuple[set[str], set[str]]:
 
     section, keys, commented = "", set(), set()
     for line in text.splitlines():
-        if m := re.match(r"\s*\[(\w+)\]", line):
+        if m := re.match(r"\s*\[([\w.]+)\]", line):
             section = m.group(1)
-        elif m := re.match(r"\s*(#\s*)?(\w+)\s*=", line):
+        elif m := re.match(r"(#\s?)?(\w+)\s*=", line):  # keys start a line (continued comments are indented)
             keys.add(f"{section}.{m.group(2)}")
             if m.group(1):
                 commented.add(f"{section}.{m.group(2)}")
     return keys, commented
 
 
-def _accepted_keys() -> set[str]:
-    """Every section.key the parser accepts, from the config dataclasses (each cross-checked with the parser)."""
+def _accepted_keys(protocol: str) -> set[str]:
+    """Every section.key the parser accepts for a run of `protocol`, from the config dataclasses and the protocol's
+    table (each cross-checked with the parser)."""
     import dataclasses
 
     from shuffledp.config import RunConfig
+    from shuffledp.protocols.registry import round_protocol
 
     keys = set()
+    head = f'[privacy]\nprotocol = "{protocol}"\n'
     for section in dataclasses.fields(RunConfig):
         if section.name == "toml_text":
             continue
         for f in dataclasses.fields(getattr(RunConfig(), section.name)):
+            if f.name == "settings":  # the protocol's table, below
+                continue
             # a value of the wrong type for every key: the parser must object to the value, not to the key
+            text = (
+                f"{head}{f.name} = {{ x = 1 }}\n"
+                if section.name == "privacy"
+                else f"[{section.name}]\n{f.name} = {{ x = 1 }}\n"
+            )
             with pytest.raises(ConfigError) as err:
-                parse_config(f"[{section.name}]\n{f.name} = {{ x = 1 }}\n")
+                parse_config(text)
             assert "unknown" not in str(err.value), err.value
             keys.add(f"{section.name}.{f.name}")
+    for f in dataclasses.fields(round_protocol(protocol).settings):
+        with pytest.raises(ConfigError) as err:
+            parse_config(f"{head}[privacy.{protocol}]\n{f.name} = {{ x = 1 }}\n")
+        assert "unknown" not in str(err.value) and f"privacy.{protocol}.{f.name}" in str(err.value), err.value
+        keys.add(f"privacy.{protocol}.{f.name}")
     return keys
 
 
-def test_print_default_documents_every_accepted_key():
+@pytest.mark.parametrize("protocol", PROTOCOL_NAMES)
+def test_print_default_documents_every_accepted_key(protocol):
     # issue 10: `shuffledp run --print-default` must show every key a configuration may set, so a key added to the
-    # parser without a line in DEFAULT_TOML fails here
-    accepted = _accepted_keys()
-    assert {"schedule.cohort_size", "privacy.round_eps", "data.labels_path", "deployment.pki_dir"} <= accepted
-    documented, commented = _keys_in_toml_text(DEFAULT_TOML)
+    # parser without a line in DEFAULT_TOML fails here; issue 25: for each protocol, its own table
+    accepted = _accepted_keys(protocol)
+    assert {"schedule.cohort_size", "data.labels_path", "deployment.pki_dir"} <= accepted
+    text = default_toml(protocol)
+    documented, commented = _keys_in_toml_text(text)
     assert accepted - documented == set()
     assert documented - accepted == set()  # no stale key either
-    # a commented-out key is one whose built-in default is "unset" (None, "", 0, ()): the embedded run leaves it so
-    embedded = load_config(None)
-    for key in commented:
-        section, name = key.split(".")
-        assert getattr(getattr(embedded, section), name) in (None, "", 0, ()), key
+    # the example runs of every protocol parse; a commented-out key is one whose built-in default is "unset" (None, "",
+    # 0, ()): the run leaves it so
+    embedded = parse_config(text)
+    assert embedded.privacy.protocol == protocol
+    # keys its example run leaves out (commented), and the synthetic data set's defaults the parser fills in
+    left_out = {
+        f"{sec}.{k}" for sec, keys in round_protocol(protocol).example.items() for k, v in keys.items() if v is None
+    }
+    if embedded.data.dataset == "synthetic":
+        left_out |= {"data.noise", "data.seed"}
+    for key in commented - left_out:
+        *path, name = key.split(".")
+        section = getattr(embedded, path[0]) if len(path) == 1 else embedded.privacy.settings
+        assert getattr(section, name) in (None, "", 0, ()), key
 
 
 def test_schedule_rounds_unset_is_none_and_set_is_kept():
@@ -212,6 +243,7 @@ def test_schedule_rounds_unset_is_none_and_set_is_kept():
 _CENTRAL = """
 [privacy]
 protocol = "{protocol}"
+[privacy.{protocol}]
 {privacy}
 [schedule]
 kind = "subsampled"
@@ -230,14 +262,14 @@ task = "{task}"
     "protocol, privacy, schedule, task, message",
     [
         ("tree", "", 'optimizer = "sgd"', "logreg", None),
-        ("gaussian", "", 'optimizer = "ftrl"', "logreg", 'optimizer = "ftrl" needs privacy.protocol = "tree"'),
-        ("gaussian", "max_participations = 2", "", "logreg", "privacy.max_participations applies to privacy"),
+        ("gaussian", "", 'optimizer = "ftrl"', "logreg", 'optimizer = "ftrl" runs over privacy.protocol = "tree"'),
+        ("gaussian", "max_participations = 2", "", "logreg", "unknown key privacy.gaussian.max_participations"),
         ("tree", "rounds_per_tree = 20\ncompletion = true", "", "logreg", "completion pads a tree before a restart"),
         ("tree", "", "momentum = 1.0", "logreg", "schedule.momentum"),
         ("gaussian", "", "momentum = 0.5", "logreg", "schedule.momentum applies"),
-        ("tree", 'tree_estimator = "honaker"', "", "logreg", "privacy.tree_estimator"),
+        ("tree", 'tree_estimator = "honaker"', "", "logreg", "privacy.tree.tree_estimator"),
         ("tree", "", 'kind = "sequential"', "logreg", "schedule.kind"),
-        ("tree", "eps0 = 1.0", "", "logreg", "privacy.eps0"),
+        ("tree", "eps0 = 1.0", "", "logreg", "unknown key privacy.tree.eps0"),
         ("tree", "", "", "mlp", None),
         ("tree", "", 'optimizer = "acsa"', "mlp", 'needs schedule.kind = "sequential"'),
         ("gaussian", "", 'sampling = "poisson"', "logreg", None),

@@ -10,6 +10,7 @@ conversion formula and the subsampling bound written out here)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,8 +27,8 @@ from shuffledp.events import GaussianRound as GaussianEvent
 from shuffledp.events import TreeAggregation
 from shuffledp.protocols import discrete_gaussian
 from shuffledp.protocols.base import PlanRequest
-from shuffledp.protocols.gaussian_round import GaussianRound, unamplified_epsilon, wor_epsilon
-from shuffledp.protocols.tree_round import TreeRound, _trees_epsilon
+from shuffledp.protocols.gaussian_round import GaussianRound, GaussianSettings, unamplified_epsilon, wor_epsilon
+from shuffledp.protocols.tree_round import TreeRound, TreeSettings, _trees_epsilon
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -118,9 +119,10 @@ def test_ledger_charges_the_rdp_conversion_for_discrete_noise_and_refuses_poisso
 
 # ----------------------------------------------------------------------------------- planner, ledger, node
 def _gaussian_request(options: dict) -> PlanRequest:
+    own = GaussianSettings(noise=options.pop("noise", None))
     return PlanRequest(
-        "subsampled", "calibrated", 2.0, DELTA, None, 20, 10, 10, 8, 1.0, "sealed", admitted=100,
-        rounds_requested=20, options=options,
+        "subsampled", 2.0, DELTA, 20, 10, 10, 8, 1.0, "sealed", admitted=100, rounds_requested=20, settings=own,
+        options=options,
     )  # fmt: skip
 
 
@@ -190,8 +192,8 @@ def test_dp_ftrl_plan_ledger_and_node_use_the_discrete_figure():
     """Old code: a tree was charged (and planned, verified, and accounted per user) by the exact curve."""
     proto = TreeRound()
     req = PlanRequest(
-        "subsampled", "calibrated", 1.0, DELTA, None, 16, 4, 4, 8, 1.0, "sealed", admitted=64,
-        rounds_requested=16, options={"max_participations": 2, "min_separation": 1},
+        "subsampled", 1.0, DELTA, 16, 4, 4, 8, 1.0, "sealed", admitted=64, rounds_requested=16,
+        settings=TreeSettings(max_participations=2, min_separation=1),
     )  # fmt: skip
     p = proto.plan(req).params
     assert p["noise"] == "discrete"
@@ -209,7 +211,7 @@ def test_dp_ftrl_plan_ledger_and_node_use_the_discrete_figure():
     cost = proto.user_account(spec).cost
     assert cost((("0:0", 1), ("0:5", 1)))[0] == _trees_epsilon(z, 16, 1, False, DELTA, (2,)) == charged
     assert _trees_epsilon(z, 16, 1, False, DELTA, (2,), "continuous") < charged
-    cp = proto.plan(PlanRequest(**{**req.__dict__, "options": {**req.options, "noise": "continuous"}})).params
+    cp = proto.plan(replace(req, settings=replace(req.settings, noise="continuous"))).params
     assert cp["noise"] == "continuous" and cp["noise_multiplier"] < z
 
 
@@ -229,11 +231,13 @@ def test_tree_noise_kind_decides_the_grid():
 def test_privacy_noise_key():
     base = '[privacy]\nprotocol = "gaussian"\n[transport]\nmode = "sealed"\n[schedule]\nkind = "subsampled"\n'
     base += "cohort_size = 10\nrounds = 5\n"
-    assert parse_config(base).privacy.noise is None
-    assert parse_config(base.replace("[transport]", 'noise = "continuous"\n[transport]')).privacy.noise == "continuous"
-    with pytest.raises(ConfigError, match="privacy.noise"):
-        parse_config(base.replace("[transport]", 'noise = "float"\n[transport]'))
+    table = "[privacy.gaussian]\n"
+    assert parse_config(base).privacy.settings.noise is None
+    got = parse_config(base.replace("[transport]", table + 'noise = "continuous"\n[transport]'))
+    assert got.privacy.settings.noise == "continuous"
+    with pytest.raises(ConfigError, match="privacy.gaussian.noise"):
+        parse_config(base.replace("[transport]", table + 'noise = "float"\n[transport]'))
     with pytest.raises(ConfigError, match="poisson"):
-        parse_config(base.replace("[transport]", 'noise = "discrete"\n[transport]') + 'sampling = "poisson"\n')
-    with pytest.raises(ConfigError, match="privacy.noise applies"):
+        parse_config(base.replace("[transport]", table + 'noise = "discrete"\n[transport]') + 'sampling = "poisson"\n')
+    with pytest.raises(ConfigError, match="privacy.noise belongs to the table of another protocol"):
         parse_config('[privacy]\nprotocol = "pvec"\nnoise = "discrete"\n')

@@ -28,7 +28,7 @@ from shuffledp.config import ConfigError, parse_config
 from shuffledp.optimizers.mu2 import mu2
 from shuffledp.protocols import mu2_round
 from shuffledp.protocols.base import PlanRequest
-from shuffledp.protocols.mu2_round import Mu2Round, mu2_epsilon
+from shuffledp.protocols.mu2_round import Mu2Round, Mu2Settings, mu2_epsilon
 from shuffledp.rng import make_rng
 from shuffledp.sealing import generate_keypair, open_sealed, round_info, sealed_length
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -195,10 +195,10 @@ def test_plan_spends_the_budget_with_the_papers_noise(protocol):
     (issue 24 D19: discrete, the default, the RDP conversion; continuous, the exact curve): T rounds spend eps to
     1e-6, never above; a given noise multiplier that does not fit is refused."""
     M, T, S = 10, 50, 0.8
-    req = PlanRequest("fully_interactive", "calibrated", 2.0, 1e-5, None, T, M, M, D, S, "sealed", M, None, T)
+    req = PlanRequest("fully_interactive", 2.0, 1e-5, T, M, M, D, S, "sealed", M, T)
     sigmas = {}
     for noise, method in (("discrete", "rdp"), ("continuous", "exact")):
-        plan = protocol.plan(replace(req, options={} if noise == "discrete" else {"noise": noise}))
+        plan = protocol.plan(replace(req, settings=Mu2Settings(noise=None if noise == "discrete" else noise)))
         p = plan.params
         assert p["noise"] == noise
         rho = gaussian.rho_for_epsilon(2.0, 1e-5, method)
@@ -209,7 +209,7 @@ def test_plan_spends_the_budget_with_the_papers_noise(protocol):
         assert plan.min_contributors == M and plan.rounds == T
         z = p["sigma"] / p["sensitivity"]
         with pytest.raises(ValueError, match="spends eps"):
-            protocol.plan(replace(req, options={"noise_multiplier": z * 0.99, "noise": noise}))
+            protocol.plan(replace(req, settings=Mu2Settings(noise_multiplier=z * 0.99, noise=noise)))
         sigmas[noise] = p["sigma"]
     # the discrete figure is never below the exact one, so the same budget needs more noise
     assert sigmas["discrete"] > sigmas["continuous"]
@@ -304,6 +304,7 @@ eps = 2.0
 delta = 1e-5
 protocol = "{protocol}"
 clip_norm = 1.0
+[privacy.{protocol}]
 {privacy}
 [schedule]
 kind = "fully_interactive"

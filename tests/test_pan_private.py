@@ -24,7 +24,7 @@ from shuffledp import sealing
 from shuffledp.protocols import pan_round, registry
 from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, BatchError, PlanRequest
 from shuffledp.protocols.central import OVER_CLIP_NORM, WIRE_DTYPE
-from shuffledp.protocols.pan_round import PanRound, pan_round_epsilon, paper_zeta
+from shuffledp.protocols.pan_round import PanRound, PanSettings, pan_round_epsilon, paper_zeta
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -36,9 +36,8 @@ VAR_TOL = 0.15  # relative tolerance on a sample variance over D coordinates (ab
 def _request(
     kind="sequential", calibration="calibrated", eps=EPS, transport="sealed", dim=D, options=None
 ) -> PlanRequest:
-    return PlanRequest(
-        kind, calibration, eps, DELTA, None, 10, B, B, dim, L, transport, admitted=10 * B, options=options or {}
-    )
+    own = PanSettings(calibration=calibration, **(options or {}))
+    return PlanRequest(kind, eps, DELTA, 10, B, B, dim, L, transport, admitted=10 * B, settings=own)
 
 
 def _plan(calibration="calibrated", eps=EPS, dim=D, noise=None) -> dict:

@@ -27,7 +27,14 @@ from shuffledp.accountants import gaussian
 from shuffledp.config import ConfigError, parse_config
 from shuffledp.protocols import pnsgd_round
 from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, PlanRequest
-from shuffledp.protocols.pnsgd_round import OUTSIDE_DOMAIN, PnsgdRound, online_epsilon, online_sigmas, pnsgd_epsilon
+from shuffledp.protocols.pnsgd_round import (
+    OUTSIDE_DOMAIN,
+    PnsgdRound,
+    PnsgdSettings,
+    online_epsilon,
+    online_sigmas,
+    pnsgd_epsilon,
+)
 from shuffledp.rng import make_rng
 from shuffledp.sealing import generate_keypair, round_info, seal
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -39,7 +46,8 @@ WIRE = np.dtype(">f8")
 
 def _plan(n=200, eps=2.0, **options) -> dict:
     opts = dict(task="logreg", num_features=2, num_classes=2, l2=0.0, radius=1.0, feature_bound=1.0)
-    req = PlanRequest("fully_interactive", "calibrated", eps, 1e-5, None, 1, n, n, 6, 1.0, "sealed", n, None, 1)
+    own = PnsgdSettings(**{k: options.pop(k) for k in ("noise_multiplier", "randomly_stopped") if k in options})
+    req = PlanRequest("fully_interactive", eps, 1e-5, 1, n, n, 6, 1.0, "sealed", n, 1, settings=own)
     return PROTO.plan(replace(req, options={**opts, **options})).params
 
 
@@ -126,8 +134,16 @@ def test_config_checks_the_pnsgd_combinations():
         parse_config(base + "rounds = 2\n")
     with pytest.raises(ConfigError, match='"logreg"'):
         parse_config(base + 'rounds = 1\n[model]\ntask = "hinge"\n')
-    with pytest.raises(ConfigError, match="randomly_stopped applies"):
+    with pytest.raises(
+        ConfigError, match=r"randomly_stopped belongs to the table of another protocol \(\[privacy.pnsgd\]\)"
+    ):
         parse_config("[privacy]\nrandomly_stopped = true\n")
+    with pytest.raises(ConfigError, match="unknown key privacy.pnsgd_online.randomly_stopped"):
+        parse_config(
+            base.replace('"pnsgd"', '"pnsgd_online"') + "rounds = 1\n[privacy.pnsgd_online]\nrandomly_stopped = true\n"
+        )
+    with pytest.raises(ConfigError, match=r"now a key of the protocol's own table: put it under \[privacy.pnsgd\]"):
+        parse_config(base.replace("[transport]", "randomly_stopped = true\n[transport]") + "rounds = 1\n")
 
 
 # ------------------------------------------------------------------------------------ over real services
@@ -272,7 +288,7 @@ def test_a_pass_lost_to_a_crash_is_run_again_and_charged_again(tmp_path, noise_m
     run and runs the pass again on records collected anew. The ledger shows both rounds committed and charges their
     composition (= `shuffledp account pnsgd --epochs 2`); without room in the budget for a second pass the run ends
     BUDGET_EXHAUSTED and releases no model."""
-    privacy = "" if noise_multiplier is None else f"noise_multiplier = {noise_multiplier}"
+    privacy = "" if noise_multiplier is None else f"[privacy.pnsgd]\nnoise_multiplier = {noise_multiplier}"
     toml = _RUN.format(n=400, privacy=privacy)
     cfg = parse_config(toml)
     shuffler, sport = start_shuffler("127.0.0.1:0")
@@ -335,7 +351,7 @@ ONLINE = PnsgdRound(online=True)
 
 def _online_plan(n=300, eps=12.0, radius=5.0) -> dict:
     opts = dict(task="logreg", num_features=2, num_classes=2, l2=0.0, radius=radius, feature_bound=1.0)
-    req = PlanRequest("fully_interactive", "calibrated", eps, 1e-5, None, 1, n, n, 6, 1.0, "sealed", n, None, 1)
+    req = PlanRequest("fully_interactive", eps, 1e-5, 1, n, n, 6, 1.0, "sealed", n, 1)
     return ONLINE.plan(replace(req, options=opts)).params
 
 
@@ -408,7 +424,7 @@ def test_the_readme_is_right_that_shuffled_pnsgd_releases_no_better_than_w0_at_r
     y = (rng.random(2 * n) < 1 / (1 + np.exp(-4 * X @ w_true))).astype(np.float64)
     options = dict(task="logreg", num_features=f, num_classes=2, l2=0.0, radius=5.0, feature_bound=1.0)
     req = PlanRequest(
-        kind="fully_interactive", calibration="calibrated", eps=1.0, delta=1e-5, round_eps=None, rounds=1, cohort=n,
+        kind="fully_interactive", eps=1.0, delta=1e-5, rounds=1, cohort=n,
         min_contributors=n, dim=f + 1, clip_norm=1.0, transport="sealed", admitted=n, options=options,
     )  # fmt: skip
     proto = PnsgdRound()

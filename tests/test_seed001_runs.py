@@ -17,7 +17,7 @@ from shuffledp.accountants import ledger_accounting as la
 from shuffledp.accountants.fmt_shuffle import tight_pld_epsilon
 from shuffledp.events import LdpShuffleRound
 from shuffledp.protocols.base import PlanRequest
-from shuffledp.protocols.ldp_round import MALFORMED_PLAINTEXT, UNDECRYPTABLE, LdpRound
+from shuffledp.protocols.ldp_round import MALFORMED_PLAINTEXT, UNDECRYPTABLE, LdpRound, LdpSettings
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -27,7 +27,7 @@ D, K, N = 4, 6, 50
 
 def _request(eps0=1.0, rounds=None, k=K) -> PlanRequest:
     return PlanRequest(
-        "subsampled", "calibrated", 2.0, 1e-5, None, rounds or 0, k, k, D, 1.0, "sealed", N, eps0, rounds
+        "subsampled", 2.0, 1e-5, rounds or 0, k, k, D, 1.0, "sealed", N, rounds, settings=LdpSettings(eps0=eps0)
     )
 
 

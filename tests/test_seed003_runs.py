@@ -19,7 +19,7 @@ from _runs import run_cli
 from shuffledp.protocols import tree_noise
 from shuffledp.protocols.base import PlanRequest
 from shuffledp.protocols.gaussian_round import GaussianRound, wor_epsilon
-from shuffledp.protocols.tree_round import TreeRound, TreeRun
+from shuffledp.protocols.tree_round import TreeRound, TreeRun, TreeSettings
 from shuffledp.rng import make_rng
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,6 +35,7 @@ eps = {eps}
 delta = 1e-5
 protocol = "{protocol}"
 clip_norm = 1.0
+[privacy.{protocol}]
 {privacy}
 [schedule]
 kind = "subsampled"
@@ -145,21 +146,7 @@ def test_central_dp_sgd_run_accounts_sampling_without_replacement(tmp_path: Path
 # ------------------------------------------------------------------------------------------- planning
 def _request(k=10, rounds=12, n=100, **options) -> PlanRequest:
     return PlanRequest(
-        "subsampled",
-        "calibrated",
-        4.0,
-        1e-5,
-        None,
-        rounds,
-        k,
-        k,
-        5,
-        1.0,
-        "sealed",
-        n,
-        None,
-        rounds,
-        options=options,
+        "subsampled", 4.0, 1e-5, rounds, k, k, 5, 1.0, "sealed", n, rounds, settings=TreeSettings(**options)
     )
 
 

@@ -132,8 +132,9 @@ def test_dp_ftrl_charges_participations_by_their_actual_count_in_each_tree(tmp_p
     charged eps(tree of 16, E = k), 1 leaf ~ half of 2 leaves' cost is NOT what it pays. A user with E leaves records
     at least the ledger's figure; under max_total_eps between eps(1 leaf) and eps(2 leaves), users refuse a second."""
     toml = blobs_data + (
-        '[model]\ntask = "logreg"\n[privacy]\neps = 3.0\ndelta = 1e-5\nprotocol = "tree"\nmax_participations = 2\n'
-        'min_separation = 3\n[schedule]\nkind = "subsampled"\ncohort_size = 20\nrounds = 16\nlearning_rate = 0.5\n'
+        '[model]\ntask = "logreg"\n[privacy]\neps = 3.0\ndelta = 1e-5\nprotocol = "tree"\n'
+        "[privacy.tree]\nmax_participations = 2\nmin_separation = 3\n"
+        '[schedule]\nkind = "subsampled"\ncohort_size = 20\nrounds = 16\nlearning_rate = 0.5\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
     )
     one_run = Cluster(tmp_path / "a", toml)

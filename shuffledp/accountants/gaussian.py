@@ -52,7 +52,10 @@ from shuffledp.accountants.rdp import minimise_over_orders
 Method = Literal["paper", "rdp", "exact"]
 METHODS: tuple[str, ...] = ("paper", "rdp", "exact")
 Noise = Literal["discrete", "continuous"]
-NOISES: tuple[str, ...] = ("discrete", "continuous")  # the noise a central protocol adds (privacy.noise)
+NOISES: tuple[str, ...] = (
+    "discrete",
+    "continuous",
+)  # the noise a central protocol adds (the noise key of the protocol's table)
 
 # Orders used by the authors of seed 003 (DP-FTRL repository): 1.1, 1.2, ..., 199.9. Passing these reproduces
 # the papers' printed numbers; the default grid is a superset (so never looser).

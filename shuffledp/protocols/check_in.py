@@ -34,7 +34,7 @@ import math
 
 __all__ = ["share", "DEFAULT_REPORT_FRACTION"]
 
-DEFAULT_REPORT_FRACTION = 0.99  # privacy.report_fraction: up to 1 % of the checked-in users may drop
+DEFAULT_REPORT_FRACTION = 0.99  # privacy.pvec.report_fraction: up to 1 % of the checked-in users may drop
 
 
 def share(noise_trials: int, report_fraction: float, min_contributors: int, checked_in: int) -> tuple[int, int]:

@@ -21,9 +21,10 @@ the Renyi DP of the continuous Gaussian at std sigma. Every bound derived from t
 delta) curve / PLD of the continuous Gaussian, and dp_accounting's sampled-Gaussian bounds, are NOT implied by this
 argument, so the ledger does not use them for this noise.
 
-Noise kind (privacy.noise, issue 24 D19): a plan's params["noise"] is "discrete" (this module) or "continuous"
-(numpy's float Gaussian, for the figures proven only for it: Poisson-sampled DP-SGD); a plan without the key
-adds, and is charged for, the discrete noise (the larger figure). Specs carry it in randomizer.extra[SPEC_KEY].
+Noise kind (the `noise` key of the protocol's table, issue 24 D19): a plan's params["noise"] is "discrete" (this
+module) or "continuous" (numpy's float Gaussian, for the figures proven only for it: Poisson-sampled DP-SGD); a plan
+without the key adds, and is charged for, the discrete noise (the larger figure). Specs carry it in
+randomizer.extra[SPEC_KEY].
 
 Grid: by default g is the largest power of two <= 2^-20 D / ceil(sqrt(d)), so the noise grows by a factor of at
 most 1 + 2^-20 (utility unchanged) and sigma / g >= 2^20 z ceil(sqrt d) (z = sigma / D): the discreteness is far

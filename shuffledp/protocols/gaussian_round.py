@@ -6,9 +6,9 @@ size, secret from the analyzer's point of view only up to what it decodes); each
 it (protocols.central); the shuffler releases the batch only when all k arrived (threshold k, as for CLDP-SGD: a
 dropout releases nothing and costs nothing, dropouts being independent of the data); the analyzer sums the valid
 vectors (a skipped one counts as a zero vector, inside the clip ball), adds N(0, (z C)^2 I) from the CSPRNG and
-divides by k. The noise (privacy.noise, issue 24 D19) is by default numpy's continuous Gaussian: the figures
+divides by k. The noise (privacy.gaussian.noise, issue 24 D19) is by default numpy's continuous Gaussian: the figures
 proven for the discrete Gaussian here are missing (Poisson) or far looser at small eps (fixed cohort, below).
-privacy.noise = "discrete" (fixed cohort only) adds the discrete Gaussian on a fine grid (protocols.discrete_gaussian:
+noise = "discrete" (fixed cohort only) adds the discrete Gaussian on a fine grid (protocols.discrete_gaussian:
 exact sampling, the sum rounded to the grid and the std raised by the rounding's sensitivity growth, <= 2^-20),
 whose Renyi DP is at most the continuous Gaussian's at every order (CKS20 Thm 14).
 
@@ -24,7 +24,7 @@ stronger relation: DP-FTRL's tree accountant uses zero-out, spec 003 A2, so at e
 a stricter guarantee; reports name both.)
 
 schedule.sampling = "poisson" (issue 14 item 5; CONTINUOUS noise: dp_accounting's sampled-Gaussian RDP / PLD are
-proven for the continuous Gaussian only, so privacy.noise = "discrete" is refused there): the shuffler invites each
+proven for the continuous Gaussian only, so noise = "discrete" is refused there): the shuffler invites each
 eligible user independently with q = k/n from its CSPRNG (RoundSpec.sampling_rate) and releases whatever arrives,
 an empty batch included; the analyzer adds N(0, (z C)^2 I) to the sum and divides by the expected k = q n whatever
 the batch's size. This is the sampled Gaussian mechanism as Abadi et al. 2016 and dp_accounting define it: add-or-

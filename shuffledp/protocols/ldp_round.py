@@ -44,7 +44,7 @@ from shuffledp.protocols.base import (
     RoundPlan,
     open_each,
 )
-from shuffledp.settings import ConfigError, RunConfig, setting
+from shuffledp.settings import setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = ["LdpRound", "LdpSettings", "LDP_PROTOCOLS", "UNDECRYPTABLE", "MALFORMED_PLAINTEXT", "clip_rows_in_norm"]
@@ -155,12 +155,6 @@ class LdpRound(AnalyzerHooks):
         "transport": {"mode": "sealed"},
         "policy": {"max_eps_per_round": 36.0, "max_total_eps": 1e6, "max_total_delta": 1.0},
     }
-
-    def check_config(self, cfg: RunConfig, optimizer: str) -> None:
-        if cfg.schedule.rounds is None and cfg.privacy.settings.eps0 is None:
-            raise ConfigError(
-                f'privacy.protocol = "{self.name}" needs privacy.{self.name}.eps0 or schedule.rounds (or both)'
-            )
 
     def __init__(self, name: str):
         self.name = name

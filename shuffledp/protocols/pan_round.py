@@ -18,7 +18,7 @@ Calibration (PlanRequest.calibration):
   shuffledp.protocols.gaussian.analytic_gaussian_sigma). Valid for every eps > 0 and smaller than the paper's zeta.
 Whatever the calibration, the ledger charges the tightest (eps, delta) figure of that one Gaussian that is proven
 for the noise added (round_cost), so the paper's zeta is charged what it really costs (less than eps). Noise
-(privacy.noise, issue 24 D19): by default the discrete Gaussian on a grid (Z1, Z2 and every rounded item;
+(privacy.pan_gaussian.noise, issue 24 D19): by default the discrete Gaussian on a grid (Z1, Z2 and every rounded item;
 protocols.discrete_gaussian), charged the RDP conversion of rho = 2L/(B zeta) (CKS20 Thm 14: zCDP; Prop 12:
 conversion), and "calibrated" is then the least zeta under that figure; "continuous": numpy's Gaussian, charged
 its exact curve (Balle & Wang 2018 Thm 8).
@@ -93,7 +93,7 @@ def paper_zeta(clip: float, cohort: int, eps: float, delta: float) -> float:
     if not 0.0 < eps < 1.0:
         raise ValueError(
             f"the paper's zeta (Alg 6, Lemma C.5: Dwork-Roth Thm A.1) needs 0 < eps < 1, got eps = {eps}; "
-            'use privacy.calibration = "calibrated" (the exact Gaussian curve, any eps)'
+            'use privacy.pan_gaussian.calibration = "calibrated" (the exact Gaussian curve, any eps)'
         )
     return math.sqrt(8.0 * clip**2 * math.log(2.0 / delta) / (cohort**2 * eps**2))
 
@@ -215,6 +215,8 @@ class PanRound(CentralRound):
                 f'got "{req.transport}"'
             )
         own: PanSettings = req.settings
+        if own.calibration not in CALIBRATIONS:
+            raise ValueError(f"privacy.pan_gaussian.calibration must be one of {CALIBRATIONS}, got {own.calibration!r}")
         eps_r = own.round_eps if own.round_eps is not None else req.eps
         if eps_r > req.eps:
             raise ValueError(f"privacy.pan_gaussian.round_eps = {eps_r} exceeds privacy.eps = {req.eps}")

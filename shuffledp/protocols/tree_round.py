@@ -28,7 +28,7 @@ Privacy (spec 003 sec 3): the released nodes of tree j form a Gaussian mechanism
 zeta_j C^2 (zero-out neighbours, leaf sensitivity C; spec 003 A2), zeta_j from (T_j leaves, E, xi, completion)
 by the tree accountant; the trees compose (zeta adds up). The ledger composes exactly the events of the rounds it
 charged (T_j = last charged leaf of tree j + 1): the same figure as `shuffledp account tree` for the same
-(z, steps, E, xi, trees, completion, noise). Noise (privacy.noise, issue 24 D19): by default every node is the
+(z, steps, E, xi, trees, completion, noise). Noise (privacy.tree.noise, issue 24 D19): by default every node is the
 discrete Gaussian on a grid and every leaf is rounded to it (protocols.discrete_gaussian), so the node values are
 integers (in grid units) whose shift has squared norm <= zeta (C + g ceil(sqrt d))^2 / g^2, and the nodes are
 (zeta / (2 z^2))-zCDP (CKS20 Thm 14, std inflated for the rounding); charged the RDP conversion of rho^2 = zeta /
@@ -141,7 +141,7 @@ class TreeRound(CentralRound):
 
     # ------------------------------------------------------------------------------------------ analyzer
     def plan(self, req: PlanRequest) -> RoundPlan:
-        """The node noise multiplier z from the budget (or privacy.noise_multiplier, checked against it); the
+        """The node noise multiplier z from the budget (or privacy.tree.noise_multiplier, checked against it); the
         participation limits checked for feasibility against the population."""
         from shuffledp.accountants import ledger_accounting as la
 
