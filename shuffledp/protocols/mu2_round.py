@@ -28,8 +28,8 @@ Dong-Roth-Su Cor 3.3). The ledger's figure is ledger_accounting.account of T Gau
 `shuffledp account gaussian --sigma sigma --lipschitz-increment S --machines M --trust local|central --noise N`.
 sigma is the paper's 2S sqrt(T)/rho (/ M trusted) with rho the largest that fits (eps, delta) under that figure,
 rounded up until the composed figure fits; or its table's noise_multiplier * Delta. The noise (its table's `noise`,
-issue 24 D19) is by default the discrete Gaussian on a grid (protocols.discrete_gaussian), whose rounds are charged the RDP
-conversion of the same rho (CKS20 Thm 14: zCDP; the exact GDP curve holds for continuous noise only).
+issue 24 D19) is by default the discrete Gaussian on a grid (protocols.discrete_gaussian), whose rounds are charged
+the RDP conversion of the same rho (CKS20 Thm 14: zCDP; the exact GDP curve holds for continuous noise only).
 """
 
 from __future__ import annotations
