@@ -366,7 +366,8 @@ def shuffledp_config(clients: int, rounds: int) -> str:
     return (
         f'[data]\ndataset = "digits"\ntest_fraction = {TEST_FRACTION}\nexamples_per_user = 1\nmax_users = {clients}\n'
         f'[model]\ntask = "logreg"\nradius = {RADIUS}\n'
-        f'[privacy]\neps = {EPS}\nprotocol = "pvec"\ncalibration = "calibrated"\nclip_norm = {CLIP}\n'
+        f'[privacy]\neps = {EPS}\nprotocol = "pvec"\nclip_norm = {CLIP}\n'
+        '[privacy.pvec]\ncalibration = "calibrated"\n'
         f'[schedule]\nkind = "fully_interactive"\nrounds = {rounds}\nlearning_rate = {LR}\noutput = "mean"\n'
     )
 

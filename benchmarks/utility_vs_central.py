@@ -56,7 +56,8 @@ MAJORITY = 0.10
 
 
 def shuffle_config(eps: float, lr: float, rounds: int, check_in: bool) -> str:
-    privacy = f"[privacy]\neps = {eps}\ndelta = {DELTA}\nclip_norm = {CLIP}\ncheck_in = {str(check_in).lower()}\n"
+    privacy = f"[privacy]\neps = {eps}\ndelta = {DELTA}\nclip_norm = {CLIP}\n"
+    privacy += f"[privacy.pvec]\ncheck_in = {str(check_in).lower()}\n"
     schedule = f'[schedule]\nkind = "fully_interactive"\nrounds = {rounds}\nlearning_rate = {lr}\noutput = "mean"\n'
     return TASK + DEPLOYMENT + POLICY + privacy + schedule + '[transport]\nmode = "counts"\n'
 

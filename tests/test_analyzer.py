@@ -142,7 +142,7 @@ def test_plan_sequential_and_fully_interactive(data):
     plan = plan_run(fi, admitted=270, unused=0, model=model)
     assert plan["rounds"] == 7 and plan["cohort"] == 270 and plan["composition"] == "rdp"
     assert plan["delta"] == 1e-3  # default delta = min(1/n, policy.max_delta_per_round) = min(1/270, 1e-3)
-    paper = parse_config(data + '[privacy]\neps = 2.0\ncalibration = "paper"\n[schedule]\nrounds = 7\n')
+    paper = parse_config(data + '[privacy]\neps = 2.0\n[privacy.pvec]\ncalibration = "paper"\n[schedule]\nrounds = 7\n')
     plan = plan_run(paper, admitted=270, unused=0, model=model)
     assert plan["composition"] == "advanced" and math.isclose(plan["advanced_slack"], 1e-3 / 8)
     # per-round eps of Alg 5: eps / (2 sqrt(2 T ln(1/delta)))
@@ -174,7 +174,7 @@ def _offer_every_round(cfg, plan, users: int):
         '[schedule]\nkind = "sequential"\n',  # per-round delta = delta: 1/225 > 1e-3 was refused by everyone
         "[schedule]\nrounds = 2\n",  # per-round claim delta/T = 1/450 > 1e-3 was refused too
         "",  # the built-in default: fully interactive, 16 rounds
-        '[privacy]\ncalibration = "paper"\n',  # per-round delta_r = delta/(T+1) (Alg 5)
+        '[privacy.pvec]\ncalibration = "paper"\n',  # per-round delta_r = delta/(T+1) (Alg 5)
         "[policy]\nmax_total_delta = 5e-4\n",  # the users' total limit binds: T claims delta/T must add up below it
     ],
     ids=["sequential", "fi-2-rounds", "fi-default", "fi-paper", "total-delta-binds"],

@@ -253,7 +253,9 @@ def test_cldp_sgd_over_the_subsampled_shuffle(cluster, randomizer):
     subsampled-shuffle --bound tight-pld` for the rounds run; the analyzer receives only equal-length ciphertexts,
     no ids."""
     k, rounds, eps0 = 150, 8, 2.0  # eps 3.59 by the tight accountant; each user pays <= 16 of its max_total_eps 64
-    toml = DATA + f'[privacy]\nprotocol = "{randomizer}"\neps = 4.0\ndelta = 1e-5\neps0 = {eps0}\n'
+    toml = (
+        DATA + f'[privacy]\nprotocol = "{randomizer}"\neps = 4.0\ndelta = 1e-5\n[privacy.{randomizer}]\neps0 = {eps0}\n'
+    )
     toml += f'[schedule]\nkind = "subsampled"\ncohort_size = {k}\nrounds = {rounds}\nlearning_rate = 2.0\n'
     toml += '[transport]\nmode = "sealed"\n'
     run_id, result = cluster.run(toml)
@@ -322,7 +324,7 @@ def test_budget_refusal_happens_before_any_client_is_contacted(cluster):
     before = [s.rounds_joined for s in cluster.node_status()]
     before_ref = [sum(s.refusals.values()) for s in cluster.node_status()]
     # a fixed per-round eps above the run's total: round 0 already does not fit
-    toml = DATA + "[privacy]\neps = 1.0\ndelta = 1e-4\nround_eps = 2.0\n[schedule]\nrounds = 3\n"
+    toml = DATA + "[privacy]\neps = 1.0\ndelta = 1e-4\n[privacy.pvec]\nround_eps = 2.0\n[schedule]\nrounds = 3\n"
     run_id, result = cluster.run(toml)
     st = result.status
     assert st.state == pb.BUDGET_EXHAUSTED
@@ -333,7 +335,7 @@ def test_budget_refusal_happens_before_any_client_is_contacted(cluster):
     assert st.budget.eps_spent == 0.0 and _events(result) == []
 
     # mid-run: rounds run while they fit, the first that does not is refused before it leaves
-    toml = DATA + "[privacy]\neps = 2.5\ndelta = 1e-4\nround_eps = 1.5\n[schedule]\nrounds = 10\n"
+    toml = DATA + "[privacy]\neps = 2.5\ndelta = 1e-4\n[privacy.pvec]\nround_eps = 1.5\n[schedule]\nrounds = 10\n"
     run_id, result = cluster.run(toml)
     st = result.status
     k = st.budget.rounds_committed
@@ -398,7 +400,10 @@ def test_dropouts_after_check_in_never_make_a_round_cost_more_than_charged(clust
 
     ghost = CheckInGhost(cluster.shuffler, users=10)
     try:
-        toml = DATA + "[privacy]\neps = 1.0\ndelta = 1e-3\nreport_fraction = 0.95\n[schedule]\nrounds = 3\n"
+        toml = (
+            DATA
+            + "[privacy]\neps = 1.0\ndelta = 1e-3\n[privacy.pvec]\nreport_fraction = 0.95\n[schedule]\nrounds = 3\n"
+        )
         toml += "learning_rate = 2.0\n[deployment]\nround_deadline_seconds = 3.0\nclient_nodes = 3\n"
         run_id, result = cluster.run(toml)
     finally:

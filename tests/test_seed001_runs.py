@@ -110,7 +110,7 @@ def test_a_user_refuses_an_eps0_above_its_own_limit():
 def test_randomized_response_on_a_one_number_task_over_the_services(tmp_path: Path):
     toml = (
         '[data]\ndataset = "synthetic"\nn = 1500\ndim = 1\nnoise = 0.3\nseed = 5\n[model]\ntask = "distance"\n'
-        '[privacy]\nprotocol = "rr"\neps = 3.0\ndelta = 1e-5\neps0 = 2.0\nclip_norm = 1.0\n'
+        '[privacy]\nprotocol = "rr"\neps = 3.0\ndelta = 1e-5\nclip_norm = 1.0\n[privacy.rr]\neps0 = 2.0\n'
         '[schedule]\nkind = "subsampled"\ncohort_size = 300\nlearning_rate = 0.5\nlr_steps = [6]\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 20\n'
     )
@@ -130,7 +130,7 @@ def test_r_inf_over_the_services_improves_the_model(tmp_path: Path):
     per round. Observed released held-out loss 0.54 (3 runs) against ln 2 = 0.69 at theta = 0."""
     toml = (
         '[data]\ndataset = "synthetic"\nn = 3000\ndim = 2\nnoise = 0.5\nseed = 8\n[model]\ntask = "logreg"\n'
-        '[privacy]\nprotocol = "r_inf"\neps = 4.0\ndelta = 1e-5\neps0 = 2.0\n'
+        '[privacy]\nprotocol = "r_inf"\neps = 4.0\ndelta = 1e-5\n[privacy.r_inf]\neps0 = 2.0\n'
         '[schedule]\nkind = "subsampled"\ncohort_size = 1000\nrounds = 10\nlearning_rate = 1.0\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 20\n'
     )
