@@ -171,7 +171,7 @@ def base_config(task: str) -> str:
 def run_config(task: str, method: str, eps: float, lr: float, T: int, k: int, tree: dict) -> str:
     privacy = f"[privacy]\neps = {eps}\ndelta = {DELTA}\nclip_norm = {CLIP}\n"
     if method in ("dp-ftrl", "dp-ftrlm"):
-        privacy += 'protocol = "tree"\n' + "".join(
+        privacy += 'protocol = "tree"\n[privacy.tree]\n' + "".join(
             f"{key} = {tree[key]}\n" for key in ("max_participations", "min_separation", "rounds_per_tree")
         )
         momentum = 0.9 if method == "dp-ftrlm" else 0.0
