@@ -24,7 +24,7 @@ import time
 from shuffledp.accountants import calibrated_pvec as cal
 from shuffledp.accountants import pvec_pld
 from shuffledp.accountants.rdp import rdp_to_dp
-from shuffledp.protocols.pvec import pvec_params
+from shuffledp.mechanisms.pvec import pvec_params
 
 DELTA = 1e-6
 ROUNDS = 10**4

@@ -22,7 +22,7 @@ import numpy as np
 
 os.environ.setdefault("SHUFFLEDP_ALLOW_TEST_SEED", "1")  # fixed seed for a reproducible benchmark input
 
-from shuffledp.protocols import privunit, r_inf, r_one, rr  # noqa: E402
+from shuffledp.mechanisms import privunit, r_inf, r_one, rr  # noqa: E402
 from shuffledp.rng import make_rng  # noqa: E402
 
 

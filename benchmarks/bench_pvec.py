@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shuffledp.protocols.gaussian import add_gaussian_noise, analytic_gaussian_sigma
-from shuffledp.protocols.laplace import add_laplace_noise, laplace_scale
-from shuffledp.protocols.pvec import PvecParams, decode_counts, encode_counts, pvec_params
+from shuffledp.mechanisms.gaussian import add_gaussian_noise, analytic_gaussian_sigma
+from shuffledp.mechanisms.laplace import add_laplace_noise, laplace_scale
+from shuffledp.mechanisms.pvec import PvecParams, decode_counts, encode_counts, pvec_params
 from shuffledp.rng import make_rng
 
 

@@ -45,9 +45,9 @@ from shuffledp.services.shuffler_state import ShufflerState
 
 from shuffledp.config import RunConfig, parse_config
 from shuffledp.data import load_dataset, user_shard
+from shuffledp.mechanisms.pvec import PvecParams, clip_rows, decode_counts, encode_counts
 from shuffledp.models import Model, make_model
 from shuffledp.optimizers.pgd import pgd
-from shuffledp.protocols.pvec import PvecParams, clip_rows, decode_counts, encode_counts
 from shuffledp.rng import make_rng
 from shuffledp.run import Cluster, drive_run, start_local_cluster
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -268,7 +268,7 @@ def component_breakdown(cfg: RunConfig, plan: dict, params: PvecParams, model: M
         runner = threading.Thread(target=lambda s=spec, b=box: b.update(batch=state.execute_round(_request(s))))
         runner.start()
         phases = ("check-in", "contribution") if spec.check_in.noise_trials else ("contribution",)
-        for phase in phases:  # a check-in round invites twice (protocols/check_in.py)
+        for phase in phases:  # a check-in round invites twice (mechanisms/check_in.py)
             for core, sub in zip(cores, subs, strict=True):
                 invite = sub.get(timeout=10)
                 t0 = time.perf_counter()

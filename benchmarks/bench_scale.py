@@ -39,8 +39,8 @@ from shuffledp.services.run_manager import plan_run  # noqa: E402
 
 from shuffledp.config import parse_config  # noqa: E402
 from shuffledp.data import load_dataset  # noqa: E402
+from shuffledp.mechanisms.pvec import PvecParams  # noqa: E402
 from shuffledp.models import make_model  # noqa: E402
-from shuffledp.protocols.pvec import PvecParams  # noqa: E402
 
 DIM = 10
 

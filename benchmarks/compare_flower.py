@@ -394,8 +394,8 @@ def noiseless_accuracy(clients: int, rounds: int) -> float:
     clipping and projection: what Flower's run must release if both run the same task."""
     from shuffledp.config import parse_config
     from shuffledp.data import load_dataset
+    from shuffledp.mechanisms.pvec import clip_rows
     from shuffledp.models import make_model, project_l2_ball
-    from shuffledp.protocols.pvec import clip_rows
 
     cfg = parse_config(shuffledp_config(clients, rounds))
     ds = load_dataset(cfg.data, cfg.model.task)

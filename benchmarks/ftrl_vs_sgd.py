@@ -135,7 +135,7 @@ def tree_limits(n: int, k: int, T: int, eps: float) -> dict:
         return {"max_participations": 1, "min_separation": 0, "rounds_per_tree": 0, "noise_rms": math.nan}
     from shuffledp.accountants import ledger_accounting as la
     from shuffledp.events import TreeAggregation
-    from shuffledp.protocols import tree_noise
+    from shuffledp.mechanisms import tree_noise
 
     best: dict | None = None
     xi_max = n // k - 1  # TreeRound.plan: k (xi + 1) <= n

@@ -12,7 +12,7 @@ mean(theta_0..theta_{T-1}) (paper 000 Alg 5, shuffledp.optimizers.pgd, the same 
 the same (eps, delta = 1e-5) for the whole run, replace-one adjacency (n public):
 - shuffle: `shuffledp` itself, a local cluster (`shuffledp.run.start_local_cluster`: shuffler, analyzer, 2 client
   nodes as OS processes on loopback), privacy.protocol "pvec", transport "counts", calibrated noise (PLD-tight,
-  pvec_pld) with the check-in (protocols/check_in.py) unless --no-check-in; eps spent is the run's ledger figure.
+  pvec_pld) with the check-in (mechanisms/check_in.py) unless --no-check-in; eps spent is the run's ledger figure.
 - central: the Gaussian mechanism in this process: each round the sum of the n clipped gradients plus
   N(0, (C z)^2 I) (l2 sensitivity 2C under replace-one, so z / 2 per unit of sensitivity), divided by n; z is the
   least noise multiplier for which T such rounds meet (eps, delta) exactly: T Gaussian rounds are one Gaussian with
@@ -44,9 +44,9 @@ from ftrl_vs_sgd import DEPLOYMENT, POLICY, run_line, run_one  # noqa: E402 (one
 
 from shuffledp.config import parse_config  # noqa: E402
 from shuffledp.data import load_dataset  # noqa: E402
+from shuffledp.mechanisms.pvec import clip_rows  # noqa: E402
 from shuffledp.models import make_model  # noqa: E402
 from shuffledp.optimizers.pgd import pgd  # noqa: E402
-from shuffledp.protocols.pvec import clip_rows  # noqa: E402
 from shuffledp.rng import make_rng  # noqa: E402
 from shuffledp.run import start_local_cluster  # noqa: E402
 

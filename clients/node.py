@@ -194,7 +194,7 @@ class NodeCore:
                 reasons, cost = self.policy.decide(spec, idx, supported)
                 join = reasons == ""
             if spec.check_in.noise_trials and not spec.check_in.checked_in:
-                # check-in invitation (protocols/check_in.py): the users whose policy accepts the worst case check
+                # check-in invitation (mechanisms/check_in.py): the users whose policy accepts the worst case check
                 # in with a payload-free message; nothing is computed or charged until the second invitation
                 joined = [ids[i] for i in np.flatnonzero(join)]
                 out.columns.user_ids.extend(joined)

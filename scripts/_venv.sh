@@ -2,7 +2,7 @@
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # (re)install when the packaging or the C extension changed: an editable install does not rebuild it by itself
 if [ ! -x .venv/bin/shuffledp ] || [ pyproject.toml -nt .venv/.installed ] || [ setup.py -nt .venv/.installed ] \
-  || [ shuffledp/protocols/_ldp_kernels.c -nt .venv/.installed ]; then
+  || [ shuffledp/mechanisms/_ldp_kernels.c -nt .venv/.installed ]; then
   echo "setting up .venv (first run only)..." >&2
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from shuffledp.protocols.pvec import PvecParams
+from shuffledp.mechanisms.pvec import PvecParams
 
 __all__ = [
     "BudgetExceeded",
@@ -376,7 +376,7 @@ class Ledger:
     ) -> PrivacyEvent:
         """The batch of the round is being used: record the actual contributors n' (cost recomputed with n') and,
         for a check-in round, the parameters it actually ran with (``params`` updates the reserved ones: PVEC's m,
-        protocols/check_in.py)."""
+        mechanisms/check_in.py)."""
         reserved = self.event(run_id, round_index)
         # >= 1, except for a round reserved for none (Poisson sampling: an empty batch is released and charged)
         least = min(1, reserved.contributors)

@@ -30,8 +30,8 @@ import numpy as np
 
 from shuffledp.durable import open_durable, transaction
 from shuffledp.grpc_options import BATCH_MESSAGE_BYTES
-from shuffledp.protocols import check_in
-from shuffledp.protocols.pvec import count_wire_dtype
+from shuffledp.mechanisms import check_in
+from shuffledp.mechanisms.pvec import count_wire_dtype
 from shuffledp.rng import make_rng
 from shuffledp.sealing import BIT_MESSAGE_BYTES, PUBLIC_KEY_BYTES, sealed_length
 
@@ -174,7 +174,7 @@ class RoundRequest:
     deadline_seconds: float = 30.0
     analyzer_public_key: bytes = b""
     limits: TreeLimits | None = None  # DP-FTRL's per-tree participation limits, or None
-    check_in_trials: int = 0  # RoundSpec.check_in.noise_trials: > 0 runs the check-in (protocols/check_in.py)
+    check_in_trials: int = 0  # RoundSpec.check_in.noise_trials: > 0 runs the check-in (mechanisms/check_in.py)
     check_in_fraction: float = 0.0  # RoundSpec.check_in.report_fraction
     sampling_rate: float = 0.0  # RoundSpec.sampling_rate: > 0 = Poisson sampling (SUBSAMPLED, cohort_size 0)
     population: int = 0  # RoundSpec.population: SUBSAMPLED, the eligible users the accountant assumes (0: no claim)
@@ -916,7 +916,7 @@ class ShufflerState:
             self._lock.wait(min(remaining, self._poll))
 
     def _second_invitation(self, rnd: _OpenRound) -> bool:
-        """Check-in rounds (protocols/check_in.py, step 3): invite the c users who checked in with c_min and their
+        """Check-in rounds (mechanisms/check_in.py, step 3): invite the c users who checked in with c_min and their
         share m of the noise; False (nothing is released) when fewer than the threshold checked in. Caller holds
         the lock."""
         req, c = rnd.req, len(rnd.checked_in)

@@ -393,7 +393,7 @@ def _pvec_schedule(args: argparse.Namespace) -> str:
 
 
 def _pvec_template(args: argparse.Namespace, query: str) -> tuple[PrivacyEvent, dict[str, Any]]:
-    from shuffledp.protocols.pvec import PvecParams, pvec_params
+    from shuffledp.mechanisms.pvec import PvecParams, pvec_params
 
     schedule = _pvec_schedule(args)
     rounds = args.rounds or 1

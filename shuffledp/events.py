@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shuffledp.protocols.pvec import PvecParams
+from shuffledp.mechanisms.pvec import PvecParams
 
 __all__ = [
     "TRUST_MODELS",
@@ -121,7 +121,7 @@ class PvecRound(PrivacyEvent):
     View: for each coordinate j, C_j = sum_i xhat_ij + Bin(n' m, p), with xhat_ij in {0..g} the randomized
     rounding of (x_ij + delta2) g / (2 delta2) and n' = ``contributors`` (design 5.2, spec 000 sec 3).
     Parameters (d, n, delta2, g, m, p, target_eps, target_delta, method) are exactly those of
-    ``shuffledp.protocols.pvec.PvecParams`` (target_eps/target_delta are its eps/delta: the per-round target the
+    ``shuffledp.mechanisms.pvec.PvecParams`` (target_eps/target_delta are its eps/delta: the per-round target the
     parameters were derived for, NOT the accounted cost, which the accountant computes for n').
     Per-round cost: method="paper" -> Lemma 3.1 per coordinate + Lemma 3.3 over coordinates (Thm 3.2);
     method="calibrated" -> the exact binomial accountant of calibrated_pvec (an extension beyond the paper).

@@ -83,7 +83,7 @@ class GhostNode:
 
 class CheckInGhost:
     """A node whose users check in (payload-free answers to a check-in invitation) and then never send: dropouts
-    after check-in (protocols/check_in.py). Keeps every RoundSpec it was sent."""
+    after check-in (mechanisms/check_in.py). Keeps every RoundSpec it was sent."""
 
     def __init__(self, shuffler: str, users: int):
         self.channel = grpc.insecure_channel(shuffler)

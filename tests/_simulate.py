@@ -15,8 +15,8 @@ from shuffledp.services.run_manager import _optimizer, plan_run, round_spec
 
 from shuffledp.config import parse_config
 from shuffledp.data import excess_risk, load_dataset, num_users
+from shuffledp.mechanisms.pvec import count_wire_dtype
 from shuffledp.models import make_model
-from shuffledp.protocols.pvec import count_wire_dtype
 from shuffledp.protocols.registry import round_protocol
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb

@@ -15,7 +15,7 @@ from shuffledp import cli
 from shuffledp.account_cli import PROTOCOLS
 from shuffledp.accountants import composition, gaussian, pnsgd, pvec_pld, tree_aggregation
 from shuffledp.events import GaussianRound, LdpShuffleRound, PvecRound, TreeAggregation
-from shuffledp.protocols.pvec import pvec_params
+from shuffledp.mechanisms.pvec import pvec_params
 
 KEYS = ("eps", "delta", "accountant", "optimal_order", "trust")
 

@@ -12,7 +12,7 @@ from scipy.stats import binom
 
 from shuffledp.accountants import composition as comp
 from shuffledp.accountants import pvec as acc
-from shuffledp.protocols.pvec import p1d_params, pvec_params
+from shuffledp.mechanisms.pvec import p1d_params, pvec_params
 from shuffledp.rng import make_rng
 
 

@@ -19,8 +19,8 @@ from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.config import DEFAULT_ROUNDS, parse_config
 from shuffledp.data import load_dataset
+from shuffledp.mechanisms.pvec import PvecParams
 from shuffledp.models import make_model
-from shuffledp.protocols.pvec import PvecParams
 from shuffledp.run import _progress_line
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg

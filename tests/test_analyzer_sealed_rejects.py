@@ -26,9 +26,9 @@ from shuffledp.services.run_manager import MALFORMED_PLAINTEXT, UNDECRYPTABLE
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.accountants.pvec_pld import composed_epsilon
+from shuffledp.mechanisms import pvec
+from shuffledp.mechanisms.pvec import PvecParams
 from shuffledp.optimizers.pgd import pgd
-from shuffledp.protocols import pvec
-from shuffledp.protocols.pvec import PvecParams
 from shuffledp.protocols.pvec_round import open_bit_messages
 from shuffledp.rng import make_rng
 from shuffledp.sealing import (

@@ -14,7 +14,7 @@ from scipy.stats import binom
 from shuffledp.accountants import calibrated_pvec as cal
 from shuffledp.accountants.pvec import binomial_hockey_stick, pvec_paper_round
 from shuffledp.accountants.rdp import rdp_to_dp
-from shuffledp.protocols.pvec import PvecParams, pvec_params
+from shuffledp.mechanisms.pvec import PvecParams, pvec_params
 
 
 # ----------------------------------------------------------------------- independent exact references

@@ -1,4 +1,4 @@
-"""The check-in rule (shuffledp.protocols.check_in.share) and how a run reports it; the protocol itself runs over
+"""The check-in rule (shuffledp.mechanisms.check_in.share) and how a run reports it; the protocol itself runs over
 real services in tests/test_shuffler.py, tests/test_e2e.py and tests/test_seed000_runs.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from shuffledp.protocols.check_in import share
+from shuffledp.mechanisms.check_in import share
 from shuffledp.run import _progress_line
 from shuffledp.v1 import shuffledp_pb2 as pb
 

@@ -15,7 +15,7 @@ from shuffledp.clients.policy import PolicyTable, Refusal, UserPolicy
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.config import parse_config
-from shuffledp.protocols import pvec
+from shuffledp.mechanisms import pvec
 from shuffledp.rng import make_rng
 from shuffledp.sealing import (
     BIT_MESSAGE_BYTES,
@@ -283,7 +283,7 @@ def test_unknown_enum_values_are_refused_not_a_crash(field, value, reason):
 
 
 def test_check_in_invitation_is_answered_without_payload_and_charges_nothing():
-    """Check-in (protocols/check_in.py): the first invitation is answered with one payload-free message per user
+    """Check-in (mechanisms/check_in.py): the first invitation is answered with one payload-free message per user
     whose policy accepts the worst case, nothing is computed or charged; the second invitation (checked_in > 0) is
     a normal round, charged once. A user whose policy refuses the worst case refuses at check-in already."""
     shard = make_shard(n=6)

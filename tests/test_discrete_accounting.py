@@ -25,7 +25,7 @@ from shuffledp.accountants.rdp import subsampled_wor_rdp
 from shuffledp.config import ConfigError, parse_config
 from shuffledp.events import GaussianRound as GaussianEvent
 from shuffledp.events import TreeAggregation
-from shuffledp.protocols import discrete_gaussian
+from shuffledp.mechanisms import discrete_gaussian
 from shuffledp.protocols.base import PlanRequest
 from shuffledp.protocols.gaussian_round import GaussianRound, GaussianSettings, unamplified_epsilon, wor_epsilon
 from shuffledp.protocols.tree_round import TreeRound, TreeSettings, _trees_epsilon

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from shuffledp.protocols import discrete_gaussian as dg
+from shuffledp.mechanisms import discrete_gaussian as dg
 from shuffledp.protocols.gaussian_round import GaussianRound
 from shuffledp.protocols.mu2_round import Mu2Round
 from shuffledp.protocols.pan_round import PanRound

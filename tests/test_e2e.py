@@ -24,7 +24,7 @@ from _procs import CheckInGhost, GhostNode, stop
 from shuffledp.accountants.pvec_pld import composed_epsilon, pvec_round_epsilon
 from shuffledp.config import parse_config
 from shuffledp.data import load_dataset
-from shuffledp.protocols.pvec import PvecParams
+from shuffledp.mechanisms.pvec import PvecParams
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
@@ -351,7 +351,7 @@ def test_sigkill_mid_round_counts_the_round_as_spent_and_the_run_resumes(cluster
         toml = (
             DATA
             + "[privacy]\neps = 4.0\ndelta = 1e-3\n[schedule]\nrounds = 4\nlearning_rate = 2.0\n"
-            # 4 s: the check-in waits for the ghost's users up to half of it (protocols/check_in.py)
+            # 4 s: the check-in waits for the ghost's users up to half of it (mechanisms/check_in.py)
             + "[deployment]\nround_deadline_seconds = 4.0\nclient_nodes = 3\n"
         )
         run_id = cluster.analyzer.CreateRun(pb.CreateRunRequest(config_toml=toml), timeout=30).run_id
@@ -396,7 +396,7 @@ def test_dropouts_after_check_in_never_make_a_round_cost_more_than_charged(clust
     among the c checked-in users (c_min = max(n_min, ceil(0.95 c)), m = ceil(N* / c_min)); the real users'
     messages are released with m n' >= N* trials, and the ledger charges each round at exactly the m its users
     were sent and the contributors it had (recomputed here): no round costs more than the ledger says."""
-    from shuffledp.protocols import check_in
+    from shuffledp.mechanisms import check_in
 
     ghost = CheckInGhost(cluster.shuffler, users=10)
     try:

@@ -42,7 +42,7 @@ from shuffledp.events import (
     events_to_json,
     trust_of,
 )
-from shuffledp.protocols.pvec import pvec_params
+from shuffledp.mechanisms.pvec import pvec_params
 
 # One PVEC configuration reused everywhere (the exact accountant caches per configuration).
 PVEC_SEQ = pvec_params(1.0, 1e-6, 1000, 10, 1.0)

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
+from shuffledp.mechanisms.tree_noise import init_tree, residual_noise
 from shuffledp.optimizers.base import Optimizer
 from shuffledp.optimizers.ftrl import FtrlState, ftrl
-from shuffledp.protocols.tree_noise import init_tree, residual_noise
 from shuffledp.rng import make_rng
 
 DIM = 6

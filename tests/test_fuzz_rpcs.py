@@ -36,8 +36,8 @@ from grpc_health.v1 import health_pb2
 
 from shuffledp import pki, tls
 from shuffledp.config import DEFAULT_TOML
+from shuffledp.mechanisms.pvec import PvecParams, pvec_params
 from shuffledp.models import make_model
-from shuffledp.protocols.pvec import PvecParams, pvec_params
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 SEED = 10  # issue 10; test input only (never privacy noise). Phase 1 uses SEED, phase 2 SEED + 1.

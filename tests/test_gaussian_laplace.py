@@ -16,7 +16,7 @@ from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_mechanism as plm
 from scipy import stats
 
-from shuffledp.protocols.gaussian import (
+from shuffledp.mechanisms.gaussian import (
     add_gaussian_noise,
     analytic_gaussian_sigma,
     classical_gaussian_sigma,
@@ -26,7 +26,7 @@ from shuffledp.protocols.gaussian import (
     l2_sensitivity,
     sensitivity_from_clip,
 )
-from shuffledp.protocols.laplace import (
+from shuffledp.mechanisms.laplace import (
     add_laplace_noise,
     l1_sensitivity,
     l1_sensitivity_from_l2_clip,

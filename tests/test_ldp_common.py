@@ -6,7 +6,7 @@ import mpmath
 import numpy as np
 import pytest
 
-from shuffledp.protocols import ldp_common as lc
+from shuffledp.mechanisms import ldp_common as lc
 from shuffledp.rng import make_rng
 
 

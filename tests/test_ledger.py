@@ -22,8 +22,8 @@ from shuffledp.accountants import ledger_accounting
 from shuffledp.accountants.calibrated_pvec import calibrate_pvec
 from shuffledp.accountants.pvec_pld import pvec_round_epsilon
 from shuffledp.events import PvecRound
+from shuffledp.mechanisms.pvec import pvec_params
 from shuffledp.optimizers.pgd import pgd_round_privacy
-from shuffledp.protocols.pvec import pvec_params
 
 
 def _event(eps=1.0, delta=1e-6, n=100, schedule="sequential"):

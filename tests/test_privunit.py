@@ -14,7 +14,7 @@ from _ldp_stats import (
 )
 from scipy import integrate, special, stats
 
-from shuffledp.protocols import privunit as pu
+from shuffledp.mechanisms import privunit as pu
 from shuffledp.rng import make_rng
 
 

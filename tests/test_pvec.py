@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from shuffledp.protocols import pvec
-from shuffledp.protocols.pvec import (
+from shuffledp.mechanisms import pvec
+from shuffledp.mechanisms.pvec import (
     P1dParams,
     PvecParams,
     clip_rows,

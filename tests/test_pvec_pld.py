@@ -20,7 +20,7 @@ from scipy.stats import binom
 from shuffledp.accountants import calibrated_pvec as cal
 from shuffledp.accountants import pvec_pld as pp
 from shuffledp.accountants.pvec import binomial_hockey_stick
-from shuffledp.protocols.pvec import PvecParams
+from shuffledp.mechanisms.pvec import PvecParams
 
 
 # ----------------------------------------------------------------------- independent exact references

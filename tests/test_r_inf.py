@@ -15,7 +15,7 @@ from _ldp_stats import (
     assert_variance_in_band,
 )
 
-from shuffledp.protocols import _ldp_kernels, r_inf
+from shuffledp.mechanisms import _ldp_kernels, r_inf
 from shuffledp.rng import make_rng
 
 

@@ -12,7 +12,7 @@ from _ldp_stats import (
     assert_variance_in_band,
 )
 
-from shuffledp.protocols import rr
+from shuffledp.mechanisms import rr
 from shuffledp.rng import make_rng
 
 EPS = [0.1, 0.5, 1.0, 2.0, 4.0, 8.0]

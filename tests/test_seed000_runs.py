@@ -14,7 +14,7 @@ import pytest
 from _runs import run_cli
 
 from shuffledp.accountants.pvec_pld import composed_epsilon, pvec_round_epsilon
-from shuffledp.protocols.pvec import PvecParams
+from shuffledp.mechanisms.pvec import PvecParams
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -96,7 +96,7 @@ def test_eps_1_run_with_check_in_spends_at_least_99_percent_of_its_budget(tmp_pa
     """Issue 16: the embedded digits task at eps = 1 (16 fully interactive rounds, every user reports). The check-in
     shares the reserved noise N* = m n_min among the 1348 users who checked in, so the run spends >= 0.99 of eps;
     each round is charged at the m it ran with. Without the check-in the same plan spends less (computed here)."""
-    from shuffledp.protocols import check_in
+    from shuffledp.mechanisms import check_in
 
     ledger, rows, _ = run_cli(tmp_path, "eps1", "[privacy]\neps = 1.0\ndelta = 1e-5\n" + FAST)
     plan = check_ledger(ledger)

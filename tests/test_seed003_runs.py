@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from _runs import run_cli
 
-from shuffledp.protocols import tree_noise
+from shuffledp.mechanisms import tree_noise
 from shuffledp.protocols.base import PlanRequest
 from shuffledp.protocols.gaussian_round import GaussianRound, wor_epsilon
 from shuffledp.protocols.tree_round import TreeRound, TreeRun, TreeSettings

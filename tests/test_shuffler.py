@@ -34,7 +34,7 @@ from shuffledp.services.shuffler_state import (
     TreeLimits,
 )
 
-from shuffledp.protocols import pvec
+from shuffledp.mechanisms import pvec
 from shuffledp.rng import make_rng
 from shuffledp.sealing import (
     BIT_MESSAGE_BYTES,
@@ -554,7 +554,7 @@ def _check_in_spec(round_, fraction, **kw) -> pb.RoundSpec:
 
 
 def test_check_in_shares_the_noise_and_a_dropout_after_check_in_never_weakens_it(shuffler, nodes):
-    """Check-in (protocols/check_in.py): 11 real users and 2 of a node that checks in and then goes silent. The
+    """Check-in (mechanisms/check_in.py): 11 real users and 2 of a node that checks in and then goes silent. The
     second invitation carries c = 13, c_min = max(5, ceil(0.8 * 13)) = 11 and m = ceil(30 / 11) = 3; the released
     noise holds m n' = 33 >= 30 trials. Issue 24 item 4: the silent node's two users are not invited to the run's
     next round (at report_fraction 1 they would leave 11 < c_min = 13 and block every release): c = 11, c_min = 11,

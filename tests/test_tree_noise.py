@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from shuffledp.accountants.tree_aggregation import tree_depth, zeta_restarts
-from shuffledp.protocols import tree_noise
-from shuffledp.protocols.tree_noise import (
+from shuffledp.mechanisms import tree_noise
+from shuffledp.mechanisms.tree_noise import (
     TreeState,
     add_leaf,
     complete_tree,

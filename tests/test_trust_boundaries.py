@@ -30,7 +30,7 @@ from shuffledp.services.shuffler_state import QuotaExceeded, ShufflerState
 
 from shuffledp import grpc_options, pki, tls
 from shuffledp.accountants.calibrated_pvec import calibrate_pvec
-from shuffledp.protocols.pvec import count_wire_dtype
+from shuffledp.mechanisms.pvec import count_wire_dtype
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg

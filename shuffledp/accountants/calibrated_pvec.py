@@ -83,7 +83,7 @@ from scipy.special import logsumexp
 
 from shuffledp.accountants.rdp import extended_rdp_to_dp, rdp_to_dp
 from shuffledp.lazy import OnFirstUse
-from shuffledp.protocols.pvec import MAX_M, PvecParams
+from shuffledp.mechanisms.pvec import MAX_M, PvecParams
 
 gaussian_acc = OnFirstUse("shuffledp.accountants.gaussian")  # dp_accounting: only when calibrating
 

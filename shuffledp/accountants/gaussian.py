@@ -20,7 +20,7 @@ Cor. 3.3). Three conversions to (eps, delta) are offered, all monotone in rho:
   advance (spec 002 section 4), so adaptive composition is exactly rho-GDP.
 
 Which conversion is proven depends on the noise actually added (issue 24 D19): the exact curve is the
-continuous Gaussian's; the discrete Gaussian of the central protocols (shuffledp.protocols.discrete_gaussian) is
+continuous Gaussian's; the discrete Gaussian of the central protocols (shuffledp.mechanisms.discrete_gaussian) is
 proven only to have the continuous Gaussian's RDP curve (Canonne-Kamath-Steinke 2020 Thm 14: independent
 coordinates, integer shift of l2 norm Delta -> (Delta^2 / (2 sigma^2))-zCDP, i.e. alpha Delta^2 / (2 sigma^2) at
 every alpha > 1), so it is converted by ``"rdp"`` (``conversion``), which holds for ANY mechanism with that curve.

@@ -51,7 +51,7 @@ from shuffledp.events import (
     trust_of,
 )
 from shuffledp.lazy import OnFirstUse
-from shuffledp.protocols.pvec import PvecParams
+from shuffledp.mechanisms.pvec import PvecParams
 
 __all__ = [
     "ACCOUNTANTS",
@@ -524,7 +524,7 @@ def _account_pvec(items: Items, delta: float, acc: str, trust: str) -> AccountRe
 
 def pvec_report(ev: PvecRound) -> dict[str, Any]:
     """Parameters and noise of one PVEC round for reports: g, m, p, method, variance bound per coordinate."""
-    from shuffledp.protocols.pvec import pvec_variance_bound
+    from shuffledp.mechanisms.pvec import pvec_variance_bound
 
     params = ev.params
     return {
@@ -534,7 +534,7 @@ def pvec_report(ev: PvecRound) -> dict[str, Any]:
         "p": ev.p,
         "contributors": ev.contributors,
         "messages_per_user": params.messages_per_user,
-        # scale^2 n' (1/4 + m p (1-p)): privacy noise + worst-case rounding, in data units (protocols.pvec)
+        # scale^2 n' (1/4 + m p (1-p)): privacy noise + worst-case rounding, in data units (mechanisms.pvec)
         "variance_per_coordinate": pvec_variance_bound(params, ev.contributors),
     }
 
@@ -670,7 +670,7 @@ def pvec_min_noise(
     PGD's eps_r = eps / (2 sqrt(2 T ln(1/delta))), delta_r = delta/(T+1) (spec 000 sec 4, Alg 5).
     The result is checked with ``account`` before it is returned.
     """
-    from shuffledp.protocols.pvec import pvec_params
+    from shuffledp.mechanisms.pvec import pvec_params
 
     e = _check_eps(eps)
     dl = check_delta(delta)

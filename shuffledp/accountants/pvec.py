@@ -30,7 +30,7 @@ import scipy.optimize
 from scipy.stats import binom
 
 from shuffledp.accountants.rdp import check_int
-from shuffledp.protocols.pvec import P1dParams, PvecParams
+from shuffledp.mechanisms.pvec import P1dParams, PvecParams
 
 __all__ = [
     "p1d_instance_epsilon",

@@ -72,7 +72,7 @@ from scipy.special import log_ndtr, ndtri
 
 from shuffledp.accountants import calibrated_pvec as cal
 from shuffledp.lazy import OnFirstUse
-from shuffledp.protocols.pvec import PvecParams
+from shuffledp.mechanisms.pvec import PvecParams
 
 # the exhaustive route's PLDs only: the gaussian route (the default run's) needs no dp_accounting (start-up time)
 pld_pmf = OnFirstUse("dp_accounting.pld.pld_pmf")

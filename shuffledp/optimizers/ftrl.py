@@ -5,7 +5,7 @@
     params = opt.query(state)
     params, state = opt.step(r_t, state, params)   # r_t: the released residual mean of round t
 
-The analyzer adds the tree's residual noise Z_t - Z_{t-1} (shuffledp.protocols.tree_noise) to the exact round
+The analyzer adds the tree's residual noise Z_t - Z_{t-1} (shuffledp.mechanisms.tree_noise) to the exact round
 total and divides by the cohort, so step() receives r_t with prefix sums s_t = sum_{i<=t} r_i = (G_t + Z_t)/B and
 the optimizer is noise-free post-processing:
 

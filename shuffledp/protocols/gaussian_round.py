@@ -8,7 +8,7 @@ dropout releases nothing and costs nothing, dropouts being independent of the da
 vectors (a skipped one counts as a zero vector, inside the clip ball), adds N(0, (z C)^2 I) from the CSPRNG and
 divides by k. The noise (privacy.gaussian.noise, issue 24 D19) is by default numpy's continuous Gaussian: the figures
 proven for the discrete Gaussian here are missing (Poisson) or far looser at small eps (fixed cohort, below).
-noise = "discrete" (fixed cohort only) adds the discrete Gaussian on a fine grid (protocols.discrete_gaussian:
+noise = "discrete" (fixed cohort only) adds the discrete Gaussian on a fine grid (mechanisms.discrete_gaussian:
 exact sampling, the sum rounded to the grid and the std raised by the rounding's sensitivity growth, <= 2^-20),
 whose Renyi DP is at most the continuous Gaussian's at every order (CKS20 Thm 14).
 
@@ -50,7 +50,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
 from shuffledp.accountants.rdp import optimal_epsilon, subsampled_wor_rdp
-from shuffledp.protocols import discrete_gaussian
+from shuffledp.mechanisms import discrete_gaussian
 from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
 from shuffledp.protocols.central import CentralRound, check_fixed_cohort, noise_multiplier_setting, noise_setting
 from shuffledp.settings import ConfigError, RunConfig
@@ -245,7 +245,7 @@ class GaussianRound(CentralRound):
     ) -> tuple[np.ndarray, float, None]:
         clip = float(params["clip"])
         std = float(params[_NOISE_FIELD]) * clip
-        # the discrete Gaussian on a grid (protocols.discrete_gaussian): sensitivity C (add-or-remove) is the
+        # the discrete Gaussian on a grid (mechanisms.discrete_gaussian): sensitivity C (add-or-remove) is the
         # smaller of the two relations', so the rounding's noise inflation covers replace-one's 2C too
         g = discrete_gaussian.granularity(params, std, clip, int(params["d"]))
         noisy = discrete_gaussian.release_on_grid(total, std, clip, rng, g, noise=discrete_gaussian.noise_of(params))

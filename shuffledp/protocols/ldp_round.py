@@ -82,19 +82,19 @@ class _Randomizer:
     @classmethod
     def of(cls, name: str, eps0: float, d: int, radius: float) -> _Randomizer:
         if name == "r_inf":
-            from shuffledp.protocols import r_inf as mod
+            from shuffledp.mechanisms import r_inf as mod
 
             return cls(name, mod, mod.make_params(eps0, d, radius))
         if name == "r_one":
-            from shuffledp.protocols import r_one as mod
+            from shuffledp.mechanisms import r_one as mod
 
             return cls(name, mod, mod.make_params(eps0, d, radius))
         if name == "privunit":
-            from shuffledp.protocols import privunit as mod
+            from shuffledp.mechanisms import privunit as mod
 
             return cls(name, mod, mod.make_params(eps0, d, radius))
         if name == "rr":
-            from shuffledp.protocols import rr as mod
+            from shuffledp.mechanisms import rr as mod
 
             if d != 1:
                 raise ValueError(f"rr randomizes one number per user: the model must have dimension 1, got {d}")
@@ -173,7 +173,7 @@ class LdpRound(AnalyzerHooks):
         eps0 given, rounds unset -> the most rounds that fit; rounds given, eps0 unset -> the largest eps0 that fits."""
         from shuffledp.accountants import ledger_accounting as la
         from shuffledp.events import LdpShuffleRound
-        from shuffledp.protocols.ldp_common import MAX_EPS0
+        from shuffledp.mechanisms.ldp_common import MAX_EPS0
 
         if req.kind != "subsampled":
             raise ValueError(

@@ -28,7 +28,7 @@ Dong-Roth-Su Cor 3.3). The ledger's figure is ledger_accounting.account of T Gau
 `shuffledp account gaussian --sigma sigma --lipschitz-increment S --machines M --trust local|central --noise N`.
 sigma is the paper's 2S sqrt(T)/rho (/ M trusted) with rho the largest that fits (eps, delta) under that figure,
 rounded up until the composed figure fits; or its table's noise_multiplier * Delta. The noise (its table's `noise`,
-issue 24 D19) is by default the discrete Gaussian on a grid (protocols.discrete_gaussian), whose rounds are charged
+issue 24 D19) is by default the discrete Gaussian on a grid (mechanisms.discrete_gaussian), whose rounds are charged
 the RDP conversion of the same rho (CKS20 Thm 14: zCDP; the exact GDP curve holds for continuous noise only).
 """
 
@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 
 from shuffledp.accountants import gaussian
-from shuffledp.protocols import discrete_gaussian
+from shuffledp.mechanisms import discrete_gaussian
+from shuffledp.mechanisms.discrete_gaussian import noise_of
 from shuffledp.protocols.base import (
     Decoded,
     PlanRequest,
@@ -56,7 +57,6 @@ from shuffledp.protocols.central import (
     open_vectors,
     seal_rows,
 )
-from shuffledp.protocols.discrete_gaussian import noise_of
 from shuffledp.protocols.ldp_round import clip_rows_in_norm
 from shuffledp.settings import ConfigError, RunConfig
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -208,7 +208,7 @@ class Mu2Round(CentralRound):
         M = float(params["machines"])
         total = np.asarray(total, dtype=np.float64)
         if self.trusted:  # Alg 2: N(0, sigma_c^2) on the average = N(0, (M sigma_c)^2) on the sum
-            # as the discrete Gaussian on a grid (protocols.discrete_gaussian); the sum's sensitivity is 2S, S the
+            # as the discrete Gaussian on a grid (mechanisms.discrete_gaussian); the sum's sensitivity is 2S, S the
             # smaller reference (more inflation, safe)
             std, clip = M * float(params["sigma"]), float(params["clip"])
             g = discrete_gaussian.granularity(params, std, clip, total.shape[-1])

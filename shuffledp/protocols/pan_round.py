@@ -15,11 +15,11 @@ Calibration (PlanRequest.calibration):
   Dwork & Roth 2014 Thm A.1 with ln(1.25/delta) loosened to ln(2/delta)), valid for 0 < eps, delta < 1 only.
 - "calibrated" (default): the least zeta for which ONE Gaussian N(0, zeta^2) with l2 sensitivity 2L/B is
   (eps, delta)-DP by its exact curve (Balle & Wang 2018, Thm 8 "analytic Gaussian mechanism";
-  shuffledp.protocols.gaussian.analytic_gaussian_sigma). Valid for every eps > 0 and smaller than the paper's zeta.
+  shuffledp.mechanisms.gaussian.analytic_gaussian_sigma). Valid for every eps > 0 and smaller than the paper's zeta.
 Whatever the calibration, the ledger charges the tightest (eps, delta) figure of that one Gaussian that is proven
 for the noise added (round_cost), so the paper's zeta is charged what it really costs (less than eps). Noise
 (privacy.pan_gaussian.noise, issue 24 D19): by default the discrete Gaussian on a grid (Z1, Z2 and every rounded item;
-protocols.discrete_gaussian), charged the RDP conversion of rho = 2L/(B zeta) (CKS20 Thm 14: zCDP; Prop 12:
+mechanisms.discrete_gaussian), charged the RDP conversion of rho = 2L/(B zeta) (CKS20 Thm 14: zCDP; Prop 12:
 conversion), and "calibrated" is then the least zeta under that figure; "continuous": numpy's Gaussian, charged
 its exact curve (Balle & Wang 2018 Thm 8).
 
@@ -66,7 +66,8 @@ from typing import Any
 import numpy as np
 
 from shuffledp import sealing
-from shuffledp.protocols import discrete_gaussian
+from shuffledp.mechanisms import discrete_gaussian
+from shuffledp.mechanisms.gaussian import analytic_gaussian_sigma, gaussian_delta
 from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, BatchError, Decoded, PlanRequest, RoundPlan
 from shuffledp.protocols.central import (
     _NORM_SLACK,
@@ -76,7 +77,6 @@ from shuffledp.protocols.central import (
     message_bytes,
     noise_setting,
 )
-from shuffledp.protocols.gaussian import analytic_gaussian_sigma, gaussian_delta
 from shuffledp.rng import make_rng
 from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -100,7 +100,7 @@ def paper_zeta(clip: float, cohort: int, eps: float, delta: float) -> float:
 
 def calibrated_zeta(clip: float, cohort: int, eps: float, delta: float, noise: str = "discrete") -> float:
     """The least zeta (rounded up) for which N(0, zeta^2 I) on a mean of sensitivity 2L/B is (eps, delta)-DP under
-    the figure proven for the noise: Balle & Wang 2018 Thm 8 (protocols.gaussian.analytic_gaussian_sigma) for
+    the figure proven for the noise: Balle & Wang 2018 Thm 8 (mechanisms.gaussian.analytic_gaussian_sigma) for
     continuous noise, 2L/B over the largest rho whose RDP conversion fits (CKS20 Thm 14, Prop 12) for discrete."""
     _check(clip, cohort, delta)
     if not (math.isfinite(eps) and eps > 0.0):
@@ -269,7 +269,7 @@ class PanRound(CentralRound):
         self, d: int, std: float, rng: np.random.Generator, *, clip: float, grid: float, noise: str = "discrete"
     ) -> np.ndarray:
         """Z1 ~ N(0, std^2 I), the accumulator's starting value (Alg 6 lines 4-5): the discrete Gaussian on the
-        run's grid (protocols.discrete_gaussian; each item is rounded to it before it is added, _add_one), or
+        run's grid (mechanisms.discrete_gaussian; each item is rounded to it before it is added, _add_one), or
         numpy's continuous Gaussian (noise = "continuous", items not rounded)."""
         return discrete_gaussian.grid_noise(d, std, clip, rng, grid, noise=noise)
 

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from shuffledp import sealing
-from shuffledp.protocols import check_in, pvec
+from shuffledp.mechanisms import check_in, pvec
+from shuffledp.mechanisms.pvec import PvecParams
 from shuffledp.protocols.base import (
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
@@ -40,7 +41,6 @@ from shuffledp.protocols.base import (
     RoundPlan,
     open_each,
 )
-from shuffledp.protocols.pvec import PvecParams
 from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -152,7 +152,7 @@ class PvecSettings:
     check_in: bool | None = setting(
         None,
         "the round's noise is shared by the users who check in instead of sized for min_contributors (one more node "
-        'round trip; protocols/check_in.py); unset = on with calibration = "calibrated"',
+        'round trip; mechanisms/check_in.py); unset = on with calibration = "calibrated"',
         example=True,
     )
     report_fraction: float = setting(
@@ -247,7 +247,7 @@ class PvecRound(AnalyzerHooks):
         self, plan: dict[str, Any], params: PvecParams, report: pb.BatchReport
     ) -> tuple[PvecParams, int, dict[str, Any] | None]:
         """Check-in rounds: the threshold c_min and each user's trials m follow from who checked in, and the round is
-        charged at the m it ran with (protocols/check_in.py). A report that admits no such round is charged (at the
+        charged at the m it ran with (mechanisms/check_in.py). A report that admits no such round is charged (at the
         reservation's m when none can be derived) and stops the run."""
         ci, n = plan.get("check_in"), int(report.contributors)
         if not ci:

@@ -5,7 +5,7 @@ Round t (a leaf of the current tree): the shuffler draws k users uniformly (CSPR
 allows under the run's participation limits (each user at most E leaves per tree, >= xi leaves strictly between two
 of them; RoundSpec.participation, spec 003 sec 4 "allowed access pattern"); each clips its gradient to C and seals
 it (protocols.central); the analyzer sums the valid ones (G_t - G_{t-1}) and adds the tree's residual noise
-Z_t - Z_{t-1} (protocols.tree_noise: the noise-only binary counter, node std z C, vanilla or Honaker's efficient
+Z_t - Z_{t-1} (mechanisms.tree_noise: the noise-only binary counter, node std z C, vanilla or Honaker's efficient
 estimator), so that the released prefix sums are s_t = G_t + Z_t exactly, whatever the order (spec 003 sec 1,
 "residual form"); the optimizer (optimizers.ftrl) gets r_t / k with the fixed cohort k as the divisor (spec 003
 sec 4: "divide by the fixed RG").
@@ -29,7 +29,7 @@ zeta_j C^2 (zero-out neighbours, leaf sensitivity C; spec 003 A2), zeta_j from (
 by the tree accountant; the trees compose (zeta adds up). The ledger composes exactly the events of the rounds it
 charged (T_j = last charged leaf of tree j + 1): the same figure as `shuffledp account tree` for the same
 (z, steps, E, xi, trees, completion, noise). Noise (privacy.tree.noise, issue 24 D19): by default every node is the
-discrete Gaussian on a grid and every leaf is rounded to it (protocols.discrete_gaussian), so the node values are
+discrete Gaussian on a grid and every leaf is rounded to it (mechanisms.discrete_gaussian), so the node values are
 integers (in grid units) whose shift has squared norm <= zeta (C + g ceil(sqrt d))^2 / g^2, and the nodes are
 (zeta / (2 z^2))-zCDP (CKS20 Thm 14, std inflated for the rounding); charged the RDP conversion of rho^2 = zeta /
 z^2 (CKS20 Prop 12); "continuous": numpy's Gaussian, charged the exact GDP curve (Balle-Wang 2018).
@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shuffledp.protocols import discrete_gaussian, tree_noise
+from shuffledp.mechanisms import discrete_gaussian, tree_noise
 from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
 from shuffledp.protocols.central import CentralRound, check_fixed_cohort, noise_multiplier_setting, noise_setting
 from shuffledp.settings import ConfigError, RunConfig, setting
@@ -270,7 +270,7 @@ class TreeRound(CentralRound):
         for r in range(state.next_round, round_index + 1):
             step, state = self._leaf(r, params, state, rng)
             noise += step
-        # the leaf rounded to the nodes' grid (protocols.discrete_gaussian), so that the tree's values are on it
+        # the leaf rounded to the nodes' grid (mechanisms.discrete_gaussian), so that the tree's values are on it
         if discrete_gaussian.noise_of(params) == "discrete":
             total = discrete_gaussian.round_to_grid(total, self._grid(params))
         return total + noise, float(params["k"]), state

@@ -16,7 +16,7 @@ holds at most lg t + 1 vectors, plus the returned Z_t.
 
 Estimators (the stacked vector depends on it, so the first leaf fixes it for the whole tree):
 - vanilla: the vector is the node's noise x_h ~ N(0, std^2 I); Z_t = sum of the stack; Var = popcount(t) std^2.
-  x_h is drawn as the discrete Gaussian on a power-of-two grid g (protocols.discrete_gaussian: exact sampling,
+  x_h is drawn as the discrete Gaussian on a power-of-two grid g (mechanisms.discrete_gaussian: exact sampling,
   std raised by the rounding's sensitivity growth); with leaves rounded to g, every node value and vanilla prefix
   sum is an exact float multiple of g. The efficient estimator's weights 1/(2 - 2^-h) are applied in floating
   point to noise-only values (a post-processing whose rounding errors depend on the noise, not the data).
@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from shuffledp.protocols import discrete_gaussian
+from shuffledp.mechanisms import discrete_gaussian
 
 __all__ = [
     "TreeState",
@@ -186,7 +186,7 @@ def _check_call(state: TreeState, std: float, rng: np.random.Generator, efficien
 def _node_noise(
     dim: int, std: float, rng: np.random.Generator, sensitivity: float | None, grid: float | None, noise: str
 ) -> np.ndarray:
-    """One node's noise: the discrete Gaussian on the grid (protocols.discrete_gaussian), for leaves rounded to
+    """One node's noise: the discrete Gaussian on the grid (mechanisms.discrete_gaussian), for leaves rounded to
     that grid by the caller and a per-leaf sensitivity (None: std, i.e. a noise multiplier of 1); noise =
     "continuous": std N(0, I) in floating point."""
     sens = std if sensitivity is None else sensitivity

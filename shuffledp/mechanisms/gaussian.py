@@ -16,7 +16,7 @@ import math
 import numpy as np
 from scipy.special import log_ndtr
 
-from shuffledp.protocols.pvec import clip_rows
+from shuffledp.mechanisms.pvec import clip_rows
 
 __all__ = [
     "RELATIONS",

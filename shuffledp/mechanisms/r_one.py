@@ -20,8 +20,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from shuffledp.protocols import _ldp_kernels
-from shuffledp.protocols.ldp_common import (
+from shuffledp.mechanisms import _ldp_kernels
+from shuffledp.mechanisms.ldp_common import (
     MessageFormat,
     bernoulli,
     check_batch,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shuffledp.protocols.ldp_common import (
+from shuffledp.mechanisms.ldp_common import (
     MessageFormat,
     bernoulli,
     check_eps0,

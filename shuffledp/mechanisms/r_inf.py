@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shuffledp.protocols import _ldp_kernels
-from shuffledp.protocols.ldp_common import (
+from shuffledp.mechanisms import _ldp_kernels
+from shuffledp.mechanisms.ldp_common import (
     NORM_RTOL,
     MessageFormat,
     bernoulli,

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from shuffledp.protocols.gaussian import positive_real, sensitivity_from_clip
+from shuffledp.mechanisms.gaussian import positive_real, sensitivity_from_clip
 
 __all__ = [
     "l1_sensitivity",

@@ -45,7 +45,7 @@ import mpmath
 import numpy as np
 from scipy import optimize, special
 
-from shuffledp.protocols.ldp_common import (
+from shuffledp.mechanisms.ldp_common import (
     UNIFORM_RESOLUTION,
     MessageFormat,
     bernoulli,
