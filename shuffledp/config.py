@@ -17,6 +17,7 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Sequence
 from dataclasses import fields
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,7 @@ max_total_delta = 1e-2
 """
 
 
+@cache
 def default_toml(protocol: str = "pvec") -> str:
     """The embedded default document; for another protocol, with that protocol's table and the section keys its
     plug-in gives as an example run (`shuffledp run --print-default --protocol NAME`)."""
@@ -568,7 +570,7 @@ def _check_combinations(cfg: RunConfig) -> None:
 def load_config(path: str | Path | None = None) -> RunConfig:
     """Read a TOML file, or the embedded default when path is None."""
     if path is None:
-        return parse_config(DEFAULT_TOML)
+        return parse_config(default_toml())
     return parse_config(read_config_text(Path(path)))
 
 
@@ -587,4 +589,9 @@ def read_config_text(path: Path) -> str:
         ) from exc
 
 
-DEFAULT_TOML = default_toml()
+def __getattr__(name: str) -> str:
+    # DEFAULT_TOML is rendered on first use: it imports the default protocol's plug-in, which a service running
+    # another protocol need not import (start-up time, issue 15)
+    if name == "DEFAULT_TOML":
+        return default_toml()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
