@@ -57,7 +57,6 @@ __all__ = [
     "parse_config",
     "load_config",
     "read_config_text",
-    "DEFAULT_TOML",
     "default_toml",
     "DEFAULT_ROUNDS",
 ]
