@@ -334,11 +334,13 @@ def epsilon(noise_multiplier: float, sens: float, delta: float) -> float:
 
 def min_noise_multiplier(sens: float, eps: float, delta: float) -> float:
     """Least z (Z std per unit clip norm) whose run fits (eps, delta): z = Delta / mu_max, mu_max the largest
-    Gaussian ratio within the budget (rounded down by rho_for_epsilon), then z stepped up until eps(z) <= eps."""
+    Gaussian ratio within the budget (rounded down by rho_for_epsilon), then z stepped up (by 1e-13 relative)
+    until both eps(z) <= eps (dp_accounting's root search, what a ledger reports) and the exact delta at eps,
+    Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2) (Balle-Wang 2018 Thm 8, no root search), is <= delta."""
     d = gaussian_accountant._check_positive("sensitivity", sens)
     z = d / gaussian_accountant.rho_for_epsilon(eps, delta, "exact")
-    while epsilon(z, d, delta) > eps:
-        z = math.nextafter(z, math.inf)
+    while epsilon(z, d, delta) > eps or gaussian_accountant.delta_for_rho(d / z, eps, "exact") > delta:
+        z *= 1.0 + 1e-13
     return z
 
 
