@@ -2,7 +2,7 @@
 banded) vs tree aggregation (vanilla and Honaker's efficient estimator).
 
 Run: python benchmarks/mf_vs_tree.py [--rounds 64 512 2048] [--participations 1 4] [--bands 16 64] [--eps 4]
-         [--delta 1e-6] [--mc 200] [--max-buffers 5]
+         [--delta 1e-6] [--mc 200] [--buffers 4]
 Needs the "mf" extra (jax_privacy). Prints one row per (T, k, mechanism) and the ratios to the Honaker tree.
 
 Setting. T rounds, one prefix sum s_t = sum_{i<=t} x_i + noise_t per round, each user's contribution clipped to
@@ -11,7 +11,8 @@ L = 1 (errors are per coordinate, on the sum). k = 1: one participation anywhere
 turn produces). Every mechanism gets the least noise that fits (eps, delta) by its own exact accounting:
 - MF (shuffledp.mechanisms.matrix_factorization): the Gaussian mechanism C x + Z with sensitivity Delta of C under
   (k, xi) (jax_privacy), Z std z = min_noise_multiplier(Delta, eps, delta); prefix noise A C^{-1} Z.
-  blt: optimised for (T, k, xi), mean squared error, <= --max-buffers buffers. banded: b bands for each --bands
+  blt: optimised for (T, k, xi), mean squared error, --buffers buffers (one count: each count is one L-BFGS
+  optimisation, minutes here). banded: b bands for each --bands
   value (b <= xi + 1 when k > 1, so the columns of two participations are orthogonal).
 - tree (seed 003; shuffledp.accountants.tree_aggregation, shuffledp.protocols.tree_noise): nodes N(0, z^2),
   squared sensitivity zeta = depth(T) (k = 1) or the dynamic program of spec 003 sec 3 for (k, xi); where that
@@ -70,7 +71,7 @@ def _mc_rmse_tree(rounds: int, std: float, efficient: bool, samples: int, rng: n
     return math.sqrt(total / (rounds * samples))
 
 
-def run(rounds: int, k: int, bands: list[int], eps: float, delta: float, mc: int, max_buffers: int) -> list[dict]:
+def run(rounds: int, k: int, bands: list[int], eps: float, delta: float, mc: int, buffers: int) -> list[dict]:
     xi = 0 if k == 1 else rounds // k - 1
     rng = make_rng()
     rows = []
@@ -92,7 +93,7 @@ def run(rounds: int, k: int, bands: list[int], eps: float, delta: float, mc: int
     specs = [("blt", None)] + [("banded", b) for b in bands if b <= rounds and (k == 1 or b <= xi + 1)]
     for kind, b in specs:
         start = time.perf_counter()
-        s = mf.build_strategy(kind, rounds, k, xi, bands=b, max_buffers=max_buffers)
+        s = mf.build_strategy(kind, rounds, k, xi, bands=b, max_buffers=buffers, min_buffers=buffers)
         sens = mf.sensitivity(s, k, xi)
         secs = time.perf_counter() - start
         z = mf.min_noise_multiplier(sens, eps, delta)
@@ -120,12 +121,12 @@ def main() -> None:
     p.add_argument("--eps", type=float, default=4.0)
     p.add_argument("--delta", type=float, default=1e-6)
     p.add_argument("--mc", type=int, default=200, help="simulated streams per mechanism (0: none)")
-    p.add_argument("--max-buffers", type=int, default=5)
+    p.add_argument("--buffers", type=int, default=4)
     a = p.parse_args()
     print(f"eps={a.eps} delta={a.delta} clip L=1; errors per coordinate of the prefix sums (sum, not mean)")
     for rounds in a.rounds:
         for k in a.participations:
-            rows = run(rounds, k, a.bands, a.eps, a.delta, a.mc, a.max_buffers)
+            rows = run(rounds, k, a.bands, a.eps, a.delta, a.mc, a.buffers)
             honaker = next(r for r in rows if r["mech"] == "tree honaker")
             xi = 0 if k == 1 else rounds // k - 1
             print(f"\nT={rounds} k={k} min_separation={xi}")

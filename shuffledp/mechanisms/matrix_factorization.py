@@ -162,11 +162,14 @@ def build_strategy(
     bands: int | None = None,
     error: str = "mean",
     max_buffers: int = 6,
+    min_buffers: int = 0,
 ) -> Strategy:
     """Optimise C for ``rounds`` rounds with jax_privacy (needs the "mf" extra).
 
     blt: ``buffered_toeplitz.optimize`` for (T, min_sep = xi + 1, k), minimising the ``error`` ("mean" or "max")
-    squared error of the prefix sums times the squared sensitivity, with up to ``max_buffers`` buffers.
+    squared error of the prefix sums times the squared sensitivity, trying min_buffers..max_buffers buffers in
+    turn while one more buffer still gains 1% (jax_privacy's rtol); each count is one L-BFGS optimisation (minutes
+    on 2 busy cores), so min_buffers = max_buffers optimises one count only.
     banded: ``toeplitz.optimize_banded_toeplitz`` with ``bands`` b (1 <= b <= T; b <= xi + 1 recommended when
     k > 1, module docstring). Deterministic given the inputs on one machine; keep the result (``to_arrays``) in
     the run's state rather than recomputing it.
@@ -183,9 +186,12 @@ def build_strategy(
         if kind == "blt":
             if bands is not None:
                 raise ValueError("bands applies to the banded strategy only")
-            _check_int("max_buffers", max_buffers, 1)
+            hi = _check_int("max_buffers", max_buffers, 1)
+            lo = _check_int("min_buffers", min_buffers, 0)
+            if lo > hi:
+                raise ValueError(f"min_buffers must be <= max_buffers={hi}, got {lo}")
             blt = buffered_toeplitz.optimize(
-                n=t, min_sep=min_sep, max_participations=k, error=error, max_buffers=max_buffers
+                n=t, min_sep=min_sep, max_participations=k, error=error, min_buffers=lo, max_buffers=hi
             )
             return _make_strategy("blt", t, np.asarray(blt.buf_decay), np.asarray(blt.output_scale), [])
         if kind == "banded":
@@ -235,7 +241,8 @@ def pattern_sensitivity(strategy: Strategy, rounds: Sequence[int]) -> float:
         return 0.0
     if u[-1] >= strategy.rounds:
         raise ValueError(f"rounds must be < the strategy's {strategy.rounds}, got {u[-1]}")
-    cols = _materialize(strategy.toeplitz_coefs())[:, u]
+    c = strategy.toeplitz_coefs()
+    cols = np.stack([np.concatenate([np.zeros(j), c[: strategy.rounds - j]]) for j in u], axis=1)  # C[:, u]
     return math.sqrt(float(np.abs(cols.T @ cols).sum())) * (1.0 + _SENS_MARGIN)
 
 
