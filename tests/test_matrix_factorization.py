@@ -71,6 +71,22 @@ def test_sensitivity_equals_brute_force_over_all_patterns(strategies, kind, k, x
     assert mf.pattern_sensitivity(s, worst) == pytest.approx(by_norm, rel=1e-8)
 
 
+@pytest.mark.parametrize("kind", ["blt", "banded"])
+def test_sensitivity_of_the_rounds_released_so_far(strategies, kind):
+    s = strategies[kind]
+    for t in (1, 5, 8):
+        c = _matrix(s)[:t, :t]
+        best = max(
+            float(np.linalg.norm(c.sum(axis=1, where=np.isin(np.arange(t), u)[None, :])))
+            for u in _patterns(3, 1)
+            if u[-1] < t
+        )
+        assert mf.sensitivity(s, 3, 1, rounds=t) == pytest.approx(best, rel=1e-8)
+        assert mf.sensitivity(s, 3, 1, rounds=t) <= mf.sensitivity(s, 3, 1) * (1 + 1e-12)
+    with pytest.raises(ValueError, match="rounds must be <="):
+        mf.sensitivity(s, 1, 0, rounds=T + 1)
+
+
 def test_sensitivity_is_not_the_single_participation_figure_times_sqrt_k(strategies):
     # Bands 4 > separation 2 (xi = 1): the columns overlap, so k participations cost more than sqrt(k) columns.
     s = strategies["banded"]

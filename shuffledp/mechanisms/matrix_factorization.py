@@ -204,16 +204,25 @@ def build_strategy(
     raise ValueError(f"strategy kind must be one of {KINDS}, got {kind!r}")
 
 
-def sensitivity(strategy: Strategy, max_participations: int = 1, min_separation: int = 0) -> float:
+def sensitivity(
+    strategy: Strategy, max_participations: int = 1, min_separation: int = 0, rounds: int | None = None
+) -> float:
     """Delta: the worst case over patterns of <= k participations >= xi + 1 apart (module docstring), per unit
-    clip norm, rounded up by a relative 1e-9. Uses jax_privacy (the "mf" extra)."""
-    k, min_sep = _check_participation(strategy.rounds, max_participations, min_separation)
+    clip norm, rounded up by a relative 1e-9. Uses jax_privacy (the "mf" extra).
+
+    ``rounds`` = t <= T charges only the first t rounds released so far: C is lower-triangular, so they are
+    C[:t, :t] x[:t] + Z[:t], the Toeplitz matrix of the first t coefficients (a run stopped early).
+    """
+    n = strategy.rounds if rounds is None else _check_int("rounds", rounds, 1)
+    if n > strategy.rounds:
+        raise ValueError(f"rounds must be <= the strategy's {strategy.rounds}, got {n}")
+    k, min_sep = _check_participation(n, max_participations, min_separation)
     import jax
     import jax.numpy as jnp
     from jax_privacy.matrix_factorization import sensitivity as jp_sensitivity
     from jax_privacy.matrix_factorization import toeplitz
 
-    coefs = strategy.toeplitz_coefs()
+    coefs = strategy.toeplitz_coefs()[:n]
     with jax.enable_x64():
         if np.all(coefs >= 0) and np.all(np.diff(coefs) <= 0):
             # Non-negative non-increasing Toeplitz: exact (arXiv:2405.13763 Thm 2).
