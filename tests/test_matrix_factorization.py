@@ -12,6 +12,7 @@ import pytest
 from dp_accounting.pld import privacy_loss_mechanism
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from shuffledp.accountants import matrix_factorization as mf_acc
 from shuffledp.mechanisms import matrix_factorization as mf
 from shuffledp.rng import make_rng
 
@@ -226,7 +227,7 @@ def test_a_restored_noise_state_continues_the_identical_sequence(strategies, kin
 @pytest.mark.parametrize("eps", [0.5, 1.0, 4.0, 8.0])
 def test_noise_multiplier_is_the_least_that_fits_per_dp_accounting(sens, eps):
     delta = 1e-6
-    z = mf.min_noise_multiplier(sens, eps, delta)
+    z = mf_acc.min_noise_multiplier(sens, eps, delta)
 
     def exact_delta(zz: float) -> float:  # Balle-Wang 2018, dp_accounting's Gaussian privacy loss
         return privacy_loss_mechanism.GaussianPrivacyLoss(zz / sens, sensitivity=1.0).get_delta_for_epsilon(eps)
@@ -236,9 +237,9 @@ def test_noise_multiplier_is_the_least_that_fits_per_dp_accounting(sens, eps):
     from dp_accounting import gaussian_mechanism
 
     assert z == pytest.approx(sens * gaussian_mechanism.get_sigma_gaussian(eps, delta), rel=1e-7)
-    assert mf.epsilon(z, sens, delta) <= eps
+    assert mf_acc.epsilon(z, sens, delta) <= eps
     # the run's dp_event is the Gaussian with noise multiplier z / Delta; RDP (looser) never reports less
-    event = mf.dp_event(z, sens)
+    event = mf_acc.dp_event(z, sens)
     assert event.noise_multiplier == pytest.approx(z / sens, rel=1e-15)
     acc = rdp_privacy_accountant.RdpAccountant()
     acc.compose(event)

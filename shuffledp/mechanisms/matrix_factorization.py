@@ -22,7 +22,7 @@ the worst u is k participations exactly xi + 1 apart from round 0 (arXiv:2405.13
 ``toeplitz.minsep_sensitivity_squared``; any other C gets jax_privacy's general upper bound (arXiv:2306.08153
 Alg. 4). The released sequence is then one Gaussian mechanism with sensitivity Delta L and std z L, even for
 adaptively chosen x (Denisov et al. 2022 Thm 2.1; arXiv:2211.06530 Thm 2.1 for several participations), i.e.
-mu-GDP with mu = Delta / z, converted exactly (Balle-Wang 2018, dp_accounting).
+mu-GDP with mu = Delta / z, converted exactly (Balle-Wang 2018): shuffledp.accountants.matrix_factorization.
 
 Streaming noise: w_t = (C^{-1} Z)_t is a recurrence over a small state (``NoiseState``), plain numpy arrays that
 the analyzer checkpoints, so a restarted analyzer continues the same sequence and never redraws released noise:
@@ -34,8 +34,7 @@ The noise is the continuous Gaussian from the caller's numpy Generator (shuffled
 the discrete Gaussian of the other central protocols does not apply (C x is not on a grid).
 
 Only ``build_strategy`` and ``sensitivity`` import JAX (jax_privacy, the optional extra "mf"); the strategy is
-plain arrays (``Strategy.to_arrays``), and the streaming, variances, per-pattern costs and planning are numpy and
-dp_accounting only.
+plain arrays (``Strategy.to_arrays``), and the streaming, variances and per-pattern costs are numpy only.
 """
 
 from __future__ import annotations
@@ -45,8 +44,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
-
-from shuffledp.accountants import gaussian as gaussian_accountant
 
 __all__ = [
     "KINDS",
@@ -58,9 +55,6 @@ __all__ = [
     "prefix_variance",
     "init_noise",
     "next_noise",
-    "epsilon",
-    "min_noise_multiplier",
-    "dp_event",
 ]
 
 KINDS = ("blt", "banded")
@@ -337,32 +331,3 @@ def next_noise(
     z = rng.standard_normal(state.dim) * s
     w, buffers = _step(strategy, state.buffers, z)
     return w, NoiseState(state.round + 1, buffers)
-
-
-# ----------------------------------------------------------------------------------------------- accounting
-def epsilon(noise_multiplier: float, sens: float, delta: float) -> float:
-    """eps of the whole run: the Gaussian mechanism with sensitivity/std ratio mu = Delta / z, exact curve
-    (Balle-Wang 2018 via dp_accounting.get_epsilon_gaussian; accountants.gaussian, method "exact")."""
-    z = gaussian_accountant._check_positive("noise_multiplier", noise_multiplier)
-    d = gaussian_accountant._check_positive("sensitivity", sens)
-    return gaussian_accountant.epsilon_for_rho(d / z, delta, "exact")
-
-
-def min_noise_multiplier(sens: float, eps: float, delta: float) -> float:
-    """Least z (Z std per unit clip norm) whose run fits (eps, delta): z = Delta / mu_max, mu_max the largest
-    Gaussian ratio within the budget (rounded down by rho_for_epsilon), then z stepped up (by 1e-13 relative)
-    until both eps(z) <= eps (dp_accounting's root search, what a ledger reports) and the exact delta at eps,
-    Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2) (Balle-Wang 2018 Thm 8, no root search), is <= delta."""
-    d = gaussian_accountant._check_positive("sensitivity", sens)
-    z = d / gaussian_accountant.rho_for_epsilon(eps, delta, "exact")
-    while epsilon(z, d, delta) > eps or gaussian_accountant.delta_for_rho(d / z, eps, "exact") > delta:
-        z *= 1.0 + 1e-13
-    return z
-
-
-def dp_event(noise_multiplier: float, sens: float):
-    """dp_accounting's description of the run: GaussianDpEvent with noise multiplier z / Delta."""
-    from dp_accounting import dp_event as dpe
-
-    z = gaussian_accountant._check_positive("noise_multiplier", noise_multiplier)
-    return dpe.GaussianDpEvent(z / gaussian_accountant._check_positive("sensitivity", sens))
