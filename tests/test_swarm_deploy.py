@@ -32,6 +32,7 @@ Without a reachable engine, or with an engine in a swarm this test cannot use, t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -76,6 +77,7 @@ common.skip_module_if(_swarm_unusable(), "swarm deployment tests")
 pytestmark = pytest.mark.docker
 
 TIMINGS: dict[str, float] = {}
+RUNS: list[subprocess.Popen] = []  # background `swarm.sh run`s (Progress), ended before `down`
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +210,12 @@ def stack(swarm: str, image, tmp_path_factory: pytest.TempPathFactory):
         TIMINGS["up"] = time.monotonic() - t0
         yield st
     finally:
+        # a run a failed test left behind: SIGTERM reaches its operator container (docker run proxies it), which
+        # would otherwise hold operator-net and keep `down` from removing it
+        for proc in RUNS:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=60)
         t0 = time.monotonic()
         down = st.sh("down", "--volumes", timeout=240, check=False)
         TIMINGS["down"] = time.monotonic() - t0
@@ -398,6 +406,7 @@ class Progress:
 
     def __init__(self, stack: Stack, config: Path, out: Path):
         self.proc = stack.popen("run", str(config), "--out", str(out))
+        RUNS.append(self.proc)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
