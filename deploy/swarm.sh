@@ -38,50 +38,26 @@
 #   --timeout S        (SHUFFLEDP_UP_TIMEOUT, default 240)  seconds up and scale wait for healthy tasks
 set -euo pipefail
 
-DEPLOY="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$DEPLOY/.." && pwd)"
+. "$(dirname "${BASH_SOURCE[0]}")/_common.sh" swarm/pki 240
 STACK="${SHUFFLEDP_STACK:-shuffledp}"
-CONFIG="${SHUFFLEDP_CONFIG:-$DEPLOY/example.toml}"
-PKI="${SHUFFLEDP_PKI:-$DEPLOY/swarm/pki}"
-IMAGE="${SHUFFLEDP_IMAGE:-shuffledp:latest}"
-CLIENTS="${SHUFFLEDP_CLIENT_NODES:-}"
 MAX_CLIENTS="${SHUFFLEDP_MAX_CLIENT_NODES:-}"
-TIMEOUT="${SHUFFLEDP_UP_TIMEOUT:-240}"
 SERVICES=(analyzer shuffler clients)
 STATEFUL=(analyzer shuffler)
 MARKER=.shuffledp-state  # in the analyzer's and the shuffler's state volume (deploy/stack.yml)
 
-die() { echo "swarm.sh: $*" >&2; exit 1; }
-log() { echo "[swarm] $*" >&2; }
-usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
-abspath() { (cd "$(dirname "$1")" && echo "$(pwd)/$(basename "$1")"); }
-
-while [[ $# -gt 0 ]]; do
+own_option() {
   case "$1" in
-    --stack) STACK="${2:?--stack needs a name}"; shift 2 ;;
-    --config) CONFIG="${2:?--config needs a file}"; shift 2 ;;
-    --pki) PKI="${2:?--pki needs a directory}"; shift 2 ;;
-    --image) IMAGE="${2:?--image needs a name}"; shift 2 ;;
-    --clients) CLIENTS="${2:?--clients needs a number}"; shift 2 ;;
-    --max-clients) MAX_CLIENTS="${2:?--max-clients needs a number}"; shift 2 ;;
-    --timeout) TIMEOUT="${2:?--timeout needs seconds}"; shift 2 ;;
-    -h|--help) usage; exit 0 ;;
-    -*) die "unknown option '$1' (see --help)" ;;
-    *) break ;;
+    --stack) STACK="${2:?--stack needs a name}" ;;
+    --max-clients) MAX_CLIENTS="${2:?--max-clients needs a number}" ;;
+    *) return 1 ;;
   esac
-done
-[[ $# -ge 1 ]] || { usage >&2; exit 2; }
-CMD="$1"; shift
+}
+parse_options "$@"
+set -- "${ARGS[@]}"
 
 # stack names prefix services, networks, volumes, secrets and node labels
 [[ $STACK =~ ^[a-z0-9][a-z0-9_-]{0,30}$ ]] || die "--stack '$STACK' must match [a-z0-9][a-z0-9_-]* (at most 31 characters)"
-[[ $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout '$TIMEOUT' must be a number of seconds"
-for n in "$CLIENTS" "$MAX_CLIENTS"; do
-  [[ -z $n ]] || { [[ $n =~ ^[0-9]+$ ]] && (( n >= 1 && n <= 1000 )); } || die "client nodes '$n' must be 1..1000"
-done
-[[ -f $CONFIG ]] || die "configuration $CONFIG not found"
-CONFIG="$(abspath "$CONFIG")"
-[[ $PKI == /* ]] || PKI="$PWD/$PKI"
+[[ -z $MAX_CLIENTS ]] || check_count "$MAX_CLIENTS"
 
 command -v docker >/dev/null 2>&1 || die "the docker CLI is not installed"
 docker info >/dev/null 2>&1 || die "no Docker engine reachable (docker info failed)"
@@ -104,12 +80,6 @@ clients_env() {
     "${STACK}_clients" | sed -n "s/^$1=//p"
 }
 
-# [deployment] client_nodes of the configuration
-config_clients() {
-  awk '/^[[:space:]]*\[/ { sec = $0; gsub(/[][[:space:]]/, "", sec); next }
-       sec == "deployment" && $1 == "client_nodes" { v = $0; sub(/^[^=]*=[[:space:]]*/, "", v); sub(/[[:space:]#].*$/, "", v); print v; exit }' "$1"
-}
-
 # IDs of the nodes labelled with a role
 role_nodes() { docker node ls -q --filter "node.label=shuffledp.role.$1=true"; }
 
@@ -119,46 +89,9 @@ node_name() { docker node inspect --format '{{.Description.Hostname}}' "$1"; }
 state_label() { echo "shuffledp.state.${STACK}.$1"; }
 state_node() { docker node ls -q --filter "node.label=$(state_label "$1")" | head -n 1; }
 
-# The operator's shuffledp CLI on the host, or '' (then the image's CLI in a container is used).
-host_cli() {
-  if [[ -n ${SHUFFLEDP_CLI:-} ]]; then echo "$SHUFFLEDP_CLI"
-  elif [[ -x $ROOT/.venv/bin/shuffledp ]]; then echo "$ROOT/.venv/bin/shuffledp"
-  elif command -v shuffledp >/dev/null 2>&1; then command -v shuffledp
-  fi
-}
-
-ensure_image() {
-  if [[ ${1:-} == --build ]] || ! docker image inspect "$IMAGE" >/dev/null 2>&1; then
-    log "building $IMAGE (deploy/build_image.sh)"
-    bash "$DEPLOY/build_image.sh" --tag "$IMAGE" >/dev/null
-  fi
-}
-
 # CA, analyzer, shuffler, client-0..client-(S-1) and operator certificates (keys readable by the caller only)
-ensure_pki() {
-  local force=${2:-} want=$1 i
-  if [[ -z $force && -f $PKI/ca.crt ]]; then
-    for name in analyzer shuffler operator; do
-      [[ -f $PKI/$name/cert.pem && -f $PKI/$name/key.pem ]] || die "$PKI has no certificate for $name; run: $0 pki --force"
-    done
-    for ((i = 0; i < want; i++)); do
-      [[ -f $PKI/client-$i/cert.pem ]] ||
-        die "$PKI has certificates for fewer than $want client nodes; run: $0 --max-clients $want pki --force (and down first if the stack runs)"
-    done
-    return 0
-  fi
-  local cli args=(pki init --client-nodes "$want" ${force:+--force})
-  cli="$(host_cli)"
-  mkdir -p "$PKI"
-  if [[ -n $cli ]]; then
-    log "creating the PKI in $PKI ($want client-node certificates)"
-    "$cli" "${args[@]}" --out "$PKI" >/dev/null
-  else
-    ensure_image
-    log "creating the PKI in $PKI ($want client-node certificates, in a container)"
-    docker run --rm --user "$(id -u):$(id -g)" --network none --read-only -v "$PKI:/out" --entrypoint shuffledp \
-      "$IMAGE" "${args[@]}" --out /out >/dev/null
-  fi
+swarm_pki() {
+  ensure_pki "$1" "${2:-}" "--max-clients $1 pki --force (and down first if the stack runs)"
 }
 
 # The secret files deploy/stack.yml reads: the CA certificate, each service's own certificate and key, and for the
@@ -254,30 +187,28 @@ check_roles() {
   done
 }
 
-# until every service runs as many tasks as it should, each past its health check (Swarm reports a task with a
-# health check as running only once it is healthy)
-wait_ready() {
-  local deadline=$((SECONDS + TIMEOUT)) svc want have pending
-  while :; do
-    pending=()
-    for svc in "$@"; do
-      want="$(docker service inspect --format '{{.Spec.Mode.Replicated.Replicas}}' "${STACK}_$svc" 2>/dev/null || echo "?")"
-      have="$(docker service ps --filter desired-state=running --format '{{.CurrentState}}' "${STACK}_$svc" 2>/dev/null |
-        grep -c '^Running' || true)"
-      [[ $have == "$want" ]] || pending+=("$svc:$have/$want")
-    done
-    if [[ ${#pending[@]} -eq 0 ]]; then
-      log "ready: $(for svc in "$@"; do printf '%s ' "$svc:$(docker service inspect --format '{{.Spec.Mode.Replicated.Replicas}}' "${STACK}_$svc")"; done)"
-      return 0
-    fi
-    if (( SECONDS >= deadline )); then
-      for svc in "$@"; do
-        docker service ps --no-trunc --format '  {{.Name}} on {{.Node}}: {{.CurrentState}} {{.Error}}' "${STACK}_$svc" >&2 || true
-      done
-      die "not ready after ${TIMEOUT} s: ${pending[*]} (see: $0 --stack $STACK status; $0 --stack $STACK logs SERVICE)"
-    fi
-    sleep 1
+# the services that do not run as many tasks as they should yet, each past its health check (Swarm reports a task
+# with a health check as running only once it is healthy)
+not_ready() {
+  local svc want have
+  for svc in "$@"; do
+    want="$(docker service inspect --format '{{.Spec.Mode.Replicated.Replicas}}' "${STACK}_$svc" 2>/dev/null || echo "?")"
+    have="$(docker service ps --filter desired-state=running --format '{{.CurrentState}}' "${STACK}_$svc" 2>/dev/null |
+      grep -c '^Running' || true)"
+    [[ $have == "$want" ]] || PENDING+=("$svc:$have/$want")
   done
+}
+
+tasks_report() {
+  local svc
+  for svc in "$@"; do
+    docker service ps --no-trunc --format '  {{.Name}} on {{.Node}}: {{.CurrentState}} {{.Error}}' "${STACK}_$svc" || true
+  done
+}
+
+wait_ready() {
+  wait_for not_ready tasks_report "$0 --stack $STACK status; $0 --stack $STACK logs SERVICE" 1 "$@"
+  log "ready: $(for svc in "$@"; do printf '%s ' "$svc:$(docker service inspect --format '{{.Spec.Mode.Replicated.Replicas}}' "${STACK}_$svc")"; done)"
 }
 
 config_name() { echo "${STACK}_config-$(sha256sum "$CONFIG" | cut -c1-12)"; }
@@ -350,7 +281,6 @@ cmd_up() {
   running_clients="$(docker service inspect --format '{{.Spec.Mode.Replicated.Replicas}}' "${STACK}_clients" 2>/dev/null || true)"
   if [[ -z $CLIENTS ]]; then
     CLIENTS="${running_clients:-$(config_clients "$CONFIG")}"
-    CLIENTS="${CLIENTS:-2}"
     if ! [[ $CLIENTS =~ ^[0-9]+$ ]] || (( CLIENTS < 1 )); then
       die "[deployment] client_nodes '$CLIENTS' of $CONFIG must be >= 1"
     fi
@@ -362,7 +292,7 @@ cmd_up() {
   (( CLIENTS <= MAX_CLIENTS )) || die "--clients $CLIENTS exceeds --max-clients $MAX_CLIENTS"
   ensure_image $build
   check_roles
-  ensure_pki "$MAX_CLIENTS"
+  swarm_pki "$MAX_CLIENTS"
   prepare_state "$new_state"
 
   local secrets
@@ -392,39 +322,20 @@ cmd_up() {
   wait_ready "${SERVICES[@]}"
 }
 
-# Any shuffledp-run command line as the operator: a one-off container on operator-net (the analyzer publishes no
-# port), holding the operator certificate that no service holds; results land in $1 on this host.
-operator() {
-  local results=$1 conf=$2; shift 2
-  service_exists analyzer || die "stack $STACK is not deployed (run: $0 --stack $STACK up)"
-  [[ -f $PKI/operator/key.pem ]] || die "$PKI has no operator certificate (the stack was deployed from another --pki?)"
-  local mounts=(-v "$PKI/ca.crt:/pki/ca.crt:ro" -v "$PKI/operator:/pki/operator:ro" -v "$results:/results")
-  [[ -z $conf ]] || mounts+=(-v "$conf:/etc/shuffledp/run.toml:ro")
-  exec docker run --rm -i --network "${STACK}_operator-net" --read-only --tmpfs /tmp --cap-drop ALL \
-    --security-opt no-new-privileges --user "$(id -u):$(id -g)" "${mounts[@]}" --entrypoint shuffledp "$IMAGE" \
-    run "$@" --analyzer analyzer:50051 --pki /pki --out /results
-}
-
 cmd_run() {
-  local conf=$CONFIG out=""
-  if [[ $# -gt 0 && $1 != -* ]]; then [[ -f $1 ]] || die "configuration $1 not found"; conf="$(abspath "$1")"; shift; fi
-  if [[ ${1:-} == --out ]]; then out="${2:?--out needs a directory}"; shift 2; fi
-  [[ ${1:-} == -- ]] && shift
+  parse_run "$@"
+  local out
   service_exists analyzer || die "stack $STACK is not deployed (run: $0 --stack $STACK up)"
-  out="${out:-$ROOT/results/$(basename "$conf" .toml)-$(date +%Y%m%d-%H%M%S)}"
-  mkdir -p "$out"
-  log "operator: $conf on stack $STACK; results in $(abspath "$out")"
-  operator "$(abspath "$out")" "$conf" /etc/shuffledp/run.toml "$@"
+  out="$(results_dir "$RUN_OUT" "$RUN_CONF")"
+  log "operator: $RUN_CONF on stack $STACK; results in $out"
+  # operator-net: the analyzer publishes no port
+  operator_container "${STACK}_operator-net" "$out" "$RUN_CONF" /etc/shuffledp/run.toml "${RUN_ARGS[@]}"
 }
 
 cmd_results() {
-  local run_id="${1:?results needs a RUN_ID (printed by run)}" out; shift
-  [[ $run_id =~ ^[A-Za-z0-9_-]+$ ]] || die "RUN_ID '$run_id' is not a run id"
+  parse_results "$@"
   service_exists analyzer || die "stack $STACK is not deployed (run: $0 --stack $STACK up)"
-  out="$ROOT/results/$run_id"
-  if [[ ${1:-} == --out ]]; then out="${2:?--out needs a directory}"; fi
-  mkdir -p "$out"
-  operator "$(abspath "$out")" "" --fetch "$run_id"
+  operator_container "${STACK}_operator-net" "$(results_dir "$RUN_OUT")" "" --fetch "$RUN_ID"
 }
 
 cmd_scale() {
@@ -505,12 +416,9 @@ cmd_down() {
 }
 
 cmd_pki() {
-  local count="${MAX_CLIENTS:-${CLIENTS:-$(config_clients "$CONFIG")}}"
-  case "${1:-}" in
-    "") ensure_pki "${count:-2}" ;;
-    --force) ensure_pki "${count:-2}" force ;;
-    *) die "pki takes only --force" ;;
-  esac
+  local force
+  force="$(pki_flag "$@")"
+  swarm_pki "${MAX_CLIENTS:-${CLIENTS:-$(config_clients "$CONFIG")}}" "$force"
 }
 
 case "$CMD" in

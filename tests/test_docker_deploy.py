@@ -36,79 +36,37 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import _deploy as common
 import grpc
 import numpy as np
 import pytest
+from _deploy import IMAGE, SERVICE_UID, run_cmd
 
-from shuffledp import pki
-
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
-COMPOSE_SH = DEPLOY / "compose.sh"
-EXAMPLE = DEPLOY / "example.toml"
-IMAGE = "shuffledp:latest"
-BASE_IMAGE = "shuffledp-base:bookworm"
-SERVICE_UID = 10001
+COMPOSE_SH = common.DEPLOY / "compose.sh"
 USER_ID_RE = re.compile(rb"n\d+-u\d+")  # shuffledp.data.user_shard ids: "n{node}-u{j}"
 NODE_ID_RE = re.compile(rb"client-\d+")  # client node ids (a node's id is its certificate name, client-<index>)
 UP_TIMEOUT_S = 240  # compose.sh up: until every container is healthy
 DEPLOY_TIMEOUT_S = 900  # per test, including the module's image build and compose up on a loaded 2-core machine
 
 
-# ------------------------------------------------------------------------------------------------ docker helpers
-def _run(cmd: list[str], timeout: float = 120, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(map(str, cmd))[:300]} exited {proc.returncode}\n"
-            f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-        )
-    return proc
-
-
-def _engine_unavailable() -> str | None:
+def _unavailable() -> str | None:
     """None when a Docker engine, a compose tool and what the image build needs are there; else why not."""
-    if shutil.which("docker") is None:
-        return "docker CLI not installed"
-    try:
-        info = subprocess.run(
-            ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=30
-        )
-    except subprocess.TimeoutExpired:
-        return "docker info timed out"
-    if info.returncode != 0 or not info.stdout.strip():
-        first = (info.stderr.strip().splitlines() or ["no answer"])[0]
-        return f"no Docker engine reachable ({first[:120]})"
+    if why := common.engine_unavailable(reuse_image=False):
+        return why
     v2 = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
     if not v2 and shutil.which("docker-compose") is None:
         return "neither 'docker compose' nor 'docker-compose' is installed"
-    base = subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True, timeout=30)
-    if base.returncode != 0 and os.geteuid() != 0:
-        return f"base image {BASE_IMAGE} missing and building it with debootstrap needs root"
     return None
 
 
-_UNAVAILABLE = _engine_unavailable()
-if _UNAVAILABLE:
-    pytest.skip(f"docker deployment tests need a Docker engine: {_UNAVAILABLE}", allow_module_level=True)
+common.skip_module_if(_unavailable(), "docker deployment tests")
 pytestmark = pytest.mark.docker
 
 
 @pytest.fixture(scope="module")
 def image() -> dict[str, int]:
-    """Build shuffledp:latest from scratch from the working tree (new base, host-built wheels, no network).
-
-    SHUFFLEDP_TEST_REUSE_IMAGE=1 reuses an existing image (for iterating on the tests only; CI builds)."""
-    reuse = os.environ.get("SHUFFLEDP_TEST_REUSE_IMAGE") == "1"
-    if reuse and _run(["docker", "image", "inspect", IMAGE], check=False).returncode == 0:
-        return {}
-    # from scratch: a new debootstrap base and no build cache (--network=none inside build_image.sh: offline)
-    cmd = ["bash", str(DEPLOY / "build_image.sh"), "--tag", IMAGE, "--force-base", "--no-cache"]
-    proc = _run(cmd, timeout=DEPLOY_TIMEOUT_S)
-    figures = dict(re.findall(r"^(\w+)=(\d+)$", proc.stdout, flags=re.M))
-    print(f"\nimage build: {proc.stderr.strip().splitlines()[-1]}")
-    assert int(figures["image_size_bytes"]) > 0
-    return {k: int(v) for k, v in figures.items()}
+    """shuffledp:latest built from scratch from the working tree (new base, no cache, host-built wheels, offline)."""
+    return common.build_image(from_scratch=True)
 
 
 def _free_port() -> int:
@@ -133,21 +91,21 @@ class Deployment:
         """deploy/compose.sh with this deployment's project, PKI, port and configuration."""
         cmd = ["bash", str(COMPOSE_SH), "--project", self.project, "--pki", str(self.pki), "--port", str(self.port)]
         cmd += ["--config", str(self.config), "--timeout", str(UP_TIMEOUT_S)]
-        return _run([*cmd, *args], timeout=timeout, check=check)
+        return run_cmd([*cmd, *args], timeout=timeout, check=check)
 
     def cid(self, service: str) -> str:
         """Container id of `service` (running or not), found by the labels both compose versions set."""
         labels = [f"label=com.docker.compose.project={self.project}", f"label=com.docker.compose.service={service}"]
-        out = _run(["docker", "ps", "-aq", "--filter", labels[0], "--filter", labels[1]]).stdout.split()
+        out = run_cmd(["docker", "ps", "-aq", "--filter", labels[0], "--filter", labels[1]]).stdout.split()
         assert len(out) == 1, f"expected one container for {service}, found {out}"
         return out[0]
 
     def exec_python(self, service: str, script: str, *args: str, timeout: float = 60) -> str:
-        return _run(["docker", "exec", self.cid(service), "python", "-c", script, *args], timeout=timeout).stdout
+        return run_cmd(["docker", "exec", self.cid(service), "python", "-c", script, *args], timeout=timeout).stdout
 
     def ip(self, service: str, network: str) -> str:
         fmt = f'{{{{(index .NetworkSettings.Networks "{self.project}_{network}").IPAddress}}}}'
-        return _run(["docker", "inspect", "--format", fmt, self.cid(service)]).stdout.strip()
+        return run_cmd(["docker", "inspect", "--format", fmt, self.cid(service)]).stdout.strip()
 
     def logs(self, service: str = "", tail: int = 60) -> str:
         args = ["compose", "logs", "--no-color", f"--tail={tail}"] + ([service] if service else [])
@@ -176,7 +134,7 @@ def deployment(image, tmp_path_factory: pytest.TempPathFactory):
         config=work / "config.toml",
         workdir=work,
     )
-    shutil.copy(EXAMPLE, dep.config)
+    shutil.copy(common.EXAMPLE, dep.config)
     try:
         dep.sh("up", timeout=UP_TIMEOUT_S + 200)
         yield dep
@@ -184,20 +142,11 @@ def deployment(image, tmp_path_factory: pytest.TempPathFactory):
         with contextlib.suppress(Exception):
             dep.sh("down", "--volumes", timeout=180, check=False)
         # the generated override (more than two clients) and nothing else of ours stays behind
-        (DEPLOY / ".build" / f"clients.{dep.project}.yml").unlink(missing_ok=True)
+        (common.DEPLOY / ".build" / f"clients.{dep.project}.yml").unlink(missing_ok=True)
         label = f"label=com.docker.compose.project={dep.project}"
         for kind in ("container", "volume", "network"):
-            left = _run(["docker", kind, "ls", "-q", "--filter", label] + (["-a"] if kind == "container" else []))
+            left = run_cmd(["docker", kind, "ls", "-q", "--filter", label] + (["-a"] if kind == "container" else []))
             assert not left.stdout.strip(), f"{kind}s of {dep.project} left behind: {left.stdout.split()}"
-
-
-def _config_text(**replace: str) -> str:
-    """deploy/example.toml with some `key = value` lines replaced ([data] stays: the nodes' shards match)."""
-    text = EXAMPLE.read_text()
-    for key, value in replace.items():
-        text, n = re.subn(rf"^{key}\s*=.*$", f"{key} = {value}", text, flags=re.M)
-        assert n == 1, f"{key} not in {EXAMPLE}"
-    return text
 
 
 class Operator:
@@ -271,28 +220,13 @@ def _wait_stalled(op: Operator, run_id: str, min_done: int, quiet_s: float, time
 
 
 def _check_ledger_consistent(ledger_json: str, status) -> dict:
-    """The exported ledger agrees with itself and with the run's metrics; returns it parsed."""
-    from shuffledp.services.ledger import BudgetLimit, PrivacyEvent, compose_events
-
+    """The exported ledger agrees with itself (check_ledger) and with the run's metrics; returns it parsed."""
     ledger = json.loads(ledger_json)
-    rounds = ledger["rounds"]
-    indices = [r["round"] for r in rounds]
-    assert indices == list(range(len(rounds))), f"round indices not contiguous from 0: {indices}"
-    states = [r["state"] for r in rounds]
-    assert "reserved" not in states, f"a round is still only reserved after the run ended: {states}"
-    # the totals recomputed from the exported events equal what the ledger reports (an auditor's check)
-    limit = BudgetLimit(**ledger["run"]["limit"])
-    counted = [PrivacyEvent(**r["event"]) for r in rounds if r["state"] in ("committed", "spent_unknown")]
-    eps, delta = compose_events(counted, limit)
-    totals = ledger["totals"]
-    assert totals["eps_spent"] == pytest.approx(eps, rel=1e-9, abs=1e-12)
-    assert totals["delta_spent"] == pytest.approx(delta, rel=1e-9, abs=1e-15)
-    assert totals["eps_spent"] <= limit.eps + 1e-12 and totals["delta_spent"] <= limit.delta + 1e-15
-    assert totals["rounds_committed"] == states.count("committed")
-    assert status.budget.eps_spent == pytest.approx(totals["eps_spent"], rel=1e-9, abs=1e-12)
+    common.check_ledger(ledger)
+    assert status.budget.eps_spent == pytest.approx(ledger["totals"]["eps_spent"], rel=1e-9, abs=1e-12)
     # every committed round is charged for the contributors its released batch really had
     by_round = {m.round: m for m in status.metrics}
-    for r in rounds:
+    for r in ledger["rounds"]:
         m = by_round.get(r["round"])
         if r["state"] == "committed":
             assert m is not None and m.released, f"committed round {r['round']} has no released metrics"
@@ -310,7 +244,7 @@ def test_topology_networks_ports_and_mounts(deployment: Deployment):
     services = ["analyzer", "shuffler", "client-0", "client-1"]
     nets, mounts = {}, {}
     for svc in services:
-        info = json.loads(_run(["docker", "inspect", dep.cid(svc)]).stdout)[0]
+        info = json.loads(run_cmd(["docker", "inspect", dep.cid(svc)]).stdout)[0]
         assert info["State"]["Health"]["Status"] == "healthy", f"{svc}: {info['State']['Health']}"
         assert info["Config"]["User"] == f"{SERVICE_UID}:{SERVICE_UID}", f"{svc} does not run as the service user"
         assert info["HostConfig"]["ReadonlyRootfs"] is True
@@ -330,7 +264,7 @@ def test_topology_networks_ports_and_mounts(deployment: Deployment):
         "client-1": {"client-net"},
     }
     for net, internal in (("analyzer-net", True), ("client-net", True), ("operator-net", False)):
-        info = json.loads(_run(["docker", "network", "inspect", f"{dep.project}_{net}"]).stdout)[0]
+        info = json.loads(run_cmd(["docker", "network", "inspect", f"{dep.project}_{net}"]).stdout)[0]
         assert info["Internal"] is internal, f"{net}: Internal={info['Internal']}"
     for svc in services:
         pki_mounts = {d: m for d, m in mounts[svc].items() if d.startswith("/pki")}
@@ -344,20 +278,6 @@ def test_topology_networks_ports_and_mounts(deployment: Deployment):
         assert Path(cfg["Source"]) == dep.config and not cfg["RW"]
 
 
-_CONNECT_PROBE = """
-import json, socket, sys
-out = {}
-for target in sys.argv[1:]:
-    host, port = target.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=3).close()
-        out[target] = "connected"
-    except OSError as exc:
-        out[target] = f"{type(exc).__name__}: {exc}"
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.timeout(DEPLOY_TIMEOUT_S)
 def test_analyzer_has_no_route_to_any_client(deployment: Deployment):
     dep = deployment
@@ -365,8 +285,8 @@ def test_analyzer_has_no_route_to_any_client(deployment: Deployment):
     for i in range(2):
         # by service name (DNS) and by the node's address on client-net (routing, not just name resolution)
         targets += [f"client-{i}:50053", f"{dep.ip(f'client-{i}', 'client-net')}:50053"]
-    from_analyzer = json.loads(dep.exec_python("analyzer", _CONNECT_PROBE, *targets, "shuffler:50052"))
-    from_shuffler = json.loads(dep.exec_python("shuffler", _CONNECT_PROBE, *targets))
+    from_analyzer = json.loads(dep.exec_python("analyzer", common.CONNECT_PROBE, *targets, "shuffler:50052"))
+    from_shuffler = json.loads(dep.exec_python("shuffler", common.CONNECT_PROBE, *targets))
     # controls: the probe works, the clients do listen, and the analyzer does reach its one peer
     assert from_shuffler == {t: "connected" for t in targets}, from_shuffler
     assert from_analyzer.pop("shuffler:50052") == "connected"
@@ -374,128 +294,41 @@ def test_analyzer_has_no_route_to_any_client(deployment: Deployment):
         assert outcome != "connected", f"the analyzer reached {target}"
 
 
-# The stranger: plain gRPC (no shuffledp.tls helpers, which refuse to load bad material) trying every service.
-_STRANGER_PROBE = """
-import json, sys, grpc
-from shuffledp.v1 import shuffledp_pb2 as pb, shuffledp_pb2_grpc as pbg
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-CALLS = {
-    "analyzer.GetBudget": lambda ch: pbg.AnalyzerStub(ch).GetBudget(pb.RunRef(run_id="probe"), timeout=10),
-    "shuffler.GetPopulation": lambda ch: pbg.ShufflerStub(ch).GetPopulation(pb.PopulationRequest(), timeout=10),
-    "shuffler.RegisterUsers": lambda ch: pbg.ShufflerStub(ch).RegisterUsers(pb.RegisterUsersRequest(), timeout=10),
-    # a node-scoped call naming client-1: only client-1's certificate may make it (issue 10 item 1)
-    "shuffler.RegisterUsersAsClient1": lambda ch: pbg.ShufflerStub(ch).RegisterUsers(
-        pb.RegisterUsersRequest(node_id="client-1"), timeout=10),
-    "client.GetNodeStatus": lambda ch: pbg.ClientNodeStub(ch).GetNodeStatus(pb.NodeStatusRequest(), timeout=10),
-    "health.Check": lambda ch: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10),
-}
-def creds(ca, party):
-    root = open(ca, "rb").read()
-    if party is None:
-        return grpc.ssl_channel_credentials(root_certificates=root)
-    key, cert = (open(f"{party}/{f}", "rb").read() for f in ("key.pem", "cert.pem"))
-    return grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=cert)
-out = []
-for case in json.loads(sys.argv[1]):
-    opts = [("grpc.ssl_target_name_override", case["server_name"])]
-    with grpc.secure_channel(case["target"], creds(case["ca"], case["party"]), options=opts) as ch:
-        try:
-            CALLS[case["call"]](ch)
-            code = "OK"
-        except grpc.RpcError as exc:
-            code = exc.code().name
-    out.append(dict(case, code=code))
-print(json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def stranger_material(deployment: Deployment) -> Path:
-    """Certificates a stranger might hold: none, self-signed, another CA's, and this CA's of the wrong role."""
-    m = deployment.workdir / "stranger"
-    m.mkdir()
-    shutil.copy(deployment.pki / pki.CA_CERT_FILE, m / "ca.crt")
-    for party in ("analyzer", "shuffler", "client-0", "client-1", "operator"):
-        shutil.copytree(deployment.pki / party, m / party)  # copies for the helper (it runs as root)
-    other = deployment.workdir / "other-ca"
-    pki.init_pki(other, client_nodes=1)
-    for role, name in (("operator", "operator"), ("analyzer", "analyzer"), ("client-node", "client-0")):
-        shutil.copytree(other / name, m / f"foreign-{name}")
-        cert, key = pki.self_signed_cert(role, name)
-        d = m / f"selfsigned-{name}"
-        d.mkdir()
-        (d / "cert.pem").write_bytes(pki.cert_pem(cert))
-        (d / "key.pem").write_bytes(pki.key_pem(key))
+    """Certificates a stranger might hold (none, self-signed, another CA's, this CA's of the wrong role), as a file."""
+    m = deployment.workdir / "stranger.json"
+    m.write_text(common.stranger_pems(deployment.pki, deployment.workdir))
     return m
-
-
-def _stranger_cases(root: str, targets: dict[str, tuple[str, str]]) -> list[dict]:
-    """For each service: its allowed role (positive control), and the four ways a stranger must be refused."""
-    allowed = {  # call -> (party with the right role, wrong-role CA-signed parties)
-        "analyzer.GetBudget": ("operator", ["client-0", "shuffler", "analyzer"]),
-        "shuffler.GetPopulation": ("analyzer", ["client-0", "operator"]),
-        "shuffler.RegisterUsers": ("client-0", ["analyzer", "operator"]),
-        "shuffler.RegisterUsersAsClient1": ("client-1", ["client-0", "analyzer", "operator"]),
-        "client.GetNodeStatus": ("operator", ["client-1", "analyzer", "shuffler"]),
-    }
-    claims = {"operator": "operator", "analyzer": "analyzer"}  # self-signed / foreign twins (else client-0's)
-    cases = []
-    for call, (target, server_name) in targets.items():
-        right, wrong = allowed[call]
-        base = {"call": call, "target": target, "server_name": server_name, "ca": f"{root}/ca.crt"}
-        cases.append(dict(base, party=f"{root}/{right}", expect="allowed"))
-        cases.append(dict(base, party=None, expect="UNAVAILABLE"))  # no client certificate: handshake refused
-        twin = claims.get(right, "client-0")
-        cases.append(dict(base, party=f"{root}/selfsigned-{twin}", expect="UNAVAILABLE"))
-        cases.append(dict(base, party=f"{root}/foreign-{twin}", expect="UNAVAILABLE"))
-        cases += [dict(base, party=f"{root}/{w}", expect="PERMISSION_DENIED") for w in wrong]
-    return cases
-
-
-def _assert_refusals(results: list[dict]) -> None:
-    bad = []
-    for r in results:
-        if r["expect"] == "allowed":
-            # the right role passes authorization (the call itself may still fail on its argument)
-            ok = r["code"] not in ("UNAVAILABLE", "PERMISSION_DENIED", "UNAUTHENTICATED", "DEADLINE_EXCEEDED")
-        else:
-            ok = r["code"] == r["expect"]
-        if not ok:
-            bad.append(f"{r['call']} at {r['target']} with {r['party']}: got {r['code']}, expected {r['expect']}")
-    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.timeout(DEPLOY_TIMEOUT_S)
 def test_strangers_are_refused_by_every_service(deployment: Deployment, stranger_material: Path):
     dep = deployment
     # from the host: the analyzer's published port
-    host_cases = _stranger_cases(str(stranger_material), {"analyzer.GetBudget": (dep.analyzer, "analyzer")})
-    proc = _run([sys.executable, "-c", _STRANGER_PROBE, json.dumps(host_cases)], timeout=120)
+    host_cases = common.stranger_cases("analyzer.GetBudget", dep.analyzer, "analyzer")
+    proc = run_cmd([sys.executable, "-c", common.STRANGER_PROBE, json.dumps(host_cases), str(stranger_material)])
     host_results = json.loads(proc.stdout)
     # from a helper container attached to both internal networks: shuffler, both client nodes, analyzer
-    inside = {
-        "analyzer.GetBudget": ("analyzer:50051", "analyzer"),
-        "shuffler.GetPopulation": ("shuffler:50052", "shuffler"),
-        "shuffler.RegisterUsers": ("shuffler:50052", "shuffler"),
-        "shuffler.RegisterUsersAsClient1": ("shuffler:50052", "shuffler"),
-        "client.GetNodeStatus": ("client-0:50053", "client-0"),
-    }
-    cases = _stranger_cases("/m", inside)
-    cases += [dict(c, target="client-1:50053", server_name="client-1") for c in cases if c["call"].startswith("client")]
+    cases = common.stranger_cases("analyzer.GetBudget", "analyzer:50051", "analyzer")
+    for call in ("shuffler.GetPopulation", "shuffler.RegisterUsers", "shuffler.RegisterUsersAsClient1"):
+        cases += common.stranger_cases(call, "shuffler:50052", "shuffler")
+    for i in range(2):
+        cases += common.stranger_cases("client.GetNodeStatus", f"client-{i}:50053", f"client-{i}")
     name = f"{dep.project}-stranger"
-    _run(
+    run_cmd(
         ["docker", "create", "--name", name, "--user", "0", "--network", f"{dep.project}_client-net"]
-        + ["-v", f"{stranger_material}:/m:ro", "--entrypoint", "python", IMAGE, "-c", _STRANGER_PROBE]
-        + [json.dumps(cases)]
+        + ["-v", f"{stranger_material}:/m.json:ro", "--entrypoint", "python", IMAGE, "-c", common.STRANGER_PROBE]
+        + [json.dumps(cases), "/m.json"]
     )
     try:
-        _run(["docker", "network", "connect", f"{dep.project}_analyzer-net", name])
-        proc = _run(["docker", "start", "-a", name], timeout=180)
+        run_cmd(["docker", "network", "connect", f"{dep.project}_analyzer-net", name])
+        proc = run_cmd(["docker", "start", "-a", name], timeout=180)
     finally:
-        _run(["docker", "rm", "-f", "-v", name], check=False)  # -v: its anonymous /results volume
+        run_cmd(["docker", "rm", "-f", "-v", name], check=False)  # -v: its anonymous /results volume
     inside_results = json.loads(proc.stdout)
     assert len(inside_results) == len(cases) and len(host_results) == len(host_cases)
-    _assert_refusals(host_results + inside_results)
+    common.assert_refusals(host_results + inside_results)
 
 
 @pytest.fixture(scope="module")
@@ -536,14 +369,14 @@ def test_analyzer_restart_resumes_the_run(deployment: Deployment):
     # Rounds take milliseconds, so a kill "mid-round" is arranged: client-1 is frozen (its stream stays open, so
     # it is still invited), every round then lasts until its deadline. Round 0 is released with client-0's half
     # (threshold 30%), and the analyzer is killed inside round 1.
-    _run(["docker", "pause", client1])
+    run_cmd(["docker", "pause", client1])
     try:
-        run_id = op.start(_config_text(min_contributors_fraction="0.3"))
+        run_id = op.start(common.config_text(min_contributors_fraction="0.3"))
         before = _wait_stalled(op, run_id, min_done=1, quiet_s=2.0)
-        _run(["docker", "kill", dep.cid("analyzer")])  # a crash: SIGKILL with round 1 in flight
+        run_cmd(["docker", "kill", dep.cid("analyzer")])  # a crash: SIGKILL with round 1 in flight
     finally:
-        _run(["docker", "unpause", client1], check=False)
-    _run(["docker", "start", dep.cid("analyzer")])
+        run_cmd(["docker", "unpause", client1], check=False)
+    run_cmd(["docker", "start", dep.cid("analyzer")])
     final = op.wait(run_id)
     result = op.result(run_id)
     assert final.state == pb.COMPLETED, f"{pb.RunState.Name(final.state)} {final.message}\n{dep.logs('analyzer')}"
@@ -569,21 +402,21 @@ def test_client_stopped_mid_round_ends_round_at_deadline(deployment: Deployment)
 
     dep = deployment
     op = Operator(dep)
-    deadline_s = float(re.search(r"^round_deadline_seconds\s*=\s*([0-9.]+)", EXAMPLE.read_text(), re.M).group(1))
+    deadline_s = float(re.search(r"^round_deadline_seconds\s*=\s*([0-9.]+)", common.EXAMPLE.read_text(), re.M).group(1))
     # threshold 30% of the cohort: the half of round 0 that client-0 holds is enough to release
-    text = _config_text(min_contributors_fraction="0.3")
+    text = common.config_text(min_contributors_fraction="0.3")
     client1 = dep.cid("client-1")
     # frozen first so that the stop lands inside round 0 (client-1's invitees have not answered yet), then
     # stopped hard, as a crashed or unplugged node
-    _run(["docker", "pause", client1])
+    run_cmd(["docker", "pause", client1])
     try:
         run_id = op.start(text)
         _wait_invited(dep, run_id)
         time.sleep(1.0)
         # SIGKILL: a graceful stop (SIGTERM) would let the node finish and send the answers it is computing
-        _run(["docker", "kill", client1], timeout=60)
+        run_cmd(["docker", "kill", client1], timeout=60)
     except BaseException:
-        _run(["docker", "unpause", client1], check=False)
+        run_cmd(["docker", "unpause", client1], check=False)
         raise
     final = op.wait(run_id)
     result = op.result(run_id)
@@ -614,7 +447,7 @@ def test_client_stopped_mid_round_ends_round_at_deadline(deployment: Deployment)
     assert len(full) == (users_node0 - invited["n0"]) // plan["cohort"]
     for m in later[len(full) :]:
         assert not m.released and ledger["rounds"][m.round]["state"] == "released"
-    _run(["docker", "start", client1])
+    run_cmd(["docker", "start", client1])
 
 
 def _participation(dep: Deployment, run_id: str) -> list[tuple[str, int]]:
@@ -654,14 +487,14 @@ def test_analyzer_never_received_user_ids_or_client_addresses(deployment: Deploy
     addresses = []
     for i in range(2):
         cid = dep.cid(f"client-{i}")
-        info = json.loads(_run(["docker", "inspect", cid]).stdout)[0]
+        info = json.loads(run_cmd(["docker", "inspect", cid]).stdout)[0]
         addresses += [n["IPAddress"].encode() for n in info["NetworkSettings"]["Networks"].values() if n["IPAddress"]]
         addresses += [info["Config"]["Hostname"].encode(), info["Name"].lstrip("/").encode()]
     assert addresses
     held = dep.read_volume("analyzer", "/var/lib/shuffledp/state")
     assert any(name.endswith("ledger.sqlite") for name in held), sorted(held)
     held.update({f"results/{p.name}": p.read_bytes() for p in out.iterdir() if p.is_file()})
-    logs = _run(["docker", "logs", dep.cid("analyzer")])
+    logs = run_cmd(["docker", "logs", dep.cid("analyzer")])
     held["analyzer.log"] = (logs.stdout + logs.stderr).encode()
     ledger_db = next(v for k, v in held.items() if k.endswith("ledger.sqlite"))
     assert b"committed" in ledger_db or any(k.endswith("-wal") for k in held)  # the ledger holds the runs
@@ -687,7 +520,7 @@ def test_down_and_up_loses_nothing(deployment: Deployment, finished_run):
     used_before = len(_participation(dep, run_id))
     assert used_before > 0
     dep.sh("down", timeout=180)  # containers and networks go, volumes stay
-    assert not _run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={dep.project}"]).stdout
+    assert not run_cmd(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={dep.project}"]).stdout
     dep.sh("up", timeout=UP_TIMEOUT_S + 200)
     again = dep.workdir / "results-again"
     proc = dep.sh("results", run_id, "--out", str(again), timeout=120)

@@ -32,62 +32,34 @@ Without a reachable engine, or with an engine in a swarm this test cannot use, t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import _deploy as common
 import pytest
+from _deploy import IMAGE, SERVICE_UID, docker_json, run_cmd
 
 from shuffledp import pki
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
-SWARM_SH = DEPLOY / "swarm.sh"
-EXAMPLE = DEPLOY / "example.toml"
-IMAGE = "shuffledp:latest"  # the compose tests' tag: reused when present
-BASE_IMAGE = "shuffledp-base:bookworm"
-SERVICE_UID = 10001
+SWARM_SH = common.DEPLOY / "swarm.sh"
 CLIENTS, MAX_CLIENTS = 3, 5
 ROLES = ("analyzer", "shuffler", "clients")
 UP_TIMEOUT_S = 240
 TEST_TIMEOUT_S = 900  # per test, including the module's image build (if any) and swarm.sh up
 
 
-# ------------------------------------------------------------------------------------------------ docker helpers
-def _run(cmd: list[str], timeout: float = 120, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(map(str, cmd))[:300]} exited {proc.returncode}\n"
-            f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-        )
-    return proc
-
-
-def _docker_json(*args: str) -> list[dict]:
-    return json.loads(_run(["docker", *args]).stdout)
-
-
 def _swarm_unusable() -> str | None:
     """None when this module can run a stack on a single-node swarm (existing or to be created); else why not."""
-    if shutil.which("docker") is None:
-        return "docker CLI not installed"
-    try:
-        info = subprocess.run(
-            ["docker", "info", "--format", "{{json .Swarm}}"], capture_output=True, text=True, timeout=30
-        )
-    except subprocess.TimeoutExpired:
-        return "docker info timed out"
-    if info.returncode != 0 or not info.stdout.strip():
-        first = (info.stderr.strip().splitlines() or ["no answer"])[0]
-        return f"no Docker engine reachable ({first[:120]})"
-    sw = json.loads(info.stdout)
+    if why := common.engine_unavailable(reuse_image=True):
+        return why
+    sw = docker_json("info", "--format", "{{json .Swarm}}")
     state = sw.get("LocalNodeState")
     if state == "active":
         if not sw.get("ControlAvailable"):
@@ -98,44 +70,39 @@ def _swarm_unusable() -> str | None:
         return f"this engine's swarm state is {state!r}"
     if subprocess.run(["docker", "stack", "ls"], capture_output=True, timeout=30).returncode not in (0, 1):
         return "the docker CLI has no 'docker stack'"
-    have = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True, timeout=30).returncode == 0
-    base = subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True, timeout=30).returncode == 0
-    if not have and not base and os.geteuid() != 0:
-        return f"neither {IMAGE} nor {BASE_IMAGE} exists, and building the base with debootstrap needs root"
     return None
 
 
-_UNUSABLE = _swarm_unusable()
-if _UNUSABLE:
-    pytest.skip(f"swarm deployment tests need a Docker engine: {_UNUSABLE}", allow_module_level=True)
+common.skip_module_if(_swarm_unusable(), "swarm deployment tests")
 pytestmark = pytest.mark.docker
 
 TIMINGS: dict[str, float] = {}
+RUNS: list[subprocess.Popen] = []  # background `swarm.sh run`s (Progress), ended before `down`
 
 
 @pytest.fixture(scope="module")
 def swarm():
     """A single-node swarm whose node has every role label; created (and left afterwards) only if there is none."""
-    state = _run(["docker", "info", "--format", "{{.Swarm.LocalNodeState}}"]).stdout.strip()
-    gwbridge_before = _run(["docker", "network", "inspect", "docker_gwbridge"], check=False).returncode == 0
+    state = run_cmd(["docker", "info", "--format", "{{.Swarm.LocalNodeState}}"]).stdout.strip()
+    gwbridge_before = run_cmd(["docker", "network", "inspect", "docker_gwbridge"], check=False).returncode == 0
     created = state == "inactive"
     if created:
-        _run(["docker", "swarm", "init", "--advertise-addr", "127.0.0.1"])
-    node = _run(["docker", "info", "--format", "{{.Swarm.NodeID}}"]).stdout.strip()
-    labels = _docker_json("node", "inspect", node)[0]["Spec"].get("Labels") or {}
+        run_cmd(["docker", "swarm", "init", "--advertise-addr", "127.0.0.1"])
+    node = run_cmd(["docker", "info", "--format", "{{.Swarm.NodeID}}"]).stdout.strip()
+    labels = docker_json("node", "inspect", node)[0]["Spec"].get("Labels") or {}
     added = [f"shuffledp.role.{r}" for r in ROLES if labels.get(f"shuffledp.role.{r}") != "true"]
     if added:
-        _run(["docker", "node", "update", *[a for k in added for a in ("--label-add", f"{k}=true")], node])
+        run_cmd(["docker", "node", "update", *[a for k in added for a in ("--label-add", f"{k}=true")], node])
     try:
         yield node
     finally:
         if added and not created:
-            _run(["docker", "node", "update", *[a for k in added for a in ("--label-rm", k)], node], check=False)
+            run_cmd(["docker", "node", "update", *[a for k in added for a in ("--label-rm", k)], node], check=False)
         if created:
-            _run(["docker", "swarm", "leave", "--force"], timeout=120)
+            run_cmd(["docker", "swarm", "leave", "--force"], timeout=120)
             if not gwbridge_before:  # made by the swarm for its tasks; nothing else of ours uses it
-                _run(["docker", "network", "rm", "docker_gwbridge"], check=False)
-            after = _run(["docker", "info", "--format", "{{.Swarm.LocalNodeState}}"]).stdout.strip()
+                run_cmd(["docker", "network", "rm", "docker_gwbridge"], check=False)
+            after = run_cmd(["docker", "info", "--format", "{{.Swarm.LocalNodeState}}"]).stdout.strip()
             assert after == "inactive", f"the swarm this test created was not left: {after}"
         if TIMINGS:
             print("\nswarm test timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in TIMINGS.items()))
@@ -143,12 +110,10 @@ def swarm():
 
 @pytest.fixture(scope="module")
 def image() -> None:
-    """The compose tests' image if present, else built offline (deploy/build_image.sh, no network in the build)."""
-    if _run(["docker", "image", "inspect", IMAGE], check=False).returncode == 0:
-        return
+    """The compose tests' image if present, else built offline."""
     t0 = time.monotonic()
-    _run(["bash", str(DEPLOY / "build_image.sh"), "--tag", IMAGE], timeout=TEST_TIMEOUT_S)
-    TIMINGS["image build"] = time.monotonic() - t0
+    if common.build_image(from_scratch=False):
+        TIMINGS["image build"] = time.monotonic() - t0
 
 
 @dataclass
@@ -162,7 +127,7 @@ class Stack:
     def sh(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         """deploy/swarm.sh with this stack's name, PKI and configuration."""
         cmd = ["bash", str(SWARM_SH), "--stack", self.name, "--pki", str(self.pki), "--config", str(self.config)]
-        return _run([*cmd, "--timeout", str(UP_TIMEOUT_S), *args], timeout=timeout, check=check)
+        return run_cmd([*cmd, "--timeout", str(UP_TIMEOUT_S), *args], timeout=timeout, check=check)
 
     def popen(self, *args: str) -> subprocess.Popen:
         cmd = ["bash", str(SWARM_SH), "--stack", self.name, "--pki", str(self.pki), "--config", str(self.config)]
@@ -171,11 +136,11 @@ class Stack:
         )
 
     def service(self, svc: str) -> dict:
-        return _docker_json("service", "inspect", f"{self.name}_{svc}")[0]
+        return docker_json("service", "inspect", f"{self.name}_{svc}")[0]
 
     def containers(self, svc: str) -> dict[int, str]:
         """Running containers of a service on this host: task slot -> container id."""
-        out = _run(
+        out = run_cmd(
             ["docker", "ps", "--filter", f"label=com.docker.swarm.service.name={self.name}_{svc}"]
             + ["--format", '{{.ID}} {{.Label "com.docker.swarm.task.name"}}']
         ).stdout.split("\n")
@@ -191,40 +156,38 @@ class Stack:
 
     def exec_python(self, cid: str, script: str, *args: str, stdin: str | None = None, timeout: float = 90) -> str:
         cmd = ["docker", "exec", "-i", cid, "python", "-c", script, *args]
-        return _run(cmd, input=stdin, timeout=timeout).stdout
+        return run_cmd(cmd, input=stdin, timeout=timeout).stdout
 
     def ip(self, cid: str, network: str) -> str:
-        nets = _docker_json("inspect", cid)[0]["NetworkSettings"]["Networks"]
+        nets = docker_json("inspect", cid)[0]["NetworkSettings"]["Networks"]
         return nets[f"{self.name}_{network}"]["IPAddress"]
 
     def logs(self, svc: str, tail: int = 60) -> str:
-        proc = _run(["docker", "service", "logs", "--no-trunc", "--tail", str(tail), f"{self.name}_{svc}"], check=False)
+        proc = run_cmd(
+            ["docker", "service", "logs", "--no-trunc", "--tail", str(tail), f"{self.name}_{svc}"], check=False
+        )
         return proc.stdout + proc.stderr
 
 
 def _config_text(**replace: str) -> str:
     """deploy/example.toml with `key = value` lines replaced, and CLIENTS client nodes."""
-    text = EXAMPLE.read_text()
-    for key, value in {"client_nodes": str(CLIENTS), **replace}.items():
-        text, n = re.subn(rf"^{key}\s*=.*$", f"{key} = {value}", text, flags=re.M)
-        assert n == 1, f"{key} not in {EXAMPLE}"
-    return text
+    return common.config_text(client_nodes=str(CLIENTS), **replace)
 
 
 def _leftovers(name: str) -> dict[str, list[str]]:
     label = f"label=com.docker.stack.namespace={name}"
     left = {
-        kind: _run(["docker", kind, "ls", "-q", "--filter", label]).stdout.split()
+        kind: run_cmd(["docker", kind, "ls", "-q", "--filter", label]).stdout.split()
         for kind in ("service", "secret", "config", "network", "volume")
     }
-    left["container"] = _run(["docker", "ps", "-aq", "--filter", label]).stdout.split()
-    left["volume"] += [v for v in _run(["docker", "volume", "ls", "-q"]).stdout.split() if v.startswith(f"{name}_")]
-    left["service"] += _run(
+    left["container"] = run_cmd(["docker", "ps", "-aq", "--filter", label]).stdout.split()
+    left["volume"] += [v for v in run_cmd(["docker", "volume", "ls", "-q"]).stdout.split() if v.startswith(f"{name}_")]
+    left["service"] += run_cmd(
         ["docker", "service", "ls", "-q", "--filter", f"label=org.shuffledp.stack={name}"]
     ).stdout.split()
     node_labels = []
-    for n in _run(["docker", "node", "ls", "-q"]).stdout.split():
-        node_labels += [k for k in _docker_json("node", "inspect", n)[0]["Spec"].get("Labels") or {} if name in k]
+    for n in run_cmd(["docker", "node", "ls", "-q"]).stdout.split():
+        node_labels += [k for k in docker_json("node", "inspect", n)[0]["Spec"].get("Labels") or {} if name in k]
     left["node label"] = node_labels
     return {k: v for k, v in left.items() if v}
 
@@ -247,6 +210,12 @@ def stack(swarm: str, image, tmp_path_factory: pytest.TempPathFactory):
         TIMINGS["up"] = time.monotonic() - t0
         yield st
     finally:
+        # a run a failed test left behind: SIGTERM reaches its operator container (docker run proxies it), which
+        # would otherwise hold operator-net and keep `down` from removing it
+        for proc in RUNS:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=60)
         t0 = time.monotonic()
         down = st.sh("down", "--volumes", timeout=240, check=False)
         TIMINGS["down"] = time.monotonic() - t0
@@ -274,7 +243,7 @@ def test_services_networks_and_placement(stack: Stack):
         want = CLIENTS if svc == "clients" else 1
         assert spec["Mode"]["Replicated"]["Replicas"] == want
         ids = {n["Target"] for n in task["Networks"]}
-        nets[svc] = {_docker_json("network", "inspect", i)[0]["Name"].removeprefix(f"{stack.name}_") for i in ids}
+        nets[svc] = {docker_json("network", "inspect", i)[0]["Name"].removeprefix(f"{stack.name}_") for i in ids}
     assert nets == {
         "analyzer": {"analyzer-net", "operator-net"},
         "shuffler": {"analyzer-net", "client-net"},
@@ -282,7 +251,7 @@ def test_services_networks_and_placement(stack: Stack):
     }, nets
     assert not nets["analyzer"] & nets["clients"], "the analyzer shares a network with the client nodes"
     for net in ("analyzer-net", "client-net", "operator-net"):
-        info = _docker_json("network", "inspect", f"{stack.name}_{net}")[0]
+        info = docker_json("network", "inspect", f"{stack.name}_{net}")[0]
         assert info["Driver"] == "overlay" and info["Scope"] == "swarm", info
         assert "encrypted" in (info.get("Options") or {}), f"{net} is not encrypted: {info.get('Options')}"
         assert info["Internal"] is True, f"{net} is not internal"
@@ -292,9 +261,9 @@ def test_services_networks_and_placement(stack: Stack):
     assert sorted(stack.containers("clients")) == list(range(1, CLIENTS + 1))
     for svc in ROLES:
         for slot, cid in stack.containers(svc).items():
-            info = _docker_json("inspect", cid)[0]
+            info = docker_json("inspect", cid)[0]
             assert info["State"]["Health"]["Status"] == "healthy", f"{svc}.{slot}: {info['State']['Health']}"
-            assert _run(["docker", "exec", cid, "id", "-u"]).stdout.strip() == str(SERVICE_UID)
+            assert run_cmd(["docker", "exec", cid, "id", "-u"]).stdout.strip() == str(SERVICE_UID)
             assert info["HostConfig"]["ReadonlyRootfs"] is True
             assert not any(m["Type"] == "bind" for m in info["Mounts"]), f"{svc}.{slot} bind-mounts {info['Mounts']}"
             # the image's /results volume is a tmpfs: no anonymous volume per task
@@ -348,26 +317,10 @@ def test_each_task_holds_only_the_ca_and_its_own_key(stack: Stack):
             assert sorted(what.values()) == sorted(["ca.crt", f"{party}/cert.pem", f"{party}/key.pem"]), (
                 f"{svc} task {slot} holds {what}"
             )
-            assert "PRIVATE KEY" not in json.dumps(_docker_json("inspect", cid)), f"key material in {svc}.{slot}"
+            assert "PRIVATE KEY" not in json.dumps(docker_json("inspect", cid)), f"key material in {svc}.{slot}"
 
 
 # ------------------------------------------------------------------------------------------------ trust boundaries
-# in parallel: on an internal network a name Docker's DNS does not know takes ~10 s to fail (it asks outside)
-_CONNECT_PROBE = """
-import json, socket, sys
-from concurrent.futures import ThreadPoolExecutor
-def probe(target):
-    host, port = target.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=3).close()
-        return "connected"
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
-with ThreadPoolExecutor(len(sys.argv) - 1) as pool:
-    print(json.dumps(dict(zip(sys.argv[1:], pool.map(probe, sys.argv[1:])))))
-"""
-
-
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_analyzer_has_no_route_to_any_client(stack: Stack):
     clients = stack.containers("clients")
@@ -375,9 +328,11 @@ def test_analyzer_has_no_route_to_any_client(stack: Stack):
     targets += [f"{stack.ip(cid, 'client-net')}:50053" for cid in clients.values()]
     shuffler = stack.cid("shuffler")
     targets.append(f"{stack.ip(shuffler, 'client-net')}:50052")  # the shuffler's side facing the clients
-    from_analyzer = json.loads(stack.exec_python(stack.cid("analyzer"), _CONNECT_PROBE, *targets, "shuffler:50052"))
+    from_analyzer = json.loads(
+        stack.exec_python(stack.cid("analyzer"), common.CONNECT_PROBE, *targets, "shuffler:50052")
+    )
     by_address = [t for t in targets if t[0].isdigit()]
-    from_shuffler = json.loads(stack.exec_python(shuffler, _CONNECT_PROBE, "clients:50053", *by_address))
+    from_shuffler = json.loads(stack.exec_python(shuffler, common.CONNECT_PROBE, "clients:50053", *by_address))
     # controls: the probe works, the replicas listen, and the analyzer reaches its one peer
     assert from_shuffler == {t: "connected" for t in ["clients:50053", *by_address]}, from_shuffler
     assert from_analyzer.pop("shuffler:50052") == "connected"
@@ -385,117 +340,43 @@ def test_analyzer_has_no_route_to_any_client(stack: Stack):
     assert not reached, f"the analyzer reached {sorted(reached)}"
 
 
-# The stranger: plain gRPC with the material given on stdin (a dict party -> PEMs), trying one service.
-_STRANGER_PROBE = """
-import json, sys, grpc
-from shuffledp.v1 import shuffledp_pb2 as pb, shuffledp_pb2_grpc as pbg
-CALLS = {
-    "analyzer.GetBudget": lambda ch: pbg.AnalyzerStub(ch).GetBudget(pb.RunRef(run_id="probe"), timeout=10),
-    "shuffler.GetPopulation": lambda ch: pbg.ShufflerStub(ch).GetPopulation(pb.PopulationRequest(), timeout=10),
-    "shuffler.RegisterUsers": lambda ch: pbg.ShufflerStub(ch).RegisterUsers(pb.RegisterUsersRequest(), timeout=10),
-    # a node-scoped call naming client-1: only client-1's certificate may make it
-    "shuffler.RegisterUsersAsClient1": lambda ch: pbg.ShufflerStub(ch).RegisterUsers(
-        pb.RegisterUsersRequest(node_id="client-1"), timeout=10),
-    "client.GetNodeStatus": lambda ch: pbg.ClientNodeStub(ch).GetNodeStatus(pb.NodeStatusRequest(), timeout=10),
-}
-material = json.load(sys.stdin)
-out = []
-for case in json.loads(sys.argv[1]):
-    root = material["ca"].encode()
-    if case["party"] is None:
-        creds = grpc.ssl_channel_credentials(root_certificates=root)
-    else:
-        p = material[case["party"]]
-        creds = grpc.ssl_channel_credentials(root, p["key"].encode(), p["cert"].encode())
-    opts = [("grpc.ssl_target_name_override", case["server_name"])]
-    with grpc.secure_channel(case["target"], creds, options=opts) as ch:
-        try:
-            CALLS[case["call"]](ch)
-            code = "OK"
-        except grpc.RpcError as exc:
-            code = exc.code().name
-    out.append(dict(case, code=code))
-print(json.dumps(out))
-"""
-
-# call -> (party with the right role, CA-signed parties of a wrong role)
-_ALLOWED = {
-    "analyzer.GetBudget": ("operator", ["client-0", "shuffler", "analyzer"]),
-    "shuffler.GetPopulation": ("analyzer", ["client-0", "operator"]),
-    "shuffler.RegisterUsers": ("client-0", ["analyzer", "operator"]),
-    "shuffler.RegisterUsersAsClient1": ("client-1", ["client-0", "analyzer", "operator"]),
-    "client.GetNodeStatus": ("operator", ["client-1", "analyzer", "shuffler"]),
-}
-
-
-def _cases(call: str, target: str, server_name: str) -> list[dict]:
-    """The allowed role (positive control) and the four ways a stranger must be refused."""
-    right, wrong = _ALLOWED[call]
-    twin = {"operator": "operator", "analyzer": "analyzer"}.get(right, "client-0")
-    base = {"call": call, "target": target, "server_name": server_name}
-    return [
-        dict(base, party=right, expect="allowed"),
-        dict(base, party=None, expect="UNAVAILABLE"),  # no client certificate: handshake refused
-        dict(base, party=f"selfsigned-{twin}", expect="UNAVAILABLE"),
-        dict(base, party=f"foreign-{twin}", expect="UNAVAILABLE"),
-        *(dict(base, party=w, expect="PERMISSION_DENIED") for w in wrong),
-    ]
-
-
-def _assert_refusals(results: list[dict]) -> None:
-    bad = []
-    for r in results:
-        if r["expect"] == "allowed":
-            # the right role passes authorization (the call itself may still fail on its argument)
-            ok = r["code"] not in ("UNAVAILABLE", "PERMISSION_DENIED", "UNAUTHENTICATED", "DEADLINE_EXCEEDED")
-        else:
-            ok = r["code"] == r["expect"]
-        if not ok:
-            bad.append(f"{r['call']} at {r['target']} by {r['party']}: got {r['code']}, expected {r['expect']}")
-    assert not bad, "\n".join(bad)
-
-
 @pytest.fixture(scope="module")
 def stranger_material(stack: Stack) -> str:
-    """PEMs a stranger might hold: this CA's parties, another CA's, self-signed ones (JSON for the probe's stdin)."""
-    m: dict = {"ca": (stack.pki / pki.CA_CERT_FILE).read_text()}
-    for party in ("analyzer", "shuffler", "client-0", "client-1", "operator"):
-        m[party] = {k: (stack.pki / party / f).read_text() for k, f in (("cert", "cert.pem"), ("key", "key.pem"))}
-    other = stack.workdir / "other-ca"
-    pki.init_pki(other, client_nodes=1)
-    for role, name in (("operator", "operator"), ("analyzer", "analyzer"), ("client-node", "client-0")):
-        m[f"foreign-{name}"] = {
-            k: (other / name / f).read_text() for k, f in (("cert", "cert.pem"), ("key", "key.pem"))
-        }
-        cert, key = pki.self_signed_cert(role, name)
-        m[f"selfsigned-{name}"] = {"cert": pki.cert_pem(cert).decode(), "key": pki.key_pem(key).decode()}
-    return json.dumps(m)
+    """PEMs a stranger might hold (JSON for the probe's stdin)."""
+    return common.stranger_pems(stack.pki, stack.workdir)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_strangers_are_refused_by_every_service(stack: Stack, stranger_material: str):
     results = []
     # the analyzer from operator-net, the one network a one-off container can join: a helper there
-    cases = _cases("analyzer.GetBudget", "analyzer:50051", "analyzer")
+    cases = common.stranger_cases("analyzer.GetBudget", "analyzer:50051", "analyzer")
     helper = ["docker", "run", "--rm", "-i", "--network", f"{stack.name}_operator-net", "--read-only"]
-    helper += ["--tmpfs", "/tmp", "--tmpfs", "/results", "--entrypoint", "python", IMAGE, "-c", _STRANGER_PROBE]
-    results += json.loads(_run([*helper, json.dumps(cases)], input=stranger_material, timeout=120).stdout)
+    helper += ["--tmpfs", "/tmp", "--tmpfs", "/results", "--entrypoint", "python", IMAGE, "-c", common.STRANGER_PROBE]
+    results += json.loads(run_cmd([*helper, json.dumps(cases)], input=stranger_material, timeout=120).stdout)
     # the shuffler from both sides: client-net (from a client replica) and analyzer-net (from the analyzer)
     shuffler_cases = [
-        c for call in _ALLOWED if call.startswith("shuffler") for c in _cases(call, "shuffler:50052", "shuffler")
+        c
+        for call in common.ALLOWED
+        if call.startswith("shuffler")
+        for c in common.stranger_cases(call, "shuffler:50052", "shuffler")
     ]
     for svc in ("clients", "analyzer"):
         cid = next(iter(stack.containers(svc).values()))
-        out = stack.exec_python(cid, _STRANGER_PROBE, json.dumps(shuffler_cases), stdin=stranger_material)
+        out = stack.exec_python(cid, common.STRANGER_PROBE, json.dumps(shuffler_cases), stdin=stranger_material)
         results += [dict(r, target=f"{r['target']} (from {svc})") for r in json.loads(out)]
     # every client replica from client-net (from the shuffler), by its address
     client_cases = []
     for slot, cid in stack.containers("clients").items():
-        client_cases += _cases("client.GetNodeStatus", f"{stack.ip(cid, 'client-net')}:50053", f"client-{slot - 1}")
-    out = stack.exec_python(stack.cid("shuffler"), _STRANGER_PROBE, json.dumps(client_cases), stdin=stranger_material)
+        client_cases += common.stranger_cases(
+            "client.GetNodeStatus", f"{stack.ip(cid, 'client-net')}:50053", f"client-{slot - 1}"
+        )
+    out = stack.exec_python(
+        stack.cid("shuffler"), common.STRANGER_PROBE, json.dumps(client_cases), stdin=stranger_material
+    )
     results += json.loads(out)
     assert len(results) == len(cases) + 2 * len(shuffler_cases) + len(client_cases)
-    _assert_refusals(results)
+    common.assert_refusals(results)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
@@ -504,16 +385,16 @@ def test_stateful_task_refuses_a_volume_without_its_state(stack: Stack):
     exactly the service's container spec on an empty volume; the running tasks show the prepared volume works."""
     for svc in ("analyzer", "shuffler"):
         cid = stack.cid(svc)
-        marker = _run(["docker", "exec", cid, "cat", "/var/lib/shuffledp/.shuffledp-state"]).stdout
+        marker = run_cmd(["docker", "exec", cid, "cat", "/var/lib/shuffledp/.shuffledp-state"]).stdout
         assert f"stack={stack.name} role={svc}" in marker, marker
         cs = stack.service(svc)["Spec"]["TaskTemplate"]["ContainerSpec"]
         empty = f"{stack.name}_elsewhere-{svc}"
         cmd = ["docker", "run", "--rm", "--read-only", "--tmpfs", "/tmp", "--tmpfs", "/results", "--network", "none"]
         cmd += ["-v", f"{empty}:/var/lib/shuffledp", "--entrypoint", cs["Command"][0], IMAGE, *cs["Command"][1:]]
         try:
-            proc = _run([*cmd, *cs["Args"]], check=False, timeout=60)
+            proc = run_cmd([*cmd, *cs["Args"]], check=False, timeout=60)
         finally:
-            _run(["docker", "volume", "rm", empty], check=False)
+            run_cmd(["docker", "volume", "rm", empty], check=False)
         assert proc.returncode == 78, f"{svc} started on an empty volume:\n{proc.stdout}\n{proc.stderr}"
         assert f"shuffledp {svc}: refusing to start" in proc.stderr and "labelled shuffledp.role" in proc.stderr
         assert not proc.stdout.strip(), proc.stdout
@@ -525,6 +406,7 @@ class Progress:
 
     def __init__(self, stack: Stack, config: Path, out: Path):
         self.proc = stack.popen("run", str(config), "--out", str(out))
+        RUNS.append(self.proc)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -567,30 +449,6 @@ def _shards(config: Path) -> list[int]:
     return [len(range(i, n, MAX_CLIENTS)) for i in range(MAX_CLIENTS)]
 
 
-def _ledger_events(ledger: dict):
-    from shuffledp.services.ledger import BudgetLimit, PrivacyEvent, compose_events
-
-    limit = BudgetLimit(**ledger["run"]["limit"])
-    return limit, compose_events, [PrivacyEvent(**r["event"]) for r in ledger["rounds"]]
-
-
-def _check_ledger(ledger: dict) -> None:
-    """Each round once, in order, charged once: the totals recomputed from the exported events (an auditor's check)
-    equal what the ledger reports, within the limit."""
-    rounds = ledger["rounds"]
-    assert [r["round"] for r in rounds] == list(range(len(rounds))), "round indices not contiguous from 0"
-    states = [r["state"] for r in rounds]
-    assert set(states) <= {"committed", "spent_unknown", "released"}, states
-    limit, compose_events, events = _ledger_events(ledger)
-    counted = [e for e, s in zip(events, states, strict=True) if s in ("committed", "spent_unknown")]
-    eps, delta = compose_events(counted, limit)
-    totals = ledger["totals"]
-    assert totals["eps_spent"] == pytest.approx(eps, rel=1e-9, abs=1e-12)
-    assert totals["delta_spent"] == pytest.approx(delta, rel=1e-9, abs=1e-15)
-    assert totals["eps_spent"] <= limit.eps + 1e-12 and totals["delta_spent"] <= limit.delta + 1e-15
-    assert totals["rounds_committed"] == states.count("committed")
-
-
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_psgd_experiment_runs_to_completion_and_results_are_fetched(stack: Stack):
     out = stack.workdir / "psgd"
@@ -607,7 +465,7 @@ def test_psgd_experiment_runs_to_completion_and_results_are_fetched(stack: Stack
     assert ledger["run"]["state"] == "COMPLETED" and plan["kind"] == "sequential"
     # the users of the 3 running replicas of 5 shards, and nobody else's
     assert plan["admitted"] == sum(_shards(stack.config)[:CLIENTS]), plan
-    _check_ledger(ledger)
+    common.check_ledger(ledger)
     states = [(r["state"], r["reason"]) for r in ledger["rounds"]]
     assert all(r["state"] == "committed" for r in ledger["rounds"]) and len(states) == plan["rounds"], (states, plan)
     metrics = json.loads((out / "metrics.json").read_text())
@@ -637,14 +495,14 @@ def test_analyzer_task_killed_is_restarted_and_the_run_resumes(stack: Stack):
     run = Progress(stack, cfg, out)
     run.wait_rounds(8)
     shown_before = run.rounds_shown()
-    _run(["docker", "kill", old])  # a crash: SIGKILL, a round in flight
+    run_cmd(["docker", "kill", old])  # a crash: SIGKILL, a round in flight
     rc = run.finish()
     TIMINGS["kill run"] = time.monotonic() - t0
     assert rc == 0 and "state: COMPLETED" in run.text, run.text + "\n" + stack.logs("analyzer")
     # Swarm replaced the task: the old one failed (137), a new one runs on the host labelled analyzer
     tasks = [
         json.loads(line)
-        for line in _run(
+        for line in run_cmd(
             ["docker", "service", "ps", "--no-trunc", "--format", "{{json .}}", f"{stack.name}_analyzer"]
         ).stdout.splitlines()
     ]
@@ -653,11 +511,11 @@ def test_analyzer_task_killed_is_restarted_and_the_run_resumes(stack: Stack):
     assert len(running) == 1 and running[0]["CurrentState"].startswith("Running") and failed, tasks
     new = stack.cid("analyzer")
     assert new != old
-    node = _docker_json("inspect", new)[0]["Config"]["Labels"]["com.docker.swarm.node.id"]
-    assert (_docker_json("node", "inspect", node)[0]["Spec"]["Labels"] or {}).get("shuffledp.role.analyzer") == "true"
+    node = docker_json("inspect", new)[0]["Config"]["Labels"]["com.docker.swarm.node.id"]
+    assert (docker_json("node", "inspect", node)[0]["Spec"]["Labels"] or {}).get("shuffledp.role.analyzer") == "true"
     ledger = json.loads((out / "ledger.json").read_text())
     plan = ledger["run"]["plan"]
-    _check_ledger(ledger)
+    common.check_ledger(ledger)
     states = [r["state"] for r in ledger["rounds"]]
     assert len(states) == plan["rounds"], "a round index was skipped or reused"
     # the kill lands inside a round or between two: at most the one round in flight is charged without a batch
@@ -666,7 +524,7 @@ def test_analyzer_task_killed_is_restarted_and_the_run_resumes(stack: Stack):
     # no budget lost: the rounds shown before the kill are still committed, at what was shown then
     k = len(shown_before)
     assert all(s == "committed" for s in states[:k]), states[:k]
-    limit, compose_events, events = _ledger_events(ledger)
+    limit, compose_events, events = common.ledger_events(ledger)
     shown_eps = float(re.search(r"eps spent\s+([0-9.]+)", shown_before[-1]).group(1))
     assert compose_events(events[:k], limit)[0] == pytest.approx(shown_eps, abs=6e-5)
     assert any(r["contributors"] == plan["cohort"] for r in ledger["rounds"][k:]), "no round after the restart"
@@ -692,7 +550,7 @@ def test_scale_to_five_during_a_fully_interactive_run(stack: Stack):
     TIMINGS["scale run"] = time.monotonic() - t0
     ledger = json.loads((out / "ledger.json").read_text())
     plan = ledger["run"]["plan"]
-    _check_ledger(ledger)
+    common.check_ledger(ledger)
     shard = _shards(cfg)
     assert plan["admitted"] == sum(shard[:CLIENTS]) == plan["cohort"], plan
     joined = {sum(shard[CLIENTS : CLIENTS + k]) for k in (1, 2)}  # one new replica, or both, subscribed
