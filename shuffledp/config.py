@@ -44,16 +44,13 @@ from shuffledp.settings import integer as _int
 from shuffledp.settings import number as _float
 from shuffledp.settings import string as _str
 
+# the section types live in shuffledp.settings (the plug-ins import them from there); the parties' usual ones are
+# handed on here
 __all__ = [
     "ConfigError",
-    "DataConfig",
-    "ModelConfig",
-    "PrivacyConfig",
-    "ScheduleConfig",
-    "TransportConfig",
-    "DeploymentConfig",
-    "PolicyConfig",
     "RunConfig",
+    "DataConfig",
+    "PolicyConfig",
     "parse_config",
     "load_config",
     "read_config_text",
