@@ -136,10 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run: {len(gaps) + 1} rounds in {t_run:.1f} s; {st.budget.accountant}")
         print(f"median seconds between rounds, rounds 1-{WINDOW}:        {first:.4f} s")
         print(f"median seconds between rounds, last {WINDOW} rounds:    {last:.4f} s")
-        print(f"ratio last / first: {ratio:.3f} (target <= {TARGET_RATIO:g}: {'met' if ratio <= TARGET_RATIO else 'MISSED'})")
+        verdict = "met" if ratio <= TARGET_RATIO else "MISSED"
+        print(f"ratio last / first: {ratio:.3f} (target <= {TARGET_RATIO:g}: {verdict})")
         for at in (500, 1000, 2000, 5000):
             if at + WINDOW <= len(gaps):
-                print(f"  median gap over rounds {at}-{at + WINDOW - 1}: {statistics.median(gaps[at : at + WINDOW]):.4f} s")
+                mid = statistics.median(gaps[at : at + WINDOW])
+                print(f"  median gap over rounds {at}-{at + WINDOW - 1}: {mid:.4f} s")
         print(
             f"final eps: ledger {eps_ledger!r}, independent recomposition {eps_indep!r} "
             f"({'equal' if same else 'DIFFERENT'} to {EQUAL_TOL:g})"
