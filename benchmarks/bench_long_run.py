@@ -10,8 +10,11 @@ fits lets all R rounds run.
 
 Printed, from the analyzer's own ledger (rounds.reserved_at: when each round was reserved, just before its spec
 left): the median seconds between consecutive rounds over rounds 1-100 and over the last 100, and their ratio
-(target <= 1.2, issue 30); the run's final eps_spent next to an independent recomposition of the ledger's exported
-events (ledger_accounting.account on every round's event, at the rounds' delta: equal to 1e-9).
+(target <= 1.2, issue 30); the CPU time per round of each service over the same two windows (/proc/<pid>/stat,
+sampled every SAMPLE_S with the ledger's round count: on a machine shared with other work the gaps also measure
+the wait for a core, the CPU time does not); the run's final eps_spent next to an independent recomposition of
+the ledger's exported events (ledger_accounting.account on every round's event, at the rounds' delta: equal to
+1e-9).
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from shuffledp.accountants.ledger_accounting import account
 from shuffledp.events import PvecRound
 from shuffledp.protocols.pvec import PvecParams
-from shuffledp.run import drive_run, start_local_cluster
+from shuffledp.run import Cluster, drive_run, start_local_cluster
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 COHORT = 10
@@ -37,6 +42,7 @@ DIM = 10
 WINDOW = 100  # rounds at each end whose gaps are compared
 TARGET_RATIO = 1.2  # issue 30 acceptance
 EQUAL_TOL = 1e-9
+SAMPLE_S = 0.2
 
 
 def config_toml(rounds: int, eps: float, nodes: int) -> str:
@@ -70,6 +76,47 @@ client_nodes = {nodes}
 round_deadline_seconds = 60.0
 insecure = true
 """
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/<pid>/stat fields 14, 15); nan when unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+class CpuSampler(threading.Thread):
+    """Every SAMPLE_S: (rounds reserved so far, CPU seconds of each service)."""
+
+    def __init__(self, cluster: Cluster, ledger_path: Path):
+        super().__init__(daemon=True)
+        self.cluster, self.ledger_path = cluster, ledger_path
+        self.samples: list[tuple[int, dict[str, float]]] = []
+        self.stop = threading.Event()
+
+    def rounds(self) -> int:
+        try:
+            db = sqlite3.connect(f"file:{self.ledger_path}?mode=ro", uri=True, timeout=5)
+            try:
+                return int(db.execute("SELECT COUNT(*) FROM rounds").fetchone()[0])
+            finally:
+                db.close()
+        except sqlite3.Error:
+            return 0  # no ledger file or table yet
+
+    def run(self) -> None:
+        while not self.stop.wait(SAMPLE_S):
+            cpu = {name: cpu_seconds(proc.pid) for name, proc in self.cluster.procs.items()}
+            self.samples.append((self.rounds(), cpu))
+
+    def per_round(self, first: int, last: int) -> dict[str, float]:
+        """CPU ms per round of each service between the samples nearest to `first` and `last` rounds."""
+        a = min(self.samples, key=lambda s: abs(s[0] - first))
+        b = min(self.samples, key=lambda s: abs(s[0] - last))
+        rounds = max(b[0] - a[0], 1)
+        return {k: 1e3 * (b[1][k] - a[1][k]) / rounds for k in a[1]}
 
 
 def round_gaps(ledger_path: Path, run_id: str) -> list[float]:
@@ -116,11 +163,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.rounds} rounds, eps {args.eps:g}, PVEC counts, calibrated, check-in; {args.nodes} client nodes"
         )
         cluster, _, analyzer = start_local_cluster(cfg_path, workdir, args.nodes)
+        sampler = CpuSampler(cluster, workdir / "state" / "ledger.sqlite")
+        sampler.start()
         try:
             t_run = time.monotonic()
             result = drive_run(analyzer, toml, cluster, echo=lambda *_: None)
             t_run = time.monotonic() - t_run
         finally:
+            sampler.stop.set()
+            sampler.join()
             cluster.stop()
         st = result.status
         if st.state != pb.COMPLETED:
@@ -138,6 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"median seconds between rounds, last {WINDOW} rounds:    {last:.4f} s")
         verdict = "met" if ratio <= TARGET_RATIO else "MISSED"
         print(f"ratio last / first: {ratio:.3f} (target <= {TARGET_RATIO:g}: {verdict})")
+        n = len(gaps) + 1
+        cpu_first, cpu_last = sampler.per_round(1, 1 + WINDOW), sampler.per_round(n - WINDOW, n)
+        for name in cpu_first:
+            print(
+                f"  CPU per round, {name}: rounds 1-{WINDOW} {cpu_first[name]:.1f} ms, last {WINDOW} "
+                f"{cpu_last[name]:.1f} ms"
+            )
+        total_first, total_last = sum(cpu_first.values()), sum(cpu_last.values())
+        print(
+            f"CPU per round, all services: {total_first:.1f} ms -> {total_last:.1f} ms "
+            f"(ratio {total_last / total_first:.3f})"
+        )
         for at in (500, 1000, 2000, 5000):
             if at + WINDOW <= len(gaps):
                 mid = statistics.median(gaps[at : at + WINDOW])
