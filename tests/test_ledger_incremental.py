@@ -185,3 +185,25 @@ def ledger_accounting_views(events, limit):
 def test_event_keys_are_the_stored_json():
     ev = PrivacyEvent.pvec(_calibrated(4.0, 1e-5, 8), 8, "sequential")
     assert PrivacyEvent.from_json(ev.to_json()) == ev and asdict(ev)["params"]["method"] == "calibrated"
+
+
+def test_ldp_rounds_compose_per_distinct_event_as_over_the_list(tmp_path):
+    """CLDP-SGD's rounds (seed 001) by compose_counts / views_counts: the same figures as the list of rounds, the
+    local view (basic composition of eps0) included, bit for bit."""
+    from shuffledp.protocols.registry import round_protocol
+
+    limit = BudgetLimit(50.0, 1e-6, "rdp")
+    params = {"eps0": 0.7, "n": 2000, "k": 100, "delta": 1e-6}
+    led = Ledger(tmp_path / "l.sqlite")
+    led.create_run("r", "# toml")
+    led.set_budget("r", limit, {"honest_fraction": HONEST})
+    proto = round_protocol("r_inf")
+    for r in range(12):
+        led.reserve("r", r, PrivacyEvent("r_inf", params, 100, "subsampled"))
+        led.commit("r", r, 100 - r % 3)  # a few bad messages: crowds of 98 and 99 too
+        t = led.totals("r")
+        spent = _events_of(led, "r", ("committed",))
+        assert t.eps_spent == compose_events(spent, limit)[0] == proto.compose(spent, limit)[0]
+        assert t.eps_spent_robust == compose_events(spent, limit, HONEST)[0]
+        assert t.views == proto.views(spent, limit)
+        assert t.views["local"] == math.fsum(0.7 for _ in spent)  # eps0 per round, added exactly
