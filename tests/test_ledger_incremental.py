@@ -11,8 +11,8 @@ from shuffledp.services.ledger import BudgetLimit, Ledger, PrivacyEvent, compose
 from shuffledp.accountants import ledger_accounting
 from shuffledp.accountants.pvec_pld import calibrate_pvec_pld
 from shuffledp.events import PvecRound
-from shuffledp.optimizers.pgd import pgd_round_privacy
 from shuffledp.mechanisms.pvec import PvecParams, pvec_params
+from shuffledp.optimizers.pgd import pgd_round_privacy
 
 REL = 1e-9  # issue 30: the same eps as today's accountant to 1e-9 (in fact bit for bit: asserted below too)
 ROUNDS = 60
