@@ -23,6 +23,7 @@ _PLUGINS: dict[str, tuple[str, str, tuple[Any, ...], str]] = {
     "privunit": ("ldp_round", "LdpRound", ("privunit",), "eps0-LDP report, l_2 (PrivUnit), subsampled shuffle (001)"),
     "rr": ("ldp_round", "LdpRound", ("rr",), "eps0-LDP randomized response, one-number tasks (001)"),
     "tree": ("tree_round", "TreeRound", (), "DP-FTRL, central noise by tree aggregation (seed 003)"),
+    "mf": ("mf_round", "MfRound", (), "DP-FTRL, central noise by matrix factorization, BLT or banded (issue 27)"),
     "gaussian": ("gaussian_round", "GaussianRound", (), "central DP-SGD, DP-FTRL's baseline (003)"),
     "pan_gaussian": ("pan_round", "PanRound", (), "pan-private AC-SA, sequential (seed 000 App C)"),
     "mu2_untrusted": ("mu2_round", "Mu2Round", (False,), "DP-mu2-FL, noise added by each machine (seed 002)"),
