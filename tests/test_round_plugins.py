@@ -76,7 +76,7 @@ def test_the_registry_imports_a_plug_in_only_when_it_is_asked_for():
 def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
     with pytest.raises(
         LookupError,
-        match="unknown round protocol 'gauss'; known: gaussian, mu2_trusted, mu2_untrusted, pan_gaussian, pnsgd, "
+        match="unknown round protocol 'gauss'; known: gaussian, mf, mu2_trusted, mu2_untrusted, pan_gaussian, pnsgd, "
         "pnsgd_online, privunit, pvec",
     ):
         round_protocol("gauss")
@@ -87,6 +87,7 @@ def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
         "privunit",
         "rr",
         "tree",
+        "mf",
         "gaussian",
         "pan_gaussian",
         "mu2_untrusted",
