@@ -242,6 +242,35 @@ def test_the_node_charges_a_user_its_actual_rounds_and_verifies_the_claim():
     beyond = _spec(plan, 12)
     with pytest.raises(ValueError, match="lacks a valid"):
         proto.user_account(beyond)
+    huge = _spec(plan, 0)
+    huge.randomizer.extra["rounds"], huge.randomizer.extra["max_participations"] = 90_000, 1_000
+    with pytest.raises(ValueError, match="exceed what a node verifies"):
+        proto.verify_epsilon(huge)
+
+
+def test_a_blt_strategy_travels_in_the_spec_and_streams_its_noise():
+    """A BLT C (one buffer; jax_privacy's optimisation is minutes, so set by hand) through the plan's params, the
+    spec's extra and the node's figures: the canonical pattern's Delta is the exact one (C non-increasing)."""
+    strategy = mfm.Strategy("blt", 10, np.array([0.6]), np.array([0.3]), np.array([]))
+    sens = mfm.sensitivity(strategy, 2, 1)
+    params = {"d": 4, "clip": 2.0, "k": 3, "n": 30, "rounds": 10, "max_participations": 2, "min_separation": 1}
+    params.update(delta=1e-5, noise_multiplier=3.0, noise="continuous", strategy="blt", sensitivity=sens)
+    params.update(buf_decay=[0.6], output_scale=[0.3], coefs=[])
+    plan = {"params": params, "mf_prefix_sensitivity": [sens] * 10}
+    proto, spec = MfRound(), _spec(plan, 4)
+    assert {k for k in spec.randomizer.extra if k.startswith(("buf", "out", "coef"))} == {
+        "buf_decay_0",
+        "output_scale_0",
+    }
+    assert proto.verify_epsilon(spec) == pytest.approx(mfa.epsilon(3.0, sens, 1e-5) / 2, rel=1e-9)
+    assert proto.user_account(spec).cost((("0", 1), ("2", 1)))[0] == pytest.approx(mfa.epsilon(3.0, sens, 1e-5))
+    noises, state = _noise_run(plan, [0, 2], seed=11)
+    rng, ns, rows = make_rng(11), mfm.init_noise(strategy, 4), []
+    for _ in range(3):
+        w, ns = mfm.next_noise(ns, strategy, 6.0, rng)
+        rows.append(w)
+    np.testing.assert_allclose(noises, [rows[0], rows[1] + rows[2]], atol=1e-12)
+    assert state.round == 3 and state.buffers.shape == (1, 4)
 
 
 def test_the_shuffler_keeps_the_limits_of_the_mf_spec_across_a_restart(tmp_path: Path):

@@ -83,6 +83,8 @@ def _strategy(p: dict[str, Any]) -> mfm.Strategy:
 
 
 _ARRAYS = ("buf_decay", "output_scale", "coefs")
+_MAX_ROUNDS = 100_000  # schedule.rounds' own bound (shuffledp.config)
+_MAX_FLOATS = 20_000_000  # T x k of the columns a node builds (160 MB of float64)
 
 
 def _params_of_spec(spec: pb.RoundSpec) -> dict[str, Any]:
@@ -111,6 +113,11 @@ def _params_of_spec(spec: pb.RoundSpec) -> dict[str, Any]:
         and int(spec.round) < p["rounds"]
     ):
         raise ValueError("the spec lacks a valid noise multiplier, delta, rounds or participation limits")
+    # the node's own figures build C's columns of a user's rounds (T floats each): bounded work for any spec
+    if p["rounds"] > _MAX_ROUNDS or p["rounds"] * min(p["max_participations"], p["rounds"]) > _MAX_FLOATS:
+        raise ValueError(
+            f"the spec's {p['rounds']} rounds x {p['max_participations']} participations exceed what a node verifies"
+        )
     return p
 
 
