@@ -6,6 +6,7 @@ per-user account; configuration errors."""
 from __future__ import annotations
 
 import functools
+import math
 import sqlite3
 from collections import defaultdict
 from pathlib import Path
@@ -246,6 +247,11 @@ def test_the_node_charges_a_user_its_actual_rounds_and_verifies_the_claim():
     huge.randomizer.extra["rounds"], huge.randomizer.extra["max_participations"] = 90_000, 1_000
     with pytest.raises(ValueError, match="exceed what a node verifies"):
         proto.verify_epsilon(huge)
+    for bad in (math.inf, math.nan, 2.5):
+        odd = _spec(plan, 0)
+        odd.randomizer.extra["rounds"] = bad
+        with pytest.raises(ValueError, match="rounds must be an integer"):
+            proto.user_account(odd)
 
 
 def test_a_blt_strategy_travels_in_the_spec_and_streams_its_noise():

@@ -87,18 +87,26 @@ _MAX_ROUNDS = 100_000  # schedule.rounds' own bound (shuffledp.config)
 _MAX_FLOATS = 20_000_000  # T x k of the columns a node builds (160 MB of float64)
 
 
+def _whole(x: dict[str, float], key: str) -> int:
+    """An integer field of the spec's extra (absent: -1, which no check accepts); ValueError for nan, inf, 2.5."""
+    v = x.get(key, -1.0)
+    if not (math.isfinite(v) and v == int(v)):
+        raise ValueError(f"the spec's {key} must be an integer, got {v!r}")
+    return int(v)
+
+
 def _params_of_spec(spec: pb.RoundSpec) -> dict[str, Any]:
     """The run's public parameters as the spec carries them (randomizer.extra: numbers only, arrays as name_i)."""
     x = dict(spec.randomizer.extra)
-    kind = int(x.get("strategy", -1))
+    kind = _whole(x, "strategy")
     if not 0 <= kind < len(mfm.KINDS):
         raise ValueError(f"the spec's strategy must be < {len(mfm.KINDS)}, got {x.get('strategy')!r}")
     p: dict[str, Any] = {
         "strategy": mfm.KINDS[kind],
-        "rounds": int(x.get("rounds", 0)),
+        "rounds": _whole(x, "rounds"),
         "noise_multiplier": float(x.get("noise_multiplier", 0.0)),
-        "max_participations": int(x.get("max_participations", 0)),
-        "min_separation": int(x.get("min_separation", -1)),
+        "max_participations": _whole(x, "max_participations"),
+        "min_separation": _whole(x, "min_separation"),
         "delta": float(x.get("delta", 0.0)),
         "sensitivity": float(x.get("sensitivity", 0.0)),
     }
