@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import sqlite3
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -350,3 +350,50 @@ def test_config_errors_are_one_line_naming_the_key(privacy, key):
 def test_a_valid_mf_config_parses_and_feeds_ftrl():
     cfg = parse_config(_CENTRAL.format(privacy='strategy = "banded"\nbands = 2\nmax_participations = 2'))
     assert cfg.privacy.protocol == "mf" and cfg.privacy.settings.bands == 2
+
+
+# ------------------------------------------------------------------------------------- users' own accounts
+def test_each_users_node_charges_the_rounds_it_joined_and_keeps_its_limit(tmp_path, blobs_data):
+    """Issue 24 item 2 for mf, over real gRPC services with the nodes' SQLite spend stores: 16 rounds of 20 of 225
+    users, k = 2 rounds per user >= 3 apart. Every user's record is eps(z, pattern_sensitivity(its rounds), delta),
+    recomputed here from the rounds in its node's record; none is above the ledger's (worst-pattern) figure; under
+    a max_total_eps between one round's and two rounds' cost, users refuse and stay within it."""
+    from shuffledp.clients.policy import Refusal
+    from test_users_own_accounting import Cluster
+
+    toml = blobs_data + (
+        '[model]\ntask = "logreg"\n[privacy]\neps = 3.0\ndelta = 1e-5\nprotocol = "mf"\n'
+        "[privacy.mf]\nbands = 4\nmax_participations = 2\nmin_separation = 3\n"
+        '[schedule]\nkind = "subsampled"\ncohort_size = 20\nrounds = 16\nlearning_rate = 0.5\n'
+        '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
+    )
+    one_run = Cluster(tmp_path / "a", toml)
+    try:
+        st = one_run.run()
+        assert st.state == pb.COMPLETED, st.message
+        p = one_run.ledger_rows()[0]["event"]["params"]
+        strategy, z = _strategy_of(p), p["noise_multiplier"]
+        assert st.budget.eps_spent == pytest.approx(mfa.epsilon(z, mfm.sensitivity(strategy, 2, 3), 1e-5), abs=1e-9)
+        by_rounds = Counter()
+        for eps, counts in one_run.records():
+            rounds = sorted(int(r) for r, c in counts.items() if c)
+            due = mfa.epsilon(z, mfm.pattern_sensitivity(strategy, rounds), 1e-5) if rounds else 0.0
+            assert eps >= due and eps == pytest.approx(due, rel=1e-12, abs=0.0)
+            assert eps <= st.budget.eps_spent * (1 + 1e-12)
+            by_rounds[len(rounds)] += 1
+        assert by_rounds[2] > 0 and by_rounds[1] > 0 and set(by_rounds) <= {0, 1, 2}
+    finally:
+        one_run.close()
+    one = mfa.epsilon(z, mfm.pattern_sensitivity(strategy, [0]), 1e-5)
+    limit = (one + st.budget.eps_spent) / 2
+    limited = Cluster(tmp_path / "b", toml + f"[policy]\nmax_total_eps = {limit}\n")
+    try:
+        st = limited.run()
+        assert _refused(st, Refusal.TOTAL_EPS) > 0
+        assert all(eps <= limit for eps, _ in limited.records())
+    finally:
+        limited.close()
+
+
+def _refused(st: pb.RunStatus, reason: str) -> int:
+    return sum(m.refused_reasons.get(reason, 0) for m in st.metrics)
