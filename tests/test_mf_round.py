@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import math
 import sqlite3
+import subprocess
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -397,3 +399,21 @@ def test_each_users_node_charges_the_rounds_it_joined_and_keeps_its_limit(tmp_pa
 
 def _refused(st: pb.RunStatus, reason: str) -> int:
     return sum(m.refused_reasons.get(reason, 0) for m in st.metrics)
+
+
+def test_a_node_verifies_and_accounts_an_mf_round_without_jax():
+    """Only planning needs JAX: the node's figures (verify_epsilon, user_account) are numpy and dp_accounting."""
+    plan = _plan(max_participations=3, min_separation=2, bands=3)
+    spec = _spec(plan, 3).SerializeToString()
+    code = (
+        "import sys\n"
+        "from shuffledp.protocols.registry import round_protocol\n"
+        "from shuffledp.v1 import shuffledp_pb2 as pb\n"
+        f"spec = pb.RoundSpec.FromString({spec!r})\n"
+        "proto = round_protocol('mf')\n"
+        "eps = proto.verify_epsilon(spec)\n"
+        "cost = proto.user_account(spec).cost((('0', 1), ('3', 1)))\n"
+        "print(eps > 0 and cost[0] > 0, sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jax_privacy')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["True", "[]"], out.stdout + out.stderr
