@@ -112,10 +112,11 @@ min_contributors_fraction = 0.9  # a round with fewer contributors than this sha
 [schedule]
 kind = "fully_interactive"  # "sequential" (PSGD, disjoint cohorts), "fully_interactive" (PGD, all users) or
                             # "subsampled" (k = cohort_size of the n users per round, drawn secretly by the shuffler)
-optimizer = "auto"          # "auto" (sequential: psgd, fully interactive: pgd, subsampled: sgd; protocol "tree":
-                            # ftrl), "psgd" (Alg 3), "acsa" (accelerated AC-SA, Alg 4; sequential only), "pgd"
-                            # (Alg 5; fully interactive only), "sgd" (projected SGD with step-change learning rate;
-                            # subsampled only) or "ftrl" (DP-FTRL over protocol "tree"; learning_rate = 1/lambda)
+optimizer = "auto"          # "auto" (the protocol's own where it has one: "tree", "mf": ftrl; else sequential: psgd,
+                            # fully interactive: pgd, subsampled: sgd), "psgd" (Alg 3), "acsa" (accelerated AC-SA,
+                            # Alg 4; sequential only), "pgd" (Alg 5; fully interactive only), "sgd" (projected SGD
+                            # with step-change learning rate; subsampled only), "ftrl" (DP-FTRL over the prefix sums of
+                            # "tree" or "mf"; learning_rate = 1/lambda), "mu2" or "pnsgd" (their protocols' own)
 # phases = 3                # strongly convex restarts (Thm 4.8; needs model.l2 > 0, sequential): phase i starts at
                             # phase i-1's output with its own cohorts; unset (0) = one phase
 # cohort_size = 100         # sequential: users per round; unset (0) = Thm 4.1's B = sqrt(d) ln(d/delta) / eps;
