@@ -226,7 +226,9 @@ def test_config_checks_the_mu2_combinations():
         parse_config(base + "[schedule]\nrounds = 21\n")
     with pytest.raises(ConfigError, match="needs schedule.rounds"):
         parse_config(base)
-    with pytest.raises(ConfigError, match="go together"):
+    with pytest.raises(
+        ConfigError, match='optimizer = "pgd" runs over privacy.protocol = "pvec"; "mu2_untrusted" feeds'
+    ):
         parse_config(base + '[schedule]\nrounds = 20\noptimizer = "pgd"\n')
     with pytest.raises(ConfigError, match='"sealed"'):
         parse_config(base.replace('"sealed"', '"counts"') + "[schedule]\nrounds = 20\n")
