@@ -92,6 +92,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--server-name", default="analyzer", help="with --pki: name expected in the analyzer certificate"
     )
     parser.add_argument(
+        "--tensorboard",
+        type=Path,
+        metavar="DIR",
+        help="also log the run for TensorBoard in DIR/<results directory name>: per-round loss, accuracy, eps spent, "
+        "contributors and refusals, the configuration and the final spend (optional extra 'tracking')",
+    )
+    parser.add_argument(
         "--fetch",
         metavar="RUN_ID",
         help="with --analyzer: write the results directory of an existing run (default --out: results/RUN_ID)",
@@ -416,8 +423,10 @@ def drive_run(
     *,
     give_up_s: float = GIVE_UP_S,
     call_timeout_s: float = CALL_TIMEOUT_S,
+    on_status: Callable[[pb.RunStatus, int], object] | None = None,
 ) -> pb.RunResult:
-    """Create and start a run on the analyzer, report progress until it ends, return its result.
+    """Create and start a run on the analyzer, report progress until it ends, return its result. `on_status` sees
+    every status as it arrives, with the number of its rounds seen before (run tracking, the live view).
 
     Transient failures are retried for up to `give_up_s` of continuous failure (each call waits `call_timeout_s`);
     then AnalyzerLost (with run_id and what was going on). Other RPC errors propagate; a dead process of a local
@@ -463,6 +472,8 @@ def drive_run(
                     news = (len(status.metrics), status.state, status.message) != tuple(seen.values())
                     for m in status.metrics[shown:]:
                         echo(_progress_line(m, status.rounds_planned))
+                    if on_status is not None:
+                        on_status(status, shown)
                     shown = len(status.metrics)
                     # what the analyzer is waiting for (population, an unreachable shuffler): only when it changes
                     if status.state == pb.RUNNING and status.message != message:
@@ -783,7 +794,7 @@ def _hangup_interrupts():
             signal.signal(sig, handler)
 
 
-def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt) -> int:
+def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt, tracker=None) -> int:
     """Ctrl-C during a run: write what the analyzer had (drive_run fetched it before the services stopped), print
     the spend; exit status 130."""
     result, run_id = getattr(exc, "result", None), getattr(exc, "run_id", "")
@@ -793,6 +804,8 @@ def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt) -> int:
             print(f"stopped by Ctrl-C: {what}; logs in {out / 'logs'}", file=sys.stderr)
             return 130
         write_results(out, config_toml, result, interrupted=True)
+        if tracker is not None:
+            tracker.finish(result)
         s, b = result.status, result.status.budget
         print(
             f"stopped by Ctrl-C: run {run_id} {pb.RunState.Name(s.state)} after {s.rounds_done} of "
@@ -936,6 +949,7 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
         usage = "--fetch needs a RUN_ID (printed by `shuffledp run` as 'run id: ...')"
     out = args.out or Path("results") / run_id
     usage = usage or _plain_text_refused(args) or _out_refused(out, args.reuse_out, False, run_id)
+    usage = usage or _tracking_refused(args)
     if usage:
         print(f"shuffledp run: {usage}", file=sys.stderr)
         return 2
@@ -956,6 +970,9 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
         print(f"shuffledp run: {failed}", file=sys.stderr)
         return 2
     write_results(out, result.config_toml, result)
+    tracker = _tracker(args, out, result.config_toml)
+    if tracker is not None:
+        tracker.finish(result)
     s = result.status
     print(
         f"run {run_id}: {pb.RunState.Name(s.state)}, {s.rounds_done}/{s.rounds_planned} rounds, "
@@ -964,6 +981,37 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
     if s.state not in TERMINAL:
         print("the run has not ended: these are its results so far; fetch again later")
     return 0
+
+
+def _tracking_refused(args: argparse.Namespace) -> str | None:
+    """Why the run tracking asked for cannot be done (one line), or None."""
+    if getattr(args, "tensorboard", None) is None:
+        return None
+    from shuffledp.tracking import check_tracking
+
+    return check_tracking()
+
+
+def _tracker(args: argparse.Namespace, out: Path, config_toml: str):
+    """The run's TensorBoard log (DIR/<results directory name>), or None without --tensorboard."""
+    if getattr(args, "tensorboard", None) is None:
+        return None
+    from shuffledp.tracking import TensorBoardTracker
+
+    return TensorBoardTracker(args.tensorboard, out.resolve().name, config_toml)
+
+
+def _watch(*watchers) -> Callable[[pb.RunStatus, int], None] | None:
+    """One on_status for drive_run from the watchers given (None: not asked for); each sees the new rounds."""
+    active = [w for w in watchers if w is not None]
+    if not active:
+        return None
+
+    def on_status(status: pb.RunStatus, shown: int) -> None:
+        for w in active:
+            w.update(status, shown)
+
+    return on_status
 
 
 def _run_command(
@@ -999,6 +1047,7 @@ def _run_command(
     # every mistake that the configuration, the data and the command line decide alone: one line, before the results
     # directory or any process exists
     usage = _plain_text_refused(args) or _out_refused(out, args.reuse_out, local=not args.analyzer)
+    usage = usage or _tracking_refused(args)
     if usage:
         print(f"shuffledp run: {usage}", file=sys.stderr)
         return 2
@@ -1021,13 +1070,14 @@ def _run_command(
     echo = (lambda *_: None) if args.quiet else print
     started = time.monotonic()
     cluster, result = None, None
-    timing = {"give_up_s": give_up_s, "call_timeout_s": call_timeout_s}
+    tracker = _tracker(args, out, config_toml)
+    timing = {"give_up_s": give_up_s, "call_timeout_s": call_timeout_s, "on_status": _watch(tracker)}
     if args.analyzer:
         print(f"shuffledp run: {label}: on the deployment at {args.analyzer}; results in {out}")
         try:
             result = drive_run(args.analyzer, config_toml, None, echo, args.pki, args.server_name, **timing)
         except KeyboardInterrupt as exc:
-            return _interrupted(out, config_toml, exc)
+            return _interrupted(out, config_toml, exc, tracker)
         except AnalyzerLost as lost:
             # the deployment keeps the run (its ledger): say how to pick it up again
             resume = ""
@@ -1060,7 +1110,7 @@ def _run_command(
             cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
         except KeyboardInterrupt as exc:
             cluster.terminate()  # what the analyzer had is fetched already: the services stop while it is written
-            return _interrupted(out, config_toml, exc)
+            return _interrupted(out, config_toml, exc, tracker)
         except ServiceFailed as exc:
             print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
             return EXIT_LOST
@@ -1074,6 +1124,8 @@ def _run_command(
                 cluster.stop()
     try:
         write_results(out, config_toml, result)
+        if tracker is not None:
+            tracker.finish(result)
     finally:
         if cluster is not None:
             cluster.stop()
