@@ -1068,14 +1068,28 @@ def _run_command(
     config_path = out / "config.toml"
     config_path.write_text(config_toml)
     echo = (lambda *_: None) if args.quiet else print
+    live = None
+    if not args.quiet and sys.stdout.isatty():  # a terminal: the lines, and a live status line below them
+        from shuffledp.live import LiveView
+
+        live = LiveView(sys.stdout)
+        echo = live.echo
     started = time.monotonic()
     cluster, result = None, None
     tracker = _tracker(args, out, config_toml)
-    timing = {"give_up_s": give_up_s, "call_timeout_s": call_timeout_s, "on_status": _watch(tracker)}
+    timing = {"give_up_s": give_up_s, "call_timeout_s": call_timeout_s, "on_status": _watch(tracker, live)}
+
+    def drive(*args_, **kwargs) -> pb.RunResult:
+        try:
+            return drive_run(*args_, **kwargs)
+        finally:  # whatever follows (summary, error line) prints where the status line was
+            if live is not None:
+                live.close()
+
     if args.analyzer:
         print(f"shuffledp run: {label}: on the deployment at {args.analyzer}; results in {out}")
         try:
-            result = drive_run(args.analyzer, config_toml, None, echo, args.pki, args.server_name, **timing)
+            result = drive(args.analyzer, config_toml, None, echo, args.pki, args.server_name, **timing)
         except KeyboardInterrupt as exc:
             return _interrupted(out, config_toml, exc, tracker)
         except AnalyzerLost as lost:
@@ -1106,7 +1120,7 @@ def _run_command(
                 signal.signal(sig, signal.default_int_handler)
         try:
             with _hangup_interrupts():
-                result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
+                result = drive(analyzer, config_toml, cluster, echo, pki=pki, **timing)
             cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
         except KeyboardInterrupt as exc:
             cluster.terminate()  # what the analyzer had is fetched already: the services stop while it is written
