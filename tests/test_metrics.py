@@ -33,14 +33,18 @@ dataset = "digits"
 max_users = {MAX_USERS}
 [privacy]
 eps = 8.0
+min_contributors_fraction = 0.3  # node 1's users refuse every round (STRICT): the others still make the threshold
 [schedule]
 kind = "fully_interactive"
 rounds = {ROUNDS}
 learning_rate = 8.0
 [deployment]
 client_nodes = {NODES}
-round_deadline_seconds = 1.5
+round_deadline_seconds = 4.0
 """
+# node 1's users accept no round this run asks for: refusals by a policy reason, in every round
+STRICT = "[policy]\nmax_eps_per_round = 0.01\n"
+REFUSAL = "round_eps_above_max_eps_per_round"
 
 
 def _free_port() -> int:
@@ -75,6 +79,7 @@ def _sum(samples: dict, name: str, **labels: str) -> float:
 def services(tmp_path: Path):
     config = tmp_path / "run.toml"
     config.write_text(CONFIG)
+    (tmp_path / "strict.toml").write_text(CONFIG + STRICT)
     state = tmp_path / "state"
     sec = ["--insecure"]
     ports = {name: _free_port() for name in ("shuffler", "analyzer", "client-0", "client-1")}
@@ -91,7 +96,8 @@ def services(tmp_path: Path):
         )
         procs.append(analyzer)
         for i in range(NODES):
-            argv = ["client", *sec, *at, "--config", str(config), "--node-index", str(i), "--num-nodes", str(NODES)]
+            cfg = config if i == 0 else tmp_path / "strict.toml"
+            argv = ["client", *sec, *at, "--config", str(cfg), "--node-index", str(i), "--num-nodes", str(NODES)]
             argv += ["--state-dir", str(state), "--metrics-port", str(ports[f"client-{i}"])]
             procs.append(serve(tmp_path, f"client-{i}", argv)[0])
         ghost = GhostNode(f"127.0.0.1:{sport}", users=3)
@@ -194,7 +200,10 @@ def test_each_service_exposes_metrics_that_agree_with_the_ledger_and_hold_no_use
     assert _get(a, "shuffledp_analyzer_round_duration_seconds_sum", run_id=run_id) == pytest.approx(
         sum(r["seconds"] for r in rows)
     )
-    assert _sum(a, "shuffledp_analyzer_user_refusals_total", run_id=run_id) == sum(r["refused"] for r in rows)
+    refused_users = sum(r["refused"] for r in rows)
+    assert refused_users > 0
+    assert _sum(a, "shuffledp_analyzer_user_refusals_total", run_id=run_id) == refused_users
+    assert _get(a, "shuffledp_analyzer_user_refusals_total", run_id=run_id, reason=REFUSAL) == refused_users
     assert _get(a, "shuffledp_analyzer_planning_seconds_count") == 1
 
     # shuffler: users per node identity, and every accepted message is a contributor of a batch
@@ -218,10 +227,13 @@ def test_each_service_exposes_metrics_that_agree_with_the_ledger_and_hold_no_use
     # nodes: every joined user's charge was recorded once per round
     n = [end[f"client-{i}"][1] for i in range(NODES)]
     assert sum(_get(x, "shuffledp_node_spend_records_total") for x in n) == contributors
+    assert _get(n[0], "shuffledp_node_rounds_joined_total") == ROUNDS
+    assert _get(n[1], "shuffledp_node_rounds_joined_total") == 0 == _get(n[1], "shuffledp_node_spend_records_total")
+    assert _sum(n[0], "shuffledp_node_user_refusals_total") == 0
+    assert _get(n[1], "shuffledp_node_user_refusals_total", reason=REFUSAL) == refused_users
+    assert refused_users == users[1] * ROUNDS  # every user of node 1, every round
     for x in n:
-        assert _get(x, "shuffledp_node_rounds_joined_total") == ROUNDS
         assert _get(x, "shuffledp_node_connected") == 1
-    assert sum(_sum(x, "shuffledp_node_user_refusals_total") for x in n) == sum(r["refused"] for r in rows)
 
     # no user id, user list or message content in any series, mid-run or at the end
     for text, _ in [*seen_mid_run.values(), *end.values()]:
