@@ -19,6 +19,7 @@ import json
 import sqlite3
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -157,7 +158,7 @@ class _AnalyzerCollector(Collector):
             labels=["run_id", "reason"],
         )
         by_state: Counter = Counter()
-        db = sqlite3.connect(f"file:{self.ledger.path}?mode=ro", uri=True, timeout=5)
+        db = sqlite3.connect(Path(self.ledger.path).resolve().as_uri() + "?mode=ro", uri=True, timeout=5)
         try:
             rows = db.execute("SELECT run_id, state, plan_json, limit_json FROM runs ORDER BY created_at").fetchall()
             for run_id, state, plan_json, limit_json in rows:

@@ -99,10 +99,10 @@ def _check_listen(args: argparse.Namespace, role: str) -> None:
         raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
 
 
-def _check_metrics(args: argparse.Namespace, role: str) -> str | None:
-    """The metrics address host:port (on the --listen host), checked free before any state is opened; None if off."""
+def _check_metrics(args: argparse.Namespace, role: str) -> None:
+    """With --metrics-port: its address (the --listen host) is checked free before any state is opened."""
     if not args.metrics_port:
-        return None
+        return
     from shuffledp.metrics import metrics_host
 
     try:
@@ -116,7 +116,6 @@ def _check_metrics(args: argparse.Namespace, role: str) -> str | None:
         )
     except (ValueError, grpc_options.BindError) as exc:
         raise SystemExit(f"shuffledp serve {role}: metrics: {exc}") from exc
-    return host
 
 
 def _shuffler_address(args: argparse.Namespace) -> str:
