@@ -258,3 +258,10 @@ def test_metrics_port_bad_input_is_one_line_before_any_state(tmp_path):
             assert p.returncode != 0 and len(lines) == 1 and want in lines[0], p.stderr
             assert lines[0].startswith("shuffledp serve shuffler: metrics:"), lines[0]
     assert not state.exists()
+
+
+def test_a_reason_a_node_made_up_is_counted_as_other():
+    # the shuffler forwards a node's free-text reason (bounded, printable): it could name a user
+    assert safe_reason("n0-u3") == "other" and safe_reason("my users: n0-u1, n0-u2") == "other"
+    assert safe_reason("round_eps_above_max_eps_per_round") == "round_eps_above_max_eps_per_round"
+    assert safe_reason("submit_failed_unavailable") == "submit_failed_unavailable"
