@@ -3,11 +3,13 @@
 One CollectorRegistry per service (never the process-global one), so several services in one process do not clash.
 Most values are read when Prometheus scrapes, from the state the service keeps anyway (the analyzer's ledger, the
 shuffler's counters, the node's counters): they agree with the ledger and metrics.json by construction, and the
-analyzer's survive its restart. Only durations are observed live (planning, the shuffler's round phases).
+analyzer's survive its restart. Observed live: planning time, and the shuffler's round phases, batch sizes and
+round outcomes (hooks the services call; a failing hook is logged and never fails a round).
 
-What a label or value may carry: run ids, node identities (certificate names), reasons from a closed set, states
-and numbers. Never a user id, a node's user list or message content: reasons forwarded from nodes (free text at the
-shuffler, bounded) are mapped to the node policy's known reasons, anything else to "other".
+What a label or value may carry: run ids, node identities (certificate names), reasons (refusals: the known set;
+rejections: lower-case words), states and numbers. Never a user id, a node's user list or message content: reasons
+forwarded from nodes (free text at the shuffler, bounded) are mapped to the node policy's known reasons, anything
+else to "other".
 
 Naming follows the Prometheus conventions: `shuffledp_<service>_` prefix, `_total` counters, base units
 (`_seconds`), and no unit for counts and privacy parameters (eps, delta are dimensionless).
@@ -16,9 +18,10 @@ Naming follows the Prometheus conventions: `shuffledp_<service>_` prefix, `_tota
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +45,9 @@ __all__ = [
     "ROUND_SECONDS_BUCKETS",
 ]
 
+log = logging.getLogger(__name__)
+
 RUN_STATES = ("CREATED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "BUDGET_EXHAUSTED")
-_TERMINAL = frozenset(RUN_STATES) - {"CREATED", "RUNNING"}
 # a round lasts from ~0.05 s (loopback, small cohorts) to its deadline (minutes in a deployment)
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 PLANNING_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -191,6 +195,18 @@ def safe_label(reason: str) -> str:
     return reason if ok else "other"
 
 
+def _never_raises(hook: Callable[..., None]) -> Callable[..., None]:
+    """A hook the service calls: a failure in it is logged, never lets a round or a plan fail."""
+
+    def safe(*args) -> None:
+        try:
+            hook(*args)
+        except Exception:
+            log.exception("metrics hook failed")
+
+    return safe
+
+
 def _buckets(values: Iterable[float], bounds: tuple[float, ...]) -> list[tuple[str, float]]:
     """Cumulative histogram buckets (Prometheus: le = upper bound, the last +Inf = the count)."""
     values = list(values)
@@ -208,7 +224,7 @@ def analyzer_registry(manager) -> CollectorRegistry:
         buckets=PLANNING_SECONDS_BUCKETS,
         registry=registry,
     )
-    manager.on_planned = lambda run_id, seconds: planning.observe(seconds)
+    manager.on_planned = _never_raises(lambda run_id, seconds: planning.observe(seconds))
     return registry
 
 
@@ -281,7 +297,7 @@ def shuffler_registry(state) -> CollectorRegistry:
         sizes.observe(batch.contributors)
         rounds.labels("released" if batch.released else "below_threshold").inc()
 
-    state.on_round = on_round
+    state.on_round = _never_raises(on_round)
     return registry
 
 
