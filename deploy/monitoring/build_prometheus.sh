@@ -2,7 +2,7 @@
 # Build the image shuffledp-prometheus:latest from Debian's `prometheus` package, without any container registry:
 #   1. the base image shuffledp-base:bookworm (deploy/build_base.sh; skipped if present)
 #   2. `apt-get download prometheus` on the host (Debian's archive, as for the base image), unpacked with dpkg-deb
-#   3. docker build from a context holding only the two binaries, the Dockerfile and prometheus.yml
+#   3. docker build from a context holding only its two binaries, the Dockerfile and prometheus.yml
 #
 # Usage: deploy/monitoring/build_prometheus.sh [--tag NAME:TAG] [--force]
 #   --force   rebuild even if the image exists
@@ -33,7 +33,7 @@ fi
 
 CTX="$DEPLOY/.build/prometheus"
 rm -rf "$CTX"
-mkdir -p "$CTX/deb" "$CTX/rootfs"
+mkdir -p "$CTX/deb"
 # apt's sandbox user must be able to write where the .deb goes
 chmod 777 "$CTX/deb"
 if ! (cd "$CTX/deb" && apt-get download -q prometheus >/dev/null 2>&1); then
@@ -43,8 +43,10 @@ fi
 DEB="$(ls "$CTX"/deb/prometheus_*.deb)"
 log "unpacking $(basename "$DEB")"
 dpkg-deb -x "$DEB" "$CTX/rootfs"
-cp "$HERE/Dockerfile" "$HERE/prometheus.yml" "$CTX/"
-printf '*\n!Dockerfile\n!prometheus.yml\n!rootfs/usr/bin/prometheus\n!rootfs/usr/bin/promtool\n' >"$CTX/.dockerignore"
-docker build -q -t "$TAG" --build-arg "BASE=$BASE" "$CTX" >/dev/null
-rm -rf "$CTX/deb"
+# the build context: the two binaries, the Dockerfile and the scrape configuration, nothing else
+mkdir -p "$CTX/context"
+cp "$CTX/rootfs/usr/bin/prometheus" "$CTX/rootfs/usr/bin/promtool" "$HERE/Dockerfile" "$HERE/prometheus.yml" \
+  "$CTX/context/"
+docker build -q -t "$TAG" --build-arg "BASE=$BASE" "$CTX/context" >/dev/null
+rm -rf "$CTX"
 log "built $TAG ($(docker image inspect --format '{{.Size}}' "$TAG" | awk '{printf "%.0f MB", $1/1e6}'))"
