@@ -54,10 +54,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--metrics-port",
         type=int,
+        metavar="PORT",
         default=os.environ.get("SHUFFLEDP_METRICS_PORT", "0"),  # a string default goes through type=int too
         help="serve Prometheus metrics (plain HTTP, /metrics) on this port of the --listen host; 0 = off (default; "
         "env SHUFFLEDP_METRICS_PORT). Scrapable by anyone who reaches that address: bind to loopback or a private "
-        "network (README, Metrics)",
+        "network (README, Monitoring)",
     )
     parser.set_defaults(func=_serve)
 
