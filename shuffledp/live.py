@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -52,9 +52,9 @@ class LiveView:
         self._out.write(_CLEAR + text + "\n")
         self._draw()
 
-    def update(self, status: pb.RunStatus, shown: int) -> None:
-        del shown  # the view shows totals only
-        planned, done = int(status.rounds_planned), min(len(status.metrics), int(status.rounds_planned))
+    def update(self, status: pb.RunStatus, new: Sequence[pb.RoundMetrics], seen: int) -> None:
+        del new  # the view shows totals only: the rounds seen in all
+        planned, done = int(status.rounds_planned), min(seen, int(status.rounds_planned))
         if planned and self._started is None:
             self._started, self._done_at_start = self._clock(), done
         eta = None

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -423,10 +423,11 @@ def drive_run(
     *,
     give_up_s: float = GIVE_UP_S,
     call_timeout_s: float = CALL_TIMEOUT_S,
-    on_status: Callable[[pb.RunStatus, int], object] | None = None,
+    on_status: Callable[[pb.RunStatus, Sequence[pb.RoundMetrics], int], object] | None = None,
 ) -> pb.RunResult:
     """Create and start a run on the analyzer, report progress until it ends, return its result. `on_status` sees
-    every status as it arrives, with the number of its rounds seen before (run tracking, the live view).
+    every status as it arrives, with its rounds not seen before and the number of rounds seen in all (run tracking,
+    the live view).
 
     Transient failures are retried for up to `give_up_s` of continuous failure (each call waits `call_timeout_s`);
     then AnalyzerLost (with run_id and what was going on). Other RPC errors propagate; a dead process of a local
@@ -470,10 +471,11 @@ def drive_run(
                     poll = pb.RunRef(run_id=run_id, wait_ms=WAIT_MS, **seen)
                     status = rpc.call(stub.GetRunStatus, poll, call_timeout_s + WAIT_MS / 1000)
                     news = (len(status.metrics), status.state, status.message) != tuple(seen.values())
-                    for m in status.metrics[shown:]:
+                    new = status.metrics[shown:]
+                    for m in new:
                         echo(_progress_line(m, status.rounds_planned))
                     if on_status is not None:
-                        on_status(status, shown)
+                        on_status(status, new, len(status.metrics))
                     shown = len(status.metrics)
                     # what the analyzer is waiting for (population, an unreachable shuffler): only when it changes
                     if status.state == pb.RUNNING and status.message != message:
@@ -1001,15 +1003,15 @@ def _tracker(args: argparse.Namespace, out: Path, config_toml: str):
     return TensorBoardTracker(args.tensorboard, out.resolve().name, config_toml)
 
 
-def _watch(*watchers) -> Callable[[pb.RunStatus, int], None] | None:
+def _watch(*watchers) -> Callable[[pb.RunStatus, Sequence[pb.RoundMetrics], int], None] | None:
     """One on_status for drive_run from the watchers given (None: not asked for); each sees the new rounds."""
     active = [w for w in watchers if w is not None]
     if not active:
         return None
 
-    def on_status(status: pb.RunStatus, shown: int) -> None:
+    def on_status(status: pb.RunStatus, new: Sequence[pb.RoundMetrics], seen: int) -> None:
         for w in active:
-            w.update(status, shown)
+            w.update(status, new, seen)
 
     return on_status
 

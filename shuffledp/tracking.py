@@ -9,6 +9,7 @@ tensorboardX (the optional extra `tracking`): it writes the format without Tenso
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -55,9 +56,9 @@ class TensorBoardTracker:
         self._logged: set[int] = set()
         self._writer.add_text("run/config", _code_block(config_toml), 0)
 
-    def update(self, status: pb.RunStatus, shown: int) -> None:
-        """drive_run's on_status: log the rounds that are new in `status`."""
-        for m in status.metrics[shown:]:
+    def update(self, status: pb.RunStatus, new: Sequence[pb.RoundMetrics], seen: int) -> None:
+        """drive_run's on_status: log the rounds that are new."""
+        for m in new:
             self.round(m)
 
     def round(self, m: pb.RoundMetrics) -> None:
