@@ -882,7 +882,7 @@ def check_before_start(config: RunConfig) -> None:
     Raises ConfigError naming the problem."""
     from shuffledp.config import ConfigError
     from shuffledp.data import load_dataset, num_users
-    from shuffledp.models import make_model
+    from shuffledp.model_plugin import build_model
     from shuffledp.services.run_manager import plan_run
 
     try:
@@ -896,8 +896,7 @@ def check_before_start(config: RunConfig) -> None:
             f"{config.data.examples_per_user})"
         )
     # the analyzer's model for this data (as its _evaluation_data builds it)
-    m = config.model
-    model = make_model(m.task, ds.num_features, ds.num_classes, l2=m.l2, hidden=m.hidden)
+    model = build_model(config.model, ds.num_features, ds.num_classes)
     try:
         plan_run(config, n, n, model, ds.feature_norm_bound)
     except ValueError as exc:  # PlanError, and what the planner's helpers raise before it wraps them
