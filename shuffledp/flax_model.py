@@ -9,7 +9,11 @@ losses; a model factory returns ``FlaxModel(module, loss, ...)`` (see shuffledp/
 
 - flattens the parameter pytree into the flat float64 vector the protocols and optimizers use
   (jax.flatten_util.ravel_pytree; the layout is the pytree's leaves in jax.tree_util order, named by their paths);
-- computes per-user gradients with vmap(grad) under jit: user i's gradient is the gradient of the mean loss over its
+- computes per-user gradients with vmap(grad) under jit (per_user = "vmap"; or "scan": jax.lax.map of grad, one
+  user after another inside one compiled call, for convolutional networks on CPU, where XLA turns a vmapped
+  convolution's weight gradient into a grouped convolution with one group per user that is ~100x slower in float64
+  than the loop: measured 18 s against 0.18 s for 128 users of shuffledp/examples/flax_models.py's CNN): user i's
+  gradient is the gradient of the mean loss over its
   own b examples, so no quantity is shared between users (the sensitivity argument of DP-SGD, Abadi et al. 2016,
   needs each row to depend on one user's data only), then clips each user's gradient in l2 when asked
   (g min(1, C / ||g||), Abadi et al. 2016 eq. (1));
@@ -72,6 +76,7 @@ class FlaxModel(ModelPlugin):
         input_shape: Sequence[int] | None = None,
         seed: int = 0,
         users_per_call: int = USERS_PER_CALL,
+        per_user: str = "vmap",
     ) -> None:
         self.num_features = int(num_features)
         self.num_classes = int(num_classes)
@@ -80,6 +85,9 @@ class FlaxModel(ModelPlugin):
             raise ValueError(f"input_shape {self.input_shape} does not hold {self.num_features} features")
         self.module, self.loss_fn, self.seed = module, loss, int(seed)
         self.users_per_call = int(users_per_call)
+        if per_user not in ("vmap", "scan"):
+            raise ValueError(f'per_user must be "vmap" or "scan", got {per_user!r}')
+        self.per_user = per_user
         from flax import linen
 
         self._linen = isinstance(module, linen.Module)
@@ -137,9 +145,13 @@ class FlaxModel(ModelPlugin):
         return jnp.mean(self.loss_fn(self._outputs(flat, X), y))
 
     def _user_gradients(self, flat: jax.Array, X: jax.Array, y: jax.Array, clip: jax.Array) -> jax.Array:
-        """(n, dim) per-user gradients (vmap over users of grad of the user's mean loss), each scaled to l2 norm
-        <= clip when clip > 0 (Abadi et al. 2016 eq. (1))."""
-        G = jax.vmap(jax.grad(self._user_loss), in_axes=(None, 0, 0))(flat, X, y)
+        """(n, dim) per-user gradients (grad of each user's mean loss, vmapped or scanned over the users), each
+        scaled to l2 norm <= clip when clip > 0 (Abadi et al. 2016 eq. (1))."""
+        grad = jax.grad(self._user_loss)
+        if self.per_user == "vmap":
+            G = jax.vmap(grad, in_axes=(None, 0, 0))(flat, X, y)
+        else:  # one user after another in one compiled loop (see the module docstring: convolutions on CPU)
+            G = jax.lax.map(lambda xy: grad(flat, xy[0], xy[1]), (X, y))
         norms = jnp.sqrt(jnp.sum(G * G, axis=1))
         scale = jnp.where(clip > 0, jnp.minimum(1.0, clip / jnp.maximum(norms, 1e-300)), 1.0)
         return G * scale[:, None]

@@ -51,13 +51,14 @@ def _data(features: int, classes: int, seed: int):
     return X, y
 
 
-@pytest.mark.parametrize("which", ["cnn", "mlp", "nnx"])
+@pytest.mark.parametrize("which", ["cnn", "cnn-vmap", "mlp", "nnx"])
 def test_per_user_gradients_equal_a_per_example_loop(which):
-    if which == "cnn":
+    if which.startswith("cnn"):
         # a small CNN over 8x8 images (the example's architecture, narrower); 2 users per jitted call: the padded
         # last call is covered too
         model = cnn(64, 4, channels=[2, 3], hidden=6, image_shape=[8, 8, 1])
         model.users_per_call = 2
+        model.per_user = "vmap" if which == "cnn-vmap" else "scan"
         model._grads = jax.jit(model._user_gradients)
     elif which == "mlp":
         model = mlp(6, 3, widths=[5, 4])
