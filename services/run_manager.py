@@ -280,6 +280,7 @@ def plan_run(
         "task": task,
         "model_name": identity.name,
         "model_digest": identity.digest,
+        **({"model_layout": model.layout()} if cfg.model.module else {}),  # a plug-in's segments (model.npz)
         "l2": cfg.model.l2,
         "smoothing": smoothing,
         "num_features": model.num_features,

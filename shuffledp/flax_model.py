@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -210,6 +211,12 @@ class FlaxModel(ModelPlugin):
             "seed": self.seed,
         }
 
+    def export(self, params: np.ndarray, directory: Any) -> list[str]:
+        """model.msgpack: the parameter pytree in Flax's serialization; load it back with
+        flax.serialization.msgpack_restore(open("model.msgpack", "rb").read()) -> {"Conv_0": {"kernel": ...}, ...}."""
+        save_params(self, params, os.path.join(directory, "model.msgpack"))
+        return ["model.msgpack"]
+
     def params_tree(self, params: np.ndarray) -> Any:
         """The flat vector as the module's parameter pytree (what module.apply / nnx.update take)."""
         return self._unravel(jnp.asarray(self._check(params)))
@@ -233,7 +240,7 @@ def save_params(model: FlaxModel, params: np.ndarray, path: str) -> None:
     from flax import serialization
 
     with open(path, "wb") as f:
-        f.write(serialization.to_bytes(model.params_tree(params)))
+        f.write(serialization.to_bytes(_pure(model.params_tree(params))))
 
 
 def load_params(model: FlaxModel, path: str) -> Any:
@@ -241,4 +248,9 @@ def load_params(model: FlaxModel, path: str) -> Any:
     from flax import serialization
 
     with open(path, "rb") as f:
-        return serialization.from_bytes(model.params_tree(model.init_params()), f.read())
+        return serialization.from_bytes(_pure(model.params_tree(model.init_params())), f.read())
+
+
+def _pure(tree: Any) -> Any:
+    """nnx.State as nested dicts of arrays (what nnx.State.replace_by_pure_dict takes back); linen's dict as is."""
+    return tree.to_pure_dict() if hasattr(tree, "to_pure_dict") else tree

@@ -143,6 +143,11 @@ class ModelPlugin(ABC):
     def layout(self) -> list[dict[str, Any]]:
         """The flat vector's segments in order: [{"name": str, "shape": [int, ...]}, ...] (sizes sum to dim)."""
 
+    def export(self, params: np.ndarray, directory: Any) -> list[str]:
+        """Write params in the model's framework's own form into directory; the file names written ([] = none:
+        the flat vector with its layout, model.npz, is what `shuffledp run` always writes)."""
+        return []
+
     @abstractmethod
     def describe(self) -> dict[str, Any]:
         """The model's public definition as JSON-able values (its name, hyper-parameters, a hash of its code where

@@ -16,7 +16,7 @@ from flax import nnx  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
 from shuffledp.examples.flax_models import cnn, mlp  # noqa: E402
-from shuffledp.flax_model import FlaxModel, load_params, save_params, softmax_cross_entropy  # noqa: E402
+from shuffledp.flax_model import FlaxModel, load_params, softmax_cross_entropy  # noqa: E402
 from shuffledp.models import ModelPlugin  # noqa: E402
 from shuffledp.rng import make_rng  # noqa: E402
 
@@ -127,11 +127,16 @@ def test_batch_norm_across_users_is_refused():
 
 
 def test_export_roundtrip(tmp_path):
+    from flax import serialization
+
     model = mlp(6, 3, widths=[5])
     theta = model.init_params() + 1.0
-    save_params(model, theta, str(tmp_path / "model.msgpack"))
+    assert model.export(theta, tmp_path) == ["model.msgpack"]
     tree = load_params(model, str(tmp_path / "model.msgpack"))
     np.testing.assert_array_equal(np.asarray(ravel_pytree(tree)[0]), theta)
+    # the README's one line: no template needed
+    restored = serialization.msgpack_restore(open(tmp_path / "model.msgpack", "rb").read())
+    np.testing.assert_array_equal(restored["Dense_0"]["kernel"], np.asarray(tree["Dense_0"]["kernel"]))
     X, _ = _data(6, 3, seed=1)
     out = model.module.apply({"params": tree}, jnp.asarray(X[:, 0]))
     np.testing.assert_allclose(np.asarray(out), np.asarray(model._eval(theta, jnp.asarray(X[:, 0]))))

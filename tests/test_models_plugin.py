@@ -3,6 +3,7 @@ module (shuffledp.model_plugin), and a node refusing a round whose model digest 
 
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
@@ -17,6 +18,7 @@ from shuffledp.model_plugin import build_model, model_identity
 from shuffledp.models import Model, ModelPlugin, clip_l2, make_model, model_digest
 from shuffledp.protocols.pvec import clip_rows
 from shuffledp.rng import make_rng
+from shuffledp.run import write_results
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -162,7 +164,7 @@ def test_node_refuses_a_round_whose_model_digest_differs(tmp_path):
         stub = pbg.AnalyzerStub(grpc.insecure_channel(f"127.0.0.1:{aport}"))
 
         def run(toml: str) -> pb.RunResult:
-            run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=toml), timeout=30).run_id
+            run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=toml), timeout=120).run_id
             stub.StartRun(pb.RunRef(run_id=run_id), timeout=30)
             wait_for_run(stub, run_id, timeout=200)
             return stub.GetRunResult(pb.RunRef(run_id=run_id), timeout=30)
@@ -175,6 +177,12 @@ def test_node_refuses_a_round_whose_model_digest_differs(tmp_path):
         assert same.status.state == pb.COMPLETED, same.status.message
         assert same.status.rounds_done == 2 and Refusal.MODEL_DIFFERS not in refusals()
         assert np.isfinite(same.accuracy) and len(same.model.f64) == 8 * (4 * 4 + 2 * 5)
+        # export (item 5): model.npz names the plug-in's segments, in its layout
+        write_results(tmp_path / "out", data + _plugin_toml(4), same)
+        npz = np.load(tmp_path / "out" / "model.npz")
+        layout = json.loads(str(npz["layout"]))
+        assert layout["model"] == "shuffledp.models:builtin" and layout["arrays"] == {"W1": [4, 4], "W2": [2, 5]}
+        np.testing.assert_array_equal(np.concatenate([npz["W1"].ravel(), npz["W2"].ravel()]), npz["params"])
 
         other = run(data + _plugin_toml(3, "rounds = 1\n") + deploy)
         users = 90  # 120 examples, every 4th held out
