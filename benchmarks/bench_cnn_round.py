@@ -29,7 +29,7 @@ from shuffledp.services.run_manager import plan_run, round_spec  # noqa: E402
 from shuffledp import sealing  # noqa: E402
 from shuffledp.config import load_config  # noqa: E402
 from shuffledp.data import load_dataset, user_shard  # noqa: E402
-from shuffledp.model_plugin import build_model  # noqa: E402
+from shuffledp.model_plugin import build_model, model_identity  # noqa: E402
 from shuffledp.protocols.registry import round_protocol  # noqa: E402
 from shuffledp.rng import make_rng  # noqa: E402
 from shuffledp.v1 import shuffledp_pb2 as pb  # noqa: E402
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     event = PrivacyEvent(proto.name, proto.event_params(plan, 0), plan["min_contributors"], plan["kind"], trust)
     key = sealing.generate_keypair()[1] if proto.needs_keypair(plan) else b""
     ids, X, y = user_shard(ds, 0, 1, 1, args.users)
-    core = NodeCore("bench", UserShard(ids, X, y), rng=make_rng())
+    core = NodeCore("bench", UserShard(ids, X, y), rng=make_rng(), model=(model, model_identity(cfg.model, model)))
     idx = np.arange(len(ids))
     theta = model.init_params()
     spec = round_spec("bench", 0, plan, params, event, theta, key)
