@@ -196,3 +196,55 @@ def test_node_refuses_a_round_whose_model_digest_differs(tmp_path):
         assert "refusing round 0" in log and "node has 'shuffledp.models:builtin'" in log
     finally:
         stop(*procs)
+
+
+def test_a_spec_never_makes_a_node_import_what_it_names():
+    """A spec naming a plug-in the node does not have (or another built-in digest) is refused by every invited user
+    with Refusal.MODEL_DIFFERS; the named module is not imported and nothing is charged."""
+    import sys
+
+    from shuffledp.clients.node import NodeCore, UserShard
+    from shuffledp.clients.policy import UserPolicy
+
+    rng = make_rng(1)
+    shard = UserShard([f"u{j}" for j in range(6)], rng.normal(size=(6, 1, 3)), rng.normal(size=(6, 1)))
+    spec = pb.RoundSpec(
+        run_id="run",
+        round=0,
+        schedule=pb.FULLY_INTERACTIVE,
+        trust_model=pb.SHUFFLE,
+        transport=pb.COUNTS,
+        randomizer=pb.RandomizerSpec(protocol="pvec", dim=4, g=16, m=8, p=0.5, clip_norm=1.0),
+        model=pb.Tensor(shape=[4], f64=np.zeros(4).tobytes()),
+        task="leastsq",
+        min_contributors=1,
+        deadline_seconds=10,
+        per_user_cost=pb.PrivacyCost(eps=1.0, delta=1e-6, trust_model=pb.SHUFFLE),
+        local_batch=1,
+    )
+    good = model_digest(make_model("leastsq", 3, 1))
+    for name, digest, refused in [
+        ("shuffledp_never_imported_xyz:factory", good, True),
+        ("leastsq", "0" * 64, True),  # a built-in of another layout or version
+        ("leastsq", good, False),
+        ("", "", False),  # a spec that states no model (earlier analyzers): the built-in task as before
+    ]:
+        core = NodeCore("n", shard, UserPolicy(verify_randomizer=False), rng=make_rng(2))
+        out = core.handle(pb.Invitation(spec=_with_model(spec, name, digest), user_ids=shard.user_ids))
+        reasons = {r.reason for r in out.refusals}
+        assert (reasons == {Refusal.MODEL_DIFFERS}) == refused, (name, reasons)
+        assert (core.spent("u0")[0] == 0) == refused
+    assert "shuffledp_never_imported_xyz" not in sys.modules
+    # a node with a plug-in refuses a built-in spec (it computes only with the model its configuration names)
+    cfg = parse_config(_plugin_toml(4)).model
+    plugin = build_model(cfg, 3, 2)
+    core = NodeCore("n", shard, UserPolicy(verify_randomizer=False), model=(plugin, model_identity(cfg, plugin)))
+    out = core.handle(pb.Invitation(spec=_with_model(spec, "leastsq", good), user_ids=shard.user_ids))
+    assert {r.reason for r in out.refusals} == {Refusal.MODEL_DIFFERS}
+
+
+def _with_model(spec: pb.RoundSpec, name: str, digest: str) -> pb.RoundSpec:
+    out = pb.RoundSpec()
+    out.CopyFrom(spec)
+    out.model_name, out.model_digest = name, digest
+    return out
