@@ -832,7 +832,7 @@ class RunManager:
             )
         if batch.run_id != run_id or batch.round != r:
             raise RuntimeError(f"batch for run {batch.run_id!r} round {batch.round} answered round {r}")
-        try:  # what the round ran with (PVEC's check-in: the threshold and trials of who checked in)
+        try:  # what the round ran with (as the shuffler's report says; the plug-in decides)
             params, n_min, ran = rd.protocol.released(plan, rd.params, rep)
         except BatchError as exc:  # released, so charged; the run stops
             self.ledger.commit(run_id, r, exc.charged, exc.ran)
