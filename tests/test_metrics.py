@@ -216,7 +216,7 @@ def test_each_service_exposes_metrics_that_agree_with_the_ledger_and_hold_no_use
     contributors = sum(r["contributors"] for r in rows)
     assert _get(s, "shuffledp_shuffler_batch_contributors_count") == len(rows)
     assert _get(s, "shuffledp_shuffler_batch_contributors_sum") == contributors
-    # the default run checks in first (mechanisms/check_in.py): a check-in and then a message per contributor
+    # the default run checks in first (protocols/check_in.py): a check-in and then a message per contributor
     checked_in = sum(r["checked_in"] for r in rows)
     assert checked_in >= contributors
     assert _get(s, "shuffledp_shuffler_messages_accepted_total") == contributors + checked_in
