@@ -1,1 +1,0 @@
-"""Example model plug-ins (issue 26): [model] module = "shuffledp.examples.flax_models:cnn" (needs shuffledp[jax])."""
