@@ -58,9 +58,8 @@ radius = 10.0
 
 [privacy]
 eps = {eps}
-clip_norm = 1.0
-[privacy.pvec]
 calibration = "calibrated"
+clip_norm = 1.0
 
 [schedule]
 kind = "sequential"
