@@ -370,7 +370,6 @@ class RunView:
     loss: float = float("nan")  # of `model` on the held-out split
     accuracy: float = float("nan")
     excess_risk: float | None = None  # of `model`, when the population optimum is known
-    metrics_from: int = 0  # `metrics` leaves out the first that many rounds' metrics
 
 
 class _EvalData(NamedTuple):
@@ -538,22 +537,20 @@ class RunManager:
         live.thread.start()
 
     # -------------------------------------------------------------------------------------------- views
-    def view(self, run_id: str, with_result: bool = False, metrics_from: int = 0) -> RunView:
-        """The run's status; ``metrics_from``: without the first that many rounds' metrics (a poller holds them:
-        a long run's status costs what changed, not every round again)."""
+    def view(self, run_id: str, with_result: bool = False) -> RunView:
         run = self._run(run_id)
         plan = run["plan"] or {}
+        metrics = [m for m in self.ledger.metrics(run_id) if m.get("round", -1) >= 0]
         budget = self.ledger.totals(run_id) if run["limit"] else None
         view = RunView(
             run_id=run_id,
             state=run["state"],
-            rounds_done=self.ledger.rounds_done(run_id),
+            rounds_done=sum(1 for r in self.ledger.rounds(run_id) if r["state"] != "reserved"),
             rounds_planned=int(plan.get("rounds", 0)),
             budget=budget,
-            metrics=self.ledger.metrics(run_id, skip=metrics_from),
+            metrics=metrics,
             message=run["message"],
             config_toml=run["config_toml"],
-            metrics_from=metrics_from,
         )
         hidden = bool(plan.get("hidden_iterates"))
         if with_result and hidden and run["state"] in ("CREATED", "RUNNING"):
