@@ -247,6 +247,10 @@ class Ledger:
 
         return _Tx()
 
+    def snapshot(self) -> threading.RLock:
+        """Hold it (`with ledger.snapshot():`) to read several tables with no write landing in between."""
+        return self._lock
+
     @property
     def version(self) -> int:
         """Count of committed writes since this process opened the ledger (for wait_change)."""

@@ -538,33 +538,35 @@ class RunManager:
 
     # -------------------------------------------------------------------------------------------- views
     def view(self, run_id: str, with_result: bool = False) -> RunView:
-        run = self._run(run_id)
-        plan = run["plan"] or {}
-        metrics = [m for m in self.ledger.metrics(run_id) if m.get("round", -1) >= 0]
-        budget = self.ledger.totals(run_id) if run["limit"] else None
-        view = RunView(
-            run_id=run_id,
-            state=run["state"],
-            rounds_done=sum(1 for r in self.ledger.rounds(run_id) if r["state"] != "reserved"),
-            rounds_planned=int(plan.get("rounds", 0)),
-            budget=budget,
-            metrics=metrics,
-            message=run["message"],
-            config_toml=run["config_toml"],
-        )
-        hidden = bool(plan.get("hidden_iterates"))
-        if with_result and hidden and run["state"] in ("CREATED", "RUNNING"):
-            raise RunStateError(f"run {run_id} releases only its last iterate: its result exists once it COMPLETED")
-        if with_result:
+        # one snapshot of the ledger: a round settling meanwhile (the one in flight at a cancel) would otherwise
+        # leave the budget, the metrics and the exported ledger disagreeing about what was spent
+        with self.ledger.snapshot():
+            run = self._run(run_id)
+            plan = run["plan"] or {}
+            hidden = bool(plan.get("hidden_iterates"))
+            if with_result and hidden and run["state"] in ("CREATED", "RUNNING"):
+                raise RunStateError(f"run {run_id} releases only its last iterate: its result exists once it COMPLETED")
+            view = RunView(
+                run_id=run_id,
+                state=run["state"],
+                rounds_done=sum(1 for r in self.ledger.rounds(run_id) if r["state"] != "reserved"),
+                rounds_planned=int(plan.get("rounds", 0)),
+                budget=self.ledger.totals(run_id) if run["limit"] else None,
+                metrics=[m for m in self.ledger.metrics(run_id) if m.get("round", -1) >= 0],
+                message=run["message"],
+                config_toml=run["config_toml"],
+            )
+            if not with_result:
+                return view
             ck = self.ledger.last_checkpoint(run_id)
-            if ck is not None and plan and (run["state"] == "COMPLETED" or not hidden):
-                opt = _optimizer(plan)
-                view.model = opt.release(_decode_state(ck[1], opt.state_from_arrays), plan.get("output", "mean"))
-                model, X, y, _, optimum_loss = self._evaluation_data(parse_config(run["config_toml"]))
-                view.loss, view.accuracy = model.loss(view.model, X, y), model.accuracy(view.model, X, y)
-                if optimum_loss is not None:
-                    view.excess_risk = view.loss - optimum_loss
             view.ledger_json = self.ledger.export_json(run_id)
+        if ck is not None and plan and (run["state"] == "COMPLETED" or not hidden):
+            opt = _optimizer(plan)
+            view.model = opt.release(_decode_state(ck[1], opt.state_from_arrays), plan.get("output", "mean"))
+            model, X, y, _, optimum_loss = self._evaluation_data(parse_config(run["config_toml"]))
+            view.loss, view.accuracy = model.loss(view.model, X, y), model.accuracy(view.model, X, y)
+            if optimum_loss is not None:
+                view.excess_risk = view.loss - optimum_loss
         return view
 
     def budget(self, run_id: str) -> BudgetTotals | None:

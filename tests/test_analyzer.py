@@ -1,5 +1,6 @@
 """Analyzer service in-process (real gRPC servers on loopback): operator API, planning, threshold release."""
 
+import json
 import math
 import sqlite3
 import threading
@@ -14,7 +15,7 @@ from shuffledp.clients.node import start_node
 from shuffledp.clients.policy import PolicyTable, UserPolicy
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
 from shuffledp.services.ledger import Ledger, PrivacyEvent
-from shuffledp.services.run_manager import PlanError, _decode_state, plan_run, round_spec
+from shuffledp.services.run_manager import PlanError, RunManager, _decode_state, plan_run, round_spec
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.config import DEFAULT_ROUNDS, parse_config
@@ -257,6 +258,37 @@ def test_round_metrics_show_the_model_after_the_round(services, data, output):
     assert [m.loss for m in st.metrics] == [m0[f"loss_{output}"], m1[f"loss_{output}"]]
     # the released model: mean(theta_0..theta_{T-1}) (spec 000 sec 4, Alg 5), or the last iterate theta_T
     np.testing.assert_array_equal(released, (theta0 + theta1) / 2 if output == "mean" else theta2)
+
+
+def test_a_result_is_one_snapshot_of_the_ledger(services, data):
+    """A round settling while the analyzer composes a result (the one in flight when the operator cancels) landed
+    between the result's budget and its exported ledger: the CLI printed a spend that its ledger.json contradicted.
+    The interleaving is made certain by settling the round inside the evaluation the view runs."""
+    stub, shuffler, nodes, state_dir = services
+    cfg_text = data + "[privacy]\neps = 8.0\ndelta = 1e-3\n[privacy.pvec]\nround_eps = 1.0\n[schedule]\nrounds = 2\n"
+    cfg_text += "[deployment]\nround_deadline_seconds = 20\n"
+    cfg = parse_config(cfg_text)
+    nodes += [start_node(f"s{i}", cfg, i, 2, shuffler) for i in range(2)]
+    run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
+    stub.StartRun(pb.RunRef(run_id=run_id))
+    assert wait_for_run(stub, run_id, timeout=60).state == pb.COMPLETED
+    ledger = Ledger(state_dir / LEDGER_FILE)
+    channel = grpc.insecure_channel(shuffler)
+    manager = RunManager(ledger, pbg.ShufflerStub(channel))
+    ledger.reserve(run_id, 2, ledger.event(run_id, 1))  # a round in flight
+    evaluate = manager._evaluation_data
+
+    def settled_meanwhile(run_cfg):
+        ledger.mark_spent(run_id, 2, "settled while the result was composed")
+        return evaluate(run_cfg)
+
+    manager._evaluation_data = settled_meanwhile
+    view = manager.view(run_id, with_result=True)
+    channel.close()
+    exported = json.loads(view.ledger_json)["totals"]
+    assert (view.budget.eps_spent, view.budget.eps_reserved) == (exported["eps_spent"], exported["eps_reserved"])
+    assert view.budget.eps_spent < view.budget.eps_reserved  # taken before the round settled, in both
+    assert ledger.totals(run_id).eps_spent == view.budget.eps_reserved  # and it did settle, as spent
 
 
 def test_bits_transport_decodes_sealed_labelled_bits(services, tmp_path):

@@ -498,7 +498,8 @@ def test_analyzer_task_killed_is_restarted_and_the_run_resumes(stack: Stack):
     run_cmd(["docker", "kill", old])  # a crash: SIGKILL, a round in flight
     rc = run.finish()
     TIMINGS["kill run"] = time.monotonic() - t0
-    assert rc == 0 and "state: COMPLETED" in run.text, run.text + "\n" + stack.logs("analyzer")
+    logs = "\n".join(stack.logs(svc, tail=200) for svc in ("analyzer", "shuffler", "clients"))
+    assert rc == 0 and "state: COMPLETED" in run.text, run.text + "\n" + logs
     # Swarm replaced the task: the old one failed (137), a new one runs on the host labelled analyzer
     tasks = [
         json.loads(line)
