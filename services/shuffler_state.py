@@ -877,7 +877,8 @@ class ShufflerState:
             try:
                 # check-in: the first half of the window for the check-ins, the rest for the messages
                 self._collect(rnd, is_active, self._clock() + req.deadline_seconds / 2 if rnd.checking_in else None)
-                if not rnd.checking_in or self._second_invitation(rnd):
+                # an analyzer gone mid-check-in releases nothing: no second invitation for reports that would be lost
+                if not rnd.checking_in or (is_active() and self._second_invitation(rnd)):
                     self._collect(rnd, is_active)
             finally:
                 rnd.closed = True
@@ -885,8 +886,10 @@ class ShufflerState:
                 self._closed[key] = None
                 while len(self._closed) > RECENT_CLOSED_ROUNDS:
                     self._closed.popitem(last=False)
-            if rnd.second_invitation:
-                # checked in, invited again, and sent nothing: not asked to check in again in this run (item 4)
+            if rnd.second_invitation and is_active():
+                # checked in, invited again, and sent nothing for the whole window: not asked to check in again in
+                # this run (item 4). A round cut short (the analyzer gone) proves no one silent: its resumed run
+                # would otherwise find too few users left to release anything again
                 silent = [u for u in rnd.invited if u not in rnd.answered]
                 if silent:
                     self._silent.setdefault(req.run_id, set()).update(silent)

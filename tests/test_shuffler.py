@@ -612,6 +612,41 @@ def test_check_in_shares_the_noise_and_a_dropout_after_check_in_never_weakens_it
         dropper.call.cancel()
 
 
+def test_a_round_cut_short_by_the_analyzer_marks_no_one_silent(shuffler):
+    """CI failure (Swarm, the analyzer's task killed): users who checked in were invited to report, the analyzer's call
+    ended before they could, and the shuffler took them all for silent. The resumed run then invited only the rest,
+    too few for any release, and failed. A round cut short proves no one silent: the next round invites everyone."""
+    a = FakeNode(shuffler.stub, "a", ["a0", "a1", "a2"])
+    b = FakeNode(shuffler.stub, "b", ["b0", "b1", "b2"])
+    pool = futures.ThreadPoolExecutor(1)
+    try:
+        shuffler.wait_nodes(2, users=6)
+        call = shuffler.stub.ExecuteRound.future(_check_in_spec(1, 0.8), timeout=30)
+        for node in (a, b):  # both check in, without payload
+            inv = node.q.get(timeout=20)
+            c = pb.Contribution(run_id="r", round=inv.spec.round, node_id=node.node_id)
+            for u in inv.user_ids:
+                c.messages.add(user_id=u, nonce=secrets.token_bytes(16))
+            shuffler.stub.Submit(c, timeout=5)
+        for node in (a, b):  # the second invitation
+            assert node.q.get(timeout=20).spec.check_in.checked_in == 6
+        call.cancel()  # the analyzer is gone before anyone reports
+        end = time.monotonic() + 20
+        while ("r", 1) not in shuffler.state._closed:  # the shuffler has closed the round
+            assert time.monotonic() < end, "round 1 never closed"
+            time.sleep(0.01)
+        nxt = pool.submit(shuffler.stub.ExecuteRound, _check_in_spec(2, 0.8), timeout=30)
+        invitations = [node.q.get(timeout=20) for node in (a, b)]
+        assert [inv.spec.round for inv in invitations] == [2, 2]
+        assert sorted(u for inv in invitations for u in inv.user_ids) == ["a0", "a1", "a2", "b0", "b1", "b2"]
+        batch = nxt.result(timeout=30)  # no one answers: nothing released, nobody excluded
+        assert not batch.released and batch.report.excluded_silent == 0
+    finally:
+        a.call.cancel()
+        b.call.cancel()
+        pool.shutdown(wait=False)
+
+
 def test_check_in_specs_are_validated_before_anyone_is_invited(shuffler, nodes):
     for bad, why in [
         (dict(fraction=0.9, min_contributors=5), "noise_trials = 31 must be <= randomizer.m"),
