@@ -773,7 +773,9 @@ class ShufflerState:
                 invited, excluded = kept, len(invited) - len(kept)
             if not invited:
                 raise CohortUnavailable(
-                    "no admitted users on connected nodes"
+                    f"all {excluded} connected users of the run checked in and then sent nothing in an earlier round"
+                    if excluded
+                    else "no admitted users on connected nodes"
                     if fixed is None
                     else f"none of the run's {len(fixed)} users is connected"
                 )

@@ -548,7 +548,7 @@ def test_a_count_round_whose_totals_could_not_be_sent_is_refused_before_anything
 
 def _check_in_spec(round_, fraction, **kw) -> pb.RoundSpec:
     # worst case m = 6 trials at min_contributors = 5: noise_trials N* = 30
-    s = spec(round_, min_contributors=5, deadline_seconds=6.0, **kw)
+    s = spec(round_, **{"min_contributors": 5, "deadline_seconds": 6.0, **kw})
     s.check_in.noise_trials, s.check_in.report_fraction = 30, fraction
     return s
 
@@ -645,6 +645,27 @@ def test_a_round_cut_short_by_the_analyzer_marks_no_one_silent(shuffler):
         a.call.cancel()
         b.call.cancel()
         pool.shutdown(wait=False)
+
+
+def test_a_run_whose_every_user_went_silent_says_so(shuffler):
+    """Every user checked in and then sent nothing for the whole window: the next round is refused naming that,
+    not as if no user were connected."""
+    a = FakeNode(shuffler.stub, "a", [f"a{i}" for i in range(5)])
+    try:
+        shuffler.wait_nodes(1, users=5)
+        call = shuffler.stub.ExecuteRound.future(_check_in_spec(1, 0.8, deadline_seconds=2.0), timeout=30)
+        inv = a.q.get(timeout=20)
+        c = pb.Contribution(run_id="r", round=1, node_id="a")
+        for u in inv.user_ids:
+            c.messages.add(user_id=u, nonce=secrets.token_bytes(16))
+        shuffler.stub.Submit(c, timeout=5)
+        assert not call.result(timeout=30).released  # checked in, then silent for the rest of the window
+        with pytest.raises(grpc.RpcError) as err:
+            shuffler.stub.ExecuteRound(_check_in_spec(2, 0.8, deadline_seconds=2.0), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "all 5 connected users of the run checked in and then sent nothing" in err.value.details()
+    finally:
+        a.call.cancel()
 
 
 def test_check_in_specs_are_validated_before_anyone_is_invited(shuffler, nodes):
