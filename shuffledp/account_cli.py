@@ -40,6 +40,7 @@ PROTOCOLS: dict[str, str] = {
     "gaussian": "seed 002: Gaussian noise per round, local or central (DP-mu2-FL)",
     "tree": "seed 003: DP-FTRL tree aggregation, restarts, multiple participations",
     "pnsgd": "seed 004: shuffled projected noisy SGD, one or more epochs",
+    "mf": "DP-FTRL with matrix-factorization noise (banded, BLT): k participations xi rounds apart",
 }
 
 _GAUSSIAN_NOTE = (
@@ -72,6 +73,8 @@ examples:
   shuffledp account tree --noise-multiplier 1 --leaves-per-tree 1000 --max-participations 4 --min-separation 100 \
       --delta 1e-6
   shuffledp account pnsgd --noise gaussian --n 10000 --lipschitz 1 --eta 0.1 --diameter 1 --eps 1 --delta 1e-5 \\
+      --min-noise
+  shuffledp account mf --rounds 12 --bands 3 --max-participations 2 --min-separation 2 --eps 8 --delta 1e-5 \\
       --min-noise
 Run `shuffledp account PROTOCOL --help` for the options of one protocol.
 """
@@ -302,6 +305,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rho", type=float, default=0.0, help="strong convexity (with --beta)")
     _common(p, "number of epochs (default 1)")
     p.add_argument("--epochs", dest="rounds", type=_count, help="alias of --rounds")
+    p.set_defaults(func=run, _parser=p)
+
+    p = sub.add_parser("mf", help=PROTOCOLS["mf"], description=PROTOCOLS["mf"] + ".", formatter_class=fmt)
+    p.add_argument("--strategy", choices=("banded", "blt"), default="banded", help="the factorization C")
+    p.add_argument("--bands", type=_count, help="b of the banded strategy (default: min separation + 1)")
+    p.add_argument("--max-participations", type=_count, default=1, help="k: rounds a user may join in the run")
+    p.add_argument("--min-separation", type=_nonneg_int, default=0, help="xi: rounds strictly between two of them")
+    p.add_argument("--noise-multiplier", type=_positive, help="z: std of Z / clip norm")
+    _common(
+        p,
+        "T, the rows of C (required; --max-rounds: the most of them a run stopped early may release within --eps)",
+    )
     p.set_defaults(func=run, _parser=p)
 
 
@@ -590,8 +605,68 @@ def _with_sigma(ev: GaussianRound, sigma: float) -> GaussianRound:
     return GaussianRound(sigma, ev.sensitivity, ev.trust, ev.sampling, ev.sampling_rate)
 
 
+def _mf(args: argparse.Namespace, query: str) -> dict[str, Any]:
+    """The planner's own C, sensitivity and noise multiplier (protocols.mf_round.planned_strategy; JAX), charged as
+    the ledger charges it: one Gaussian mechanism at Delta / z (accountants.matrix_factorization, exact curve)."""
+    from shuffledp.accountants import matrix_factorization as mfa
+    from shuffledp.protocols.mf_round import ACCOUNTANT, planned_strategy
+
+    _require(args, "--rounds", why="protocol mf (the rows of C)")
+    if args.accountant != "tight":
+        raise _Usage("protocol mf has one accountant, the Gaussian mechanism's exact curve: --accountant tight")
+    if args.bands is not None and args.strategy != "banded":
+        raise _Usage(f'--bands applies to --strategy banded only, not "{args.strategy}"')
+    if args.bands is not None and args.bands > args.rounds:
+        raise _Usage(f"--bands {args.bands} exceeds --rounds {args.rounds}")
+    if query != "min_noise":
+        _require(args, "--noise-multiplier", why=f"the {query.replace('_', '-')} query")
+    T, k, xi, delta = args.rounds, args.max_participations, args.min_separation, args.delta
+    strategy, sens, prefix = planned_strategy(args.strategy, T, k, xi, args.bands)
+    z = args.noise_multiplier
+    out: dict[str, Any] = {"protocol": "mf", "query": query}
+    if query == "min_noise":
+        z = mfa.min_noise_multiplier(sens, args.eps, delta)
+    if query == "max_rounds":
+        # a run stopped after t rounds is charged C[:t, :t]'s sensitivity (the ledger's prefix table)
+        fits = [t for t in range(1, T + 1) if mfa.epsilon(z, prefix[t - 1], delta) <= args.eps]
+        t = max(fits, default=0)
+        out["max_rounds"] = t
+        eps = mfa.epsilon(z, prefix[t - 1], delta) if t else 0.0
+        if t < T:
+            out["eps_next"] = mfa.epsilon(z, prefix[t], delta)
+        sens_charged = prefix[t - 1] if t else 0.0
+    else:
+        eps, sens_charged = mfa.epsilon(z, sens, delta), sens
+        out["rounds"] = T
+        if args.eps is not None and query == "cost":
+            out["fits"] = eps <= args.eps
+    result: dict[str, Any] = {
+        "eps": eps,
+        "delta": delta,
+        "accountant": ACCOUNTANT,
+        "optimal_order": None,
+        "trust": "central",
+        **out,
+    }
+    if args.eps is not None:
+        result["eps_budget"] = args.eps
+    result.update(
+        {
+            "strategy": strategy.kind,
+            "bands": len(strategy.coefs) if strategy.kind == "banded" else None,
+            "max_participations": k,
+            "min_separation": xi,
+            "sensitivity": sens_charged,
+            "noise_multiplier": z,
+        }
+    )
+    return result
+
+
 def _answer(args: argparse.Namespace) -> dict[str, Any]:
     query = _query(args)
+    if args.protocol == "mf":
+        return _mf(args, query)
     if args.protocol == "gaussian":
         if args.sample_size is not None or args.dataset_size is not None:
             return _fixed_cohort(args, query)

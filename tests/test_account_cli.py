@@ -40,7 +40,7 @@ def test_help_lists_every_protocol_and_query() -> None:
         assert name in proc.stdout
     for text in ("--max-rounds", "--min-noise", "seed 000", "seed 001", "seed 002", "seed 003", "seed 004"):
         assert text in proc.stdout
-    assert set(PROTOCOLS) == {"pvec", "subsampled-shuffle", "gaussian", "tree", "pnsgd"}
+    assert set(PROTOCOLS) == {"pvec", "subsampled-shuffle", "gaussian", "tree", "pnsgd", "mf"}
 
 
 @pytest.mark.parametrize(
@@ -51,6 +51,7 @@ def test_help_lists_every_protocol_and_query() -> None:
         ("gaussian", ("--sigma", "--noise-multiplier", "--sensitivity", "--trust", "--sampling-rate")),
         ("tree", ("--noise-multiplier", "--steps", "--max-participations", "--min-separation", "--completion")),
         ("pnsgd", ("--noise", "--n", "--lipschitz", "--sigma", "--eta", "--diameter", "--epochs")),
+        ("mf", ("--strategy", "--bands", "--max-participations", "--min-separation", "--noise-multiplier")),
     ],
 )
 def test_protocol_help_documents_its_options(capsys, protocol, options) -> None:
@@ -350,3 +351,47 @@ def test_help_imports_no_dp_accounting_and_states_the_noise_convention() -> None
     assert proc.stdout.strip().splitlines()[-1] == "[]"
     text = " ".join(proc.stdout.split())
     assert "noise std z C" in text and "2C" in text
+
+
+# ------------------------------------------------------------------------------------ matrix factorization
+MF = ("--rounds", "12", "--bands", "3", "--max-participations", "2", "--min-separation", "2", "--delta", "1e-5")
+
+
+def test_mf_queries_are_the_planners_and_agree_with_each_other(capsys) -> None:
+    """The three queries on the planner's own C (protocols.mf_round.planned_strategy): --min-noise gives the least z
+    that fits, its cost is within the budget, and --max-rounds at that z is the whole run, at a lower z fewer."""
+    from shuffledp.accountants import matrix_factorization as mfa
+    from shuffledp.mechanisms import matrix_factorization as mfm
+    from shuffledp.protocols.mf_round import planned_strategy
+
+    least = _run(capsys, "mf", *MF, "--eps", "8", "--min-noise")
+    strategy, sens, prefix = planned_strategy("banded", 12, 2, 2, 3)
+    z = least["noise_multiplier"]
+    assert z == mfa.min_noise_multiplier(sens, 8.0, 1e-5) and least["sensitivity"] == sens
+    assert (least["strategy"], least["bands"], least["trust"]) == ("banded", 3, "central")
+    assert sens == mfm.sensitivity(strategy, 2, 2)
+    cost = _run(capsys, "mf", *MF, "--noise-multiplier", str(z), "--eps", "8")
+    assert cost["eps"] == mfa.epsilon(z, sens, 1e-5) <= 8.0 and cost["fits"]
+    assert mfa.epsilon(z * (1 - 1e-4), sens, 1e-5) > 8.0  # least: a little less noise does not fit
+    assert _run(capsys, "mf", *MF, "--noise-multiplier", str(z), "--eps", "8", "--max-rounds")["max_rounds"] == 12
+    fewer = _run(capsys, "mf", *MF, "--noise-multiplier", str(0.75 * z), "--eps", "8", "--max-rounds")
+    t = fewer["max_rounds"]
+    assert 0 < t < 12 and fewer["eps"] == mfa.epsilon(0.75 * z, prefix[t - 1], 1e-5) <= 8.0 < fewer["eps_next"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("mf", "--delta", "1e-5", "--noise-multiplier", "1"), "protocol mf (the rows of C) needs --rounds"),
+        (("mf", *MF, "--noise-multiplier", "1", "--accountant", "paper"), "one accountant"),
+        (("mf", *MF, "--strategy", "blt", "--noise-multiplier", "1"), "--bands applies to --strategy banded only"),
+        (("mf", "--rounds", "2", "--bands", "3", "--delta", "1e-5", "--noise-multiplier", "1"), "exceeds --rounds"),
+        (("mf", *MF), "the cost query needs --noise-multiplier"),
+        (("mf", *MF, "--min-noise"), "--min-noise needs --eps"),
+    ],
+)
+def test_mf_usage_errors_are_one_line(capsys, argv, message) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["account", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and len(err.strip().splitlines()) <= 2, err

@@ -6,6 +6,7 @@ per-user account; configuration errors."""
 from __future__ import annotations
 
 import functools
+import json
 import math
 import sqlite3
 import subprocess
@@ -22,6 +23,7 @@ from shuffledp.services.shuffler_state import (
     SqliteParticipationStore,
 )
 
+from shuffledp import cli
 from shuffledp.accountants import matrix_factorization as mfa
 from shuffledp.config import ConfigError, parse_config
 from shuffledp.mechanisms import matrix_factorization as mfm
@@ -86,7 +88,7 @@ def _check_limits(record: dict[str, list[int]], k: int, xi: int) -> int:
     return max(len(v) for v in record.values())
 
 
-def test_mf_run_over_the_services_charges_the_accountants_eps_and_the_shuffler_keeps_the_limits(tmp_path: Path):
+def test_mf_run_over_the_services_charges_the_accountants_eps_and_the_shuffler_keeps_the_limits(tmp_path: Path, capsys):
     k, rounds, E, xi = 100, 12, 2, 2
     privacy = f'strategy = "banded"\nbands = 3\nmax_participations = {E}\nmin_separation = {xi}'
     ledger, metrics, _ = run_cli(tmp_path, "mf", _CONFIG.format(privacy=privacy, k=k, rounds=rounds))
@@ -101,6 +103,12 @@ def test_mf_run_over_the_services_charges_the_accountants_eps_and_the_shuffler_k
     expected = mfa.epsilon(params["noise_multiplier"], mfm.sensitivity(strategy, E, xi), 1e-5)
     assert ledger["totals"]["eps_spent"] == pytest.approx(expected, abs=1e-9)
     assert 7.9 < expected <= 8.0  # z is the least that fits
+    # `shuffledp account mf` for the same parameters: the same least z and eps (issue 27 acceptance, 1e-9)
+    argv = ["--rounds", str(rounds), "--bands", "3", "--max-participations", str(E), "--min-separation", str(xi)]
+    assert cli.main(["account", "mf", *argv, "--eps", "8", "--delta", "1e-5", "--min-noise", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["noise_multiplier"] == params["noise_multiplier"]
+    assert abs(answer["eps"] - ledger["totals"]["eps_spent"]) <= 1e-9
     record = _rounds_by_user(tmp_path / "mf" / "state" / "shuffler.sqlite", ledger["run"]["run_id"])
     assert sum(len(v) for v in record.values()) == k * rounds
     assert _check_limits(record, E, xi) == E  # the limit binds: 1200 rounds joined by fewer users

@@ -39,8 +39,9 @@ from shuffledp.protocols.central import CentralRound, check_fixed_cohort, noise_
 from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
-__all__ = ["MfRound", "MfSettings"]
+__all__ = ["ACCOUNTANT", "MfRound", "MfSettings", "planned_strategy"]
 
+ACCOUNTANT = "mf-gaussian-exact (issue 27 sensitivity of C, Balle-Wang conversion; central trust)"
 # the plan's per-round table (RoundPlan.plan_extra): Delta of the first t rounds, t = 1..T
 _PREFIX_SENS = "mf_prefix_sensitivity"
 
@@ -148,6 +149,18 @@ def _prefix_sensitivities(strategy: mfm.Strategy, k: int, xi: int, whole: float)
     return [min(s, whole) for s in cut] + [whole]
 
 
+def planned_strategy(
+    kind: str, rounds: int, max_participations: int, min_separation: int, bands: int | None
+) -> tuple[mfm.Strategy, float, list[float]]:
+    """(C, its sensitivity Delta, Delta of each prefix of the run) as planning builds them (JAX): the analyzer's
+    plan and `shuffledp account mf` share it, so both charge the same C."""
+    # b <= xi + 1: the worst case of k participations is sqrt(k) times one's (mechanisms.matrix_factorization)
+    b = min(bands or min_separation + 1, rounds) if kind == "banded" else None
+    strategy = mfm.build_strategy(kind, rounds, max_participations, min_separation, bands=b)
+    sens = mfm.sensitivity(strategy, max_participations, min_separation)
+    return strategy, sens, _prefix_sensitivities(strategy, max_participations, min_separation, sens)
+
+
 def _epsilon(z: float, sens: float, delta: float) -> float:
     from shuffledp.accountants import matrix_factorization as mfa
 
@@ -200,11 +213,7 @@ class MfRound(CentralRound):
             )
         if T * k > E * n:
             raise ValueError(f"{T} rounds of {k} users need more than max_participations {E} x {n} admitted users")
-        # b <= xi + 1: the worst case of k participations is sqrt(k) times one's (mechanisms.matrix_factorization)
-        bands = min(o.bands or xi + 1, T) if o.strategy == "banded" else None
-        strategy = mfm.build_strategy(o.strategy, T, E, xi, bands=bands)
-        sens = mfm.sensitivity(strategy, E, xi)
-        prefix = _prefix_sensitivities(strategy, E, xi, sens)
+        strategy, sens, prefix = planned_strategy(o.strategy, T, E, xi, o.bands)
         z = o.noise_multiplier
         if z is None:
             z = mfa.min_noise_multiplier(sens, req.eps, req.delta)
@@ -309,7 +318,7 @@ class MfRound(CentralRound):
 
     # ------------------------------------------------------------------------------------ ledger arithmetic
     def accountant_name(self, event: Any, composition: str) -> str:
-        return "mf-gaussian-exact (issue 27 sensitivity of C, Balle-Wang conversion; central trust)"
+        return ACCOUNTANT
 
     def round_cost(self, event: Any) -> tuple[float, float]:
         """The whole run at the event's parameters (what a round belongs to), at the run's delta."""
