@@ -70,7 +70,8 @@ from shuffledp.run import drive_run, start_local_cluster
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 DELTA, CLIP = 1e-5, 1.0
-METHODS = ("dp-ftrl", "dp-ftrlm", "dp-sgd", "pgd")
+METHODS = ("dp-ftrl", "dp-ftrlm", "dp-sgd", "pgd", "dp-mf", "dp-mfm")
+FTRL = {"dp-ftrl": 0.0, "dp-ftrlm": 0.9, "dp-mf": 0.0, "dp-mfm": 0.9}  # FTRL methods and their momentum
 TASKS = {
     "digits": {
         "data": '[data]\ndataset = "digits"\n',
@@ -94,12 +95,16 @@ GRIDS = {
         "dp-ftrlm": [0.4, 0.8, 1.6],
         "dp-sgd": [0.25, 0.5, 1.0, 2.0],
         "pgd": [2.0, 4.0, 8.0],
+        "dp-mf": [2.0, 4.0, 8.0],
+        "dp-mfm": [0.4, 0.8, 1.6],
     },
     "synthetic": {
         "dp-ftrl": [1.0, 2.0, 4.0],
         "dp-ftrlm": [0.2, 0.4, 0.8],
         "dp-sgd": [1.0, 2.0, 4.0],
         "pgd": [2.0, 4.0, 8.0],
+        "dp-mf": [1.0, 2.0, 4.0],
+        "dp-mfm": [0.2, 0.4, 0.8],
     },
 }
 POLICY = (  # generous users: the benchmark runs many runs on the same users
@@ -128,9 +133,10 @@ def _fills(n: int, k: int, T: int, E: int, xi: int, per: int, trials: int = 20) 
     return True
 
 
-def tree_limits(n: int, k: int, T: int, eps: float) -> dict:
+def tree_limits(n: int, k: int, T: int, eps: float, trees: tuple[int, ...] = (1, 2, 3, 4, 5)) -> dict:
     """DP-FTRL's (max_participations E, min_separation xi, rounds_per_tree) for T rounds of k of n users (module
-    docstring): one tree and E = 1 when T k <= n, else the feasible candidate with the least running-sum noise."""
+    docstring): one tree and E = 1 when T k <= n, else the feasible candidate with the least running-sum noise
+    among those of `trees` trees (one only when MF runs too: its limits hold for the whole run)."""
     if T * k <= n:
         return {"max_participations": 1, "min_separation": 0, "rounds_per_tree": 0, "noise_rms": math.nan}
     from shuffledp.accountants import ledger_accounting as la
@@ -139,8 +145,8 @@ def tree_limits(n: int, k: int, T: int, eps: float) -> dict:
 
     best: dict | None = None
     xi_max = n // k - 1  # TreeRound.plan: k (xi + 1) <= n
-    for trees in (1, 2, 3, 4, 5):
-        per = math.ceil(T / trees)
+    for count in trees:
+        per = math.ceil(T / count)
         for E in (1, 2, 3, 4):
             if E > per or per * k > E * n:  # TreeRound.plan: a tree of per rounds needs <= E n participations
                 continue
@@ -170,11 +176,16 @@ def base_config(task: str) -> str:
 
 def run_config(task: str, method: str, eps: float, lr: float, T: int, k: int, tree: dict) -> str:
     privacy = f"[privacy]\neps = {eps}\ndelta = {DELTA}\nclip_norm = {CLIP}\n"
-    if method in ("dp-ftrl", "dp-ftrlm"):
-        privacy += 'protocol = "tree"\n[privacy.tree]\n' + "".join(
-            f"{key} = {tree[key]}\n" for key in ("max_participations", "min_separation", "rounds_per_tree")
-        )
-        momentum = 0.9 if method == "dp-ftrlm" else 0.0
+    if method in FTRL:
+        if method.startswith("dp-mf"):  # the same limits over the whole run; banded C, b = xi + 1 (issue 27)
+            keys, table = ("max_participations", "min_separation"), 'protocol = "mf"\n[privacy.mf]\n'
+        else:
+            keys, table = (
+                ("max_participations", "min_separation", "rounds_per_tree"),
+                'protocol = "tree"\n[privacy.tree]\n',
+            )
+        privacy += table + "".join(f"{key} = {tree[key]}\n" for key in keys)
+        momentum = FTRL[method]
         schedule = (
             f'kind = "subsampled"\ncohort_size = {k}\noptimizer = "ftrl"\nmomentum = {momentum}\noutput = "last"\n'
         )
@@ -291,7 +302,7 @@ def plot(path: Path, tables: dict[str, list[dict]]) -> None:
 
     fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4), squeeze=False)
     for ax, (task, table) in zip(axes[0], tables.items(), strict=True):
-        for method, style in zip(METHODS, ("o-", "s-", "^--", "d:"), strict=True):
+        for method, style in zip(METHODS, ("o-", "s-", "^--", "d:", "o--", "s--"), strict=True):
             pts = [r for r in table if r["method"] == method]
             if pts:
                 ax.errorbar(
@@ -331,7 +342,8 @@ def _parse_grid(items: list[str]) -> dict[str, list[float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
-    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    # dp-mf(m) on request (issue 27 item 4b: --methods dp-ftrl dp-mf dp-ftrlm dp-mfm): it limits the tree to one tree
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS[:4]))
     ap.add_argument("--eps", type=float, nargs="+", default=[1.0, 4.0, 8.0])
     ap.add_argument("--rounds", type=int, default=40, help="T, the same for every method")
     ap.add_argument("--cohort", type=int, default=100, help="k of DP-FTRL(M) and DP-SGD (PGD: all users)")
@@ -359,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
             E, xi, per = (int(v) for v in args.tree.split(","))
             tree = {"max_participations": E, "min_separation": xi, "rounds_per_tree": per, "noise_rms": math.nan}
         else:
-            tree = tree_limits(n, args.cohort, args.rounds, max(args.eps))
+            mf = any(m.startswith("dp-mf") for m in args.methods)
+            tree = tree_limits(n, args.cohort, args.rounds, max(args.eps), (1,) if mf else (1, 2, 3, 4, 5))
+        if any(m.startswith("dp-mf") for m in args.methods) and tree["rounds_per_tree"] not in (0, args.rounds):
+            raise SystemExit("dp-mf's limits hold for the whole run: give --tree E,XI,0 (one tree)")
         limits[task] = tree
         grid = {**GRIDS[task], **override}
         if args.quick:
@@ -396,6 +411,16 @@ def main(argv: list[str] | None = None) -> int:
         for m, g in gap.items():
             verdict = "within 2 points or better" if g >= -0.02 else "loses by more than 2 points"
             print(f"  {m:>9} - dp-sgd = {100 * g:+.1f} points ({verdict})")
+    for task, table in tables.items():  # issue 27 item 4b: MF's noise against the tree's, same limits
+        acc = {(r["method"], r["eps"]): r["accuracy"] for r in table}
+        for tree_m, mf_m in (("dp-ftrl", "dp-mf"), ("dp-ftrlm", "dp-mfm")):
+            pairs = [
+                (e, acc[(mf_m, e)] - acc[(tree_m, e)]) for e in args.eps if (mf_m, e) in acc and (tree_m, e) in acc
+            ]
+            if pairs:
+                print(
+                    f"{task}: {mf_m} - {tree_m} = " + ", ".join(f"{100 * g:+.1f} points at eps {e:g}" for e, g in pairs)
+                )
     total = time.monotonic() - started
     print(f"\ntotal time {total:.0f} s for {len(rows)} runs")
     doc = {

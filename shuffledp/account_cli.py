@@ -309,7 +309,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("mf", help=PROTOCOLS["mf"], description=PROTOCOLS["mf"] + ".", formatter_class=fmt)
     p.add_argument("--strategy", choices=("banded", "blt"), default="banded", help="the factorization C")
-    p.add_argument("--bands", type=_count, help="b of the banded strategy (default: min separation + 1)")
+    p.add_argument(
+        "--bands",
+        type=_count,
+        help="b of the banded strategy (default: min separation + 1, or --rounds for one participation)",
+    )
     p.add_argument("--max-participations", type=_count, default=1, help="k: rounds a user may join in the run")
     p.add_argument("--min-separation", type=_nonneg_int, default=0, help="xi: rounds strictly between two of them")
     p.add_argument("--noise-multiplier", type=_positive, help="z: std of Z / clip norm")

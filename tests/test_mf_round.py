@@ -152,6 +152,18 @@ def test_plan_sizes_the_least_noise_and_refuses_what_does_not_fit():
         MfRound().plan(_request(k=10))  # 12 rounds x 10 users > 1 x 100
 
 
+def test_default_bands_are_xi_plus_one_or_every_round_for_one_participation():
+    """b <= xi + 1 keeps two participations' columns orthogonal; with one participation any b has C's largest column
+    norm as sensitivity, so the planner takes the full Toeplitz (b = T), whose prefix error is the least."""
+    assert len(_strategy_of(_plan(max_participations=2, min_separation=3)["params"]).coefs) == 4
+    one = _strategy_of(_plan()["params"])
+    assert len(one.coefs) == 12
+    narrow = _strategy_of(_plan(bands=1)["params"])
+    # at equal privacy (noise std proportional to the sensitivity) the full Toeplitz's worst prefix error is lower
+    full, banded1 = (mfm.sensitivity(c) ** 2 * float(np.max(mfm.prefix_variance(c))) for c in (one, narrow))
+    assert full < 0.8 * banded1, (full, banded1)
+
+
 def test_the_ledger_charges_the_rounds_it_committed():
     """compose: the run stopped after round 4 is charged C[:5, :5]'s sensitivity; round_cost the whole run's."""
     from shuffledp.services.ledger import PrivacyEvent

@@ -56,7 +56,11 @@ class MfSettings:
         choices=mfm.KINDS,
     )
     bands: int | None = setting(
-        None, "b of the banded strategy; unset = min_separation + 1 (at most rounds)", lo=1, hi=10**5, example=4
+        None,
+        "b of the banded strategy; unset = min_separation + 1 (at most rounds), or rounds if max_participations = 1",
+        lo=1,
+        hi=10**5,
+        example=4,
     )
     max_participations: int = setting(
         1, "rounds a user may join in the run (k; the shuffler enforces it)", lo=1, hi=10**6
@@ -154,8 +158,10 @@ def planned_strategy(
 ) -> tuple[mfm.Strategy, float, list[float]]:
     """(C, its sensitivity Delta, Delta of each prefix of the run) as planning builds them (JAX): the analyzer's
     plan and `shuffledp account mf` share it, so both charge the same C."""
-    # b <= xi + 1: the worst case of k participations is sqrt(k) times one's (mechanisms.matrix_factorization)
-    b = min(bands or min_separation + 1, rounds) if kind == "banded" else None
+    # b <= xi + 1: the worst case of k participations is sqrt(k) times one's (mechanisms.matrix_factorization);
+    # one participation: any b has sensitivity = C's largest column norm, so the full Toeplitz (b = T) errs least
+    default = rounds if max_participations == 1 else min_separation + 1
+    b = min(bands or default, rounds) if kind == "banded" else None
     strategy = mfm.build_strategy(kind, rounds, max_participations, min_separation, bands=b)
     sens = mfm.sensitivity(strategy, max_participations, min_separation)
     return strategy, sens, _prefix_sensitivities(strategy, max_participations, min_separation, sens)
