@@ -5,6 +5,8 @@
 #   3. docker build from a context holding only the wheels (pip install --no-index inside the build)
 #
 # Usage: deploy/build_image.sh [--tag NAME:TAG] [--base IMAGE] [--force-base] [--no-cache] [--python PYTHON]
+#                              [--extras LIST]
+#   --extras LIST  the project's optional dependencies too, e.g. mf (jax_privacy, for privacy.protocol = "mf")
 #   --base IMAGE   use another base (e.g. python:3.11-slim where a registry is reachable); skips step 2
 #   --force-base   rebuild the debootstrap base even if it exists; --no-cache: no docker build cache either
 #                  (both together = a build from scratch, what the deployment tests do)
@@ -18,6 +20,7 @@ BASE_GIVEN=0
 FORCE_BASE=()
 NO_CACHE=()
 PYTHON="${PYTHON:-}"
+EXTRAS=""
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -26,8 +29,11 @@ while [[ $# -gt 0 ]]; do
     --force-base) FORCE_BASE=(--force); shift ;;
     --no-cache) NO_CACHE=(--no-cache); shift ;;
     --python) PYTHON="${2:?--python needs a path}"; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
-    *) echo "build_image.sh: unknown argument '$1' (allowed: --tag, --base, --force-base, --no-cache, --python)" >&2; exit 2 ;;
+    --extras)
+      [[ ${2:-} =~ ^[a-z0-9_-]+(,[a-z0-9_-]+)*$ ]] || { echo "build_image.sh: --extras takes NAME[,NAME...], got '${2:-}'" >&2; exit 2; }
+      EXTRAS="[$2]"; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "build_image.sh: unknown argument '$1' (allowed: --tag, --base, --force-base, --no-cache, --python, --extras)" >&2; exit 2 ;;
   esac
 done
 
@@ -67,7 +73,7 @@ trap 'rm -rf "$SRC"' EXIT
 tar -C "$ROOT" --exclude=./.git --exclude='./.venv*' --exclude=./deploy/.build --exclude=./build \
   --exclude='*.egg-info' --exclude='__pycache__' --exclude='*.so' --exclude=./results --exclude=./.pytest_cache \
   --exclude=./.ruff_cache -c . | tar -C "$SRC" -x
-"$PYTHON" -m pip wheel --disable-pip-version-check "$SRC" -w "$WHEELS" >"$BUILD/pip-wheel.log" 2>&1 || {
+"$PYTHON" -m pip wheel --disable-pip-version-check "$SRC$EXTRAS" -w "$WHEELS" >"$BUILD/pip-wheel.log" 2>&1 || {
   tail -n 40 "$BUILD/pip-wheel.log" >&2
   echo "build_image.sh: pip wheel failed (full log: $BUILD/pip-wheel.log)" >&2
   exit 1
@@ -89,7 +95,7 @@ T2=$(date +%s)
 log "docker build $TAG from $BASE"
 # Legacy builder and BuildKit both accept a Dockerfile outside the context; the context is only wheels/.
 # --network=none: the build installs from the context's wheels only, and this proves it needs nothing else.
-docker build --network=none "${NO_CACHE[@]}" --build-arg BASE="$BASE" -t "$TAG" -f "$ROOT/deploy/Dockerfile" "$BUILD" >"$BUILD/docker-build.log" 2>&1 || {
+docker build --network=none "${NO_CACHE[@]}" --build-arg BASE="$BASE" --build-arg EXTRAS="$EXTRAS" -t "$TAG" -f "$ROOT/deploy/Dockerfile" "$BUILD" >"$BUILD/docker-build.log" 2>&1 || {
   tail -n 40 "$BUILD/docker-build.log" >&2
   echo "build_image.sh: docker build failed (full log: $BUILD/docker-build.log)" >&2
   exit 1
@@ -104,7 +110,9 @@ fi
 # old untagged bases that nothing builds on any more (build_base.sh --force replaced them)
 docker image prune -f --filter label=org.shuffledp.base >/dev/null || true
 
-docker run --rm --entrypoint python "$TAG" -c "import shuffledp, grpc, numpy" || {
+CHECK="import shuffledp, grpc, numpy"
+[[ $EXTRAS == *mf* ]] && CHECK="$CHECK, jax_privacy"
+docker run --rm --entrypoint python "$TAG" -c "$CHECK" || {
   echo "build_image.sh: the image does not import shuffledp" >&2
   exit 1
 }

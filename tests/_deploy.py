@@ -67,14 +67,15 @@ def skip_module_if(why: str | None, tests: str) -> None:
         pytest.skip(f"{tests} need a Docker engine: {why}", allow_module_level=True)
 
 
-def build_image(from_scratch: bool) -> dict[str, int]:
+def build_image(from_scratch: bool, extras: str = "") -> dict[str, int]:
     """shuffledp:latest from the working tree, offline (--network=none inside deploy/build_image.sh), and its build
     figures. from_scratch: a new debootstrap base and no build cache, unless SHUFFLEDP_TEST_REUSE_IMAGE=1 (for
-    iterating on the tests only; CI builds). Otherwise an existing image is reused ({} then)."""
+    iterating on the tests only; CI builds). Otherwise an existing image is reused ({} then). extras: the project's
+    optional dependencies too (build_image.sh --extras)."""
     reuse = not from_scratch or os.environ.get("SHUFFLEDP_TEST_REUSE_IMAGE") == "1"
     if reuse and _exists(IMAGE):
         return {}
-    cmd = ["bash", str(DEPLOY / "build_image.sh"), "--tag", IMAGE]
+    cmd = ["bash", str(DEPLOY / "build_image.sh"), "--tag", IMAGE] + (["--extras", extras] if extras else [])
     proc = run_cmd(cmd + (["--force-base", "--no-cache"] if from_scratch else []), timeout=BUILD_TIMEOUT_S)
     figures = {k: int(v) for k, v in re.findall(r"^(\w+)=(\d+)$", proc.stdout, flags=re.M)}
     print(f"\nimage build: {proc.stderr.strip().splitlines()[-1]}")

@@ -65,8 +65,9 @@ pytestmark = pytest.mark.docker
 
 @pytest.fixture(scope="module")
 def image() -> dict[str, int]:
-    """shuffledp:latest built from scratch from the working tree (new base, no cache, host-built wheels, offline)."""
-    return common.build_image(from_scratch=True)
+    """shuffledp:latest built from scratch from the working tree (new base, no cache, host-built wheels, offline),
+    with the mf extra (jax_privacy) so that this one deployment runs every protocol."""
+    return common.build_image(from_scratch=True, extras="mf")
 
 
 def _free_port() -> int:
@@ -357,6 +358,35 @@ def test_psgd_experiment_runs_to_completion_and_results_are_fetched(deployment: 
     assert ledger["totals"]["eps_spent"] <= 8.0 and ledger["totals"]["delta_spent"] <= ledger["run"]["limit"]["delta"]
     # the model learned something: better than the 10-class chance level (0.1) on the held-out split
     assert released[-1]["accuracy"] > 0.3, metrics
+
+
+@pytest.mark.timeout(DEPLOY_TIMEOUT_S)
+def test_mf_run_completes_and_charges_what_shuffledp_account_says(deployment: Deployment):
+    """Matrix-factorization DP-FTRL (issue 27) over the containers: the analyzer plans C with jax_privacy inside its
+    image, the nodes verify from the spec alone, and the ledger's eps is `shuffledp account mf`'s to 1e-9."""
+    from shuffledp import cli
+
+    text = common.config_text(protocol='"mf"', kind='"subsampled"\nrounds = 12\nlearning_rate = 4.0', mode='"sealed"')
+    text = re.sub(r"^\[privacy\.pvec\]\ncalibration.*\n", '[privacy.mf]\nstrategy = "banded"\n', text, flags=re.M)
+    cfg = deployment.workdir / "mf.toml"
+    cfg.write_text(text)
+    out = deployment.workdir / "mf-results"
+    proc = deployment.sh("run", str(cfg), "--out", str(out), timeout=600, check=False)
+    assert proc.returncode == 0 and "state: COMPLETED" in proc.stdout, f"{proc.stdout}\n{proc.stderr}"
+    ledger = json.loads((out / "ledger.json").read_text())
+    plan, totals = ledger["run"]["plan"], ledger["totals"]
+    assert plan["protocol"] == "mf" and totals["trust_model"] == "central"
+    rounds = [(r["round"], r["state"], r["contributors"], r["reason"]) for r in ledger["rounds"]]
+    assert [r[1] for r in rounds] == ["committed"] * 12, f"{rounds}\n{proc.stdout}\n{deployment.logs()}"
+    delta = ledger["run"]["limit"]["delta"]
+    argv = ["account", "mf", "--rounds", "12", "--eps", "8", "--delta", repr(delta), "--min-noise", "--json"]
+    capture = io.StringIO()
+    with contextlib.redirect_stdout(capture):
+        assert cli.main(argv) == 0
+    answer = json.loads(capture.getvalue())
+    assert answer["noise_multiplier"] == plan["params"]["noise_multiplier"]
+    assert abs(answer["eps"] - totals["eps_spent"]) <= 1e-9 and totals["eps_spent"] <= 8.0
+    assert json.loads((out / "metrics.json").read_text())[-1]["accuracy"] > 0.3  # chance is 0.1
 
 
 @pytest.mark.timeout(DEPLOY_TIMEOUT_S)
