@@ -39,6 +39,9 @@ RMSE / Honaker tree's (max error / Honaker's in parentheses)
 The issue's target (MF RMSE <= 0.7x Honaker's at T = 2048, one participation) is met by BLT (0.533); banded needs
 more bands as T grows (b = 64 gives 0.841 at T = 2048). The Monte Carlo RMSEs agree with the exact ones within
 their sampling error (200 streams: about 5% on an RMSE).
+
+Item 4b (accuracy over the real services, tree against MF) is benchmarks/ftrl_vs_sgd.py --methods dp-ftrl dp-mf
+dp-ftrlm dp-mfm: it shares that benchmark's cluster, grids and best-of-grid tables.
 """
 
 from __future__ import annotations
