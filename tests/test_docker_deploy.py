@@ -366,7 +366,14 @@ def test_mf_run_completes_and_charges_what_shuffledp_account_says(deployment: De
     image, the nodes verify from the spec alone, and the ledger's eps is `shuffledp account mf`'s to 1e-9."""
     from shuffledp import cli
 
-    text = common.config_text(protocol='"mf"', kind='"subsampled"\nrounds = 12\nlearning_rate = 4.0', mode='"sealed"')
+    # a node verifies its first mf spec after importing that protocol's accountant (dp_accounting, scipy): seconds
+    # on a loaded machine, beyond the example's 8 s deadline, which then releases round 0 with no one
+    text = common.config_text(
+        protocol='"mf"',
+        kind='"subsampled"\nrounds = 12\nlearning_rate = 4.0',
+        mode='"sealed"',
+        round_deadline_seconds="60.0",
+    )
     text = re.sub(r"^\[privacy\.pvec\]\ncalibration.*\n", '[privacy.mf]\nstrategy = "banded"\n', text, flags=re.M)
     cfg = deployment.workdir / "mf.toml"
     cfg.write_text(text)
