@@ -21,6 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from shuffledp.model_plugin import check_module_name
 from shuffledp.optimizers.registry import OPTIMIZERS, resolve
 from shuffledp.protocols.registry import PROTOCOL_NAMES, PROTOCOL_SUMMARIES, round_protocol
 from shuffledp.settings import (
@@ -95,6 +96,10 @@ radius = 10.0               # iterates are projected onto the l2 ball of this ra
                             # number, or "paper" (Thm 4.7's beta for acsa, Thm 4.9's for pgd); unset (0) = off
 # smoothness = 65.0         # acsa: beta of the loss for its step rule; unset (0) = from the data's public bound
                             # on ||x|| (digits, synthetic); required for dataset = "path" with a smooth task
+# module = "shuffledp.models:builtin"  # your own model (README "Bring your own model"): an installed
+                            # "package.module:factory" that every party loads itself; task and hidden are then
+                            # ignored; unset = the built-in task
+# args = { task = "mlp", hidden = 16 }  # model.module's keyword arguments (or a [model.args] table)
 
 [privacy]
 eps = 8.0
@@ -288,7 +293,20 @@ def _model(t: dict[str, Any]) -> ModelConfig:
             f"model.smoothing applies to non-smooth tasks ({', '.join(_NONSMOOTH_TASKS)}); model.task = {task!r} is "
             + ("non-convex (it uses its exact gradient)" if task == "mlp" else "smooth")
         )
+    module = check_module_name("model.module", t.get("module", m.module))
+    args = t.get("args", {})
+    if not isinstance(args, dict):
+        raise ConfigError(f"model.args must be a table ([model.args]) of the factory's keyword arguments, got {args!r}")
+    if args and not module:
+        raise ConfigError("model.args are the keyword arguments of model.module's factory: set model.module")
+    if module:
+        # the plug-in's loss is its own: the built-in tasks' options would be silently ignored
+        for key in ("l2", "smoothing", "smoothness"):
+            if t.get(key):
+                raise ConfigError(f"model.{key} applies to the built-in tasks; model.module = {module!r} is a plug-in")
     return ModelConfig(
+        module=module,
+        args=tuple(sorted(args.items())),
         task=task,
         radius=_float("model.radius", t.get("radius", m.radius), 0.0, 1e6, lo_open=True),
         l2=_float("model.l2", t.get("l2", m.l2), 0.0, 1e6),
@@ -528,7 +546,7 @@ def _check_combinations(cfg: RunConfig) -> None:
         raise ConfigError('schedule.kind = "subsampled" needs schedule.cohort_size = k >= 1 (users per round)')
     if s.momentum and optimizer != "ftrl":
         raise ConfigError(f'schedule.momentum applies to schedule.optimizer = "ftrl"; it resolves to "{optimizer}"')
-    if m.task == "mlp":
+    if m.task == "mlp" and not m.module:  # a plug-in states its own convexity: checked when the run is planned
         # a non-convex model: the convex theory's step sizes, AC-SA's smoothness and Thm 4.8's phases do not apply
         if s.learning_rate is None:
             raise ConfigError(
