@@ -164,7 +164,7 @@ def _no_constants(what: str, name: str) -> str:
 
 def clip_l2(G: np.ndarray, clip_norm: float) -> np.ndarray:
     """Each row of G scaled to l2 norm <= clip_norm (rows inside unchanged; a row over by float rounding is shrunk
-    a few ulps more, as protocols/pvec.clip_rows does)."""
+    a few ulps more, as mechanisms/pvec.clip_rows does)."""
     if not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")
     G = np.array(G, dtype=np.float64, copy=True)

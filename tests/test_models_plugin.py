@@ -12,7 +12,7 @@ import pytest
 from _procs import serve, stop, write_blobs
 from _runs import wait_for_run
 from shuffledp.clients.policy import Refusal
-from shuffledp.protocols.pvec import clip_rows
+from shuffledp.mechanisms.pvec import clip_rows
 
 from shuffledp.config import ConfigError, parse_config
 from shuffledp.model_plugin import build_model, model_identity
