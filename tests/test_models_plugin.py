@@ -12,9 +12,9 @@ import pytest
 from _procs import serve, stop, write_blobs
 from _runs import wait_for_run
 from shuffledp.clients.policy import Refusal
-from shuffledp.mechanisms.pvec import clip_rows
 
 from shuffledp.config import ConfigError, parse_config
+from shuffledp.mechanisms.pvec import clip_rows
 from shuffledp.model_plugin import build_model, model_identity
 from shuffledp.models import Model, ModelPlugin, clip_l2, make_model, model_digest
 from shuffledp.rng import make_rng
