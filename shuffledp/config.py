@@ -23,7 +23,7 @@ from typing import Any
 
 from shuffledp.model_plugin import check_module_name
 from shuffledp.optimizers.registry import OPTIMIZERS, resolve
-from shuffledp.protocols.registry import PROTOCOL_NAMES, PROTOCOL_SUMMARIES, round_protocol
+from shuffledp.protocols.registry import PROTOCOL_NAMES, PROTOCOL_SUMMARIES, declared, round_protocol
 from shuffledp.settings import (
     ConfigError,
     DataConfig,
@@ -36,7 +36,6 @@ from shuffledp.settings import (
     TransportConfig,
     read_table,
     render_table,
-    table_keys,
     toml_value,
 )
 from shuffledp.settings import boolean as _bool
@@ -356,8 +355,9 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
 
 def _moved_or_unknown(key: str, protocol: str, common: set[str]) -> str:
     """The one-line error of an unknown [privacy] key: where it lives now when a protocol's table declares it (the
-    flat keys of earlier versions), else the allowed keys."""
-    owners = [name for name in _PROTOCOLS if key in table_keys(round_protocol(name).settings)]
+    flat keys of earlier versions), else the allowed keys. The other protocols by their registry declaration: a
+    refused configuration imports no plug-in it does not use (registry module docstring)."""
+    owners = [name for name in _PROTOCOLS if key in declared(name).keys]
     if protocol in owners:
         return f"privacy.{key} is now a key of the protocol's own table: put it under [privacy.{protocol}]"
     if owners:
@@ -507,7 +507,7 @@ def _either(names: Sequence[str]) -> str:
 
 def _check_protocol(cfg: RunConfig, plugin: Any, optimizer: str) -> None:
     """What the chosen protocol's plug-in declares it runs over (design 3.1), then its own checks. The protocols
-    named in a message are found in the registry (importing their modules only on this error path)."""
+    named in a message are found by their registry declaration (without importing their modules)."""
     s, name, mode = cfg.schedule, cfg.privacy.protocol, cfg.transport.mode
     if s.kind not in plugin.schedules:
         raise ConfigError(
@@ -518,13 +518,13 @@ def _check_protocol(cfg: RunConfig, plugin: Any, optimizer: str) -> None:
             f'privacy.protocol = "{name}" sends in transport.mode = {_either(plugin.transports)}: set it, got "{mode}"'
         )
     if optimizer not in plugin.optimizers:
-        feeds = [n for n in _PROTOCOLS if optimizer in round_protocol(n).optimizers]
+        feeds = [n for n in _PROTOCOLS if optimizer in declared(n).optimizers]
         raise ConfigError(
             f'schedule.optimizer = "{optimizer}" runs over privacy.protocol = {_either(feeds)}; "{name}" feeds '
             f"{_either(plugin.optimizers)}"
         )
     if s.sampling == "poisson" and not plugin.poisson_sampling:
-        owners = [n for n in _PROTOCOLS if round_protocol(n).poisson_sampling]
+        owners = [n for n in _PROTOCOLS if declared(n).poisson_sampling]
         raise ConfigError(
             f'schedule.sampling = "poisson" applies to privacy.protocol = {_either(owners)} (whose accountant assumes '
             f'it), got "{name}"'
