@@ -35,7 +35,8 @@ from shuffledp.clients.spend_store import MemorySpendStore, SpendStore, SqliteSp
 
 from shuffledp import grpc_options, tls
 from shuffledp.health import start_with_health
-from shuffledp.models import DEFAULT_HIDDEN, Model, make_model
+from shuffledp.model_plugin import ModelIdentity
+from shuffledp.models import DEFAULT_HIDDEN, ModelPlugin, make_model, model_digest
 from shuffledp.protocols.registry import known_protocol, round_protocol
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -104,8 +105,12 @@ class NodeCore:
         rng: np.random.Generator | None = None,
         verifier=None,
         spend_store: SpendStore | None = None,
+        model: tuple[ModelPlugin, ModelIdentity] | None = None,
     ) -> None:
         self.node_id = node_id
+        # the model plug-in installed here and named by this node's own configuration (shuffledp.model_plugin);
+        # None = the built-in tasks, built from the spec's task fields
+        self.installed_model = model
         self.shard = shard
         self._index = {u: i for i, u in enumerate(shard.user_ids)}
         kw = {} if verifier is None else {"verifier": verifier}
@@ -123,18 +128,41 @@ class NodeCore:
         self._protocol_state: dict[str, Any] = {}  # per run: a stateful client estimator's state (mu2_round)
 
     # ----- gradients -------------------------------------------------------------------------------------------
-    def _model(self, spec: pb.RoundSpec, params: np.ndarray) -> Model:
-        """The loss the analyzer asks for (its l2 term, Moreau smoothing: spec 000 sec 4), checked against the
-        broadcast parameters' size."""
+    def _builtin(self, spec: pb.RoundSpec) -> ModelPlugin:
+        """The built-in loss the analyzer asks for (its l2 term, Moreau smoothing: spec 000 sec 4)."""
         f = self.shard.X.shape[2]
-        model = make_model(
-            spec.task, f, spec.num_classes, l2=spec.l2, smoothing=spec.smoothing, hidden=spec.hidden or DEFAULT_HIDDEN
-        )
+        hidden = spec.hidden or DEFAULT_HIDDEN
+        return make_model(spec.task, f, spec.num_classes, l2=spec.l2, smoothing=spec.smoothing, hidden=hidden)
+
+    def model_differs(self, spec: pb.RoundSpec) -> str:
+        """Why the round's model is not the one this node computes with ("" = it is): a plug-in's name and digest
+        must be those of the plug-in installed here (issue 26 item 3); a built-in task's digest, when the spec
+        states one, that of the built-in model the spec's fields make here (a node of another version)."""
+        if self.installed_model is not None:
+            mine = self.installed_model[1]
+            if (spec.model_name, spec.model_digest) == (mine.name, mine.digest):
+                return ""
+            asked = f"{spec.model_name or spec.task!r} ({spec.model_digest[:12] or 'no digest'})"
+            return f"round asks for {asked}, node has {mine.name!r} ({mine.digest[:12]})"
+        if spec.model_name and spec.model_name != spec.task:
+            return f"round asks for the plug-in {spec.model_name!r}, none is configured on this node"
+        if spec.model_digest:
+            try:
+                digest = model_digest(self._builtin(spec))
+            except ValueError as exc:
+                return f"round's built-in model is invalid here: {exc}"
+            if digest != spec.model_digest:
+                return f"built-in {spec.task!r} digest {digest[:12]} here, {spec.model_digest[:12]} in the round"
+        return ""
+
+    def _model(self, spec: pb.RoundSpec, params: np.ndarray) -> ModelPlugin:
+        """The model of the round (the installed plug-in, else the built-in task of the spec), checked against the
+        broadcast parameters' size."""
+        model = self.installed_model[0] if self.installed_model is not None else self._builtin(spec)
         if params.shape != (model.dim,) or spec.randomizer.dim != model.dim:
             raise ValueError(
                 f"model of {params.size} values / randomizer.dim={spec.randomizer.dim} do not match "
-                f"task {spec.task!r} with {f} features, {spec.num_classes} classes and {model.hidden} hidden "
-                f"(dim {model.dim})"
+                f"{model.describe()} (dim {model.dim})"
             )
         return model
 
@@ -154,7 +182,7 @@ class NodeCore:
     def batch_gradients(self, spec: pb.RoundSpec, idx: np.ndarray) -> np.ndarray:
         """Mean loss gradient of each user's local batch at the broadcast iterate, shape (len(idx), dim)."""
         X, y = self.shard.X[idx], self.shard.y[idx]
-        n, k, f = X.shape
+        n, k, _ = X.shape
         params = tensor_to_array(spec.model).ravel()
         model = self._model(spec, params)
         b = min(max(int(spec.local_batch), 1), k)
@@ -163,9 +191,7 @@ class NodeCore:
             pick = np.argsort(self._rng.random((n, k)), axis=1)[:, :b]
             X = np.take_along_axis(X, pick[:, :, None], axis=1)
             y = np.take_along_axis(y, pick, axis=1)
-        g = model.per_example_gradients(params, X.reshape(n * b, f), y.reshape(n * b))
-        # one example per user (the default): the mean would copy the (n, dim) gradients for nothing
-        return g if b == 1 else g.reshape(n, b, model.dim).mean(axis=1)
+        return model.per_user_gradients(params, X, y)  # the round's protocol clips them in its own norm
 
     # ----- one round -------------------------------------------------------------------------------------------
     def handle(self, inv: pb.Invitation) -> pb.Contribution:
@@ -187,6 +213,10 @@ class NodeCore:
             if spec.population and inv.eligible < spec.population:
                 # drawn from fewer users than the round is accounted for: a higher rate than charged (item 3)
                 reasons, join = np.full(idx.size, Refusal.POPULATION, dtype=object), np.zeros(idx.size, dtype=bool)
+            elif idx.size and (differs := self.model_differs(spec)):
+                # not the model installed here: nothing is computed or counted (no code comes with a spec)
+                log.warning("node %s: refusing round %d of %s: %s", self.node_id, spec.round, spec.run_id, differs)
+                reasons, join = np.full(idx.size, Refusal.MODEL_DIFFERS, dtype=object), np.zeros(idx.size, dtype=bool)
             elif account is not None:
                 self._handle_in_run(spec, account, ids, idx, supported, out)
                 return out
@@ -469,14 +499,16 @@ def start_node_with_shard(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     state_dir: Path | None = None,
     submit_chunk_bytes: int = grpc_options.SUBMIT_CHUNK_BYTES,
+    model: tuple[ModelPlugin, ModelIdentity] | None = None,
 ) -> ClientNodeHandle:
     """Start a node for an explicit shard (tests, benchmarks); start_node loads the shard from the config.
-    With state_dir, the users' spend is kept in state_dir/<node_id>.spend.sqlite (else in memory)."""
+    With state_dir, the users' spend is kept in state_dir/<node_id>.spend.sqlite (else in memory); model is the
+    plug-in the node computes with (None: the built-in tasks)."""
     store = None
     if state_dir is not None:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         store = SqliteSpendStore(Path(state_dir) / f"{node_id}.spend.sqlite")
-    core = NodeCore(node_id, shard, policy, rng, verifier, spend_store=store)
+    core = NodeCore(node_id, shard, policy, rng, verifier, spend_store=store, model=model)
     return ClientNodeHandle(
         core,
         shuffler_address,
@@ -504,13 +536,20 @@ def start_node(
     state_dir: Path | None = None,
 ) -> ClientNodeHandle:
     """The client-node entry point (issue 4 contract): users = shuffledp.data.user_shard of config.data; their
-    policy is `policy` or else the configuration's [policy] section; their spend persists in state_dir."""
+    policy is `policy` or else the configuration's [policy] section; their spend persists in state_dir. With
+    [model] module set, the node loads that plug-in here, from what is installed on it (shuffledp.model_plugin)."""
     from shuffledp.data import load_dataset, user_shard
+    from shuffledp.model_plugin import build_model, model_identity
 
     t0 = time.monotonic()
     ds = load_dataset(config.data, config.model.task)
     ids, X, y = user_shard(ds, node_index, num_nodes, config.data.examples_per_user, config.data.max_users)
     log.info("node %s: %d users' data loaded (%.2f s)", node_id, len(ids), time.monotonic() - t0)
+    model = None
+    if config.model.module:
+        plugin = build_model(config.model, ds.num_features, ds.num_classes)
+        model = (plugin, model_identity(config.model, plugin))
+        log.info("node %s: model %s (dim %d, digest %s)", node_id, model[1].name, plugin.dim, model[1].digest[:12])
     if policy is None:
         fields = asdict(config.policy)
         policy = UserPolicy(**{**fields, "allowed_protocols": frozenset(fields["allowed_protocols"])})
@@ -525,4 +564,5 @@ def start_node(
         rng=rng,
         interceptors=interceptors,
         state_dir=state_dir,
+        model=model,
     )

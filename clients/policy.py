@@ -79,6 +79,9 @@ class Refusal:
     # a per-run round whose public parameters differ from the run's earlier rounds: its counts would be costed at
     # parameters that did not hold for them (e.g. a larger noise multiplier claimed later lowers every past round)
     RUN_CHANGED = "run_parameters_changed"
+    # the round's model (RoundSpec.model_name / model_digest) is not the one installed on the node: its definition or
+    # parameter layout differs, so the node would compute gradients of another function (issue 26 item 3)
+    MODEL_DIFFERS = "model_digest_differs"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,6 @@ if [ ! -x .venv/bin/shuffledp ] || [ pyproject.toml -nt .venv/.installed ] || [ 
   echo "setting up .venv (first run only)..." >&2
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  .venv/bin/python -m pip install -q -e '.[dev,jax]'  # jax: the Flax adapter's tests (~500 MB, ~2.5 min once)
   touch .venv/.installed
 fi

@@ -50,7 +50,8 @@ from shuffledp.services.ledger import (
 from shuffledp import grpc_options, sealing
 from shuffledp.config import DEFAULT_ROUNDS, ConfigError, RunConfig, parse_config
 from shuffledp.data import load_dataset
-from shuffledp.models import Model, make_model
+from shuffledp.model_plugin import build_model, model_identity
+from shuffledp.models import ModelPlugin
 from shuffledp.optimizers import registry as optimizers
 from shuffledp.optimizers.base import Optimizer
 from shuffledp.optimizers.psgd import AveragingState
@@ -148,7 +149,7 @@ def _resolve_delta(cfg: RunConfig, admitted: int) -> float:
 
 
 def plan_run(
-    cfg: RunConfig, admitted: int, unused: int, model: Model, feature_bound: float | None | str = "load"
+    cfg: RunConfig, admitted: int, unused: int, model: ModelPlugin, feature_bound: float | None | str = "load"
 ) -> dict[str, Any]:
     """The round plan of a run from the population sizes (JSON-able dict, stored in the ledger).
 
@@ -164,7 +165,15 @@ def plan_run(
     protocol = round_protocol(p.protocol)
     name = optimizers.resolve(s.optimizer, s.kind, protocol.auto_optimizer)
     smoothing = _smoothing(cfg, model, s.kind, admitted if s.kind != "sequential" else unused, d, delta)
-    model = replace(model, smoothing=smoothing) if smoothing else model
+    model = replace(model, smoothing=smoothing) if smoothing else model  # type: ignore[type-var]
+    if not model.convex and (s.learning_rate is None or name == "acsa" or s.phases):
+        # the config refuses these for the built-in mlp; a plug-in states its convexity only once it is built
+        raise PlanError(
+            f"model {cfg.model.module or cfg.model.task!r} is non-convex: the theory step size, AC-SA and "
+            "schedule.phases rest on convexity; set schedule.learning_rate (and optimizer pgd, sgd or ftrl)"
+        )
+    identity = model_identity(cfg.model, model)
+    task = "" if cfg.model.module else model.task  # type: ignore[attr-defined]  # a plug-in: RoundSpec.model_name
     if feature_bound == "load":
         needs = name in ("acsa", "mu2", "pnsgd")
         feature_bound = load_dataset(cfg.data, cfg.model.task).feature_norm_bound if needs else None
@@ -213,7 +222,7 @@ def plan_run(
         # PNSGD runs the pass itself: it needs the loss, its public domain and the step size
         options={
             "sampling": s.sampling,
-            "task": model.task,
+            "task": task,
             "num_features": model.num_features,
             "num_classes": model.num_classes,
             "l2": cfg.model.l2,
@@ -268,7 +277,10 @@ def plan_run(
         "learning_rate": hyper.get("learning_rate"),
         "radius": cfg.model.radius,
         "dim": d,
-        "task": model.task,
+        "task": task,
+        "model_name": identity.name,
+        "model_digest": identity.digest,
+        **({"model_layout": model.layout()} if cfg.model.module else {}),  # a plug-in's segments (model.npz)
         "l2": cfg.model.l2,
         "smoothing": smoothing,
         "num_features": model.num_features,
@@ -280,7 +292,7 @@ def plan_run(
     }
 
 
-def _smoothing(cfg: RunConfig, model: Model, kind: str, n: int, d: int, delta: float) -> float:
+def _smoothing(cfg: RunConfig, model: ModelPlugin, kind: str, n: int, d: int, delta: float) -> float:
     """beta of the Moreau envelope the users differentiate (0: none). model.smoothing = "paper": Thm 4.7's beta
     for sequential runs, Thm 4.9's for fully interactive ones (spec 000 sec 4)."""
     beta = cfg.model.smoothing
@@ -294,7 +306,7 @@ def _smoothing(cfg: RunConfig, model: Model, kind: str, n: int, d: int, delta: f
     return acsa.pgd_smoothing_beta(max(n, 1), d, L, D, eps, delta)
 
 
-def _smoothness(cfg: RunConfig, model: Model, name: str, bound: float | None) -> float:
+def _smoothness(cfg: RunConfig, model: ModelPlugin, name: str, bound: float | None) -> float:
     """beta of the loss the optimizer descends (AC-SA's step rule needs it; DP-mu2's caps its step at 1/(4 L T)
     with it, and goes without the cap when it is unknown): model.smoothness when set, else from the data set's
     public domain bound on ||x|| (models.Model.smoothness)."""
@@ -342,6 +354,8 @@ def round_spec(
         task=plan["task"],
         num_classes=plan["num_classes"] if plan["task"] in ("logreg", "mlp") else 0,
         hidden=plan.get("hidden", 0),
+        model_name=plan.get("model_name", ""),
+        model_digest=plan.get("model_digest", ""),
         # fully interactive: every user; Poisson: as many as the shuffler's draw (RoundSpec.sampling_rate)
         cohort_size=plan["cohort"] if plan["kind"] != "fully_interactive" and not plan.get("sampling_rate") else 0,
         sampling_rate=plan.get("sampling_rate", 0.0),
@@ -373,7 +387,7 @@ class RunView:
 
 
 class _EvalData(NamedTuple):
-    model: Model
+    model: ModelPlugin
     X: np.ndarray
     y: np.ndarray
     feature_bound: float | None
@@ -577,7 +591,7 @@ class RunManager:
     def _evaluation_data(self, cfg: RunConfig) -> _EvalData:
         """Model and the public held-out split (the analyzer never uses the training split), the data's public
         bound on ||x|| and, for synthetic data, the population optimum (excess risk)."""
-        key = repr((cfg.data, cfg.model.task, cfg.model.l2, cfg.model.hidden))
+        key = repr((cfg.data, cfg.model.task, cfg.model.l2, cfg.model.hidden, cfg.model.module, cfg.model.args))
         with self._lock:
             hit = self._test_data.get(key)
             if hit is not None:
@@ -587,7 +601,7 @@ class RunManager:
             ds = load_dataset(cfg.data, cfg.model.task)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"data: {exc}") from exc
-        model = make_model(cfg.model.task, ds.num_features, ds.num_classes, l2=cfg.model.l2, hidden=cfg.model.hidden)
+        model = build_model(cfg.model, ds.num_features, ds.num_classes)
         # the excess risk of the regularised objective would need its own optimum: reported for l2 = 0 only
         known = ds.optimum is not None and cfg.model.l2 == 0
         optimum_loss = model.loss(ds.optimum, ds.X_test, ds.y_test) if known else None

@@ -21,8 +21,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from shuffledp.model_plugin import check_module_name
 from shuffledp.optimizers.registry import OPTIMIZERS, resolve
-from shuffledp.protocols.registry import PROTOCOL_NAMES, PROTOCOL_SUMMARIES, round_protocol
+from shuffledp.protocols.registry import PROTOCOL_NAMES, PROTOCOL_SUMMARIES, declared, round_protocol
 from shuffledp.settings import (
     ConfigError,
     DataConfig,
@@ -35,7 +36,6 @@ from shuffledp.settings import (
     TransportConfig,
     read_table,
     render_table,
-    table_keys,
     toml_value,
 )
 from shuffledp.settings import boolean as _bool
@@ -95,6 +95,10 @@ radius = 10.0               # iterates are projected onto the l2 ball of this ra
                             # number, or "paper" (Thm 4.7's beta for acsa, Thm 4.9's for pgd); unset (0) = off
 # smoothness = 65.0         # acsa: beta of the loss for its step rule; unset (0) = from the data's public bound
                             # on ||x|| (digits, synthetic); required for dataset = "path" with a smooth task
+# module = "shuffledp.models:builtin"  # your own model (README "Bring your own model"): an installed
+                            # "package.module:factory" that every party loads itself; task and hidden are then
+                            # ignored; unset = the built-in task
+# args = { task = "mlp", hidden = 16 }  # model.module's keyword arguments (or a [model.args] table)
 
 [privacy]
 eps = 8.0
@@ -288,7 +292,20 @@ def _model(t: dict[str, Any]) -> ModelConfig:
             f"model.smoothing applies to non-smooth tasks ({', '.join(_NONSMOOTH_TASKS)}); model.task = {task!r} is "
             + ("non-convex (it uses its exact gradient)" if task == "mlp" else "smooth")
         )
+    module = check_module_name("model.module", t.get("module", m.module))
+    args = t.get("args", {})
+    if not isinstance(args, dict):
+        raise ConfigError(f"model.args must be a table ([model.args]) of the factory's keyword arguments, got {args!r}")
+    if args and not module:
+        raise ConfigError("model.args are the keyword arguments of model.module's factory: set model.module")
+    if module:
+        # the plug-in's loss is its own: the built-in tasks' options would be silently ignored
+        for key in ("l2", "smoothing", "smoothness"):
+            if t.get(key):
+                raise ConfigError(f"model.{key} applies to the built-in tasks; model.module = {module!r} is a plug-in")
     return ModelConfig(
+        module=module,
+        args=tuple(sorted(args.items())),
         task=task,
         radius=_float("model.radius", t.get("radius", m.radius), 0.0, 1e6, lo_open=True),
         l2=_float("model.l2", t.get("l2", m.l2), 0.0, 1e6),
@@ -338,8 +355,9 @@ def _privacy(t: dict[str, Any]) -> PrivacyConfig:
 
 def _moved_or_unknown(key: str, protocol: str, common: set[str]) -> str:
     """The one-line error of an unknown [privacy] key: where it lives now when a protocol's table declares it (the
-    flat keys of earlier versions), else the allowed keys."""
-    owners = [name for name in _PROTOCOLS if key in table_keys(round_protocol(name).settings)]
+    flat keys of earlier versions), else the allowed keys. The other protocols by their registry declaration: a
+    refused configuration imports no plug-in it does not use (registry module docstring)."""
+    owners = [name for name in _PROTOCOLS if key in declared(name).keys]
     if protocol in owners:
         return f"privacy.{key} is now a key of the protocol's own table: put it under [privacy.{protocol}]"
     if owners:
@@ -489,7 +507,7 @@ def _either(names: Sequence[str]) -> str:
 
 def _check_protocol(cfg: RunConfig, plugin: Any, optimizer: str) -> None:
     """What the chosen protocol's plug-in declares it runs over (design 3.1), then its own checks. The protocols
-    named in a message are found in the registry (importing their modules only on this error path)."""
+    named in a message are found by their registry declaration (without importing their modules)."""
     s, name, mode = cfg.schedule, cfg.privacy.protocol, cfg.transport.mode
     if s.kind not in plugin.schedules:
         raise ConfigError(
@@ -500,13 +518,13 @@ def _check_protocol(cfg: RunConfig, plugin: Any, optimizer: str) -> None:
             f'privacy.protocol = "{name}" sends in transport.mode = {_either(plugin.transports)}: set it, got "{mode}"'
         )
     if optimizer not in plugin.optimizers:
-        feeds = [n for n in _PROTOCOLS if optimizer in round_protocol(n).optimizers]
+        feeds = [n for n in _PROTOCOLS if optimizer in declared(n).optimizers]
         raise ConfigError(
             f'schedule.optimizer = "{optimizer}" runs over privacy.protocol = {_either(feeds)}; "{name}" feeds '
             f"{_either(plugin.optimizers)}"
         )
     if s.sampling == "poisson" and not plugin.poisson_sampling:
-        owners = [n for n in _PROTOCOLS if round_protocol(n).poisson_sampling]
+        owners = [n for n in _PROTOCOLS if declared(n).poisson_sampling]
         raise ConfigError(
             f'schedule.sampling = "poisson" applies to privacy.protocol = {_either(owners)} (whose accountant assumes '
             f'it), got "{name}"'
@@ -528,7 +546,7 @@ def _check_combinations(cfg: RunConfig) -> None:
         raise ConfigError('schedule.kind = "subsampled" needs schedule.cohort_size = k >= 1 (users per round)')
     if s.momentum and optimizer != "ftrl":
         raise ConfigError(f'schedule.momentum applies to schedule.optimizer = "ftrl"; it resolves to "{optimizer}"')
-    if m.task == "mlp":
+    if m.task == "mlp" and not m.module:  # a plug-in states its own convexity: checked when the run is planned
         # a non-convex model: the convex theory's step sizes, AC-SA's smoothness and Thm 4.8's phases do not apply
         if s.learning_rate is None:
             raise ConfigError(

@@ -31,12 +31,20 @@ across runs.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "ModelPlugin",
+    "model_factory",
+    "model_digest",
+    "builtin",
     "TASKS",
     "SMOOTH_TASKS",
     "NONSMOOTH_TASKS",
@@ -61,6 +69,138 @@ DEFAULT_HIDDEN = 32  # make_model's hidden width for mlp
 MLP_INIT_SEED = 0
 
 
+class ModelPlugin(ABC):
+    """What the client nodes and the analyzer need of a model (issue 26 item 1), on a flat float64 parameter vector.
+
+    A model is public: its definition and its parameter layout are the same on every party (the RoundSpec carries
+    its name and digest, and a node refuses a round whose model differs from the one installed on it). Nodes call
+    per_user_gradients at the broadcast iterate; the round's protocol then clips and randomizes. The analyzer calls
+    init_params, loss and accuracy on the public held-out split, and, for the convex theory's step sizes,
+    lipschitz_bound and smoothness. A non-convex model (convex = False) has no such constants: the defaults raise,
+    and a run must give schedule.learning_rate (services/run_manager.plan_run refuses it otherwise).
+
+    The built-in Model implements it; shuffledp.flax_model adapts a Flax module. A plug-in is selected by
+    [model] module = "package.module:factory" (shuffledp.model_plugin): factory(num_features, num_classes, **args)
+    returns an instance.
+    """
+
+    # the built-in tasks' options (Model's fields; Model.task names its loss); a plug-in has none of them, its
+    # factory's arguments configure it
+    l2: float = 0.0
+    smoothing: float = 0.0
+    hidden: int = 0
+    num_features: int
+    num_classes: int
+
+    @property
+    @abstractmethod
+    def dim(self) -> int:
+        """Length of the flat parameter vector (d of the randomizers)."""
+
+    @property
+    def convex(self) -> bool:
+        """True when the SCO theory's constants (lipschitz_bound, smoothness) exist; False = "unknown"."""
+        return False
+
+    @abstractmethod
+    def init_params(self, seed: int | None = None) -> np.ndarray:
+        """theta_0 of shape (dim,), a function of the public seed (None = the model's fixed default) and the
+        shapes only, never of data: every party computes the same one."""
+
+    @abstractmethod
+    def per_example_gradients(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Gradient of each example's loss at params: X (k, num_features), y (k,) -> (k, dim) float64."""
+
+    def per_user_gradients(
+        self, params: np.ndarray, X: np.ndarray, y: np.ndarray, clip_norm: float | None = None
+    ) -> np.ndarray:
+        """Mean gradient of each user's examples at params: X (n, b, num_features), y (n, b) -> (n, dim), each
+        row scaled to l2 norm <= clip_norm when given (g min(1, C / ||g||), Abadi et al. 2016 eq. (1))."""
+        n, b, f = X.shape
+        g = self.per_example_gradients(params, X.reshape(n * b, f), y.reshape(n * b))
+        # one example per user (the node's default): the mean would copy the (n, dim) gradients for nothing
+        g = g if b == 1 else g.reshape(n, b, self.dim).mean(axis=1)
+        return g if clip_norm is None else clip_l2(g, clip_norm)
+
+    @abstractmethod
+    def loss(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
+        """Mean loss over the examples."""
+
+    @abstractmethod
+    def accuracy(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
+        """Fraction of the examples predicted correctly (nan where it has no meaning)."""
+
+    def lipschitz_bound(self, feature_norm_bound: float, radius: float = math.inf) -> float:
+        """L of one example's loss over ||x|| <= feature_norm_bound and ||theta|| <= radius; "unknown" (ValueError)
+        unless the model states it."""
+        raise ValueError(_no_constants("lipschitz_bound", self.describe().get("name", type(self).__name__)))
+
+    def smoothness(self, feature_norm_bound: float) -> float:
+        """beta (Lipschitz constant of the gradient) of one example's loss; "unknown" (ValueError) by default."""
+        raise ValueError(_no_constants("smoothness", self.describe().get("name", type(self).__name__)))
+
+    @abstractmethod
+    def layout(self) -> list[dict[str, Any]]:
+        """The flat vector's segments in order: [{"name": str, "shape": [int, ...]}, ...] (sizes sum to dim)."""
+
+    def export(self, params: np.ndarray, directory: Any) -> list[str]:
+        """Write params in the model's framework's own form into directory; the file names written ([] = none:
+        the flat vector with its layout, model.npz, is what `shuffledp run` always writes)."""
+        return []
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """The model's public definition as JSON-able values (its name, hyper-parameters, a hash of its code where
+        the code is the user's): with layout() the input of model_digest."""
+
+
+def _no_constants(what: str, name: str) -> str:
+    return (
+        f"{what}: model {name!r} is non-convex (or states no constants), so the convex theory's step-size rules "
+        "(spec 000) do not apply to it; give the learning rate (schedule.learning_rate) and the clip norm "
+        "(privacy.clip_norm) explicitly"
+    )
+
+
+def clip_l2(G: np.ndarray, clip_norm: float) -> np.ndarray:
+    """Each row of G scaled to l2 norm <= clip_norm (rows inside unchanged; a row over by float rounding is shrunk
+    a few ulps more, as mechanisms/pvec.clip_rows does)."""
+    if not clip_norm > 0:
+        raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}")
+    G = np.array(G, dtype=np.float64, copy=True)
+    norms = np.sqrt(np.einsum("ij,ij->i", G, G))
+    over = norms > clip_norm
+    G[over] *= (clip_norm / norms[over])[:, None]
+    still = np.sqrt(np.einsum("ij,ij->i", G, G)) > clip_norm
+    G[still] *= 1.0 - 4.0 * np.finfo(float).eps
+    return G
+
+
+def model_digest(model: ModelPlugin, origin: dict[str, Any] | None = None) -> str:
+    """sha256 (hex) of the model's public definition, its parameter layout and where it was loaded from (the
+    plug-in's "package.module:factory", its arguments and a hash of the factory's source file): what a RoundSpec
+    carries and a node compares with its own model's (issue 26 item 3)."""
+    doc = {"model": model.describe(), "layout": model.layout(), "dim": int(model.dim), "origin": origin or {}}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=_json_default)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, np.integer | np.floating):
+        return v.item()
+    if isinstance(v, tuple | list | np.ndarray):
+        return list(v)
+    raise TypeError(f"model_digest: {type(v).__name__} is not a JSON value")
+
+
+def model_factory(fn: Any) -> Any:
+    """Marks fn(num_features, num_classes, **args) -> ModelPlugin as a model factory: [model] module may name only
+    a marked factory (or a ModelPlugin subclass), so that a configuration cannot make a party call an arbitrary
+    installed function (shuffledp.model_plugin)."""
+    fn.__shuffledp_model_factory__ = True
+    return fn
+
+
 def _design(X: np.ndarray, num_features: int, bias: bool = True) -> np.ndarray:
     X = np.asarray(X, dtype=np.float64)
     if X.ndim != 2 or X.shape[1] != num_features:
@@ -71,7 +211,7 @@ def _design(X: np.ndarray, num_features: int, bias: bool = True) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Model:
+class Model(ModelPlugin):
     """A loss family with fixed shapes. All methods are vectorized over examples and pure."""
 
     task: str
@@ -134,8 +274,9 @@ class Model:
             return self.hidden * (self.num_features + 1) + self.num_classes * (self.hidden + 1)
         return self.num_classes * (self.num_features + 1)
 
-    def init_params(self) -> np.ndarray:
-        """theta_0. Convex tasks: 0 (paper 000 Alg 5 starts at 0; 0 is in every ball Theta).
+    def init_params(self, seed: int | None = None) -> np.ndarray:
+        """theta_0 (seed: the mlp's public seed; None = MLP_INIT_SEED). Convex tasks: 0 (paper 000 Alg 5 starts
+        at 0; 0 is in every ball Theta).
 
         mlp: 0 is a saddle point (every hidden unit gets the same, zero, gradient: the symmetry is never broken),
         so the weights are drawn Glorot-uniform (Glorot & Bengio 2010, the scaling for tanh): W1 ~ U(-a, a) with
@@ -150,12 +291,34 @@ class Model:
         if self.task != "mlp":
             return np.zeros(self.dim)
         F, H, K = self.num_features, self.hidden, self.num_classes
-        rng = np.random.default_rng(MLP_INIT_SEED)  # public seed, not privacy noise (see the docstring)
+        rng = np.random.default_rng(
+            MLP_INIT_SEED if seed is None else seed
+        )  # public seed, not privacy noise (see the docstring)
         W1 = np.zeros((H, F + 1))
         W1[:, :F] = rng.uniform(-1.0, 1.0, size=(H, F)) * math.sqrt(6.0 / (F + H))
         W2 = np.zeros((K, H + 1))
         W2[:, :H] = rng.uniform(-1.0, 1.0, size=(K, H)) * math.sqrt(6.0 / (H + K))
         return np.concatenate([W1.ravel(), W2.ravel()])
+
+    def layout(self) -> list[dict[str, Any]]:
+        """The segments of the flat vector (the module docstring's layout)."""
+        F, K, H = self.num_features, self.num_classes, self.hidden
+        if self.task == "mlp":
+            return [{"name": "W1", "shape": [H, F + 1]}, {"name": "W2", "shape": [K, H + 1]}]
+        if self.task == "logreg":
+            return [{"name": "W", "shape": [K, F + 1]}]
+        return [{"name": "theta" if self.task == "distance" else "w", "shape": [self.dim]}]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.task,
+            "kind": "builtin",
+            "num_features": int(self.num_features),
+            "num_classes": int(self.num_classes),
+            "hidden": int(self.hidden),
+            "l2": float(self.l2),
+            "smoothing": float(self.smoothing),
+        }
 
     def _check(self, params: np.ndarray) -> np.ndarray:
         params = np.asarray(params, dtype=np.float64)
@@ -434,6 +597,13 @@ def make_model(
         smoothing=float(smoothing),
         hidden=int(hidden) if task == "mlp" else 0,
     )
+
+
+@model_factory
+def builtin(num_features: int, num_classes: int, *, task: str = "logreg", **options: Any) -> Model:
+    """The built-in models as a plug-in factory: [model] module = "shuffledp.models:builtin" with [model.args]
+    task = "mlp", hidden = 16 runs the mlp through the plug-in path (the reference the plug-in tests compare with)."""
+    return make_model(task, num_features, num_classes, **options)
 
 
 def project_l2_ball(params: np.ndarray, radius: float) -> np.ndarray:

@@ -56,6 +56,9 @@ TERMINAL = {pb.COMPLETED, pb.FAILED, pb.CANCELLED, pb.BUDGET_EXHAUSTED}
 GIVE_UP_S = 120.0  # continuous failure (UNAVAILABLE / DEADLINE_EXCEEDED) after which the CLI gives up
 CALL_TIMEOUT_S = 30.0  # per call (GetRunResult: twice this, it carries the model and the ledger)
 CREATE_TIMEOUT_S = 60.0  # CreateRun at least this: it loads the data, and a timed-out CreateRun is never repeated
+# ... and with a model plug-in ([model] module): CreateRun also imports its framework and builds it (JAX: ~20 s on
+# an idle 2-core machine, minutes on a loaded one)
+PLUGIN_CREATE_TIMEOUT_S = 600.0
 BACKOFF_FIRST_S = 0.5
 BACKOFF_CAP_S = 8.0
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -438,7 +441,7 @@ def drive_run(
                 status = rpc.call(
                     stub.CreateRun,
                     pb.CreateRunRequest(config_toml=config_toml),
-                    max(call_timeout_s, CREATE_TIMEOUT_S),
+                    max(call_timeout_s, _create_timeout(config_toml)),
                     retry_on=frozenset({grpc.StatusCode.UNAVAILABLE}),
                 )
             except grpc.RpcError as exc:
@@ -549,12 +552,30 @@ def write_results(out: Path, config_toml: str, result: pb.RunResult, *, interrup
     if released is not None:
         layout = model_layout(plan, config_toml, released.size)
         np.savez(out / "model.npz", params=released, layout=json.dumps(layout), **_named_arrays(released, layout))
+        if "model_layout" in plan:
+            _export_plugin(out, config_toml, plan, released)
     summary = run_summary(result, plan, layout, interrupted=interrupted)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
         _plot(out / "plot.png", rows, summary)
     except Exception as exc:  # the data files above are written already; a plotting failure must not lose them
         print(f"warning: plot not written: {exc}", file=sys.stderr)
+
+
+def _export_plugin(out: Path, config_toml: str, plan: dict, released: np.ndarray) -> None:
+    """The released model in its framework's own form too (ModelPlugin.export; Flax: model.msgpack), built from
+    what is installed here; a warning (model.npz is written already) when it cannot be."""
+    from shuffledp.config import ConfigError, parse_config
+    from shuffledp.model_plugin import build_model
+
+    try:
+        model = build_model(parse_config(config_toml).model, plan["num_features"], plan["num_classes"])
+        written = model.export(released, out)
+    except (ConfigError, ValueError, KeyError, OSError) as exc:
+        print(f"warning: {plan.get('model_name')}: only model.npz written: {exc}", file=sys.stderr)
+        return
+    for name in written:
+        print(f"released model also in {out / name}")
 
 
 def _plan_of(result: pb.RunResult) -> dict:
@@ -596,7 +617,10 @@ def model_layout(plan: dict, config_toml: str, size: int) -> dict:
     it splits into and what their rows and columns mean."""
     task = plan.get("task", "")
     f, c, h = int(plan.get("num_features", 0)), int(plan.get("num_classes", 1)), int(plan.get("hidden", 0))
-    if task == "logreg":
+    if "model_layout" in plan:  # a model plug-in: its own segments, in order (shuffledp.models.ModelPlugin.layout)
+        arrays = {seg["name"]: list(seg["shape"]) for seg in plan["model_layout"]}
+        how = f"the plug-in {plan.get('model_name')} (digest {plan.get('model_digest')}): its framework's own file"
+    elif task == "logreg":
         arrays = {"W": [c, f + 1]}
         how = "scores = W @ [x, 1]; predicted class index = argmax"
     elif task == "mlp":
@@ -623,8 +647,10 @@ def model_layout(plan: dict, config_toml: str, size: int) -> dict:
         "arrays": arrays,
         "bias": "last column" if task not in ("distance", "") else "none",
         "predict": how,
-        "class_labels": _class_labels(config_toml, task),
+        "class_labels": _class_labels(config_toml, task or ("logreg" if "model_layout" in plan else "")),
     }
+    if "model_layout" in plan:
+        layout.update(model=plan.get("model_name"), model_digest=plan.get("model_digest"), bias="see arrays")
     if sum(math.prod(s) for s in arrays.values()) != size:  # a protocol with another layout: say so, keep params
         layout["arrays"] = {}
         layout["predict"] = f"unknown layout: {size} parameters"
@@ -874,6 +900,16 @@ def _make_out(out: Path) -> str | None:
     return None
 
 
+def _create_timeout(config_toml: str) -> float:
+    from shuffledp.config import ConfigError, parse_config
+
+    try:
+        plugin = bool(parse_config(config_toml).model.module)
+    except ConfigError:
+        plugin = False  # the analyzer answers with the error at once
+    return PLUGIN_CREATE_TIMEOUT_S if plugin else CREATE_TIMEOUT_S
+
+
 def check_before_start(config: RunConfig) -> None:
     """What a local run's configuration and data decide alone, checked in the CLI before any process starts (else
     the run fails at planning, after the services started): the data loads (every data.classes label occurs), and
@@ -882,7 +918,7 @@ def check_before_start(config: RunConfig) -> None:
     Raises ConfigError naming the problem."""
     from shuffledp.config import ConfigError
     from shuffledp.data import load_dataset, num_users
-    from shuffledp.models import make_model
+    from shuffledp.model_plugin import build_model
     from shuffledp.services.run_manager import plan_run
 
     try:
@@ -896,8 +932,7 @@ def check_before_start(config: RunConfig) -> None:
             f"{config.data.examples_per_user})"
         )
     # the analyzer's model for this data (as its _evaluation_data builds it)
-    m = config.model
-    model = make_model(m.task, ds.num_features, ds.num_classes, l2=m.l2, hidden=m.hidden)
+    model = build_model(config.model, ds.num_features, ds.num_classes)
     try:
         plan_run(config, n, n, model, ds.feature_norm_bound)
     except ValueError as exc:  # PlanError, and what the planner's helpers raise before it wraps them

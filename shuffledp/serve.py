@@ -134,9 +134,16 @@ def _start(args: argparse.Namespace, role: str) -> tuple[int, Callable[[], objec
         server, port = start_shuffler(args.listen, args.state_dir / "shuffler.sqlite", server_creds, interceptors)
         return port, lambda: server.stop(grace=5).wait()
     from shuffledp.clients.node import start_node
-    from shuffledp.config import load_config
+    from shuffledp.config import ConfigError, load_config
 
     config = load_config(args.config)
+    if config.model.module:  # the node's own model plug-in, loaded from what is installed here, before any state
+        from shuffledp.model_plugin import load_factory
+
+        try:
+            load_factory(config.model.module)  # importable and a marked factory (built once the data is loaded)
+        except ConfigError as exc:
+            raise SystemExit(f"shuffledp serve {role}: {args.config}: {exc}") from exc
     args.shuffler = _shuffler_address(args)
     handle = start_node(
         _party_name(args, role),

@@ -19,8 +19,9 @@ from shuffledp.services.ledger import BudgetLimit, LedgerError, PrivacyEvent, co
 
 from shuffledp.config import parse_config
 from shuffledp.models import make_model
-from shuffledp.protocols.registry import PROTOCOL_NAMES, round_protocol
+from shuffledp.protocols.registry import PROTOCOL_NAMES, declared, round_protocol
 from shuffledp.rng import make_rng
+from shuffledp.settings import table_keys
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 F = 3
@@ -71,6 +72,48 @@ def test_the_registry_imports_a_plug_in_only_when_it_is_asked_for():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0] == "['shuffledp.protocols.base', 'shuffledp.protocols.registry']"
     assert "shuffledp.protocols.tree_round" in out[1] and "shuffledp.protocols.pvec_round" not in out[1]
+
+
+def test_a_refused_configuration_imports_no_other_protocol():
+    # the fuzz test's analyzer grew ~74 MB (~1 s) in one CreateRun: a [privacy] key of pvec's table left at the
+    # top level made the error message import every plug-in (scipy, dp_accounting) to find the table declaring it
+    refused = {
+        "moved": '[privacy]\ncalibration = "paper"',
+        "other table": "[privacy]\nnoise_multiplier = 1.0",
+        "optimizer": '[schedule]\noptimizer = "ftrl"',
+        "poisson": '[privacy]\nprotocol = "r_inf"\n[transport]\nmode = "sealed"\n'
+        '[schedule]\nkind = "subsampled"\ncohort_size = 10\nsampling = "poisson"',
+    }
+    code = (
+        "import sys\n"
+        "from shuffledp.config import ConfigError, parse_config\n"
+        "mods = lambda: {m for m in sys.modules if m.startswith('shuffledp.protocols.') or m == 'dp_accounting'}\n"
+        "before = mods()\n"
+        f"for text in {list(refused.values())!r}:\n"
+        "    try:\n"
+        "        parse_config(text)\n"
+        "    except ConfigError as exc:\n"
+        "        print(exc)\n"
+        "print(sorted(mods() - before))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[:-1] == [
+        "privacy.calibration is now a key of the protocol's own table: put it under [privacy.pvec]",
+        "privacy.noise_multiplier belongs to the table of another protocol ([privacy.tree], [privacy.mf], "
+        '[privacy.gaussian], [privacy.mu2_untrusted], [privacy.mu2_trusted], [privacy.pnsgd]), not to "pvec"',
+        'schedule.optimizer = "ftrl" runs over privacy.protocol = "tree" or "mf"; "pvec" feeds "psgd" or "acsa" or '
+        '"pgd"',
+        'schedule.sampling = "poisson" applies to privacy.protocol = "gaussian" (whose accountant assumes it), got '
+        '"r_inf"',
+    ], out
+    # the protocols the configurations name, nothing else (no dp_accounting: gaussian is only named in a message)
+    assert out[-1] == "['shuffledp.protocols.ldp_round', 'shuffledp.protocols.pvec_round']"
+
+
+def test_the_registry_declares_what_each_plug_in_declares():
+    for name in PROTOCOL_NAMES:
+        p = round_protocol(name)
+        assert declared(name) == (frozenset(table_keys(p.settings)), p.optimizers, p.poisson_sampling), name
 
 
 def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():

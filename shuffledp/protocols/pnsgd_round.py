@@ -142,6 +142,10 @@ class PnsgdRound(CentralRound):
             raise ConfigError(
                 f"{name} is one pass over every user's record: schedule.rounds = 1, got {cfg.schedule.rounds}"
             )
+        if cfg.model.module:
+            raise ConfigError(
+                f"{name} differentiates the records at the analyzer with the built-in logreg: unset model.module"
+            )
         if cfg.model.task != "logreg":
             raise ConfigError(f'{name} runs model.task = "logreg" (its L and beta), got "{cfg.model.task}"')
         if cfg.data.examples_per_user != 1:

@@ -1,0 +1,1 @@
+"""Example model plug-ins (issue 26): [model] module = "shuffledp.examples.flax_models:cnn" (needs shuffledp[jax])."""

@@ -1,0 +1,94 @@
+"""Model plug-ins: [model] module = "package.module:factory" with its keyword arguments in [model.args] (issue 26).
+
+Every party loads the model from what is installed on it: importlib.import_module of the named module (found on its
+own sys.path: an installed package or a directory the operator put on PYTHONPATH), never code received over the
+network. A node loads the model named by its own configuration file, at start-up; a round's spec carries only the
+model's name and digest (shuffledp.models.model_digest), which the node compares with its own model's and refuses
+the round when they differ (clients/policy.py Refusal.MODEL_DIFFERS).
+
+Only a factory marked with shuffledp.models.model_factory, or a ModelPlugin subclass, may be named: a configuration
+(which the analyzer receives over its authenticated operator API) then cannot make a party call an arbitrary
+installed function such as os:system.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shuffledp.models import ModelPlugin, make_model, model_digest
+from shuffledp.settings import ConfigError, ModelConfig
+
+__all__ = ["ModelIdentity", "build_model", "model_identity", "check_module_name", "load_factory"]
+
+# dotted Python identifiers, a colon, one identifier: a name to import, never a path
+_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a RoundSpec says of its model: name (a built-in task, or the plug-in's "package.module:factory") and
+    the sha256 digest of its definition and layout."""
+
+    name: str
+    digest: str
+
+
+def check_module_name(key: str, value: object) -> str:
+    """model.module's syntax (ConfigError naming the key): "package.module:factory", or "" for a built-in task."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    if value and not _NAME.match(value):
+        raise ConfigError(f'{key} must be "package.module:factory" (an installed module, not a path), got {value!r}')
+    return value
+
+
+def load_factory(spec: str) -> tuple[Any, str]:
+    """(the factory named by "package.module:factory", sha256 of its module's source file)."""
+    module_name, attr = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"model.module = {spec!r}: cannot import {module_name!r} here: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ConfigError(f"model.module = {spec!r}: module {module_name!r} has no {attr!r}")
+    marked = getattr(factory, "__shuffledp_model_factory__", False) is True
+    if not marked and not (isinstance(factory, type) and issubclass(factory, ModelPlugin)):
+        raise ConfigError(
+            f"model.module = {spec!r} is neither a ModelPlugin subclass nor a factory marked with "
+            "@shuffledp.models.model_factory"
+        )
+    path = getattr(module, "__file__", None)
+    source = hashlib.sha256(open(path, "rb").read()).hexdigest() if path else ""  # noqa: SIM115
+    return factory, source
+
+
+def build_model(cfg: ModelConfig, num_features: int, num_classes: int) -> ModelPlugin:
+    """The run's model for data of num_features features and num_classes classes: the built-in task, or the
+    plug-in's factory(num_features, num_classes, **model.args). ConfigError (one line) when the plug-in cannot be
+    loaded or refuses its arguments."""
+    if not cfg.module:
+        return make_model(cfg.task, num_features, num_classes, l2=cfg.l2, hidden=cfg.hidden)
+    factory, _ = load_factory(cfg.module)
+    try:
+        model = factory(num_features=int(num_features), num_classes=int(num_classes), **dict(cfg.args))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model.module = {cfg.module!r} refused model.args {dict(cfg.args)!r}: {exc}") from exc
+    if not isinstance(model, ModelPlugin):
+        raise ConfigError(f"model.module = {cfg.module!r} returned {type(model).__name__}, not a ModelPlugin")
+    return model
+
+
+def model_identity(cfg: ModelConfig, model: ModelPlugin) -> ModelIdentity:
+    """The name and digest a RoundSpec carries for the model build_model(cfg, ...) made. For a plug-in the digest
+    also covers its "package.module:factory", its arguments and its module's source file, so that two parties with
+    different code under one name disagree."""
+    if not cfg.module:
+        return ModelIdentity(model.task, model_digest(model))  # type: ignore[attr-defined]
+    _, source = load_factory(cfg.module)
+    origin = {"module": cfg.module, "args": dict(cfg.args), "source_sha256": source}
+    return ModelIdentity(cfg.module, model_digest(model, origin))
