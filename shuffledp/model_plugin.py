@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import importlib
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from shuffledp.models import ModelPlugin, make_model, model_digest
@@ -49,6 +51,10 @@ def check_module_name(key: str, value: object) -> str:
 def load_factory(spec: str) -> tuple[Any, str]:
     """(the factory named by "package.module:factory", sha256 of its module's source file)."""
     module_name, attr = spec.split(":")
+    # importing runs the module's top level: never the standard library's (antigravity, this, ...), whose modules
+    # hold no factory; the operator's configuration names the module, the analyzer imports it
+    if module_name.split(".")[0] in sys.stdlib_module_names:
+        raise ConfigError(f"model.module = {spec!r}: {module_name!r} is in the standard library, not a model package")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -63,7 +69,7 @@ def load_factory(spec: str) -> tuple[Any, str]:
             "@shuffledp.models.model_factory"
         )
     path = getattr(module, "__file__", None)
-    source = hashlib.sha256(open(path, "rb").read()).hexdigest() if path else ""  # noqa: SIM115
+    source = hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
     return factory, source
 
 

@@ -91,7 +91,8 @@ def test_config_reads_module_and_args():
 @pytest.mark.parametrize(
     "module, match",
     [
-        ("os:getcwd", "neither a ModelPlugin subclass nor a factory marked"),  # installed, but not a model factory
+        ("numpy:zeros", "neither a ModelPlugin subclass nor a factory marked"),  # installed, but not a model factory
+        ("os:system", "in the standard library"),
         ("shuffledp_no_such_module:f", "cannot import"),
         ("shuffledp.models:no_such_factory", "has no 'no_such_factory'"),
     ],
@@ -100,6 +101,17 @@ def test_loader_imports_only_marked_factories(module, match):
     cfg = parse_config(f'[model]\nmodule = "{module}"\n[schedule]\nlearning_rate = 0.1\n')
     with pytest.raises(ConfigError, match=match):
         build_model(cfg.model, 3, 2)
+
+
+def test_loader_never_imports_a_standard_library_module():
+    """Importing runs a module's top level: `this` prints, `antigravity` opens a browser. Refused before import."""
+    import sys
+
+    for name in ("this", "antigravity"):
+        cfg = parse_config(f'[model]\nmodule = "{name}:f"\n[schedule]\nlearning_rate = 0.1\n')
+        with pytest.raises(ConfigError, match="standard library"):
+            build_model(cfg.model, 3, 2)
+        assert name not in sys.modules
 
 
 def test_loader_reports_bad_arguments():
@@ -248,3 +260,27 @@ def _with_model(spec: pb.RoundSpec, name: str, digest: str) -> pb.RoundSpec:
     out.CopyFrom(spec)
     out.model_name, out.model_digest = name, digest
     return out
+
+
+def test_a_plug_ins_failing_export_leaves_the_results_written(tmp_path, monkeypatch, capsys):
+    """ModelPlugin.export is the user's code: whatever it raises (here a RuntimeError, which escaped before) is a
+    one-line warning; model.npz and the rest stay written."""
+    from shuffledp.run import _export_plugin
+
+    (tmp_path / "broken_export_model.py").write_text(
+        "import dataclasses\n"
+        "from shuffledp.models import make_model, model_factory\n"
+        "def export(self, params, directory):\n"
+        "    raise RuntimeError('disk full in the framework')\n"
+        "@model_factory\n"
+        "def make(num_features, num_classes):\n"
+        "    m = make_model('logreg', num_features, num_classes)\n"
+        "    broken = type('Broken', (type(m),), {'export': export})\n"
+        "    return broken(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.init})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    toml = '[model]\nmodule = "broken_export_model:make"\n[schedule]\nlearning_rate = 0.1\n'
+    plan = {"num_features": 3, "num_classes": 2, "model_name": "broken_export_model:make"}
+    _export_plugin(tmp_path, toml, plan, np.zeros(8))
+    err = capsys.readouterr().err
+    assert "only model.npz written: RuntimeError: disk full in the framework" in err
