@@ -370,6 +370,7 @@ class RunView:
     loss: float = float("nan")  # of `model` on the held-out split
     accuracy: float = float("nan")
     excess_risk: float | None = None  # of `model`, when the population optimum is known
+    metrics_from: int = 0  # `metrics` leaves out the first that many rounds' metrics
 
 
 class _EvalData(NamedTuple):
@@ -537,7 +538,9 @@ class RunManager:
         live.thread.start()
 
     # -------------------------------------------------------------------------------------------- views
-    def view(self, run_id: str, with_result: bool = False) -> RunView:
+    def view(self, run_id: str, with_result: bool = False, metrics_from: int = 0) -> RunView:
+        """The run's status; ``metrics_from``: without the first that many rounds' metrics (a poller holds them:
+        a long run's status costs what changed, not every round again)."""
         # one snapshot of the ledger: a round settling meanwhile (the one in flight at a cancel) would otherwise
         # leave the budget, the metrics and the exported ledger disagreeing about what was spent
         with self.ledger.snapshot():
@@ -549,12 +552,13 @@ class RunManager:
             view = RunView(
                 run_id=run_id,
                 state=run["state"],
-                rounds_done=sum(1 for r in self.ledger.rounds(run_id) if r["state"] != "reserved"),
+                rounds_done=self.ledger.rounds_done(run_id),
                 rounds_planned=int(plan.get("rounds", 0)),
                 budget=self.ledger.totals(run_id) if run["limit"] else None,
-                metrics=[m for m in self.ledger.metrics(run_id) if m.get("round", -1) >= 0],
+                metrics=self.ledger.metrics(run_id, skip=metrics_from),
                 message=run["message"],
                 config_toml=run["config_toml"],
+                metrics_from=metrics_from,
             )
             if not with_result:
                 return view

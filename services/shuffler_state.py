@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
 from pathlib import Path
@@ -309,7 +310,10 @@ class Subscription:
 # participation record (who was in which round of which run): in-memory and SQLite behind one interface
 # ---------------------------------------------------------------------------------------------------------------
 class ParticipationStore(Protocol):
-    def used_users(self, run_id: str) -> set[str]: ...
+    def used_users(self, run_id: str) -> AbstractSet[str]:
+        """The run's consumed users: a read-only view kept up to date by record_round, not a copy (a sequential
+        run's 10^5 users are not read again at every round, issue 30 item 4)."""
+        ...
 
     def run_population(self, run_id: str) -> set[str] | None:
         """A fully interactive run's users, fixed at its first round; None before it."""
@@ -349,8 +353,8 @@ class MemoryParticipationStore:
         self._limits: dict[str, TreeLimits] = {}
         self._leaves: dict[tuple[str, int], dict[str, list[int]]] = {}
 
-    def used_users(self, run_id: str) -> set[str]:
-        return set(self._used.get(run_id, ()))
+    def used_users(self, run_id: str) -> AbstractSet[str]:
+        return self._used.get(run_id, frozenset())
 
     def run_population(self, run_id: str) -> set[str] | None:
         pop = self._population.get(run_id)
@@ -398,6 +402,7 @@ class SqliteParticipationStore:
     def __init__(self, path: str | Path) -> None:
         self._db = open_durable(path)  # a consumed user must survive a crash
         self._lock = threading.Lock()
+        self._used: dict[str, set[str]] = {}  # by run, read once, then added to by record_round (this process only)
         with self._lock:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS rounds (run_id TEXT NOT NULL, round INTEGER NOT NULL, "
@@ -420,10 +425,16 @@ class SqliteParticipationStore:
                 "user_id TEXT NOT NULL, leaf INTEGER NOT NULL, PRIMARY KEY (run_id, tree, user_id, leaf))"
             )
 
-    def used_users(self, run_id: str) -> set[str]:
+    def used_users(self, run_id: str) -> AbstractSet[str]:
         with self._lock:
+            return self._used_locked(run_id)
+
+    def _used_locked(self, run_id: str) -> set[str]:
+        used = self._used.get(run_id)
+        if used is None:
             rows = self._db.execute("SELECT user_id FROM participation WHERE run_id = ?", (run_id,)).fetchall()
-        return {r[0] for r in rows}
+            used = self._used[run_id] = {r[0] for r in rows}
+        return used
 
     def run_population(self, run_id: str) -> set[str] | None:
         with self._lock:
@@ -465,6 +476,8 @@ class SqliteParticipationStore:
         tree_users: Iterable[str] = (),
     ) -> None:
         with self._lock:
+            sequential_users = list(sequential_users)
+            used = self._used_locked(run_id)
             try:
                 with transaction(self._db) as db:
                     db.execute(
@@ -489,6 +502,7 @@ class SqliteParticipationStore:
                 raise RoundExistsError(
                     f"round {round_index} of run {run_id!r} was already executed (or a user was reused): {exc}"
                 ) from exc
+            used.update(sequential_users)  # only once the transaction committed
 
     def close(self) -> None:
         with self._lock:

@@ -463,12 +463,14 @@ def drive_run(
                     # long poll: the analyzer answers when the run differs from what was shown, or after WAIT_MS
                     asked = time.monotonic()
                     seen = dict(seen_rounds=shown, seen_state=status.state, seen_message=message)
-                    poll = pb.RunRef(run_id=run_id, wait_ms=WAIT_MS, **seen)
+                    # only the metrics not shown yet are sent (an older analyzer sends all: metrics_from = 0)
+                    poll = pb.RunRef(run_id=run_id, wait_ms=WAIT_MS, metrics_from=shown, **seen)
                     status = rpc.call(stub.GetRunStatus, poll, call_timeout_s + WAIT_MS / 1000)
-                    news = (len(status.metrics), status.state, status.message) != tuple(seen.values())
-                    for m in status.metrics[shown:]:
+                    have = status.metrics_from + len(status.metrics)
+                    news = (have, status.state, status.message) != tuple(seen.values())
+                    for m in status.metrics[shown - status.metrics_from :]:
                         echo(_progress_line(m, status.rounds_planned))
-                    shown = len(status.metrics)
+                    shown = have
                     # what the analyzer is waiting for (population, an unreachable shuffler): only when it changes
                     if status.state == pb.RUNNING and status.message != message:
                         message = status.message
