@@ -58,8 +58,9 @@ radius = 10.0
 
 [privacy]
 eps = {eps}
-calibration = "calibrated"
 clip_norm = 1.0
+[privacy.pvec]
+calibration = "calibrated"
 
 [schedule]
 kind = "sequential"
