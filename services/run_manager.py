@@ -475,6 +475,7 @@ class RunManager:
         self._clock = clock
         self._new_id = new_id
         self._population_wait = population_wait_seconds
+        self.on_planned: Callable[[str, float], None] = lambda run_id, seconds: None  # shuffledp/metrics.py
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         # held-out splits by data source: a few, least recently used first (every CreateRun loads one, and
@@ -640,12 +641,14 @@ class RunManager:
         pop = self._population(run_id, cfg.deployment.client_nodes, live.cancel)
         t0 = self._clock()
         plan = plan_run(cfg, pop.admitted_users, pop.unused_users, model, bound)
+        seconds = self._clock() - t0
+        self.on_planned(run_id, seconds)
         log.info(
             "run %s planned for %d admitted users: %d rounds (%.2f s)",
             run_id,
             pop.admitted_users,
             plan["rounds"],
-            self._clock() - t0,
+            seconds,
         )
         limit = BudgetLimit(plan["eps"], plan["delta"], plan["composition"], plan["advanced_slack"])
         self.ledger.set_budget(run_id, limit, plan)

@@ -603,6 +603,8 @@ class ShufflerState:
         # invited to check in again in that run, so that one silent node cannot hold back every release. Only
         # liveness rests on it (a lost set lets them in again); the noise guarantee rests on c_min and m alone
         self._silent: dict[str, set[str]] = {}
+        # observer of each executed round (shuffledp/metrics.py): its batch and its phases' durations in seconds
+        self.on_round: Callable[[BatchResult, dict[str, float]], None] | None = None
 
     # ----- nodes -----------------------------------------------------------------------------------------------
     def register_users(self, node_id: str, user_ids: Sequence[str]) -> tuple[int, int]:
@@ -671,6 +673,12 @@ class ShufflerState:
             used = self._store.used_users(run_id) if run_id else set()
             unused = sum(1 for u in eligible if u not in used)
             return Population(len(eligible), unused, len(self._subs))
+
+    def node_summary(self) -> dict[str, tuple[int, bool]]:
+        """Per node identity: (its admitted users, whether it holds an invitation stream now). Counts only."""
+        with self._lock:
+            nodes = set(self._node_users) | set(self._subs)
+            return {n: (len(self._node_users.get(n, ())), n in self._subs) for n in nodes}
 
     def counters(self) -> dict[str, int]:
         """Totals since start: rejections per reason, plus accepted / refused."""
@@ -856,6 +864,7 @@ class ShufflerState:
         # COUNTS only: the wire width is part of the validation (a bound no width holds is refused here)
         wire_dtype = count_wire_dtype(bound) if req.transport == Transport.COUNTS else None
         key = (req.run_id, int(req.round))
+        t0 = self._clock()
         with self._lock:
             if key in self._open or key in self._closed or self._store.round_exists(*key):
                 raise RoundExistsError(f"round {req.round} of run {req.run_id!r} was already executed")
@@ -890,6 +899,7 @@ class ShufflerState:
             rnd.checking_in = req.check_in_trials > 0
             self._open[key] = rnd
             self._invite(rnd, req.relay)
+            t1 = self._clock()
             try:
                 # check-in: the first half of the window for the check-ins, the rest for the messages
                 self._collect(rnd, is_active, self._clock() + req.deadline_seconds / 2 if rnd.checking_in else None)
@@ -909,7 +919,11 @@ class ShufflerState:
                 silent = [u for u in rnd.invited if u not in rnd.answered]
                 if silent:
                     self._silent.setdefault(req.run_id, set()).update(silent)
-            return self._finish(rnd, released_ok=is_active(), invited=len(invited))
+            t2 = self._clock()
+            batch = self._finish(rnd, released_ok=is_active(), invited=len(invited))
+        if self.on_round is not None:
+            self.on_round(batch, {"select": t1 - t0, "collect": t2 - t1, "release": self._clock() - t2})
+        return batch
 
     def _invite(self, rnd: _OpenRound, relay: Any) -> None:
         """Send the invitation to the invited users' nodes; a SUBSAMPLED round's also to every node with eligible
