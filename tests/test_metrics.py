@@ -265,3 +265,78 @@ def test_a_reason_a_node_made_up_is_counted_as_other():
     assert safe_reason("n0-u3") == "other" and safe_reason("my users: n0-u1, n0-u2") == "other"
     assert safe_reason("round_eps_above_max_eps_per_round") == "round_eps_above_max_eps_per_round"
     assert safe_reason("submit_failed_unavailable") == "submit_failed_unavailable"
+
+
+SEQUENTIAL = """
+[data]
+dataset = "digits"
+max_users = 400
+[privacy]
+eps = 8.0
+protocol = "pvec"
+min_contributors_fraction = 0.5
+[schedule]
+kind = "sequential"  # disjoint cohorts: parallel composition, as deploy/example.toml (the Docker monitoring test)
+cohort_size = 30
+output = "last"
+[deployment]
+client_nodes = 2
+round_deadline_seconds = 8.0
+"""
+
+
+def test_a_sequential_run_s_committed_rounds_are_the_ledger_s_once_a_scrape_shows_it_completed(tmp_path):
+    """CI's Docker monitoring test found 1 committed round in Prometheus where the ledger had 13: it waited for the
+    eps spent to reach the ledger's, which a parallel-composition run reaches at its first round, so Prometheus's
+    last scrape could predate the run's end. The analyzer's counters themselves agree with the ledger.json once a
+    scrape shows the run COMPLETED (the ledger closes every round before), which is what that test now waits for."""
+    config = tmp_path / "run.toml"
+    config.write_text(SEQUENTIAL)
+    state, mport = tmp_path / "state", _free_port()
+    procs = []
+    try:
+        shuffler, sport = serve(tmp_path, "shuffler", ["shuffler", "--insecure", "--state-dir", str(state)])
+        procs.append(shuffler)
+        at = ["--insecure", "--shuffler", f"127.0.0.1:{sport}", "--state-dir", str(state)]
+        analyzer, aport = serve(tmp_path, "analyzer", ["analyzer", *at, "--metrics-port", str(mport)])
+        procs.append(analyzer)
+        for i in range(2):
+            argv = ["client", *at, "--config", str(config), "--node-index", str(i), "--num-nodes", "2"]
+            procs.append(serve(tmp_path, f"client-{i}", argv)[0])
+        out = tmp_path / "results"
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "shuffledp.cli", "run", str(config), "--analyzer", f"127.0.0.1:{aport}"]
+            + ["--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        scrapes = []  # (runs COMPLETED, committed rounds, eps spent) of each scrape during the run
+        while cli.poll() is None:
+            _, a = _scrape(mport)
+            scrapes.append(
+                (
+                    _get(a, "shuffledp_analyzer_runs", state="COMPLETED"),
+                    _sum(a, "shuffledp_analyzer_rounds_total", outcome="committed"),
+                    _sum(a, "shuffledp_analyzer_epsilon_spent"),
+                )
+            )
+            time.sleep(0.05)
+        text_out, _ = cli.communicate(timeout=60)
+        assert cli.returncode == 0, text_out + log_text(tmp_path, "analyzer")[-3000:]
+        _, end = _scrape(mport)
+    finally:
+        stop(*procs)
+    ledger = json.loads((out / "ledger.json").read_text())
+    run_id, eps = ledger["run"]["run_id"], ledger["totals"]["eps_spent"]
+    committed = sum(1 for r in ledger["rounds"] if r["state"] == "committed")
+    assert committed == ledger["run"]["plan"]["rounds"] == 400 // 30
+    assert _get(end, "shuffledp_analyzer_runs", state="COMPLETED") == 1
+    assert _get(end, "shuffledp_analyzer_rounds_total", run_id=run_id, outcome="committed") == committed
+    assert _get(end, "shuffledp_analyzer_epsilon_spent", run_id=run_id) == pytest.approx(eps, rel=1e-12)
+    for done, n, spent in scrapes:
+        assert n <= committed and spent <= eps * (1 + 1e-12)
+        if done:  # a scrape that shows the run completed shows all its rounds
+            assert n == committed and spent == pytest.approx(eps, rel=1e-12)
+        elif n > 0:  # the premise the old wait missed: eps is final from the first committed round on
+            assert spent == pytest.approx(eps, rel=1e-12)
