@@ -21,7 +21,7 @@ import json
 import logging
 import sqlite3
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +85,67 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int):
 
 
 # ------------------------------------------------------------------------------------------------- analyzer
+class _RoundStats:
+    """What the analyzer's metrics sum over a run's per-round metrics, added to as rounds arrive: a scrape decodes
+    only the rounds it has not read yet, so its cost does not grow with a long run's rounds (issue 30 item 4)."""
+
+    def __init__(self) -> None:
+        self.rows = 0  # rounds read (checkpoints with round >= 0)
+        self.last = -1  # the highest round read
+        self.le = [0] * len(ROUND_SECONDS_BUCKETS)  # rounds at most each bucket's bound long (cumulative)
+        self.seconds_sum = 0.0
+        self.refusals: Counter = Counter()
+        self.rejected: Counter = Counter()
+
+    def add(self, round_index: int, m: dict[str, Any]) -> None:
+        s = float(m.get("seconds", 0.0))
+        self.rows, self.last, self.seconds_sum = self.rows + 1, max(self.last, round_index), self.seconds_sum + s
+        for i, bound in enumerate(ROUND_SECONDS_BUCKETS):
+            self.le[i] += s <= bound
+        for why, n in (m.get("refused_reasons") or {}).items():
+            self.refusals[safe_reason(why)] += int(n)
+        for why, n in (m.get("rejected") or {}).items():
+            self.rejected[safe_label(why)] += int(n)
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative histogram buckets (Prometheus: le = upper bound, the last +Inf = the count)."""
+        out = [(str(b), float(n)) for b, n in zip(ROUND_SECONDS_BUCKETS, self.le, strict=True)]
+        return [*out, ("+Inf", float(self.rows))]
+
+
 class _AnalyzerCollector(Collector):
     """Read from the ledger at scrape time, through a read-only connection of its own (WAL lets readers run beside
-    the writer; the ledger's lock is not held while rows are read); the budget is composed by Ledger.totals. What
-    takes work (the budget, the per-round metrics) is read again only when the run's rounds changed."""
+    the writer; the ledger's lock is not held while rows are read), in one read transaction; the budget is composed
+    by Ledger.totals (its memo: once per write). A run's per-round metrics are decoded once each (_RoundStats); the
+    budget is asked for again only when the run's rounds changed."""
 
     def __init__(self, ledger) -> None:
         self.ledger = ledger
-        self._cache: dict[str, tuple[tuple, dict[str, Any]]] = {}  # run_id -> (what it was read at, the reading)
+        self._stats: dict[str, _RoundStats] = {}
+        self._budget: dict[str, tuple[tuple, tuple[float, ...]]] = {}  # run_id -> (its rounds when read, budget)
+
+    def _stats_of(self, db: sqlite3.Connection, run_id: str) -> _RoundStats:
+        (n_metrics,) = db.execute(
+            "SELECT COUNT(*) FROM checkpoints WHERE run_id=? AND round >= 0", (run_id,)
+        ).fetchone()
+        stats = self._stats.get(run_id)
+        if stats is not None and stats.rows == n_metrics:
+            return stats
+        new = []
+        if stats is not None and stats.rows < n_metrics:
+            new = db.execute(
+                "SELECT round, metrics_json FROM checkpoints WHERE run_id=? AND round > ? ORDER BY round",
+                (run_id, stats.last),
+            ).fetchall()
+        if stats is None or stats.rows + len(new) != n_metrics:  # none yet, or rows not only appended: all again
+            stats = _RoundStats()
+            new = db.execute(
+                "SELECT round, metrics_json FROM checkpoints WHERE run_id=? AND round >= 0 ORDER BY round", (run_id,)
+            ).fetchall()
+        for r, text in new:
+            stats.add(int(r), json.loads(text))
+        self._stats[run_id] = stats
+        return stats
 
     def _read(self, db: sqlite3.Connection, run_id: str, has_limit: bool) -> dict[str, Any]:
         rounds: Counter = Counter()
@@ -101,28 +154,14 @@ class _AnalyzerCollector(Collector):
             (_SHUFFLER_REFUSED, run_id),
         ):
             rounds["refused" if st == "released" and refused else st] += int(n)
-        (n_metrics,) = db.execute(
-            "SELECT COUNT(*) FROM checkpoints WHERE run_id=? AND round >= 0", (run_id,)
-        ).fetchone()
-        key = (tuple(sorted(rounds.items())), int(n_metrics), has_limit)
-        cached = self._cache.get(run_id)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        seconds: list[float] = []
-        refusals: Counter = Counter()
-        rejected: Counter = Counter()
-        for (text,) in db.execute("SELECT metrics_json FROM checkpoints WHERE run_id=? AND round >= 0", (run_id,)):
-            m = json.loads(text)
-            seconds.append(float(m.get("seconds", 0.0)))
-            for why, n in (m.get("refused_reasons") or {}).items():
-                refusals[safe_reason(why)] += int(n)
-            for why, n in (m.get("rejected") or {}).items():
-                rejected[safe_label(why)] += int(n)
-        out: dict[str, Any] = {"rounds": rounds, "seconds": seconds, "refusals": refusals, "rejected": rejected}
+        out: dict[str, Any] = {"rounds": rounds, "stats": self._stats_of(db, run_id)}
         if has_limit:
-            t = self.ledger.totals(run_id)
-            out["budget"] = (t.eps_spent, t.eps_limit, t.delta_spent, t.delta_limit)
-        self._cache[run_id] = (key, out)
+            key = tuple(sorted(rounds.items()))
+            cached = self._budget.get(run_id)
+            if cached is None or cached[0] != key:
+                t = self.ledger.totals(run_id)
+                cached = self._budget[run_id] = (key, (t.eps_spent, t.eps_limit, t.delta_spent, t.delta_limit))
+            out["budget"] = cached[1]
         return out
 
     def collect(self) -> Iterator[Metric]:
@@ -164,6 +203,7 @@ class _AnalyzerCollector(Collector):
         by_state: Counter = Counter()
         db = sqlite3.connect(Path(self.ledger.path).resolve().as_uri() + "?mode=ro", uri=True, timeout=5)
         try:
+            db.execute("BEGIN")  # one snapshot: a run's rows as they were together
             rows = db.execute("SELECT run_id, state, plan_json, limit_json FROM runs ORDER BY created_at").fetchall()
             for run_id, state, plan_json, limit_json in rows:
                 by_state[state] += 1
@@ -176,10 +216,11 @@ class _AnalyzerCollector(Collector):
                 if "budget" in got:
                     for family, value in zip(gauges.values(), got["budget"], strict=True):
                         family.add_metric([run_id], value)
-                latency.add_metric([run_id], _buckets(got["seconds"], ROUND_SECONDS_BUCKETS), sum(got["seconds"]))
-                for why, n in sorted(got["refusals"].items()):
+                stats = got["stats"]
+                latency.add_metric([run_id], stats.buckets(), stats.seconds_sum)
+                for why, n in sorted(stats.refusals.items()):
                     refusals.add_metric([run_id, why], n)
-                for why, n in sorted(got["rejected"].items()):
+                for why, n in sorted(stats.rejected.items()):
                     rejected.add_metric([run_id, why], n)
         finally:
             db.close()
@@ -205,13 +246,6 @@ def _never_raises(hook: Callable[..., None]) -> Callable[..., None]:
             log.exception("metrics hook failed")
 
     return safe
-
-
-def _buckets(values: Iterable[float], bounds: tuple[float, ...]) -> list[tuple[str, float]]:
-    """Cumulative histogram buckets (Prometheus: le = upper bound, the last +Inf = the count)."""
-    values = list(values)
-    out = [(str(b), float(sum(1 for v in values if v <= b))) for b in bounds]
-    return [*out, ("+Inf", float(len(values)))]
 
 
 def analyzer_registry(manager) -> CollectorRegistry:

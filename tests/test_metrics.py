@@ -340,3 +340,51 @@ def test_a_sequential_run_s_committed_rounds_are_the_ledger_s_once_a_scrape_show
             assert n == committed and spent == pytest.approx(eps, rel=1e-12)
         elif n > 0:  # the premise the old wait missed: eps is final from the first committed round on
             assert spent == pytest.approx(eps, rel=1e-12)
+
+
+def _analyzer_samples(collector) -> dict:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    samples = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def test_the_analyzer_s_scrape_reads_each_round_once_and_agrees_with_a_fresh_reading(tmp_path):
+    """A scrape decodes only the rounds' metrics it has not read yet (a long run's scrape costs what changed): what
+    it shows after rounds were added, in order or not (a gap filled later: all read again), is what a collector
+    that reads everything at once shows."""
+    from shuffledp.services.ledger import Ledger
+
+    from shuffledp.metrics import _AnalyzerCollector
+
+    ledger = Ledger(tmp_path / "ledger.db")
+    ledger.create_run("r1", "")
+    kept = _AnalyzerCollector(ledger)
+
+    def save(r: int) -> None:
+        reasons = {REFUSAL: r % 3, "made up by n0-u1": 1} if r % 2 else {}
+        m = {"round": r, "seconds": 0.03 * (r + 1) ** 2, "refused_reasons": reasons, "rejected": {"replay": r % 2}}
+        ledger.save_checkpoint("r1", r, b"", m)
+
+    ledger.save_checkpoint("r1", -1, b"", {"round": -1, "seconds": 99.0})  # the initial model: not a round
+    for batch in ([0, 1, 2], [3], [], [5, 6], [4], [7, 8, 9]):  # round 4 arrives after 5 and 6
+        for r in batch:
+            save(r)
+        got = _analyzer_samples(kept)
+        assert got == _analyzer_samples(_AnalyzerCollector(ledger))
+    n = 10
+    assert got[("shuffledp_analyzer_round_duration_seconds_count", (("run_id", "r1"),))] == n
+    assert got[("shuffledp_analyzer_round_duration_seconds_sum", (("run_id", "r1"),))] == pytest.approx(
+        sum(0.03 * (r + 1) ** 2 for r in range(n))
+    )
+    le_1 = ("shuffledp_analyzer_round_duration_seconds_bucket", (("le", "1.0"), ("run_id", "r1")))
+    assert got[le_1] == sum(1 for r in range(n) if 0.03 * (r + 1) ** 2 <= 1.0)
+    refusals = ("shuffledp_analyzer_user_refusals_total", (("reason", REFUSAL), ("run_id", "r1")))
+    assert got[refusals] == sum(r % 3 for r in range(1, n, 2))
+    assert got[("shuffledp_analyzer_user_refusals_total", (("reason", "other"), ("run_id", "r1")))] == n // 2
+    ledger.close()
