@@ -143,3 +143,8 @@ def test_bench_long_run_prints_both_windows_and_equal_eps():
     out = _run("bench_long_run.py", "--rounds", "201", timeout=600)
     assert re.search(r"ratio last / first: [0-9.]+", out), out
     assert "CPU per round, all services" in out and "(equal to 1e-09)" in out, out
+
+
+def test_bench_metrics_scrape_prints_the_three_scrapes():
+    out = _run("bench_metrics_scrape.py", "--rounds", "50", timeout=120)
+    assert re.search(r"^\s+50\s+[0-9.]+ s\s+[0-9.]+ s\s+[0-9.]+ s$", out, re.M), out
