@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -122,6 +123,7 @@ class _AnalyzerCollector(Collector):
     def __init__(self, ledger) -> None:
         self.ledger = ledger
         self._stats: dict[str, _RoundStats] = {}
+        self._lock = threading.Lock()  # scrapes may come at once (one thread per request): one reads, then the next
         self._budget: dict[str, tuple[tuple, tuple[float, ...]]] = {}  # run_id -> (its rounds when read, budget)
 
     def _stats_of(self, db: sqlite3.Connection, run_id: str) -> _RoundStats:
@@ -201,29 +203,30 @@ class _AnalyzerCollector(Collector):
             labels=["run_id", "reason"],
         )
         by_state: Counter = Counter()
-        db = sqlite3.connect(Path(self.ledger.path).resolve().as_uri() + "?mode=ro", uri=True, timeout=5)
-        try:
-            db.execute("BEGIN")  # one snapshot: a run's rows as they were together
-            rows = db.execute("SELECT run_id, state, plan_json, limit_json FROM runs ORDER BY created_at").fetchall()
-            for run_id, state, plan_json, limit_json in rows:
-                by_state[state] += 1
-                got = self._read(db, run_id, bool(limit_json))
-                if plan_json:
-                    planned.add_metric([run_id], float(json.loads(plan_json).get("rounds", 0)))
-                in_flight.add_metric([run_id], got["rounds"].get("reserved", 0))
-                for outcome in ("committed", "released", "refused", "spent_unknown"):
-                    rounds.add_metric([run_id, outcome], got["rounds"].get(outcome, 0))
-                if "budget" in got:
-                    for family, value in zip(gauges.values(), got["budget"], strict=True):
-                        family.add_metric([run_id], value)
-                stats = got["stats"]
-                latency.add_metric([run_id], stats.buckets(), stats.seconds_sum)
-                for why, n in sorted(stats.refusals.items()):
-                    refusals.add_metric([run_id, why], n)
-                for why, n in sorted(stats.rejected.items()):
-                    rejected.add_metric([run_id, why], n)
-        finally:
-            db.close()
+        with self._lock:
+            db = sqlite3.connect(Path(self.ledger.path).resolve().as_uri() + "?mode=ro", uri=True, timeout=5)
+            try:
+                db.execute("BEGIN")  # one snapshot: a run's rows as they were together
+                q = "SELECT run_id, state, plan_json, limit_json FROM runs ORDER BY created_at"
+                for run_id, state, plan_json, limit_json in db.execute(q).fetchall():
+                    by_state[state] += 1
+                    got = self._read(db, run_id, bool(limit_json))
+                    if plan_json:
+                        planned.add_metric([run_id], float(json.loads(plan_json).get("rounds", 0)))
+                    in_flight.add_metric([run_id], got["rounds"].get("reserved", 0))
+                    for outcome in ("committed", "released", "refused", "spent_unknown"):
+                        rounds.add_metric([run_id, outcome], got["rounds"].get(outcome, 0))
+                    if "budget" in got:
+                        for family, value in zip(gauges.values(), got["budget"], strict=True):
+                            family.add_metric([run_id], value)
+                    stats = got["stats"]
+                    latency.add_metric([run_id], stats.buckets(), stats.seconds_sum)
+                    for why, n in sorted(stats.refusals.items()):
+                        refusals.add_metric([run_id, why], n)
+                    for why, n in sorted(stats.rejected.items()):
+                        rejected.add_metric([run_id, why], n)
+            finally:
+                db.close()
         for state in RUN_STATES:
             runs.add_metric([state], by_state.get(state, 0))
         yield from (runs, in_flight, rounds, planned, *gauges.values(), latency, refusals, rejected)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -382,8 +384,22 @@ def test_the_analyzer_s_scrape_reads_each_round_once_and_agrees_with_a_fresh_rea
     assert got[("shuffledp_analyzer_round_duration_seconds_sum", (("run_id", "r1"),))] == pytest.approx(
         sum(0.03 * (r + 1) ** 2 for r in range(n))
     )
+    # scrapes at once (the metrics server answers each in a thread of its own): each new round is still read once
+    db = sqlite3.connect(tmp_path / "ledger.db")
+    with db:
+        db.executemany(
+            "INSERT INTO checkpoints(run_id, round, blob, metrics_json) VALUES (?,?,?,?)",
+            (("r1", r, b"", json.dumps({"round": r, "seconds": 0.01})) for r in range(n, 20_000)),
+        )
+    db.close()
+    with ThreadPoolExecutor(4) as pool:
+        readings = list(pool.map(lambda _: _analyzer_samples(kept), range(4)))
+    fresh = _analyzer_samples(_AnalyzerCollector(ledger))
+    assert all(r == fresh for r in readings)
+    assert fresh[("shuffledp_analyzer_round_duration_seconds_count", (("run_id", "r1"),))] == 20_000
     le_1 = ("shuffledp_analyzer_round_duration_seconds_bucket", (("le", "1.0"), ("run_id", "r1")))
     assert got[le_1] == sum(1 for r in range(n) if 0.03 * (r + 1) ** 2 <= 1.0)
+    assert fresh[le_1] == got[le_1] + 20_000 - n
     refusals = ("shuffledp_analyzer_user_refusals_total", (("reason", REFUSAL), ("run_id", "r1")))
     assert got[refusals] == sum(r % 3 for r in range(1, n, 2))
     assert got[("shuffledp_analyzer_user_refusals_total", (("reason", "other"), ("run_id", "r1")))] == n // 2
