@@ -124,6 +124,7 @@ class NodeCore:
         self._rng = rng if rng is not None else make_rng()
         self._lock = threading.Lock()
         self.rounds_joined = 0
+        self.spend_records = 0  # users charged, one record each per round (shuffledp/metrics.py)
         self.refusals: Counter = Counter()
         self._protocol_state: dict[str, Any] = {}  # per run: a stateful client estimator's state (mu2_round)
 
@@ -245,6 +246,7 @@ class NodeCore:
                     charged, delta = idx[join], float(spec.per_user_cost.delta)
                     keys = self.policy.charge(charged, cost[join], delta, noise_key(spec))
                     self._spend.record([self.shard.user_ids[i] for i in charged], cost[join], delta, keys)
+                    self.spend_records += len(charged)
                     self.rounds_joined += 1
             self._refuse(ids, reasons, join, out)
         return out
@@ -281,6 +283,7 @@ class NodeCore:
             charged = [self.shard.user_ids[i] for i in charge.users.tolist()]
             # if the store fails, the exception leaves handle() and nothing of the round is sent
             self._spend.record(charged, charge.eps, charge.delta, [None] * len(charged), charge.run, charge.steps)
+            self.spend_records += len(charged)
         self.policy.apply_run(charge)
         if np.any(join):
             self.rounds_joined += 1

@@ -108,6 +108,7 @@ def _status(v: RunView, output: str = "mean") -> pb.RunStatus:
         budget=_budget(v.budget),
         metrics=metrics,
         message=v.message,
+        metrics_from=v.metrics_from,
     )
 
 
@@ -117,8 +118,8 @@ class AnalyzerServicer(pbg.AnalyzerServicer):
     def __init__(self, manager: RunManager):
         self.manager = manager
 
-    def _view(self, run_id: str, with_result: bool = False) -> tuple[RunView, str]:
-        v = self.manager.view(run_id, with_result)
+    def _view(self, run_id: str, with_result: bool = False, metrics_from: int = 0) -> tuple[RunView, str]:
+        v = self.manager.view(run_id, with_result, metrics_from)
         plan = self.manager.ledger.run(run_id)["plan"] or {}
         return v, plan.get("output", "mean")
 
@@ -138,7 +139,8 @@ class AnalyzerServicer(pbg.AnalyzerServicer):
 
     def GetRunStatus(self, request: pb.RunRef, context: grpc.ServicerContext) -> pb.RunStatus:
         # with wait_ms, a long poll: the status is answered once it differs from what the caller has seen, so an
-        # operator sees each round as it ends without polling (answers stay complete: a status, never a delta)
+        # operator sees each round as it ends without polling (answers are a complete status, but for the first
+        # metrics_from rounds' metrics, which the caller asked to leave out: what it already holds)
         try:
             deadline = time.monotonic() + min(request.wait_ms, MAX_STATUS_WAIT_MS) / 1000.0
             ledger = self.manager.ledger
@@ -148,7 +150,7 @@ class AnalyzerServicer(pbg.AnalyzerServicer):
                 left = deadline - time.monotonic()
                 now = ledger.progress(request.run_id)  # cheap: the full view composes the budget
                 if left <= 0 or not context.is_active() or now is None or (now[0], _STATES[now[1]], now[2]) != seen:
-                    return _status(*self._view(request.run_id))
+                    return _status(*self._view(request.run_id, metrics_from=request.metrics_from))
                 ledger.wait_change(version, min(left, 1.0))
         except Exception as exc:
             _abort(context, exc)

@@ -22,6 +22,14 @@ Events are stored as JSON data (mechanism, parameters, contributors, schedule, t
 dp_accounting's DpEvent: the description is kept apart from the arithmetic, so an auditor can recompute every
 total from the export. The arithmetic is shuffledp.accountants.ledger_accounting.account (`compose_events` and
 `round_cost` only choose the accountant and the delta that the run's composition rule implies).
+
+A long run's rounds cost no more than its first (issue 30 item 4): the ledger keeps each run's rounds in memory
+(_Book: every distinct event parsed once, the counted and spent rounds as multisets event -> rounds, updated by each
+write and read back from SQLite at start-up or after another connection wrote). A plug-in whose total depends on
+that multiset only (PVEC: rounds composing in parallel take the max, RDP curves and PLDs are composed per distinct
+round and count by the accountant) composes it by `compose_counts`, one step per distinct event; the figures are
+those of `compose_events` over the list of rounds, bit for bit (tests/test_ledger_incremental.py). Any other
+plug-in is given the list, in round order, as before. Totals are composed once per write, not per status poll.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import math
 import sqlite3
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -169,6 +178,114 @@ def compose_events(
     return _protocol(events).compose(events, limit, honest_fraction)
 
 
+Items = list[tuple[PrivacyEvent, int]]
+
+
+def _compose_items(
+    items: Items, ordered: Callable[[], list[PrivacyEvent]], limit: BudgetLimit, honest_fraction: float = 1.0
+) -> tuple[float, float]:
+    """``compose_events`` of a multiset of rounds (distinct events, rounds of each). A plug-in whose total depends
+    on the multiset only says so with ``compose_counts`` (one step per distinct event, not per round); any other is
+    given the rounds in round order (``ordered``), as compose_events gives them."""
+    if not items:
+        return 0.0, 0.0
+    protocol = _protocol([e for e, _ in items])
+    by_counts = getattr(protocol, "compose_counts", None)
+    if by_counts is not None:
+        return by_counts(items, limit, honest_fraction)
+    return protocol.compose(ordered(), limit, honest_fraction)
+
+
+def _views_items(items: Items, ordered: Callable[[], list[PrivacyEvent]], limit: BudgetLimit) -> dict[str, float]:
+    """The plug-in's views of the spent rounds, by ``views_counts`` where it has one (as _compose_items)."""
+    if not items:
+        return {}
+    protocol = _protocol([e for e, _ in items])
+    by_counts = getattr(protocol, "views_counts", None)
+    return by_counts(items, limit) if by_counts is not None else protocol.views(ordered(), limit)
+
+
+_SPENT = ("committed", "spent_unknown")
+
+
+class _Book:
+    """A run's rounds in memory, kept in step with its rows (issue 30 item 4): each distinct event is parsed once,
+    and the counted and spent rounds are multisets (event key -> rounds), updated by each write, so composing the
+    run costs one step per distinct event, not one per round (and nothing while nothing changed: ``memo``)."""
+
+    def __init__(self, limit: BudgetLimit | None, honest_fraction: float):
+        self.limit = limit
+        self.honest_fraction = honest_fraction
+        self.rounds: dict[int, tuple[str, str]] = {}  # round -> (state, event key), in round order
+        self.events: dict[str, PrivacyEvent] = {}  # event key (its JSON) -> the event
+        self.counted: Counter[str] = Counter()  # reserved + committed + spent_unknown rounds by event
+        self.spent: Counter[str] = Counter()  # committed + spent_unknown
+        self.committed = 0
+        self.closed = 0  # rounds no longer reserved
+        self.with_metrics = 0  # rounds with a checkpoint (metrics), the initial model's (round -1) not counted
+        self.memo: dict[str, Any] = {}  # figures of the current rounds (totals), emptied by every change
+
+    @classmethod
+    def load(cls, db: sqlite3.Connection, run_id: str) -> _Book:
+        row = db.execute("SELECT limit_json, plan_json FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        if row is None:
+            raise LedgerError(f"unknown run {run_id!r}")
+        limit = BudgetLimit(**json.loads(row[0])) if row[0] else None
+        h = float((json.loads(row[1]) if row[1] else {}).get("honest_fraction", 1.0))
+        book = cls(limit, h)
+        for r, state, key in db.execute(
+            "SELECT round, state, event_json FROM rounds WHERE run_id=? ORDER BY round", (run_id,)
+        ):
+            book.set(int(r), state, key)
+        (book.with_metrics,) = db.execute(
+            "SELECT COUNT(*) FROM checkpoints WHERE run_id=? AND round >= 0", (run_id,)
+        ).fetchone()
+        return book
+
+    def set(self, round_index: int, state: str, key: str, event: PrivacyEvent | None = None) -> None:
+        """Round ``round_index`` is now in ``state`` with the event of JSON ``key``."""
+        old = self.rounds.get(round_index)
+        if old is not None:
+            self._count(*old, -1)
+        if key not in self.events:
+            self.events[key] = event if event is not None else PrivacyEvent.from_json(key)
+        out_of_order = old is None and self.rounds and round_index < next(reversed(self.rounds))
+        self.rounds[round_index] = (state, key)
+        if out_of_order:
+            self.rounds = dict(sorted(self.rounds.items()))
+        self._count(state, key, 1)
+        self.memo.clear()
+
+    def _count(self, state: str, key: str, sign: int) -> None:
+        if state in _COUNTED:
+            self.counted[key] += sign
+        if state in _SPENT:
+            self.spent[key] += sign
+        self.committed += sign * (state == "committed")
+        self.closed += sign * (state != "reserved")
+
+    def event(self, round_index: int) -> PrivacyEvent:
+        return self.events[self.rounds[round_index][1]]
+
+    def items(self, counts: Counter[str]) -> Items:
+        return [(self.events[k], c) for k, c in counts.items() if c > 0]
+
+    def ordered(self, states: Sequence[str], extra: PrivacyEvent | None = None) -> Callable[[], list[PrivacyEvent]]:
+        """The rounds in ``states`` in round order (and ``extra`` last), built only if a plug-in asks for them."""
+
+        def build() -> list[PrivacyEvent]:
+            out = [self.events[k] for s, k in self.rounds.values() if s in states]
+            return [*out, extra] if extra is not None else out
+
+        return build
+
+    def first_counted(self) -> PrivacyEvent | None:
+        for state, key in self.rounds.values():
+            if state in _COUNTED:
+                return self.events[key]
+        return None
+
+
 # ------------------------------------------------------------------------------------------------ storage
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -220,6 +337,9 @@ class Ledger:
         self._db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss before the next round leaves
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        # rounds in memory by run (_Book), valid while no other connection has written (PRAGMA data_version)
+        self._books: dict[str, _Book] = {}
+        self._data_version = self._db.execute("PRAGMA data_version").fetchone()[0]
 
     def close(self) -> None:
         with self._lock:
@@ -237,10 +357,17 @@ class Ledger:
 
             def __exit__(self_inner, exc_type, exc, tb):
                 try:
-                    ledger._db.execute("ROLLBACK" if exc_type else "COMMIT")
-                    if not exc_type:
-                        ledger._version += 1
-                        ledger._changed.notify_all()
+                    if exc_type:
+                        ledger._books.clear()  # they may hold what was rolled back: read again from the rows
+                        ledger._db.execute("ROLLBACK")
+                        return False
+                    try:
+                        ledger._db.execute("COMMIT")
+                    except BaseException:
+                        ledger._books.clear()
+                        raise
+                    ledger._version += 1
+                    ledger._changed.notify_all()
                 finally:
                     ledger._lock.release()
                 return False
@@ -262,6 +389,17 @@ class Ledger:
         with self._changed:
             self._changed.wait_for(lambda: self._version != version, max(timeout, 0.0))
 
+    def _book(self, run_id: str) -> _Book:
+        """The run's rounds in memory (under the lock); read again from SQLite if another connection wrote."""
+        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        if version != self._data_version:
+            self._books.clear()
+            self._data_version = version
+        book = self._books.get(run_id)
+        if book is None:
+            book = self._books[run_id] = _Book.load(self._db, run_id)
+        return book
+
     def _run_row(self, db: sqlite3.Connection, run_id: str) -> sqlite3.Row | tuple:
         row = db.execute("SELECT state, limit_json FROM runs WHERE run_id=?", (run_id,)).fetchone()
         if row is None:
@@ -273,11 +411,6 @@ class Ledger:
         if not limit_json:
             raise LedgerError(f"run {run_id!r} has no budget yet (set_budget is called when the run starts)")
         return BudgetLimit(**json.loads(limit_json))
-
-    @staticmethod
-    def _events(db: sqlite3.Connection, run_id: str, states: Sequence[str]) -> list[PrivacyEvent]:
-        q = f"SELECT event_json FROM rounds WHERE run_id=? AND state IN ({','.join('?' * len(states))}) ORDER BY round"
-        return [PrivacyEvent.from_json(r[0]) for r in db.execute(q, (run_id, *states))]
 
     # ------------------------------------------------------------------------------------------- runs
     def create_run(self, run_id: str, config_toml: str, state: str = "CREATED") -> None:
@@ -300,6 +433,7 @@ class Ledger:
                 "UPDATE runs SET limit_json=?, plan_json=?, updated_at=? WHERE run_id=?",
                 (json.dumps(asdict(limit)), json.dumps(plan, sort_keys=True), self._clock(), run_id),
             )
+            self._books.pop(run_id, None)
 
     def set_state(self, run_id: str, state: str, message: str = "") -> None:
         with self._tx() as db:
@@ -340,16 +474,22 @@ class Ledger:
             limit = self._limit(db, run_id)
             if db.execute("SELECT 1 FROM rounds WHERE run_id=? AND round=?", (run_id, round_index)).fetchone():
                 raise LedgerError(f"round {round_index} of run {run_id!r} was already reserved")
-            counted = self._events(db, run_id, _COUNTED)
-            projected = compose_events([*counted, event], limit)
+            book = self._book(run_id)
+            key = event.to_json()
+            with_it = book.counted.copy()
+            with_it[key] += 1
+            items = [(book.events.get(k, event), c) for k, c in with_it.items() if c > 0]
+            projected = _compose_items(items, book.ordered(_COUNTED, event), limit)
             if projected[0] > limit.eps or projected[1] > limit.delta:
-                raise BudgetExceeded(compose_events(counted, limit), projected, (limit.eps, limit.delta))
+                spent = _compose_items(book.items(book.counted), book.ordered(_COUNTED), limit)
+                raise BudgetExceeded(spent, projected, (limit.eps, limit.delta))
             eps_r, delta_r = round_cost(event)
             db.execute(
                 "INSERT INTO rounds(run_id, round, state, event_json, reserved_eps, reserved_delta, reserved_at)"
                 " VALUES (?,?,?,?,?,?,?)",
-                (run_id, round_index, "reserved", event.to_json(), eps_r, delta_r, self._clock()),
+                (run_id, round_index, "reserved", key, eps_r, delta_r, self._clock()),
             )
+            book.set(round_index, "reserved", key, event)
             return projected
 
     def _close(self, run_id: str, round_index: int, state: str, event: PrivacyEvent | None, n: int | None, reason: str):
@@ -359,21 +499,23 @@ class Ledger:
                 raise LedgerError(f"round {round_index} of run {run_id!r} was never reserved")
             if row[0] != "reserved":
                 raise LedgerError(f"round {round_index} of run {run_id!r} is {row[0]}, not reserved")
+            book = self._book(run_id)
             sets = "state=?, contributors=?, reason=?, closed_at=?"
             args: list[Any] = [state, n, reason, self._clock()]
+            key = book.rounds[round_index][1]
             if event is not None:
+                key = event.to_json()
                 sets += ", event_json=?"
-                args.append(event.to_json())
+                args.append(key)
             db.execute(f"UPDATE rounds SET {sets} WHERE run_id=? AND round=?", (*args, run_id, round_index))
+            book.set(round_index, state, key, event)
 
     def event(self, run_id: str, round_index: int) -> PrivacyEvent:
         with self._lock:
-            row = self._db.execute(
-                "SELECT event_json FROM rounds WHERE run_id=? AND round=?", (run_id, round_index)
-            ).fetchone()
-        if row is None:
-            raise LedgerError(f"round {round_index} of run {run_id!r} was never reserved")
-        return PrivacyEvent.from_json(row[0])
+            book = self._book(run_id)
+            if round_index not in book.rounds:
+                raise LedgerError(f"round {round_index} of run {run_id!r} was never reserved")
+            return book.event(round_index)
 
     def commit(
         self, run_id: str, round_index: int, contributors: int, params: dict[str, Any] | None = None
@@ -412,6 +554,7 @@ class Ledger:
                 "closed_at=? WHERE state='reserved'",
                 (self._clock(),),
             )
+            self._books.clear()
         return [(r[0], int(r[1])) for r in rows]
 
     def rounds(self, run_id: str) -> list[dict[str, Any]]:
@@ -433,43 +576,62 @@ class Ledger:
             row = self._db.execute("SELECT MAX(round) FROM rounds WHERE run_id=?", (run_id,)).fetchone()
         return 0 if row[0] is None else int(row[0]) + 1
 
-    def totals(self, run_id: str) -> BudgetTotals:
+    def rounds_done(self, run_id: str) -> int:
+        """Rounds no longer reserved (committed, released or spent_unknown)."""
         with self._lock:
-            limit = self._limit(self._db, run_id)
-            spent_ev = self._events(self._db, run_id, ("committed", "spent_unknown"))
-            all_ev = self._events(self._db, run_id, _COUNTED)
-            n_committed = self._db.execute(
-                "SELECT COUNT(*) FROM rounds WHERE run_id=? AND state='committed'", (run_id,)
-            ).fetchone()[0]
-        spent = compose_events(spent_ev, limit)
-        reserved = compose_events(all_ev, limit)
-        name = accountant_name(all_ev[0], limit.composition) if all_ev else limit.composition
-        h = float((self.run(run_id)["plan"] or {}).get("honest_fraction", 1.0))
-        robust = compose_events(spent_ev, limit, h)[0] if h < 1.0 else spent[0]
-        views = _protocol(spent_ev).views(spent_ev, limit) if spent_ev else {}
-        trust = all_ev[0].trust_model if all_ev else "shuffle"
-        return BudgetTotals(
-            spent[0],
-            spent[1],
-            reserved[0],
-            reserved[1],
-            limit.eps,
-            limit.delta,
-            name,
-            n_committed,
-            h,
-            robust,
-            views,
-            trust,
-        )
+            return self._book(run_id).closed
+
+    def totals(self, run_id: str) -> BudgetTotals:
+        """The run's totals (compose_events of its counted and spent rounds), from the rounds in memory: composed
+        once per distinct event and recomposed only after a write (_Book)."""
+        with self._lock:
+            book = self._book(run_id)
+            if book.limit is None:
+                raise LedgerError(f"run {run_id!r} has no budget yet (set_budget is called when the run starts)")
+            cached = book.memo.get("totals")
+            if cached is not None:
+                return replace(cached, views=dict(cached.views))  # the caller's copy: the memo stays as composed
+            limit, h = book.limit, book.honest_fraction
+            spent_items, all_items = book.items(book.spent), book.items(book.counted)
+            spent = _compose_items(spent_items, book.ordered(_SPENT), limit)
+            reserved = _compose_items(all_items, book.ordered(_COUNTED), limit)
+            first = book.first_counted()
+            name = accountant_name(first, limit.composition) if first is not None else limit.composition
+            robust = _compose_items(spent_items, book.ordered(_SPENT), limit, h)[0] if h < 1.0 else spent[0]
+            views = _views_items(spent_items, book.ordered(_SPENT), limit)
+            trust = first.trust_model if first is not None else "shuffle"
+            totals = BudgetTotals(
+                spent[0],
+                spent[1],
+                reserved[0],
+                reserved[1],
+                limit.eps,
+                limit.delta,
+                name,
+                book.committed,
+                h,
+                robust,
+                views,
+                trust,
+            )
+            book.memo["totals"] = totals
+            return totals
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, run_id: str, round_index: int, blob: bytes, metrics: dict[str, Any]) -> None:
         with self._tx() as db:
+            book = self._book(run_id)
+            new = (
+                round_index >= 0
+                and not db.execute(
+                    "SELECT 1 FROM checkpoints WHERE run_id=? AND round=?", (run_id, round_index)
+                ).fetchone()
+            )
             db.execute(
                 "INSERT OR REPLACE INTO checkpoints(run_id, round, blob, metrics_json) VALUES (?,?,?,?)",
                 (run_id, round_index, blob, json.dumps(metrics, sort_keys=True)),
             )
+            book.with_metrics += new
 
     def last_checkpoint(self, run_id: str) -> tuple[int, bytes] | None:
         with self._lock:
@@ -485,17 +647,19 @@ class Ledger:
             row = self._db.execute("SELECT state, message FROM runs WHERE run_id=?", (run_id,)).fetchone()
             if row is None:
                 return None
-            (n,) = self._db.execute(
-                "SELECT COUNT(*) FROM checkpoints WHERE run_id=? AND round >= 0", (run_id,)
-            ).fetchone()
-        return int(n), row[0], row[1]
+            return self._book(run_id).with_metrics, row[0], row[1]
 
-    def metrics(self, run_id: str) -> list[dict[str, Any]]:
-        """Per-round metrics in round order (round -1 is the initial model)."""
+    def metrics(self, run_id: str, skip: int | None = None) -> list[dict[str, Any]]:
+        """Per-round metrics in round order (round -1 is the initial model). ``skip``: the rounds' metrics only
+        (round >= 0), without the first ``skip`` of them (a status poll reads and decodes only the new ones)."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT metrics_json FROM checkpoints WHERE run_id=? ORDER BY round", (run_id,)
-            ).fetchall()
+            if skip is None:
+                q, args = "SELECT metrics_json FROM checkpoints WHERE run_id=? ORDER BY round", (run_id,)
+            else:
+                q = "SELECT metrics_json FROM checkpoints WHERE run_id=? AND round >= 0 ORDER BY round"
+                q += " LIMIT -1 OFFSET ?"
+                args = (run_id, max(int(skip), 0))
+            rows = self._db.execute(q, args).fetchall()
         return [json.loads(r[0]) for r in rows]
 
     def export_json(self, run_id: str) -> str:

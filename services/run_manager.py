@@ -384,6 +384,7 @@ class RunView:
     loss: float = float("nan")  # of `model` on the held-out split
     accuracy: float = float("nan")
     excess_risk: float | None = None  # of `model`, when the population optimum is known
+    metrics_from: int = 0  # `metrics` leaves out the first that many rounds' metrics
 
 
 class _EvalData(NamedTuple):
@@ -488,6 +489,7 @@ class RunManager:
         self._clock = clock
         self._new_id = new_id
         self._population_wait = population_wait_seconds
+        self.on_planned: Callable[[str, float], None] = lambda run_id, seconds: None  # shuffledp/metrics.py
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         # held-out splits by data source: a few, least recently used first (every CreateRun loads one, and
@@ -551,7 +553,9 @@ class RunManager:
         live.thread.start()
 
     # -------------------------------------------------------------------------------------------- views
-    def view(self, run_id: str, with_result: bool = False) -> RunView:
+    def view(self, run_id: str, with_result: bool = False, metrics_from: int = 0) -> RunView:
+        """The run's status; ``metrics_from``: without the first that many rounds' metrics (a poller holds them:
+        a long run's status costs what changed, not every round again)."""
         # one snapshot of the ledger: a round settling meanwhile (the one in flight at a cancel) would otherwise
         # leave the budget, the metrics and the exported ledger disagreeing about what was spent
         with self.ledger.snapshot():
@@ -563,12 +567,13 @@ class RunManager:
             view = RunView(
                 run_id=run_id,
                 state=run["state"],
-                rounds_done=sum(1 for r in self.ledger.rounds(run_id) if r["state"] != "reserved"),
+                rounds_done=self.ledger.rounds_done(run_id),
                 rounds_planned=int(plan.get("rounds", 0)),
                 budget=self.ledger.totals(run_id) if run["limit"] else None,
-                metrics=[m for m in self.ledger.metrics(run_id) if m.get("round", -1) >= 0],
+                metrics=self.ledger.metrics(run_id, skip=metrics_from),
                 message=run["message"],
                 config_toml=run["config_toml"],
+                metrics_from=metrics_from,
             )
             if not with_result:
                 return view
@@ -650,12 +655,14 @@ class RunManager:
         pop = self._population(run_id, cfg.deployment.client_nodes, live.cancel)
         t0 = self._clock()
         plan = plan_run(cfg, pop.admitted_users, pop.unused_users, model, bound)
+        seconds = self._clock() - t0
+        self.on_planned(run_id, seconds)
         log.info(
             "run %s planned for %d admitted users: %d rounds (%.2f s)",
             run_id,
             pop.admitted_users,
             plan["rounds"],
-            self._clock() - t0,
+            seconds,
         )
         limit = BudgetLimit(plan["eps"], plan["delta"], plan["composition"], plan["advanced_slack"])
         self.ledger.set_budget(run_id, limit, plan)

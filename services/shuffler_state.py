@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
 from pathlib import Path
@@ -309,7 +310,10 @@ class Subscription:
 # participation record (who was in which round of which run): in-memory and SQLite behind one interface
 # ---------------------------------------------------------------------------------------------------------------
 class ParticipationStore(Protocol):
-    def used_users(self, run_id: str) -> set[str]: ...
+    def used_users(self, run_id: str) -> AbstractSet[str]:
+        """The run's consumed users: a read-only view kept up to date by record_round, not a copy (a sequential
+        run's 10^5 users are not read again at every round, issue 30 item 4)."""
+        ...
 
     def run_population(self, run_id: str) -> set[str] | None:
         """A fully interactive run's users, fixed at its first round; None before it."""
@@ -349,8 +353,8 @@ class MemoryParticipationStore:
         self._limits: dict[str, TreeLimits] = {}
         self._leaves: dict[tuple[str, int], dict[str, list[int]]] = {}
 
-    def used_users(self, run_id: str) -> set[str]:
-        return set(self._used.get(run_id, ()))
+    def used_users(self, run_id: str) -> AbstractSet[str]:
+        return self._used.get(run_id, frozenset())
 
     def run_population(self, run_id: str) -> set[str] | None:
         pop = self._population.get(run_id)
@@ -398,6 +402,7 @@ class SqliteParticipationStore:
     def __init__(self, path: str | Path) -> None:
         self._db = open_durable(path)  # a consumed user must survive a crash
         self._lock = threading.Lock()
+        self._used: dict[str, set[str]] = {}  # by run, read once, then added to by record_round (this process only)
         with self._lock:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS rounds (run_id TEXT NOT NULL, round INTEGER NOT NULL, "
@@ -420,10 +425,16 @@ class SqliteParticipationStore:
                 "user_id TEXT NOT NULL, leaf INTEGER NOT NULL, PRIMARY KEY (run_id, tree, user_id, leaf))"
             )
 
-    def used_users(self, run_id: str) -> set[str]:
+    def used_users(self, run_id: str) -> AbstractSet[str]:
         with self._lock:
+            return self._used_locked(run_id)
+
+    def _used_locked(self, run_id: str) -> set[str]:
+        used = self._used.get(run_id)
+        if used is None:
             rows = self._db.execute("SELECT user_id FROM participation WHERE run_id = ?", (run_id,)).fetchall()
-        return {r[0] for r in rows}
+            used = self._used[run_id] = {r[0] for r in rows}
+        return used
 
     def run_population(self, run_id: str) -> set[str] | None:
         with self._lock:
@@ -465,6 +476,8 @@ class SqliteParticipationStore:
         tree_users: Iterable[str] = (),
     ) -> None:
         with self._lock:
+            sequential_users = list(sequential_users)
+            used = self._used_locked(run_id)
             try:
                 with transaction(self._db) as db:
                     db.execute(
@@ -489,6 +502,7 @@ class SqliteParticipationStore:
                 raise RoundExistsError(
                     f"round {round_index} of run {run_id!r} was already executed (or a user was reused): {exc}"
                 ) from exc
+            used.update(sequential_users)  # only once the transaction committed
 
     def close(self) -> None:
         with self._lock:
@@ -589,6 +603,8 @@ class ShufflerState:
         # invited to check in again in that run, so that one silent node cannot hold back every release. Only
         # liveness rests on it (a lost set lets them in again); the noise guarantee rests on c_min and m alone
         self._silent: dict[str, set[str]] = {}
+        # observer of each executed round (shuffledp/metrics.py): its batch and its phases' durations in seconds
+        self.on_round: Callable[[BatchResult, dict[str, float]], None] | None = None
 
     # ----- nodes -----------------------------------------------------------------------------------------------
     def register_users(self, node_id: str, user_ids: Sequence[str]) -> tuple[int, int]:
@@ -657,6 +673,12 @@ class ShufflerState:
             used = self._store.used_users(run_id) if run_id else set()
             unused = sum(1 for u in eligible if u not in used)
             return Population(len(eligible), unused, len(self._subs))
+
+    def node_summary(self) -> dict[str, tuple[int, bool]]:
+        """Per node identity: (its admitted users, whether it holds an invitation stream now). Counts only."""
+        with self._lock:
+            nodes = set(self._node_users) | set(self._subs)
+            return {n: (len(self._node_users.get(n, ())), n in self._subs) for n in nodes}
 
     def counters(self) -> dict[str, int]:
         """Totals since start: rejections per reason, plus accepted / refused."""
@@ -842,6 +864,7 @@ class ShufflerState:
         # COUNTS only: the wire width is part of the validation (a bound no width holds is refused here)
         wire_dtype = count_wire_dtype(bound) if req.transport == Transport.COUNTS else None
         key = (req.run_id, int(req.round))
+        t0 = self._clock()
         with self._lock:
             if key in self._open or key in self._closed or self._store.round_exists(*key):
                 raise RoundExistsError(f"round {req.round} of run {req.run_id!r} was already executed")
@@ -876,6 +899,7 @@ class ShufflerState:
             rnd.checking_in = req.check_in_trials > 0
             self._open[key] = rnd
             self._invite(rnd, req.relay)
+            t1 = self._clock()
             try:
                 # check-in: the first half of the window for the check-ins, the rest for the messages
                 self._collect(rnd, is_active, self._clock() + req.deadline_seconds / 2 if rnd.checking_in else None)
@@ -895,7 +919,11 @@ class ShufflerState:
                 silent = [u for u in rnd.invited if u not in rnd.answered]
                 if silent:
                     self._silent.setdefault(req.run_id, set()).update(silent)
-            return self._finish(rnd, released_ok=is_active(), invited=len(invited))
+            t2 = self._clock()
+            batch = self._finish(rnd, released_ok=is_active(), invited=len(invited))
+        if self.on_round is not None:
+            self.on_round(batch, {"select": t1 - t0, "collect": t2 - t1, "release": self._clock() - t2})
+        return batch
 
     def _invite(self, rnd: _OpenRound, relay: Any) -> None:
         """Send the invitation to the invited users' nodes; a SUBSAMPLED round's also to every node with eligible

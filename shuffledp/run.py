@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -98,6 +98,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--server-name", default="analyzer", help="with --pki: name expected in the analyzer certificate"
+    )
+    parser.add_argument(
+        "--tensorboard",
+        type=Path,
+        metavar="DIR",
+        help="also log the run for TensorBoard in DIR/<results directory name>: per-round loss, accuracy, eps spent, "
+        "contributors and refusals, the configuration and the final spend (optional extra 'tracking')",
     )
     parser.add_argument(
         "--fetch",
@@ -424,8 +431,11 @@ def drive_run(
     *,
     give_up_s: float = GIVE_UP_S,
     call_timeout_s: float = CALL_TIMEOUT_S,
+    on_status: Callable[[pb.RunStatus, Sequence[pb.RoundMetrics], int], object] | None = None,
 ) -> pb.RunResult:
-    """Create and start a run on the analyzer, report progress until it ends, return its result.
+    """Create and start a run on the analyzer, report progress until it ends, return its result. `on_status` sees
+    every status as it arrives, with its rounds not seen before and the number of rounds seen in all (run tracking,
+    the live view).
 
     Transient failures are retried for up to `give_up_s` of continuous failure (each call waits `call_timeout_s`);
     then AnalyzerLost (with run_id and what was going on). Other RPC errors propagate; a dead process of a local
@@ -466,12 +476,17 @@ def drive_run(
                     # long poll: the analyzer answers when the run differs from what was shown, or after WAIT_MS
                     asked = time.monotonic()
                     seen = dict(seen_rounds=shown, seen_state=status.state, seen_message=message)
-                    poll = pb.RunRef(run_id=run_id, wait_ms=WAIT_MS, **seen)
+                    # only the metrics not shown yet are sent (an older analyzer sends all: metrics_from = 0)
+                    poll = pb.RunRef(run_id=run_id, wait_ms=WAIT_MS, metrics_from=shown, **seen)
                     status = rpc.call(stub.GetRunStatus, poll, call_timeout_s + WAIT_MS / 1000)
-                    news = (len(status.metrics), status.state, status.message) != tuple(seen.values())
-                    for m in status.metrics[shown:]:
+                    have = status.metrics_from + len(status.metrics)
+                    news = (have, status.state, status.message) != tuple(seen.values())
+                    new = status.metrics[shown - status.metrics_from :]
+                    for m in new:
                         echo(_progress_line(m, status.rounds_planned))
-                    shown = len(status.metrics)
+                    if on_status is not None:
+                        on_status(status, new, have)
+                    shown = have
                     # what the analyzer is waiting for (population, an unreachable shuffler): only when it changes
                     if status.state == pb.RUNNING and status.message != message:
                         message = status.message
@@ -816,7 +831,7 @@ def _hangup_interrupts():
             signal.signal(sig, handler)
 
 
-def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt) -> int:
+def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt, tracker=None) -> int:
     """Ctrl-C during a run: write what the analyzer had (drive_run fetched it before the services stopped), print
     the spend; exit status 130."""
     result, run_id = getattr(exc, "result", None), getattr(exc, "run_id", "")
@@ -826,6 +841,8 @@ def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt) -> int:
             print(f"stopped by Ctrl-C: {what}; logs in {out / 'logs'}", file=sys.stderr)
             return 130
         write_results(out, config_toml, result, interrupted=True)
+        if tracker is not None:
+            tracker.finish(result)
         s, b = result.status, result.status.budget
         print(
             f"stopped by Ctrl-C: run {run_id} {pb.RunState.Name(s.state)} after {s.rounds_done} of "
@@ -978,6 +995,7 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
         usage = "--fetch needs a RUN_ID (printed by `shuffledp run` as 'run id: ...')"
     out = args.out or Path("results") / run_id
     usage = usage or _plain_text_refused(args) or _out_refused(out, args.reuse_out, False, run_id)
+    usage = usage or _tracking_refused(args)
     if usage:
         print(f"shuffledp run: {usage}", file=sys.stderr)
         return 2
@@ -998,6 +1016,9 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
         print(f"shuffledp run: {failed}", file=sys.stderr)
         return 2
     write_results(out, result.config_toml, result)
+    tracker = _tracker(args, out, result.config_toml)
+    if tracker is not None:
+        tracker.finish(result)
     s = result.status
     print(
         f"run {run_id}: {pb.RunState.Name(s.state)}, {s.rounds_done}/{s.rounds_planned} rounds, "
@@ -1006,6 +1027,37 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
     if s.state not in TERMINAL:
         print("the run has not ended: these are its results so far; fetch again later")
     return 0
+
+
+def _tracking_refused(args: argparse.Namespace) -> str | None:
+    """Why the run tracking asked for cannot be done (one line), or None."""
+    if getattr(args, "tensorboard", None) is None:
+        return None
+    from shuffledp.tracking import check_tracking
+
+    return check_tracking()
+
+
+def _tracker(args: argparse.Namespace, out: Path, config_toml: str):
+    """The run's TensorBoard log (DIR/<results directory name>), or None without --tensorboard."""
+    if getattr(args, "tensorboard", None) is None:
+        return None
+    from shuffledp.tracking import TensorBoardTracker
+
+    return TensorBoardTracker(args.tensorboard, out.resolve().name, config_toml)
+
+
+def _watch(*watchers) -> Callable[[pb.RunStatus, Sequence[pb.RoundMetrics], int], None] | None:
+    """One on_status for drive_run from the watchers given (None: not asked for); each sees the new rounds."""
+    active = [w for w in watchers if w is not None]
+    if not active:
+        return None
+
+    def on_status(status: pb.RunStatus, new: Sequence[pb.RoundMetrics], seen: int) -> None:
+        for w in active:
+            w.update(status, new, seen)
+
+    return on_status
 
 
 def _run_command(
@@ -1051,6 +1103,7 @@ def _run_command(
     # every mistake that the configuration, the data and the command line decide alone: one line, before the results
     # directory or any process exists
     usage = _plain_text_refused(args) or _out_refused(out, args.reuse_out, local=not args.analyzer)
+    usage = usage or _tracking_refused(args)
     if usage:
         print(f"shuffledp run: {usage}", file=sys.stderr)
         return 2
@@ -1071,15 +1124,30 @@ def _run_command(
     config_path = out / "config.toml"
     config_path.write_text(config_toml)
     echo = (lambda *_: None) if args.quiet else print
+    live = None
+    if not args.quiet and sys.stdout.isatty():  # a terminal: the lines, and a live status line below them
+        from shuffledp.live import LiveView
+
+        live = LiveView(sys.stdout)
+        echo = live.echo
     started = time.monotonic()
     cluster, result = None, None
-    timing = {"give_up_s": give_up_s, "call_timeout_s": call_timeout_s}
+    tracker = _tracker(args, out, config_toml)
+    timing = {"give_up_s": give_up_s, "call_timeout_s": call_timeout_s, "on_status": _watch(tracker, live)}
+
+    def drive(*args_, **kwargs) -> pb.RunResult:
+        try:
+            return drive_run(*args_, **kwargs)
+        finally:  # whatever follows (summary, error line) prints where the status line was
+            if live is not None:
+                live.close()
+
     if args.analyzer:
         print(f"shuffledp run: {label}: on the deployment at {args.analyzer}; results in {out}")
         try:
-            result = drive_run(args.analyzer, config_toml, None, echo, args.pki, args.server_name, **timing)
+            result = drive(args.analyzer, config_toml, None, echo, args.pki, args.server_name, **timing)
         except KeyboardInterrupt as exc:
-            return _interrupted(out, config_toml, exc)
+            return _interrupted(out, config_toml, exc, tracker)
         except AnalyzerLost as lost:
             # the deployment keeps the run (its ledger): say how to pick it up again
             resume = ""
@@ -1108,11 +1176,11 @@ def _run_command(
                 signal.signal(sig, signal.default_int_handler)
         try:
             with _hangup_interrupts():
-                result = drive_run(analyzer, config_toml, cluster, echo, pki=pki, **timing)
+                result = drive(analyzer, config_toml, cluster, echo, pki=pki, **timing)
             cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
         except KeyboardInterrupt as exc:
             cluster.terminate()  # what the analyzer had is fetched already: the services stop while it is written
-            return _interrupted(out, config_toml, exc)
+            return _interrupted(out, config_toml, exc, tracker)
         except ServiceFailed as exc:
             print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
             return EXIT_LOST
@@ -1126,6 +1194,8 @@ def _run_command(
                 cluster.stop()
     try:
         write_results(out, config_toml, result)
+        if tracker is not None:
+            tracker.finish(result)
     finally:
         if cluster is not None:
             cluster.stop()

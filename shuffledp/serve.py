@@ -51,6 +51,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", type=Path, help="client: run configuration TOML (its [data] section)")
     parser.add_argument("--node-index", type=int, default=0, help="client: index of this node")
     parser.add_argument("--num-nodes", type=int, default=1, help="client: number of client nodes")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        default=os.environ.get("SHUFFLEDP_METRICS_PORT", "0"),  # a string default goes through type=int too
+        help="serve Prometheus metrics (plain HTTP, /metrics) on this port of the --listen host; 0 = off (default; "
+        "env SHUFFLEDP_METRICS_PORT). Scrapable by anyone who reaches that address: bind to loopback or a private "
+        "network (README, Monitoring)",
+    )
     parser.set_defaults(func=_serve)
 
 
@@ -91,6 +100,25 @@ def _check_listen(args: argparse.Namespace, role: str) -> None:
         raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
 
 
+def _check_metrics(args: argparse.Namespace, role: str) -> None:
+    """With --metrics-port: its address (the --listen host) is checked free before any state is opened."""
+    if not args.metrics_port:
+        return
+    from shuffledp.metrics import metrics_host
+
+    try:
+        if not 0 < args.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in 1..65535 (0 = off), got {args.metrics_port}")
+        host = metrics_host(args.listen)
+        if args.listen.rsplit(":", 1)[1] == str(args.metrics_port):
+            raise ValueError(f"--metrics-port {args.metrics_port} is the --listen port")
+        grpc_options.check_address_free(
+            f"[{host}]:{args.metrics_port}" if ":" in host else f"{host}:{args.metrics_port}"
+        )
+    except (ValueError, grpc_options.BindError) as exc:
+        raise SystemExit(f"shuffledp serve {role}: metrics: {exc}") from exc
+
+
 def _shuffler_address(args: argparse.Namespace) -> str:
     """--shuffler, or with --shuffler-port-file the loopback port the shuffler writes there once it serves; waited
     for only now, after this process's own imports, so that all services of a local run start side by side."""
@@ -109,15 +137,17 @@ def _party_name(args: argparse.Namespace, role: str) -> str:
     return args.name or (f"client-{args.node_index}" if role == "client-node" else role)
 
 
-def _start(args: argparse.Namespace, role: str) -> tuple[int, Callable[[], object]]:
-    """Start the service: (bound port, stop function). Checks first what needs nothing started (the PKI files, the
-    listen address), then waits for the shuffler's port file, then opens state and binds."""
+def _start(args: argparse.Namespace, role: str) -> tuple[int, Callable[[], object], Callable[[], object]]:
+    """Start the service: (bound port, stop function, its metrics registry's maker). Checks first what needs nothing
+    started (the PKI files, the listen addresses), then waits for the shuffler's port file, then opens state and
+    binds."""
     if args.service == "client" and (args.num_nodes < 1 or not 0 <= args.node_index < args.num_nodes):
         raise SystemExit(
             f"--node-index must be in [0, --num-nodes) and --num-nodes >= 1, got {args.node_index} of {args.num_nodes}"
         )
     server_creds, channel_creds, interceptors = _security(args, role)
     _check_listen(args, role)
+    _check_metrics(args, role)
     if args.service == "analyzer":
         from shuffledp.services.analyzer import start_analyzer
 
@@ -126,13 +156,14 @@ def _start(args: argparse.Namespace, role: str) -> tuple[int, Callable[[], objec
         server, port = start_analyzer(
             args.listen, args.shuffler, args.state_dir, server_creds, channel_creds, interceptors
         )
-        return port, lambda: server.stop(grace=5).wait()
+        return port, lambda: server.stop(grace=5).wait(), lambda: _registry("analyzer_registry", server.manager)
     if args.service == "shuffler":
         from shuffledp.services.shuffler import start_shuffler
 
         args.state_dir.mkdir(parents=True, exist_ok=True)
         server, port = start_shuffler(args.listen, args.state_dir / "shuffler.sqlite", server_creds, interceptors)
-        return port, lambda: server.stop(grace=5).wait()
+        state = server.shuffler_state
+        return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", state)
     from shuffledp.clients.node import start_node
     from shuffledp.config import ConfigError, load_config
 
@@ -157,7 +188,13 @@ def _start(args: argparse.Namespace, role: str) -> tuple[int, Callable[[], objec
         interceptors=interceptors,
         state_dir=args.state_dir,  # the users' spend (clients/spend_store.py)
     )
-    return handle.port, handle.stop
+    return handle.port, handle.stop, lambda: _registry("node_registry", handle)
+
+
+def _registry(maker: str, target: object):
+    from shuffledp import metrics
+
+    return getattr(metrics, maker)(target)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -168,10 +205,22 @@ def _serve(args: argparse.Namespace) -> int:
 
     role = {"analyzer": "analyzer", "shuffler": "shuffler", "client": "client-node"}[args.service]
     try:
-        port, stopper = _start(args, role)
+        port, stopper, registry = _start(args, role)
     except grpc_options.BindError as exc:
         # the address was taken between the check and the bind: gRPC refuses it too (no SO_REUSEPORT)
         raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
+    metrics_server = None
+    if args.metrics_port:
+        from shuffledp.metrics import metrics_host, serve_metrics
+
+        try:
+            metrics_server, mport = serve_metrics(registry(), metrics_host(args.listen), args.metrics_port)
+        except OSError as exc:  # taken since the check
+            stopper()
+            raise SystemExit(
+                f"shuffledp serve {role}: metrics: cannot listen on port {args.metrics_port}: {exc}"
+            ) from exc
+        log.info("%s metrics (Prometheus, plain HTTP) on port %d", args.service, mport)
 
     if args.port_file:
         tmp = args.port_file.with_suffix(".tmp")
@@ -180,5 +229,7 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("%s serving on port %d", args.service, port)
     stop.wait()
     log.info("%s stopping", args.service)
+    if metrics_server is not None:
+        metrics_server.shutdown()
     stopper()
     return 0

@@ -126,6 +126,13 @@ def test_rounds_below_threshold_are_released_and_cost_nothing(services, data):
     assert [dict(m.refused_reasons) for m in st.metrics] == [{"round_eps_above_max_eps_per_round": N_USERS}] * len(rows)
     line = _progress_line(st.metrics[0], 5)
     assert f"{N_USERS} users refused: round_eps_above_max_eps_per_round={N_USERS}" in line
+    # a poller holding the first k rounds' metrics is sent the others only (issue 30 item 4), the rest of the status
+    # unchanged; beyond the last, none
+    k = len(st.metrics) - 1
+    part = stub.GetRunStatus(pb.RunRef(run_id=run_id, metrics_from=k))
+    assert part.metrics_from == k and list(part.metrics) == list(st.metrics)[k:] and len(part.metrics) == 1
+    assert (part.rounds_done, part.budget, part.state) == (st.rounds_done, st.budget, st.state)
+    assert st.metrics_from == 0 and not stub.GetRunStatus(pb.RunRef(run_id=run_id, metrics_from=k + 5)).metrics
 
 
 def test_plan_sequential_and_fully_interactive(data):

@@ -135,3 +135,16 @@ def test_bench_scale_runs_two_sizes_over_the_services(tmp_path):
     assert all(float(r[1]) > 0 and float(r[2]) > 0 and float(r[3]) > 0 and int(r[4]) > 10 for r in rows), out
     data = json.loads((tmp_path / "bench_scale.json").read_text())
     assert [r["users"] for r in data["rows"]] == [200, 400] and (tmp_path / "bench_scale.png").exists()
+
+
+def test_bench_long_run_prints_both_windows_and_equal_eps():
+    # issue 30 item 4: a short run of the long-run benchmark over the real services (201 rounds: two windows of
+    # 100 gaps); the script exits 0 only when the ledger's eps equals the independent recomposition to 1e-9
+    out = _run("bench_long_run.py", "--rounds", "201", timeout=600)
+    assert re.search(r"ratio last / first: [0-9.]+", out), out
+    assert "CPU per round, all services" in out and "(equal to 1e-09)" in out, out
+
+
+def test_bench_metrics_scrape_prints_the_three_scrapes():
+    out = _run("bench_metrics_scrape.py", "--rounds", "50", timeout=120)
+    assert re.search(r"^\s+50\s+[0-9.]+ s\s+[0-9.]+ s\s+[0-9.]+ s$", out, re.M), out

@@ -831,3 +831,29 @@ def test_the_shuffler_remembers_a_bounded_number_of_closed_rounds(monkeypatch):
         state.execute_round(
             RoundRequest("run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=1, g=1, m=1, deadline_seconds=0.01)
         )
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_used_users_follow_record_round_without_rereading(tmp_path, durable):
+    """The consumed users are kept in memory (issue 30 item 4: not read again at every round): a recorded round adds
+    its users, a refused one (round or user already recorded) adds none, and a reopened store reads them back."""
+    from shuffledp.services.shuffler_state import MemoryParticipationStore, RoundExistsError
+
+    db = tmp_path / "p.sqlite"
+    store = SqliteParticipationStore(db) if durable else MemoryParticipationStore()
+    assert set(store.used_users("r")) == set()
+    store.record_round("r", 0, int(Schedule.SEQUENTIAL), ["u0", "u1"])
+    view = store.used_users("r")
+    store.record_round("r", 1, int(Schedule.SEQUENTIAL), iter(["u2"]))  # an iterator is consumed once
+    assert set(view) == set(store.used_users("r")) == {"u0", "u1", "u2"}
+    with pytest.raises(RoundExistsError):
+        store.record_round("r", 1, int(Schedule.SEQUENTIAL), ["u3"])  # round 1 ran: nothing recorded
+    assert set(view) == {"u0", "u1", "u2"}
+    if durable:
+        with pytest.raises(RoundExistsError):
+            store.record_round("r", 2, int(Schedule.SEQUENTIAL), ["u3", "u0"])  # u0 reused: the transaction fails
+        assert set(view) == {"u0", "u1", "u2"}  # u3 was not added either
+        store.close()
+        again = SqliteParticipationStore(db)
+        assert set(again.used_users("r")) == {"u0", "u1", "u2"} and set(again.used_users("other")) == set()
+        again.close()

@@ -29,6 +29,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -276,40 +277,55 @@ class LdpRound(AnalyzerHooks):
 
         return _LDP_NAMES[BOUND]
 
-    def _events(self, events: Sequence[Any], honest_fraction: float = 1.0) -> list[tuple[Any, int]]:
+    def _events(self, items: Sequence[tuple[Any, int]], honest_fraction: float = 1.0) -> list[tuple[Any, int]]:
+        """The accountant's rounds of (ledger event, rounds with it) items, as (LdpShuffleRound, count)."""
         from shuffledp.events import LdpShuffleRound
 
         out: Counter = Counter()
-        for e in events:
+        for e, c in items:
             p = e.params
             k = min(int(e.contributors), int(p["k"]))
             if honest_fraction < 1.0:
                 k = max(1, math.floor(honest_fraction * k))
             # a crowd of k' < k reports with a sampling rate >= k/n (module docstring): n' = floor(k' n / k)
             n = int(p["n"]) if k == int(p["k"]) else max(k, (k * int(p["n"])) // int(p["k"]))
-            out[LdpShuffleRound(self.name, float(p["eps0"]), n, k)] += 1
-        return list(out.items())
+            out[LdpShuffleRound(self.name, float(p["eps0"]), n, k)] += c
+        return [(r, c) for r, c in out.items() if c > 0]
 
     def round_cost(self, event: Any) -> tuple[float, float]:
         from shuffledp.accountants.ledger_accounting import account
 
         delta = float(event.params["delta"])
-        return account(self._events([event]), delta, "tight", ldp_bound=BOUND).eps, delta
+        return account(self._events([(event, 1)]), delta, "tight", ldp_bound=BOUND).eps, delta
 
     def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]:
         """RDP composition of the rounds (spec 001 sec 4) at the run's delta: `shuffledp account subsampled-shuffle`."""
+        return self.compose_counts([(e, 1) for e in events], limit, honest_fraction)
+
+    def compose_counts(
+        self, items: Sequence[tuple[Any, int]], limit: Any, honest_fraction: float = 1.0
+    ) -> tuple[float, float]:
+        """``compose`` of rounds given as (event, rounds with it): the accountant takes identical rounds with their
+        count, so the ledger composes a long run per distinct event (issue 30 item 4)."""
         from shuffledp.accountants.ledger_accounting import account
 
-        return account(self._events(events, honest_fraction), limit.delta, "tight", ldp_bound=BOUND).eps, limit.delta
+        return account(self._events(items, honest_fraction), limit.delta, "tight", ldp_bound=BOUND).eps, limit.delta
 
     def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]:
         """Other figures of the same rounds, for the report: the paper's Thm 1 (as printed), the FMT20 baseline (the
         paper's comparison), and the local view (eps0 per round, basic composition: against a party that sees
         senders)."""
+        return self.views_counts([(e, 1) for e in events], limit)
+
+    def views_counts(self, items: Sequence[tuple[Any, int]], limit: Any) -> dict[str, float]:
+        """``views`` of rounds given as (event, rounds with it)."""
         from shuffledp.accountants.ledger_accounting import account
 
-        items = self._events(events)
-        out = {"local": math.fsum(float(e.params["eps0"]) for e in events)}
+        # basic composition: the exact sum of c eps0 rounded once (Fractions), what fsum over the rounds one by one
+        # gives, bit for bit
+        local = sum((Fraction(float(e.params["eps0"])) * c for e, c in items), Fraction(0))
+        out = {"local": float(local)}
+        items = self._events(items)
         out["thm1"] = account(items, limit.delta, "tight", ldp_bound="upper").eps
         try:
             out["fmt_baseline"] = account(items, limit.delta, "tight", ldp_bound="baseline").eps

@@ -24,6 +24,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -369,28 +370,44 @@ class PvecRound(AnalyzerHooks):
         return _account([_accounted_round(event, event.schedule, 1.0)], delta, _accountant([event])), delta
 
     def compose(self, events: Sequence[Any], limit: Any, honest_fraction: float = 1.0) -> tuple[float, float]:
-        """Run total (eps, delta) of the counted rounds under the run's composition rule (services/ledger.py).
+        """Run total (eps, delta) of the counted rounds under the run's composition rule (services/ledger.py):
+        ``compose_counts`` of the rounds, each once."""
+        return self.compose_counts([(e, 1) for e in events], limit, honest_fraction)
+
+    def compose_counts(
+        self, items: Sequence[tuple[Any, int]], limit: Any, honest_fraction: float = 1.0
+    ) -> tuple[float, float]:
+        """Run total (eps, delta) of rounds given as (event, rounds with it): the total depends on that multiset only,
+        so the ledger composes a run of thousands of rounds in one step per distinct event (issue 30 item 4).
 
         parallel: at the rounds' delta (disjoint cohorts: the max over rounds, spec 000 sec 5); rdp: at the limit's
         delta; advanced: at sum delta_r + delta', so the slack of Dwork-Roth 3.20 is the run's fixed delta'.
         """
         schedule = "sequential" if limit.composition == "parallel" else "fully_interactive"
-        rounds = [_accounted_round(e, schedule, honest_fraction) for e in events]
+        rounds: Counter = Counter()  # identical rounds as (round, count): the accountant takes them so
+        for e, c in items:
+            if c > 0:
+                rounds[_accounted_round(e, schedule, honest_fraction)] += c
         if limit.composition == "parallel":
             delta = max(r.target_delta for r in rounds)
         elif limit.composition == "rdp":
             delta = limit.delta
         else:
-            delta = math.fsum(r.target_delta for r in rounds) + limit.advanced_slack
+            # the exact sum of every round's delta_r rounded once (c delta_r is exact as a Fraction): what fsum over
+            # the rounds one by one gives, bit for bit
+            exact = sum((Fraction(r.target_delta) * c for r, c in rounds.items()), Fraction(0))
+            delta = float(exact) + limit.advanced_slack
         if delta >= 1.0:  # the rounds alone spend all of delta: no guarantee
             return math.inf, delta
-        acc = "tight" if limit.composition == "rdp" else _accountant(events)
-        # identical rounds as (round, count): a run of thousands of equal rounds is accounted in one step
-        return _account(list(Counter(rounds).items()), delta, acc), delta
+        acc = "tight" if limit.composition == "rdp" else _accountant([e for e, c in items if c > 0])
+        return _account(list(rounds.items()), delta, acc), delta
 
     def views(self, events: Sequence[Any], limit: Any) -> dict[str, float]:
         """No other figure of a PVEC run is reported (its local view is not a guarantee: PVEC is not LDP)."""
         return {}
+
+    def views_counts(self, items: Sequence[tuple[Any, int]], limit: Any) -> dict[str, float]:
+        return self.views([], limit)
 
     # -------------------------------------------------------------------------------------------- client
     def supports(self, spec: pb.RoundSpec) -> bool:

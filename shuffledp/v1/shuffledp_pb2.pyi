@@ -370,18 +370,20 @@ class CreateRunRequest(_message.Message):
     def __init__(self, config_toml: _Optional[str] = ...) -> None: ...
 
 class RunRef(_message.Message):
-    __slots__ = ("run_id", "wait_ms", "seen_rounds", "seen_state", "seen_message")
+    __slots__ = ("run_id", "wait_ms", "seen_rounds", "seen_state", "seen_message", "metrics_from")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     SEEN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     SEEN_STATE_FIELD_NUMBER: _ClassVar[int]
     SEEN_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FROM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     wait_ms: int
     seen_rounds: int
     seen_state: RunState
     seen_message: str
-    def __init__(self, run_id: _Optional[str] = ..., wait_ms: _Optional[int] = ..., seen_rounds: _Optional[int] = ..., seen_state: _Optional[_Union[RunState, str]] = ..., seen_message: _Optional[str] = ...) -> None: ...
+    metrics_from: int
+    def __init__(self, run_id: _Optional[str] = ..., wait_ms: _Optional[int] = ..., seen_rounds: _Optional[int] = ..., seen_state: _Optional[_Union[RunState, str]] = ..., seen_message: _Optional[str] = ..., metrics_from: _Optional[int] = ...) -> None: ...
 
 class BudgetStatus(_message.Message):
     __slots__ = ("eps_spent", "delta_spent", "eps_reserved", "delta_reserved", "eps_limit", "delta_limit", "accountant", "trust_model", "rounds_committed", "honest_fraction", "eps_spent_robust", "views")
@@ -471,7 +473,7 @@ class RoundMetrics(_message.Message):
     def __init__(self, round: _Optional[int] = ..., contributors: _Optional[int] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., eps_spent: _Optional[float] = ..., delta_spent: _Optional[float] = ..., released: _Optional[bool] = ..., seconds: _Optional[float] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ..., excess_risk: _Optional[float] = ..., eps_spent_local: _Optional[float] = ..., not_in_run: _Optional[int] = ..., checked_in: _Optional[int] = ..., excluded_silent: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "state", "rounds_done", "rounds_planned", "budget", "metrics", "message")
+    __slots__ = ("run_id", "state", "rounds_done", "rounds_planned", "budget", "metrics", "message", "metrics_from")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_DONE_FIELD_NUMBER: _ClassVar[int]
@@ -479,6 +481,7 @@ class RunStatus(_message.Message):
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FROM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     rounds_done: int
@@ -486,7 +489,8 @@ class RunStatus(_message.Message):
     budget: BudgetStatus
     metrics: _containers.RepeatedCompositeFieldContainer[RoundMetrics]
     message: str
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., rounds_done: _Optional[int] = ..., rounds_planned: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., metrics: _Optional[_Iterable[_Union[RoundMetrics, _Mapping]]] = ..., message: _Optional[str] = ...) -> None: ...
+    metrics_from: int
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., rounds_done: _Optional[int] = ..., rounds_planned: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., metrics: _Optional[_Iterable[_Union[RoundMetrics, _Mapping]]] = ..., message: _Optional[str] = ..., metrics_from: _Optional[int] = ...) -> None: ...
 
 class RunResult(_message.Message):
     __slots__ = ("status", "model", "ledger_json", "config_toml", "loss", "accuracy", "excess_risk")
