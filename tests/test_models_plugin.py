@@ -284,3 +284,25 @@ def test_a_plug_ins_failing_export_leaves_the_results_written(tmp_path, monkeypa
     _export_plugin(tmp_path, toml, plan, np.zeros(8))
     err = capsys.readouterr().err
     assert "only model.npz written: RuntimeError: disk full in the framework" in err
+
+
+def test_the_default_run_imports_no_jax():
+    """JAX is an optional extra: the parties of the default run (built-in model, PVEC) never import it."""
+    code = (
+        "import sys\n"
+        "import shuffledp.run, shuffledp.services.analyzer, shuffledp.services.shuffler, shuffledp.clients.node\n"
+        "from shuffledp.config import parse_config, DEFAULT_TOML\n"
+        "from shuffledp.model_plugin import build_model\n"
+        "from shuffledp.protocols.registry import round_protocol\n"
+        "cfg = parse_config(DEFAULT_TOML)\n"
+        "round_protocol(cfg.privacy.protocol)\n"
+        "build_model(cfg.model, 64, 10)\n"
+        "heavy = ('jax', 'jaxlib', 'flax', 'jax_privacy', 'optax')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
