@@ -38,3 +38,21 @@ def run_cli(tmp_path: Path, name: str, toml: str, quiet: bool = True) -> tuple[d
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ledger = json.loads((out / "ledger.json").read_text())
     return ledger, json.loads((out / "metrics.json").read_text()), proc.stdout
+
+
+def digits_pgd(rounds: int, max_users: int = 60, deployment: str = "") -> str:
+    """A small fully interactive PGD run on digits served by one client node (the CLI tests' run); `deployment`:
+    more [deployment] lines."""
+    return f"""
+[data]
+dataset = "digits"
+max_users = {max_users}
+[privacy]
+eps = 8.0
+[schedule]
+kind = "fully_interactive"
+rounds = {rounds}
+learning_rate = 8.0
+[deployment]
+client_nodes = 1
+{deployment}"""

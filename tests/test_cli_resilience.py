@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 from _procs import GhostNode
-from _runs import wait_for_run
+from _runs import digits_pgd, wait_for_run
 
 from shuffledp.cli import build_parser
 from shuffledp.cli import main as cli_main
@@ -37,20 +37,7 @@ from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 pytestmark = pytest.mark.timeout(120)
 
 ROUNDS = 6
-CONFIG = f"""
-[data]
-dataset = "digits"
-max_users = 200
-[privacy]
-eps = 8.0
-[schedule]
-kind = "fully_interactive"
-rounds = {ROUNDS}
-learning_rate = 8.0
-[deployment]
-client_nodes = 1
-round_deadline_seconds = 2.0
-"""
+CONFIG = digits_pgd(ROUNDS, max_users=200, deployment="round_deadline_seconds = 2.0\n")
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -14,25 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from _runs import digits_pgd
 
 from shuffledp.live import status_line
 
 pytestmark = pytest.mark.timeout(300)
 
 ROUNDS = 4
-CONFIG = f"""
-[data]
-dataset = "digits"
-max_users = 60
-[privacy]
-eps = 8.0
-[schedule]
-kind = "fully_interactive"
-rounds = {ROUNDS}
-learning_rate = 8.0
-[deployment]
-client_nodes = 1
-"""
+CONFIG = digits_pgd(ROUNDS)
 STATUS = re.compile(r"rounds \[[#.]{20}\] (\d+)/(\d+|\?)  ETA (\d+:\d\d|--:--)  eps (\d+\.\d{3})/8 \[[#.]{10}\]")
 ROUND_LINE = re.compile(r"^round +(\d+)/4  contributors", re.M)
 

@@ -10,24 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from _runs import digits_pgd
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.timeout(300)
 
 ROUNDS = 4
-CONFIG = f"""
-[data]
-dataset = "digits"
-max_users = 60
-[privacy]
-eps = 8.0
-[schedule]
-kind = "fully_interactive"
-rounds = {ROUNDS}
-learning_rate = 8.0
-[deployment]
-client_nodes = 1
-"""
+CONFIG = digits_pgd(ROUNDS)
 
 
 def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
