@@ -9,11 +9,13 @@
 #                          `all` or `none` (node labels shuffledp.role.<role>=true; HOST: a node name or ID,
 #                          `self` for this one). Only one host at a time may hold analyzer, and only one shuffler
 #                          (their state volumes live there)
-#   up [--build] [--new-state]
+#   up [--build] [--new-state] [--monitoring [--monitoring-port P]]
 #                          build the image if it is missing, create the PKI if it is missing, prepare the state
 #                          volumes on the labelled hosts, deploy the stack with the keys as secrets, and wait until
 #                          every task is healthy. --new-state: the analyzer or shuffler role moved to another host
-#                          on purpose, so start an empty state there (the old host's ledger is then not used)
+#                          on purpose, so start an empty state there (the old host's ledger is then not used).
+#                          --monitoring: every service serves Prometheus metrics (deploy/monitoring/stack.yml) and a
+#                          Prometheus container on this host scrapes them, on http://127.0.0.1:P (default 9090)
 #   run [CONFIG] [--out DIR] [-- shuffledp-run options]
 #                          drive an experiment as the operator: `shuffledp run` in a one-off container on
 #                          operator-net, with the operator certificate. Shows progress per round, then a results
@@ -265,16 +267,48 @@ may (its state volume lives there): move it with '$0 label $(node_name "$other")
   log "host $(node_name "$id"): roles ${want[*]:-none}"
 }
 
+# Prometheus of stack STACK (--monitoring): a container on this host, not a service, so that its port can be
+# published on 127.0.0.1 only; it joins the stack's attachable metrics networks. Its data volume carries the
+# stack's label (down --volumes removes it).
+PROMETHEUS_IMAGE="${SHUFFLEDP_PROMETHEUS_IMAGE:-shuffledp-prometheus:latest}"
+start_prometheus() {
+  local port="$1" name="${STACK}-prometheus" net config
+  docker image inspect "$PROMETHEUS_IMAGE" >/dev/null 2>&1 || bash "$DEPLOY/monitoring/build_prometheus.sh" --tag "$PROMETHEUS_IMAGE" >&2
+  docker rm -f "$name" >/dev/null 2>&1 || true
+  config="$(sed "s/STACK/$STACK/g" "$DEPLOY/monitoring/prometheus-swarm.yml")"
+  docker volume create --label "com.docker.stack.namespace=$STACK" "${STACK}_prometheus-data" >/dev/null
+  # the image's configuration is the compose deployment's: this one is written to /tmp (a read-only root)
+  docker create --name "$name" --label "org.shuffledp.prometheus=$STACK" --read-only --cap-drop ALL \
+    --security-opt no-new-privileges:true --restart unless-stopped --tmpfs /tmp \
+    --mount "type=volume,src=${STACK}_prometheus-data,dst=/prometheus" -p "127.0.0.1:$port:9090" \
+    -e "PROMETHEUS_CONFIG=$config" --entrypoint /bin/sh "$PROMETHEUS_IMAGE" -c \
+    'printf "%s\n" "$PROMETHEUS_CONFIG" >/tmp/prometheus.yml && exec /usr/bin/prometheus --config.file=/tmp/prometheus.yml --storage.tsdb.path=/prometheus --web.listen-address=0.0.0.0:9090' >/dev/null
+  for net in analyzer shuffler client; do docker network connect "${STACK}_metrics-$net-net" "$name"; done
+  docker start "$name" >/dev/null
+  log "Prometheus of stack $STACK: http://127.0.0.1:$port (container $name)"
+}
+
 cmd_up() {
-  local build="" new_state=0
+  local build="" new_state=0 monitoring=0 prom_port=9090
   while [[ $# -gt 0 ]]; do
     case "$1" in
       --build) build=--build ;;
       --new-state) new_state=1 ;;
-      *) die "up takes only --build and --new-state" ;;
+      --monitoring) monitoring=1 ;;
+      --monitoring-port)
+        prom_port="${2:-}"; shift
+        [[ $prom_port =~ ^[0-9]+$ ]] && (( prom_port >= 1 && prom_port <= 65535 )) || die "--monitoring-port '$prom_port' must be a port number"
+        ;;
+      *) die "up takes only --build, --new-state, --monitoring and --monitoring-port P" ;;
     esac
     shift
   done
+  local stack_files=(-c "$DEPLOY/stack.yml")
+  if (( monitoring )); then
+    stack_files+=(-c "$DEPLOY/monitoring/stack.yml")
+  else  # an earlier up --monitoring: its Prometheus would hold the networks that --prune removes now
+    docker rm -f "${STACK}-prometheus" >/dev/null 2>&1 || true
+  fi
   require_manager
   local running_max running_clients
   running_max="$(clients_env SHUFFLEDP_MAX_CLIENT_NODES)"
@@ -307,7 +341,7 @@ cmd_up() {
   # --resolve-image never: there is no registry; every host uses its own loaded copy of the image
   if ! out="$(SHUFFLEDP_STACK="$STACK" SHUFFLEDP_IMAGE="$IMAGE" SHUFFLEDP_SECRETS="$secrets" SHUFFLEDP_CONFIG="$CONFIG" \
     SHUFFLEDP_CONFIG_NAME="$cfg_name" SHUFFLEDP_CLIENT_NODES="$CLIENTS" SHUFFLEDP_MAX_CLIENT_NODES="$MAX_CLIENTS" \
-    docker stack deploy --detach=true --resolve-image never --prune -c "$DEPLOY/stack.yml" "$STACK" 2>&1)"; then
+    docker stack deploy --detach=true --resolve-image never --prune "${stack_files[@]}" "$STACK" 2>&1)"; then
     echo "$out" >&2
     if grep -q "only updates to Labels are allowed" <<<"$out"; then
       die "the secrets of the running stack $STACK differ from $PKI (a new PKI?): '$0 --stack $STACK down' first"
@@ -320,6 +354,7 @@ cmd_up() {
     [[ $c == "$cfg_name" ]] || docker config rm "$c" >/dev/null 2>&1 || true
   done
   wait_ready "${SERVICES[@]}"
+  (( monitoring == 0 )) || start_prometheus "$prom_port"
 }
 
 cmd_run() {
@@ -379,6 +414,7 @@ cmd_down() {
   esac
   require_manager
   local label="label=com.docker.stack.namespace=$STACK"
+  docker rm -f "${STACK}-prometheus" >/dev/null 2>&1 || true  # it holds the metrics networks (up --monitoring)
   if service_exists analyzer || service_exists shuffler || service_exists clients; then
     docker stack rm "$STACK" >/dev/null
   fi

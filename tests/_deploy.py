@@ -4,11 +4,16 @@ audit of an exported ledger."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
+import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -221,3 +226,32 @@ def assert_refusals(results: list[dict]) -> None:
         if not ok:
             bad.append(f"{r['call']} at {r['target']} by {r['party']}: got {r['code']}, expected {r['expect']}")
     assert not bad, "\n".join(bad)
+
+
+def free_port() -> int:
+    """A TCP port free on the host's loopback now (for a published port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------ Prometheus
+def prometheus_query(port: int, promql: str) -> list[dict]:
+    """The result of an instant query of the Prometheus published on 127.0.0.1:port (its HTTP API)."""
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def prometheus_wait(port: int, promql: str, want: int = 1, timeout: float = 90) -> list[dict]:
+    """Prometheus's answer to `promql` once it has at least `want` series (it scrapes every 5 s)."""
+    deadline, got = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            got = prometheus_query(port, promql)
+            if len(got) >= want:
+                return got
+        time.sleep(2)
+    raise AssertionError(f"Prometheus has no {want} series for {promql} after {timeout} s: {got}")

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -68,12 +67,6 @@ def image() -> dict[str, int]:
     """shuffledp:latest built from scratch from the working tree (new base, no cache, host-built wheels, offline),
     with the mf extra (jax_privacy) so that this one deployment runs every protocol."""
     return common.build_image(from_scratch=True, extras="mf")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -131,7 +124,7 @@ def deployment(image, tmp_path_factory: pytest.TempPathFactory):
     dep = Deployment(
         project=f"sdptest{os.getpid()}{int(time.time()) % 100000}",
         pki=work / "pki",
-        port=_free_port(),
+        port=common.free_port(),
         config=work / "config.toml",
         workdir=work,
     )

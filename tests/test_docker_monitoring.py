@@ -14,13 +14,11 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
+import _deploy as common
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,12 +57,6 @@ def _run(cmd: list[str], timeout: float = 300, check: bool = True, **kw) -> subp
     return proc
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _has(image: str) -> bool:
     return _run(["docker", "image", "inspect", image], check=False).returncode == 0
 
@@ -77,31 +69,11 @@ def images() -> None:
     _run(["bash", str(MONITORING / "build_prometheus.sh"), *([] if reuse else ["--force"])], timeout=TIMEOUT_S)
 
 
-def _query(port: int, promql: str) -> list[dict]:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-    with urllib.request.urlopen(url, timeout=10) as r:
-        body = json.loads(r.read())
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
-def _wait_query(port: int, promql: str, want: int = 1, timeout: float = 90) -> list[dict]:
-    """Prometheus's answer to `promql` once it has at least `want` series (it scrapes every 5 s)."""
-    deadline, got = time.monotonic() + timeout, []
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            got = _query(port, promql)
-            if len(got) >= want:
-                return got
-        time.sleep(2)
-    raise AssertionError(f"Prometheus has no {want} series for {promql} after {timeout} s: {got}")
-
-
 @pytest.fixture(scope="module")
 def deployment(images, tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("monitoring")
     project = f"sdpmon{os.getpid()}{int(time.time()) % 100000}"
-    prom_port = _free_port()
+    prom_port = common.free_port()
     env = {
         **os.environ,
         "SHUFFLEDP_COMPOSE_FILES": str(MONITORING / "compose.yml"),
@@ -110,7 +82,7 @@ def deployment(images, tmp_path_factory: pytest.TempPathFactory):
     config = work / "config.toml"
     shutil.copy(DEPLOY / "example.toml", config)
     base = ["bash", str(DEPLOY / "compose.sh"), "--project", project, "--pki", str(work / "pki")]
-    base += ["--port", str(_free_port()), "--config", str(config)]
+    base += ["--port", str(common.free_port()), "--config", str(config)]
 
     def sh(*args: str, timeout: float = 400, check: bool = True) -> subprocess.CompletedProcess:
         return _run([*base, *args], timeout=timeout, check=check, env=env)
@@ -130,7 +102,7 @@ def deployment(images, tmp_path_factory: pytest.TempPathFactory):
 def test_prometheus_scrapes_every_service_during_a_run_and_agrees_with_the_ledger(deployment):
     sh, port, work = deployment
     for job, n in (("analyzer", 1), ("shuffler", 1), ("client-node", 2)):
-        up = _wait_query(port, f'up{{job="{job}"}} == 1', want=n)
+        up = common.prometheus_wait(port, f'up{{job="{job}"}} == 1', want=n)
         assert len(up) == n, (job, up)
     out = work / "results"
     sh("run", "--out", str(out), timeout=600)
@@ -142,14 +114,15 @@ def test_prometheus_scrapes_every_service_during_a_run_and_agrees_with_the_ledge
     # ledger closes every round before it says so), then compare. The eps spent reaching the ledger's is no sign of
     # the end: the rounds compose in parallel, so it is final from the first committed round on (CI saw 1 committed
     # round of 13 in Prometheus after waiting for it)
-    _wait_query(port, 'shuffledp_analyzer_runs{state="COMPLETED"} == 1')
-    spent = _query(port, f'shuffledp_analyzer_epsilon_spent{{run_id="{run_id}"}}')
+    common.prometheus_wait(port, 'shuffledp_analyzer_runs{state="COMPLETED"} == 1')
+    spent = common.prometheus_query(port, f'shuffledp_analyzer_epsilon_spent{{run_id="{run_id}"}}')
     assert float(spent[0]["value"][1]) == pytest.approx(eps, rel=1e-9)
-    committed = _query(port, f'shuffledp_analyzer_rounds_total{{run_id="{run_id}",outcome="committed"}}')
+    rounds = f'shuffledp_analyzer_rounds_total{{run_id="{run_id}",outcome="committed"}}'
+    committed = common.prometheus_query(port, rounds)
     assert int(float(committed[0]["value"][1])) == sum(1 for r in ledger["rounds"] if r["state"] == "committed")
-    streams = _wait_query(port, "shuffledp_shuffler_open_streams")
+    streams = common.prometheus_wait(port, "shuffledp_shuffler_open_streams")
     assert float(streams[0]["value"][1]) == 2
-    users = _wait_query(port, "shuffledp_node_users", want=2)
+    users = common.prometheus_wait(port, "shuffledp_node_users", want=2)
     assert all(float(u["value"][1]) > 0 for u in users)
 
     # every query of the dashboard is valid PromQL (Prometheus evaluates it) and no series carries a user id
@@ -157,6 +130,6 @@ def test_prometheus_scrapes_every_service_during_a_run_and_agrees_with_the_ledge
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
             expr = target["expr"].replace("$run_id", ".*")
-            _query(port, expr)
-    every = _query(port, '{__name__=~"shuffledp_.+"}')
+            common.prometheus_query(port, expr)
+    every = common.prometheus_query(port, '{__name__=~"shuffledp_.+"}')
     assert every and "n0-u" not in json.dumps(every) and "n1-u" not in json.dumps(every)

@@ -18,7 +18,8 @@ What is checked is what the running tasks can do and hold, not what the stack fi
   service, from the networks where a stranger would come from; the right role gets through;
 - the stateful entrypoint refuses an empty state volume (a task rescheduled onto a host without the volume);
 - a PSGD (sequential) experiment runs to completion through `swarm.sh run`, and its results are fetched, again
-  with `swarm.sh results`;
+  with `swarm.sh results`; the stack runs with the monitoring overlay (`up --monitoring`): Prometheus scraped every
+  task, and its committed rounds and eps spent are the ledger's;
 - the analyzer task killed mid-run: Swarm restarts it on its labelled host, the run resumes from the ledger, and no
   budget is lost or counted twice;
 - `swarm.sh scale 5` during a fully interactive run: the new replicas serve shards 3 and 4 and subscribe, but a
@@ -123,6 +124,7 @@ class Stack:
     config: Path
     workdir: Path
     node: str
+    prometheus_port: int = 0
 
     def sh(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         """deploy/swarm.sh with this stack's name, PKI and configuration."""
@@ -204,9 +206,11 @@ def stack(swarm: str, image, tmp_path_factory: pytest.TempPathFactory):
         node=swarm,
     )
     st.config.write_text(_config_text())
+    st.prometheus_port = common.free_port()
     try:
         t0 = time.monotonic()
-        st.sh("--max-clients", str(MAX_CLIENTS), "up", timeout=UP_TIMEOUT_S + 200)
+        monitoring = ["--monitoring", "--monitoring-port", str(st.prometheus_port)]
+        st.sh("--max-clients", str(MAX_CLIENTS), "up", *monitoring, timeout=UP_TIMEOUT_S + 200)
         TIMINGS["up"] = time.monotonic() - t0
         yield st
     finally:
@@ -244,19 +248,21 @@ def test_services_networks_and_placement(stack: Stack):
         assert spec["Mode"]["Replicated"]["Replicas"] == want
         ids = {n["Target"] for n in task["Networks"]}
         nets[svc] = {docker_json("network", "inspect", i)[0]["Name"].removeprefix(f"{stack.name}_") for i in ids}
+    # the stack runs with the monitoring overlay: one metrics network per party, which Prometheus joins
     assert nets == {
-        "analyzer": {"analyzer-net", "operator-net"},
-        "shuffler": {"analyzer-net", "client-net"},
-        "clients": {"client-net"},
+        "analyzer": {"analyzer-net", "operator-net", "metrics-analyzer-net"},
+        "shuffler": {"analyzer-net", "client-net", "metrics-shuffler-net"},
+        "clients": {"client-net", "metrics-client-net"},
     }, nets
     assert not nets["analyzer"] & nets["clients"], "the analyzer shares a network with the client nodes"
-    for net in ("analyzer-net", "client-net", "operator-net"):
+    for net in set().union(*nets.values()):
         info = docker_json("network", "inspect", f"{stack.name}_{net}")[0]
         assert info["Driver"] == "overlay" and info["Scope"] == "swarm", info
         assert "encrypted" in (info.get("Options") or {}), f"{net} is not encrypted: {info.get('Options')}"
         assert info["Internal"] is True, f"{net} is not internal"
-        # only the operator's network takes one-off containers (swarm.sh run)
-        assert info["Attachable"] is (net == "operator-net"), f"{net}: Attachable={info['Attachable']}"
+        # only the operator's network (swarm.sh run) and the metrics networks (Prometheus) take other containers
+        want = net == "operator-net" or net.startswith("metrics-")
+        assert info["Attachable"] is want, f"{net}: Attachable={info['Attachable']}"
     # every task runs, healthy, as the image's unprivileged user, on the host labelled for its role
     assert sorted(stack.containers("clients")) == list(range(1, CLIENTS + 1))
     for svc in ROLES:
@@ -471,8 +477,18 @@ def test_psgd_experiment_runs_to_completion_and_results_are_fetched(stack: Stack
     metrics = json.loads((out / "metrics.json").read_text())
     released = [m for m in metrics if m["released"]]
     assert len(released) == plan["rounds"] and released[-1]["accuracy"] > 0.3, metrics
+    # Prometheus (up --monitoring) scraped every task, and its figures are the ledger's once it has scraped the end
+    port, run_id = stack.prometheus_port, ledger["run"]["run_id"]
+    for job, n in (("analyzer", 1), ("shuffler", 1), ("client-node", CLIENTS)):
+        assert len(common.prometheus_wait(port, f'up{{job="{job}"}} == 1', want=n)) == n, job
+    committed = sum(r["state"] == "committed" for r in ledger["rounds"])
+    rounds = f'shuffledp_analyzer_rounds_total{{run_id="{run_id}",outcome="committed"}}'
+    common.prometheus_wait(port, f"{rounds} == {committed}")
+    spent = common.prometheus_query(port, f'shuffledp_analyzer_epsilon_spent{{run_id="{run_id}"}}')
+    assert float(spent[0]["value"][1]) == pytest.approx(ledger["totals"]["eps_spent"], rel=1e-9)
+    every = json.dumps(common.prometheus_query(port, '{__name__=~"shuffledp_.+"}'))
+    assert "shuffledp_node_users" in every and not re.search(r"n\d+-u\d+", every)  # no user id in any series
     # fetched again by run id
-    run_id = ledger["run"]["run_id"]
     again = stack.workdir / "psgd-again"
     proc = stack.sh("results", run_id, "--out", str(again), timeout=120)
     assert json.loads((again / "ledger.json").read_text()) == ledger
