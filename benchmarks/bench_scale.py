@@ -45,19 +45,21 @@ from shuffledp.models import make_model  # noqa: E402
 DIM = 10
 
 
-def config_toml(users: int, rounds: int, nodes: int) -> str:
+def config_toml(users: int, rounds: int, nodes: int, dim: int = DIM, check_in: bool | None = None) -> str:
+    """The run of one size; check_in None = PVEC's default (on with calibrated noise)."""
+    pvec = "" if check_in is None else f"\n[privacy.pvec]\ncheck_in = {str(check_in).lower()}\n"
     return f"""\
 [data]
 dataset = "synthetic"
 n = {users}
-dim = {DIM}
+dim = {dim}
 
 [model]
 task = "logreg"
 
 [privacy]
 eps = 8.0
-
+{pvec}
 [schedule]
 kind = "fully_interactive"
 rounds = {rounds}
@@ -118,9 +120,9 @@ class Sampler(threading.Thread):
                 self.peak[name] = max(self.peak.get(name, 0.0), hwm)
 
 
-def one_run(users: int, rounds: int, nodes: int, workdir: Path) -> dict:
+def one_run(users: int, rounds: int, nodes: int, workdir: Path, dim: int = DIM, check_in: bool | None = None) -> dict:
     cfg_path = workdir / f"scale-{users}.toml"
-    cfg_path.write_text(config_toml(users, rounds, nodes))
+    cfg_path.write_text(config_toml(users, rounds, nodes, dim, check_in))
     t0 = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "shuffledp.cli", "run", str(cfg_path), "--out", str(workdir / f"run-{users}")],
@@ -164,8 +166,8 @@ def one_run(users: int, rounds: int, nodes: int, workdir: Path) -> dict:
     }
 
 
-def in_process_seconds(users: int, rounds: int, nodes: int) -> float:
-    cfg = parse_config(config_toml(users, rounds, nodes))
+def in_process_seconds(users: int, rounds: int, nodes: int, dim: int = DIM, check_in: bool | None = None) -> float:
+    cfg = parse_config(config_toml(users, rounds, nodes, dim, check_in))
     ds = load_dataset(cfg.data, cfg.model.task)
     model = make_model(cfg.model.task, ds.num_features, ds.num_classes)
     plan = plan_run(cfg, users, users, model, ds.feature_norm_bound)
@@ -211,18 +213,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--users", type=int, nargs="+", default=[1000, 10_000, 100_000, 1_000_000])
     ap.add_argument("--rounds", type=int, default=3, help="rounds per run (the first is not in s/round)")
     ap.add_argument("--nodes", type=int, default=4, help="client nodes (processes) sharing the users")
+    ap.add_argument("--dim", type=int, default=DIM, help=f"features of the synthetic data (default {DIM})")
+    ap.add_argument(
+        "--check-in",
+        choices=["default", "on", "off"],
+        default="default",
+        help="privacy.pvec.check_in: the default (on with calibrated noise), on, or off",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "results" / f"bench_scale-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
-    if args.rounds < 2 or args.nodes < 1 or min(args.users) < args.nodes:
-        ap.error("need --rounds >= 2, --nodes >= 1 and at least one user per node")
+    if args.rounds < 2 or args.nodes < 1 or min(args.users) < args.nodes or args.dim < 1:
+        ap.error("need --rounds >= 2, --nodes >= 1, --dim >= 1 and at least one user per node")
+    check_in = {"default": None, "on": True, "off": False}[args.check_in]
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
         for users in sorted(args.users):
-            row = one_run(users, args.rounds, args.nodes, Path(tmp))
-            row["in_process_seconds"] = in_process_seconds(users, args.rounds, args.nodes)
+            row = one_run(users, args.rounds, args.nodes, Path(tmp), args.dim, check_in)
+            row["in_process_seconds"] = in_process_seconds(users, args.rounds, args.nodes, args.dim, check_in)
             rows.append(row)
-    print(f"\nfully interactive PVEC rounds, synthetic logreg dim {DIM}, {args.nodes} client nodes, 2-core machine")
+    print(
+        f"\nfully interactive PVEC rounds, synthetic logreg dim {args.dim}, check-in {args.check_in}, {args.nodes} "
+        "client nodes, 2-core machine"
+    )
     head = f"{'users/round':>12} {'s/round':>8} {'in-proc':>8} {'ratio':>6} {'start-up':>9} {'shuffler':>9} "
     print(head + f"{'analyzer':>9} {'node max':>9}  shuffler MiB by round")
     for r in rows:

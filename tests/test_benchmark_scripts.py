@@ -120,16 +120,20 @@ def test_bench_startup_prints_the_split_of_one_default_run():
     assert re.search(r"^first round shown at [0-9.]+ s \(target <= 3\), exit at [0-9.]+ s", out, re.M), out
 
 
-def test_bench_round_prints_both_invitation_settings():
-    out = _run("bench_round.py", "--rounds", "2", "--mode", "direct", timeout=180)
-    ratios = re.findall(r"^ratio end-to-end / in-process \[direct, (.+?)\]: median\s+([0-9.]+)", out, re.M)
-    assert [r[0] for r in ratios] == ["one invitation", "check-in: two invitations"], out
-    assert all(float(r[1]) > 0 for r in ratios), out
+def test_bench_round_prints_both_invitation_settings_for_each_dimension():
+    out = _run("bench_round.py", "--rounds", "2", "--mode", "direct", "--dim", "100", "30", timeout=240)
+    ratios = re.findall(r"^ratio end-to-end / in-process \[d=(\d+), direct, (.+?)\]: median\s+([0-9.]+)", out, re.M)
+    settings = ["one invitation", "check-in: two invitations"]
+    assert [(r[0], r[1]) for r in ratios] == [(d, s) for d in ("100", "30") for s in settings], out
+    assert all(float(r[2]) > 0 for r in ratios), out
+    assert "d=30, 1000 users" in out  # the model the round ran has the dimension asked for
 
 
 def test_bench_scale_runs_two_sizes_over_the_services(tmp_path):
     # issue 15 item 4 at a small size: the table's rows, the per-user memory line, the JSON and the plot
-    out = _run("bench_scale.py", "--users", "200", "400", "--rounds", "2", "--nodes", "2", "--out", str(tmp_path))
+    argv = ["--users", "200", "400", "--rounds", "2", "--nodes", "2", "--dim", "20", "--check-in", "off"]
+    out = _run("bench_scale.py", *argv, "--out", str(tmp_path))
+    assert "synthetic logreg dim 20, check-in off" in out
     rows = re.findall(r"^\s+(200|400)\s+([0-9.]+)\s+([0-9.]+)\s+[0-9.]+\s+([0-9.]+)s\s+(\d+)M", out, re.M)
     assert [r[0] for r in rows] == ["200", "400"], out
     assert all(float(r[1]) > 0 and float(r[2]) > 0 and float(r[3]) > 0 and int(r[4]) > 10 for r in rows), out
