@@ -25,7 +25,7 @@ abspath() {
 }
 
 # parse_options "$@": the options both scripts take, and the script's own through its function own_option NAME VALUE
-# (status 1: not one of its own). Sets CMD and ARGS, the command's arguments. Then checks the common values.
+# (status 1: not one of its own; 2: a flag, which takes no value). Sets CMD and ARGS, the command's arguments. Then checks the common values.
 parse_options() {
   while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -35,7 +35,13 @@ parse_options() {
       --clients) CLIENTS="${2:?--clients needs a number}"; shift 2 ;;
       --timeout) TIMEOUT="${2:?--timeout needs seconds}"; shift 2 ;;
       -h|--help) usage; exit 0 ;;
-      -*) own_option "$1" "${2:-}" || die "unknown option '$1' (see --help)"; shift 2 ;;
+      -*) local rc=0
+          own_option "$1" "${2:-}" || rc=$?
+          case $rc in
+            0) shift 2 ;;
+            2) shift ;;  # a flag: takes no value
+            *) die "unknown option '$1' (see --help)" ;;
+          esac ;;
       *) break ;;
     esac
   done

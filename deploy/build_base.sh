@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build the local base image shuffledp-base:bookworm with debootstrap (no container registry is needed).
 #
-# Usage: deploy/build_base.sh [--force] [--mirror URL] [--tag NAME:TAG]
-#   --force   rebuild even if the image already exists
-#   --mirror  Debian mirror (default: first bookworm mirror in /etc/apt/sources.list[.d], else deb.debian.org)
+# Usage: deploy/build_base.sh [--force] [--mirror URL] [--tag NAME:TAG] [--packages LIST]
+#   --force     rebuild even if the image already exists
+#   --mirror    Debian mirror (default: first bookworm mirror in /etc/apt/sources.list[.d], else deb.debian.org)
+#   --packages  more Debian packages, comma-separated (e.g. docker.io,iptables for deploy/engines.sh's engines)
 # Needs root (debootstrap) and a running Docker engine. Prints elapsed time and image size.
 set -euo pipefail
 
@@ -19,8 +20,12 @@ while [[ $# -gt 0 ]]; do
     --force) FORCE=1; shift ;;
     --mirror) MIRROR="${2:?--mirror needs a URL}"; shift 2 ;;
     --tag) TAG="${2:?--tag needs NAME:TAG}"; shift 2 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
-    *) echo "build_base.sh: unknown argument '$1' (allowed: --force, --mirror URL, --tag NAME:TAG)" >&2; exit 2 ;;
+    --packages)
+      [[ ${2:-} =~ ^[a-z0-9][a-z0-9.+-]*(,[a-z0-9][a-z0-9.+-]*)*$ ]] ||
+        { echo "build_base.sh: --packages takes NAME[,NAME...], got '${2:-}'" >&2; exit 2; }
+      PACKAGES="$PACKAGES,$2"; shift 2 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    *) echo "build_base.sh: unknown argument '$1' (allowed: --force, --mirror URL, --tag NAME:TAG, --packages LIST)" >&2; exit 2 ;;
   esac
 done
 

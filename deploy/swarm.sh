@@ -38,11 +38,19 @@
 #                      shards, and certificates client-0..client-(S-1) exist. Fixed while the stack runs.
 #                      Default: the running stack's value, else N
 #   --timeout S        (SHUFFLEDP_UP_TIMEOUT, default 240)  seconds up and scale wait for healthy tasks
+#   --per-host N       (SHUFFLEDP_CLIENTS_PER_HOST, default 0: no limit) at most N client replicas on one host, so
+#                      the replicas of a host that goes away wait for it (and their users' spend records on it)
+#                      instead of starting on another host with empty ones
+#   --plain-overlays   (SHUFFLEDP_PLAIN_OVERLAYS=1) overlays without Docker's IPsec encryption, for hosts whose
+#                      kernel has no ESP (the encrypted overlays then carry nothing between hosts); mTLS still
+#                      protects every hop. Fixed while the stack runs
 set -euo pipefail
 
 . "$(dirname "${BASH_SOURCE[0]}")/_common.sh" swarm/pki 240
 STACK="${SHUFFLEDP_STACK:-shuffledp}"
 MAX_CLIENTS="${SHUFFLEDP_MAX_CLIENT_NODES:-}"
+PER_HOST="${SHUFFLEDP_CLIENTS_PER_HOST:-0}"
+PLAIN="${SHUFFLEDP_PLAIN_OVERLAYS:-}"
 SERVICES=(analyzer shuffler clients)
 STATEFUL=(analyzer shuffler)
 MARKER=.shuffledp-state  # in the analyzer's and the shuffler's state volume (deploy/stack.yml)
@@ -51,6 +59,8 @@ own_option() {
   case "$1" in
     --stack) STACK="${2:?--stack needs a name}" ;;
     --max-clients) MAX_CLIENTS="${2:?--max-clients needs a number}" ;;
+    --per-host) PER_HOST="${2:?--per-host needs a number}" ;;
+    --plain-overlays) PLAIN=1; return 2 ;;
     *) return 1 ;;
   esac
 }
@@ -60,6 +70,7 @@ set -- "${ARGS[@]}"
 # stack names prefix services, networks, volumes, secrets and node labels
 [[ $STACK =~ ^[a-z0-9][a-z0-9_-]{0,30}$ ]] || die "--stack '$STACK' must match [a-z0-9][a-z0-9_-]* (at most 31 characters)"
 [[ -z $MAX_CLIENTS ]] || check_count "$MAX_CLIENTS"
+[[ $PER_HOST =~ ^[0-9]+$ ]] || die "--per-host '$PER_HOST' must be a number (0: no limit)"
 
 command -v docker >/dev/null 2>&1 || die "the docker CLI is not installed"
 docker info >/dev/null 2>&1 || die "no Docker engine reachable (docker info failed)"
@@ -335,12 +346,23 @@ cmd_up() {
   trap "rm -rf '$secrets'" EXIT
   chmod 700 "$secrets"
   write_secrets "$secrets" "$MAX_CLIENTS"
-  local cfg_name out
+  local cfg_name out i plain
+  if [[ -n $PLAIN ]]; then
+    # the same stack files without `encrypted` on their overlays (every other line as is)
+    for ((i = 1; i < ${#stack_files[@]}; i += 2)); do
+      plain="$secrets/plain-$((i / 2))-$(basename "${stack_files[i]}")"
+      grep -v '^    driver_opts: {encrypted: ""}$' "${stack_files[i]}" >"$plain"
+      ! grep -q 'encrypted: ""' "$plain" || die "could not drop the encryption from ${stack_files[i]}"
+      stack_files[i]="$plain"
+    done
+    log "overlays NOT encrypted by Docker (--plain-overlays): mTLS alone protects the traffic between hosts"
+  fi
   cfg_name="$(config_name)"
   log "deploying stack $STACK: analyzer, shuffler, $CLIENTS of at most $MAX_CLIENTS client nodes; configuration $CONFIG"
   # --resolve-image never: there is no registry; every host uses its own loaded copy of the image
   if ! out="$(SHUFFLEDP_STACK="$STACK" SHUFFLEDP_IMAGE="$IMAGE" SHUFFLEDP_SECRETS="$secrets" SHUFFLEDP_CONFIG="$CONFIG" \
     SHUFFLEDP_CONFIG_NAME="$cfg_name" SHUFFLEDP_CLIENT_NODES="$CLIENTS" SHUFFLEDP_MAX_CLIENT_NODES="$MAX_CLIENTS" \
+    SHUFFLEDP_CLIENTS_PER_HOST="$PER_HOST" \
     docker stack deploy --detach=true --resolve-image never --prune "${stack_files[@]}" "$STACK" 2>&1)"; then
     echo "$out" >&2
     if grep -q "only updates to Labels are allowed" <<<"$out"; then

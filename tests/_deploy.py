@@ -11,6 +11,7 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -95,6 +96,51 @@ def config_text(**replace: str) -> str:
         text, n = re.subn(rf"^{key}\s*=.*$", f"{key} = {value}", text, flags=re.M)
         assert n == 1, f"{key} not in {EXAMPLE}"
     return text
+
+
+class Progress:
+    """A background `swarm.sh run` (or compose.sh run), its output collected line by line."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.lines: list[str] = []
+        self.times: list[float] = []  # seconds since the start, per line
+        self._t0 = time.monotonic()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.times.append(time.monotonic() - self._t0)
+            self.lines.append(line.rstrip("\n"))
+
+    def rounds_shown(self) -> list[str]:
+        return [line for line in self.lines if line.startswith("round ")]
+
+    def wait_rounds(self, k: int, timeout: float = 180) -> None:
+        self.wait_for(lambda: len(self.rounds_shown()) >= k, f"{k} rounds", timeout)
+
+    def wait_for(self, done, what: str, timeout: float = 180) -> float:
+        """Wait until done() while the run goes on; the seconds it took."""
+        t0 = time.monotonic()
+        while not done():
+            assert self.proc.poll() is None, f"the run ended before {what}:\n" + "\n".join(self.lines)
+            assert time.monotonic() < t0 + timeout, f"no {what} after {timeout} s:\n" + "\n".join(self.lines)
+            time.sleep(0.1)
+        return time.monotonic() - t0
+
+    def finish(self, timeout: float = 300) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError("the run did not end:\n" + "\n".join(self.lines[-40:])) from None
+        self._reader.join(timeout=10)
+        return rc
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
 
 
 # ------------------------------------------------------------------------------------------------ the audit

@@ -38,7 +38,6 @@ import json
 import os
 import re
 import subprocess
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -407,42 +406,11 @@ def test_stateful_task_refuses_a_volume_without_its_state(stack: Stack):
 
 
 # ------------------------------------------------------------------------------------------------ experiments
-class Progress:
-    """`swarm.sh run` in the background, its output collected line by line."""
-
-    def __init__(self, stack: Stack, config: Path, out: Path):
-        self.proc = stack.popen("run", str(config), "--out", str(out))
-        RUNS.append(self.proc)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def rounds_shown(self) -> list[str]:
-        return [line for line in self.lines if line.startswith("round ")]
-
-    def wait_rounds(self, k: int, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.rounds_shown()) < k:
-            assert self.proc.poll() is None, "the run ended early:\n" + "\n".join(self.lines)
-            assert time.monotonic() < deadline, f"fewer than {k} rounds after {timeout} s:\n" + "\n".join(self.lines)
-            time.sleep(0.1)
-
-    def finish(self, timeout: float = 300) -> int:
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError("the run did not end:\n" + "\n".join(self.lines[-40:])) from None
-        self._reader.join(timeout=10)
-        return rc
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
+def Progress(stack: Stack, config: Path, out: Path) -> common.Progress:
+    """`swarm.sh run` in the background (ended before `down` if a test fails)."""
+    proc = stack.popen("run", str(config), "--out", str(out))
+    RUNS.append(proc)
+    return common.Progress(proc)
 
 
 def _shards(config: Path) -> list[int]:
