@@ -936,7 +936,11 @@ class ShufflerState:
             node, user = split_user_key(k)
             by_node.setdefault(node, []).append(user)  # the node's own id of the user
         for node, users in by_node.items():
-            self._subs[node].put(Invite(relay, users, rnd.drawn_from))
+            sub = self._subs.get(node)
+            # a node gone since its users checked in (the check-in's second invitation): they are dropouts, as if
+            # the invitation had been lost on the way
+            if sub is not None:
+                sub.put(Invite(relay, users, rnd.drawn_from))
 
     def _collect(self, rnd: _OpenRound, is_active: Callable[[], bool], until: float | None = None) -> None:
         """Wait until every invitee answered, the round's deadline (or `until`) passed, or the round is cancelled.

@@ -647,6 +647,36 @@ def test_a_round_cut_short_by_the_analyzer_marks_no_one_silent(shuffler):
         pool.shutdown(wait=False)
 
 
+def test_a_node_gone_between_check_in_and_report_is_a_dropout(shuffler):
+    """issue 28 (a client host stopped mid-round, multi-engine Swarm): a node's users checked in, then its stream
+    ended before the second invitation. Sending it raised KeyError: ExecuteRound failed and the analyzer charged the
+    round as spent with an unknown outcome. Its users are dropouts: the round ends with the others."""
+    a = FakeNode(shuffler.stub, "a", [f"a{i}" for i in range(5)])
+    b = FakeNode(shuffler.stub, "b", ["b0", "b1", "b2"])
+    c = FakeNode(shuffler.stub, "c", ["c0"])  # never checks in: the check-in phase lasts its half of the window
+    try:
+        shuffler.wait_nodes(3, users=9)
+        call = shuffler.stub.ExecuteRound.future(_check_in_spec(1, 0.8, deadline_seconds=4.0), timeout=30)
+        for node in (a, b):
+            inv = node.q.get(timeout=20)
+            msg = pb.Contribution(run_id="r", round=1, node_id=node.node_id)
+            for u in inv.user_ids:
+                msg.messages.add(user_id=u, nonce=secrets.token_bytes(16))
+            shuffler.stub.Submit(msg, timeout=5)
+        b.call.cancel()  # b's host is gone
+        end = time.monotonic() + 10
+        while "b" in shuffler.state._subs:
+            assert time.monotonic() < end, "the shuffler kept b's stream"
+            time.sleep(0.01)
+        batch = call.result(timeout=30)  # raised UNKNOWN (KeyError 'b') before
+        second = a.q.get(timeout=5).spec
+        assert second.check_in.checked_in == 8 and second.min_contributors == 7  # max(5, ceil(0.8 * 8))
+        assert not batch.released and batch.report.checked_in == 8 and batch.report.contributors == 0
+    finally:
+        for node in (a, b, c):
+            node.call.cancel()
+
+
 def test_a_run_whose_every_user_went_silent_says_so(shuffler):
     """Every user checked in and then sent nothing for the whole window: the next round is refused naming that,
     not as if no user were connected."""
