@@ -274,6 +274,15 @@ def assert_refusals(results: list[dict]) -> None:
     assert not bad, "\n".join(bad)
 
 
+def end_runs(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Terminate background runs a failed test left behind (SIGTERM reaches their operator container, which would
+    otherwise hold operator-net and keep the stack's `down` from removing it)."""
+    for proc in procs:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout)
+
+
 def free_port() -> int:
     """A TCP port free on the host's loopback now (for a published port)."""
     with socket.socket() as s:

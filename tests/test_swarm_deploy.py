@@ -33,7 +33,6 @@ Without a reachable engine, or with an engine in a swarm this test cannot use, t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -213,12 +212,7 @@ def stack(swarm: str, image, tmp_path_factory: pytest.TempPathFactory):
         TIMINGS["up"] = time.monotonic() - t0
         yield st
     finally:
-        # a run a failed test left behind: SIGTERM reaches its operator container (docker run proxies it), which
-        # would otherwise hold operator-net and keep `down` from removing it
-        for proc in RUNS:
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=60)
+        common.end_runs(RUNS, timeout=60)
         t0 = time.monotonic()
         down = st.sh("down", "--volumes", timeout=240, check=False)
         TIMINGS["down"] = time.monotonic() - t0

@@ -226,10 +226,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         print("\nengines' memory with the stack up: " + "; ".join(mem.strip().splitlines()))
         yield cl
     finally:
-        for proc in RUNS:
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
+        common.end_runs(RUNS, timeout=30)
         for name, progress in cl.progress.items():
             stamped = "\n".join(f"{t:8.1f} {line}" for t, line in zip(progress.times, progress.lines, strict=False))
             (work / f"{name}.log").write_text(stamped + "\n")
@@ -276,6 +273,16 @@ def _slot_on(cl: Cluster, svc: str, engine: int) -> int:
     return slot
 
 
+def _fault_run(cl: Cluster, name: str) -> tuple[int, int, Path, common.Progress]:
+    """A fully interactive run going (3 rounds shown) before a fault on engine 4: (the client slot there, its users,
+    the results directory, the run)."""
+    slot = _slot_on(cl, "clients", 4)
+    out = cl.workdir / name
+    run = cl.run(_fully_interactive(cl, name, rounds=60), out)
+    run.wait_rounds(3)
+    return slot, len(range(slot - 1, USERS, 2)), out, run
+
+
 # ------------------------------------------------------------------------------------------------ the layout
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_stack_spans_the_engines_and_a_run_completes(cluster: Cluster):
@@ -297,11 +304,7 @@ def test_stack_spans_the_engines_and_a_run_completes(cluster: Cluster):
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_client_host_stops_the_run_goes_on_and_its_users_return(cluster: Cluster):
     cl = cluster
-    lost_slot = _slot_on(cl, "clients", 4)
-    lost = len(range(lost_slot - 1, USERS, 2))
-    out = cl.workdir / "client-host"
-    run = cl.run(_fully_interactive(cl, "client-host", rounds=60), out)
-    run.wait_rounds(3)
+    lost_slot, lost, out, run = _fault_run(cl, "client-host")
     t0 = time.monotonic()
     try:
         cl.engines("stop", "4")
@@ -367,11 +370,7 @@ def test_analyzer_host_stops_the_run_pauses_and_resumes_on_it(cluster: Cluster):
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_partition_between_shuffler_and_a_client_host_heals(cluster: Cluster):
     cl = cluster
-    cut_slot = _slot_on(cl, "clients", 4)
-    cut = len(range(cut_slot - 1, USERS, 2))
-    out = cl.workdir / "partition"
-    run = cl.run(_fully_interactive(cl, "partition", rounds=60), out)
-    run.wait_rounds(3)
+    cut_slot, cut, out, run = _fault_run(cl, "partition")
     rules = [["INPUT", "-s", cl.ip(3)], ["OUTPUT", "-d", cl.ip(3)]]
     engine4 = ["docker", "exec", cl.engine(4), "iptables"]
     t0 = time.monotonic()
