@@ -77,7 +77,13 @@ def _host_env() -> dict[str, str]:
 
 
 def _free_subnet() -> str:
-    """A /24 that no network of the host engine or route of this host overlaps."""
+    """A /24 that no network of the host engine or route of this host overlaps.
+
+    Docker hands out 172.17-31.0.0/16 in turn and does not reuse a freed one at once, so after the compose and
+    Swarm tests a live network (docker_gwbridge, say) can hold any of them: look through all of 172.20-31 before
+    giving up. Third octets from 200 stay clear of what the nested engines allocate inside (172.17/172.18 and
+    10.0.0.0/8 for overlays).
+    """
     used = []
     for net in run_cmd(["docker", "network", "ls", "-q"], env=_host_env()).stdout.split():
         proc = run_cmd(["docker", "network", "inspect", net], check=False, env=_host_env())
@@ -88,11 +94,13 @@ def _free_subnet() -> str:
     for line in run_cmd(["ip", "-4", "route"], check=False).stdout.splitlines():
         with contextlib.suppress(ValueError):
             used.append(ipaddress.ip_network(line.split()[0]))
-    for third in range(200, 255):
-        cand = ipaddress.ip_network(f"172.29.{third}.0/24")
-        if not any(cand.overlaps(u) for u in used):
-            return str(cand)
-    raise AssertionError("no free 172.29.x.0/24 for the engines' bridge")
+    used = [u for u in used if u.version == 4]
+    for second in range(29, 19, -1):
+        for third in range(200, 255):
+            cand = ipaddress.ip_network(f"172.{second}.{third}.0/24")
+            if not any(cand.overlaps(u) for u in used):
+                return str(cand)
+    raise AssertionError(f"no free 172.20-29.200-254.0/24 for the engines' bridge; in use: {sorted(map(str, used))}")
 
 
 @dataclass
