@@ -10,7 +10,6 @@
 #                  the subnet, default 172.29.213.0/24), make NAME-1 a swarm manager and join the others.
 #                  --share DIR: bind-mount DIR at the same path into every engine (swarm.sh run mounts its PKI and
 #                  results directory from the manager's file system)
-#   load IMAGE     docker save IMAGE | docker load into every running engine (no registry), in parallel
 #   host [I]       the DOCKER_HOST of engine I (default 1, the manager): a unix socket under /tmp/NAME
 #   stop I | start I   stop (SIGTERM to its dockerd: every task on it ends) or start engine I again
 #   down           remove the engines, their volumes, the network and /tmp/NAME
@@ -94,24 +93,6 @@ cmd_up() {
   log "$n engines up, swarm manager $(engine 1) ($net3.11); DOCKER_HOST=$(sock 1)"
 }
 
-cmd_load() {
-  local image=${1:?usage: load IMAGE} tar pids=() i
-  docker image inspect "$image" >/dev/null 2>&1 || die "no image $image on the host engine"
-  mkdir -p "$RUN"
-  tar="$RUN/image.tar"
-  docker save -o "$tar" "$image"
-  for name in $(engines); do
-    i=${name##*-}
-    edocker "$i" load -q -i "$tar" >/dev/null &
-    pids+=($!)
-  done
-  local failed=0
-  for i in "${pids[@]}"; do wait "$i" || failed=1; done
-  rm -f "$tar"
-  [[ $failed == 0 ]] || die "docker load of $image failed on an engine"
-  log "$image loaded into $(engines | tr '\n' ' ')"
-}
-
 cmd_down() {
   local name
   for name in $(engines); do docker rm -f -v "$name" >/dev/null; done
@@ -123,11 +104,10 @@ cmd_down() {
 
 case "${1:-}" in
   up) shift; cmd_up "$@" ;;
-  load) shift; cmd_load "$@" ;;
   host) echo "$(sock "${2:-1}")" ;;
   stop) docker stop -t 30 "$(engine "${2:?stop I}")" >/dev/null ;;
   start) docker start "$(engine "${2:?start I}")" >/dev/null; wait_engine "$2" ;;
   down) cmd_down ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
-  *) die "unknown command '$1' (up, load, host, stop, start, down)" ;;
+  *) die "unknown command '$1' (up, host, stop, start, down)" ;;
 esac

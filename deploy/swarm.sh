@@ -21,6 +21,10 @@
 #                          operator-net, with the operator certificate. Shows progress per round, then a results
 #                          directory (default results/<name>-<time>)
 #   results RUN_ID [--out DIR]   fetch a run's results again (RUN_ID: printed by run)
+#   ship HOST...           copy the image (--image) from this engine to each HOST without a registry: docker save
+#                          once, docker load on every HOST in parallel, then check that each has the same image ID.
+#                          HOST: an ssh destination (user@host: Docker's own ssh transport, which needs the docker
+#                          CLI and access to the engine there) or a Docker host URL (ssh://, tcp://, unix://)
 #   scale N                client-node replicas (1..max client nodes; new replicas get the next task slots)
 #   status                 hosts and their roles, services, tasks (with the error of any failed task)
 #   logs SERVICE           follow one service's log (analyzer, shuffler, clients)
@@ -395,6 +399,30 @@ cmd_results() {
   operator_container "${STACK}_operator-net" "$(results_dir "$RUN_OUT")" "" --fetch "$RUN_ID"
 }
 
+cmd_ship() {
+  [[ $# -ge 1 ]] || die "usage: ship HOST... (user@host, or a Docker host URL: ssh://, tcp://, unix://)"
+  local id tar host url pids=() hosts=() failed=() i
+  id="$(docker image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null)" || die "no image $IMAGE here: build it first (up --build)"
+  tar="$(mktemp "${TMPDIR:-/tmp}/shuffledp-image.XXXXXX")"
+  trap 'rm -f "$tar"' EXIT
+  log "saving $IMAGE ($id)"
+  docker save -o "$tar" "$IMAGE"
+  for host in "$@"; do
+    url=$host; [[ $url == *://* ]] || url="ssh://$host"
+    DOCKER_HOST="$url" docker load -q -i "$tar" >/dev/null &
+    pids+=($!); hosts+=("$url")
+  done
+  for i in "${!pids[@]}"; do
+    # a load that failed, or left another image under the name, is a host that would run something else
+    if ! wait "${pids[$i]}" ||
+      [[ $(DOCKER_HOST="${hosts[$i]}" docker image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null) != "$id" ]]; then
+      failed+=("${hosts[$i]}")
+    fi
+  done
+  [[ ${#failed[@]} == 0 ]] || die "$IMAGE did not arrive on: ${failed[*]}"
+  log "$IMAGE loaded on $# host(s): $*"
+}
+
 cmd_scale() {
   [[ $# -eq 1 && $1 =~ ^[0-9]+$ ]] || die "usage: scale N (client-node replicas)"
   require_manager
@@ -485,10 +513,11 @@ case "$CMD" in
   up) cmd_up "$@" ;;
   run) cmd_run "$@" ;;
   results) cmd_results "$@" ;;
+  ship) cmd_ship "$@" ;;
   scale) cmd_scale "$@" ;;
   status) cmd_status ;;
   logs) cmd_logs "$@" ;;
   down) cmd_down "$@" ;;
   pki) cmd_pki "$@" ;;
-  *) die "unknown command '$CMD' (init, label, up, run, results, scale, status, logs, down, pki)" ;;
+  *) die "unknown command '$CMD' (init, label, up, run, results, ship, scale, status, logs, down, pki)" ;;
 esac

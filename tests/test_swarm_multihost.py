@@ -3,8 +3,8 @@ mid-run.
 
 deploy/engines.sh starts 4 engines (containers of the host engine, each running its own dockerd on its own
 /var/lib/docker volume, on a bridge with fixed addresses) and joins them into one swarm: engine 1 is the manager.
-The project's image is loaded into each (`docker save | docker load`: there is no registry), and deploy/swarm.sh,
-pointed at the manager (DOCKER_HOST), labels and deploys:
+The project's image is shipped to each (`swarm.sh ship`: docker save, docker load on each; there is no registry),
+and deploy/swarm.sh, pointed at the manager (DOCKER_HOST), labels and deploys:
 
     engine 1 (manager)  clients     client replica
     engine 2            analyzer    the ledger's volume
@@ -16,7 +16,9 @@ there) instead of starting on engine 1 with an empty one. `--plain-overlays`: th
 encrypted overlays carry nothing between engines (they fail closed); mTLS still protects every hop.
 
 Each fault happens during a fully interactive run and each test audits the ledger (every round once, charged once,
-totals recomputed; no released round that is not committed):
+totals recomputed; no released round that is not committed) and the users' own spend records, read from their
+nodes' volumes on their hosts (no user charged twice for a round, every counted contribution charged, the charges
+of a lost host's users still there when it returns):
 - a client host stops: the run goes on with the other host's users; the lost users are dropouts; when the host
   returns, its replica starts there again and its users are invited again;
 - the analyzer's host stops: the run pauses; the analyzer task is not started on another host (placement: no
@@ -40,6 +42,7 @@ import os
 import re
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,8 +225,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         cl.manager = cl.engines("host").stdout.strip()
         cl.env = dict(_host_env(), DOCKER_HOST=cl.manager)
         t0 = time.monotonic()
-        cl.engines("load", IMAGE, timeout=600)
-        TIMINGS["image load x4"] = time.monotonic() - t0
+        # swarm.sh's own way to a host without a registry (here the engines' sockets; ssh destinations alike), with
+        # one host that is not there: the engines get the image, and the command fails naming only that one
+        socks = [cl.engines("host", str(i)).stdout.strip() for i in range(1, ENGINES + 1)]
+        gone = f"unix://{work}/no-engine.sock"
+        ship = run_cmd([*cl._swarm_cmd(), "ship", *socks, gone], 600, check=False, env=_host_env())  # from here
+        assert ship.returncode == 1 and f"did not arrive on: {gone}\n" in ship.stderr, ship.stderr
+        TIMINGS["image ship x4"] = time.monotonic() - t0
         for i, role in ROLES.items():
             cl.sh("label", cl.engine(i), role)
         t0 = time.monotonic()
@@ -268,6 +276,54 @@ def _audit(out: Path) -> tuple[dict, list[dict]]:
     return ledger, metrics
 
 
+# Runs in a one-off container of the image on the engine that holds a client slot's volume: the charges that node
+# logged after seq N (clients/spend_store.py: one row per round and cost, the users' ids joined by newlines).
+SPEND_QUERY = """
+import json, sqlite3, sys
+db = sqlite3.connect(sys.argv[1])
+rows = db.execute("SELECT seq, users, eps FROM charges WHERE seq > ? ORDER BY seq", (int(sys.argv[2]),)).fetchall()
+print(json.dumps([[seq, users.decode().split(chr(10)), eps] for seq, users, eps in rows]))
+"""
+
+
+def _charges(cl: Cluster, slot: int, engine: str, after: int) -> list[tuple[int, list[str], float]]:
+    """The spend log of client slot `slot` (client node slot - 1) on its host's volume, rows after seq `after`."""
+    sock = cl.engines("host", engine.rsplit("-", 1)[1]).stdout.strip()
+    db = f"/s/state/client-{slot - 1}.spend.sqlite"
+    cmd = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "python"]
+    cmd += ["-v", f"{cl.stack}_client-state-{slot}:/s", IMAGE, "-c", SPEND_QUERY, db, str(after)]
+    return [tuple(r) for r in json.loads(run_cmd(cmd, 120, env=dict(_host_env(), DOCKER_HOST=sock)).stdout)]
+
+
+def _spend_marks(cl: Cluster) -> dict[int, tuple[str, int]]:
+    """Per client slot: its host and the last seq of its spend log (where a run's charges will start)."""
+    return {
+        slot: (eng, max([0, *(c[0] for c in _charges(cl, slot, eng, 0))]))
+        for slot, eng in cl.running("clients").items()
+    }
+
+
+def _audit_spend(cl: Cluster, marks: dict[int, tuple[str, int]], ledger: dict) -> Counter:
+    """The users' own records of the run, read from their nodes' volumes (the lost host's too, after it returned):
+    no user charged more often than the run has rounds (a round is charged once per joining user); every user
+    charged at least once per round that had every user among its contributors, so no charge of those rounds was
+    lost with a host; and every contribution the ledger counts was charged by its user's node before it left.
+    Returns the charges per user."""
+    per_user: Counter = Counter()
+    for slot, (eng, after) in marks.items():
+        for _, users, eps in _charges(cl, slot, eng, after):
+            assert eps > 0 and len(set(users)) == len(users), (slot, eps)
+            per_user.update(users)
+    rounds = ledger["rounds"]
+    committed = [r["contributors"] for r in rounds if r["state"] == "committed"]
+    full = committed.count(USERS)
+    assert len(per_user) == USERS, f"{len(per_user)} users charged in the run, not {USERS}"
+    assert max(per_user.values()) <= len(rounds), (max(per_user.values()), len(rounds))
+    assert min(per_user.values()) >= full, (min(per_user.values()), full)
+    assert sum(per_user.values()) >= sum(committed), (sum(per_user.values()), sum(committed))
+    return per_user
+
+
 def _wait_down(cl: Cluster, i: int, timeout: float = 60) -> None:
     """Until the manager marks engine i down (it misses the node's heartbeats)."""
     deadline = time.monotonic() + timeout
@@ -281,14 +337,15 @@ def _slot_on(cl: Cluster, svc: str, engine: int) -> int:
     return slot
 
 
-def _fault_run(cl: Cluster, name: str) -> tuple[int, int, Path, common.Progress]:
+def _fault_run(cl: Cluster, name: str) -> tuple[int, int, Path, common.Progress, dict]:
     """A fully interactive run going (3 rounds shown) before a fault on engine 4: (the client slot there, its users,
-    the results directory, the run)."""
+    the results directory, the run, where the nodes' spend logs stood before it)."""
     slot = _slot_on(cl, "clients", 4)
+    marks = _spend_marks(cl)
     out = cl.workdir / name
     run = cl.run(_fully_interactive(cl, name, rounds=60), out)
     run.wait_rounds(3)
-    return slot, len(range(slot - 1, USERS, 2)), out, run
+    return slot, len(range(slot - 1, USERS, 2)), out, run, marks
 
 
 # ------------------------------------------------------------------------------------------------ the layout
@@ -312,7 +369,7 @@ def test_stack_spans_the_engines_and_a_run_completes(cluster: Cluster):
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_client_host_stops_the_run_goes_on_and_its_users_return(cluster: Cluster):
     cl = cluster
-    lost_slot, lost, out, run = _fault_run(cl, "client-host")
+    lost_slot, lost, out, run, marks = _fault_run(cl, "client-host")
     t0 = time.monotonic()
     try:
         cl.engines("stop", "4")
@@ -340,12 +397,18 @@ def test_client_host_stops_the_run_goes_on_and_its_users_return(cluster: Cluster
     assert USERS - lost in seen and USERS in seen and min(seen) >= USERS - lost, seen
     # the lost users were the run's dropouts, not users who joined late
     assert not any(m["not_in_run"] for m in metrics)
+    # their records on the returned host hold the rounds before the stop and after; the rounds they missed are not
+    # in them
+    per_user = _audit_spend(cl, marks, ledger)
+    top = max(per_user.values())
+    assert sum(c < top for c in per_user.values()) >= lost, sorted(Counter(per_user.values()).items())
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_analyzer_host_stops_the_run_pauses_and_resumes_on_it(cluster: Cluster):
     cl = cluster
     out = cl.workdir / "analyzer-host"
+    marks = _spend_marks(cl)
     run = cl.run(_fully_interactive(cl, "analyzer-host", rounds=100), out)
     run.wait_rounds(5)
     t0 = time.monotonic()
@@ -373,12 +436,13 @@ def test_analyzer_host_stops_the_run_pauses_and_resumes_on_it(cluster: Cluster):
     # at most the round in flight is charged without its batch; the rounds shown before the stop stay committed
     assert states.count("spent_unknown") <= 1 and "released" not in states, states
     assert all(s == "committed" for s in states[: shown - 1]), states[:shown]
+    _audit_spend(cl, marks, ledger)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_partition_between_shuffler_and_a_client_host_heals(cluster: Cluster):
     cl = cluster
-    cut_slot, cut, out, run = _fault_run(cl, "partition")
+    cut_slot, cut, out, run, marks = _fault_run(cl, "partition")
     rules = [["INPUT", "-s", cl.ip(3)], ["OUTPUT", "-d", cl.ip(3)]]
     engine4 = ["docker", "exec", cl.engine(4), "iptables"]
     t0 = time.monotonic()
@@ -407,6 +471,9 @@ def test_partition_between_shuffler_and_a_client_host_heals(cluster: Cluster):
     seen = [r["contributors"] for r in ledger["rounds"] if r["state"] == "committed"]
     assert USERS - cut in seen and min(seen) >= USERS - cut, seen
     assert cl.running("clients").get(cut_slot) == cl.engine(4), "the replica moved instead of reconnecting"
+    per_user = _audit_spend(cl, marks, ledger)
+    top = max(per_user.values())
+    assert sum(c < top for c in per_user.values()) >= cut, sorted(Counter(per_user.values()).items())
     if not back_in_run:
         out2 = cl.workdir / "after-partition"
         assert cl.run(_fully_interactive(cl, "after-partition", rounds=3), out2).finish() == 0
