@@ -103,7 +103,6 @@ _MAX_BACKOFF_SECONDS = 30.0
 _TEST_DATA_CACHE = 4  # held-out splits kept in memory
 _RPC_GRACE_SECONDS = 30.0  # ExecuteRound returns at the deadline; allow this much for transfer and aggregation
 _MAX_CONSECUTIVE_FAILURES = 3
-_POPULATION_WAIT_SECONDS = 60.0
 
 
 def _refused_before_collection(exc: grpc.RpcError) -> bool:
@@ -412,6 +411,8 @@ class _Live:
     private_key: Any = None
     public_key: bytes = b""
     rng: np.random.Generator | None = None  # the analyzer's own noise (central protocols), from the CSPRNG
+    # connected users the run settled for after waiting for the rest: later rounds wait again only if fewer
+    settled_users: int | None = None
 
 
 _NOISE_PREFIX = "noise."
@@ -482,13 +483,11 @@ class RunManager:
         shuffler: pbg.ShufflerStub,
         clock: Callable[[], float] = time.monotonic,
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex[:16],
-        population_wait_seconds: float = _POPULATION_WAIT_SECONDS,
     ):
         self.ledger = ledger
         self.shuffler = shuffler
         self._clock = clock
         self._new_id = new_id
-        self._population_wait = population_wait_seconds
         self.on_planned: Callable[[str, float], None] = lambda run_id, seconds: None  # shuffledp/metrics.py
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
@@ -617,9 +616,9 @@ class RunManager:
                 self._test_data.popitem(last=False)
         return entry
 
-    def _population(self, run_id: str, want_nodes: int, cancel: threading.Event) -> pb.PopulationStatus:
-        """Wait (bounded) until the configured client nodes are connected and the admitted count is stable."""
-        deadline = self._clock() + self._population_wait
+    def _population(self, run_id: str, want_nodes: int, wait: float, cancel: threading.Event) -> pb.PopulationStatus:
+        """Wait (at most `wait` s) until the configured client nodes are connected and the admitted count is stable."""
+        deadline = self._clock() + wait
         last = None
         while True:
             try:
@@ -629,7 +628,7 @@ class RunManager:
                     raise
                 why = f"shuffler unreachable ({exc.code().name})"
                 if self._clock() > deadline or cancel.is_set():
-                    raise PlanError(f"{why} for {self._population_wait:.0f} s") from exc
+                    raise PlanError(f"{why} for {wait:.0f} s") from exc
                 self.ledger.set_state(run_id, "RUNNING", f"waiting for the population: {why}")
                 cancel.wait(1.0)
                 continue
@@ -643,7 +642,7 @@ class RunManager:
             if self._clock() > deadline or cancel.is_set():
                 if pop.admitted_users > 0:
                     return pop
-                raise PlanError(f"no users admitted at the shuffler after {self._population_wait:.0f} s")
+                raise PlanError(f"no users admitted at the shuffler after {wait:.0f} s")
             last = pop
             time.sleep(0.05)  # a node registers its users in one call: two equal readings this far apart suffice
 
@@ -652,7 +651,7 @@ class RunManager:
         if run["plan"]:
             return run["plan"]
         model, _, _, bound, _ = self._evaluation_data(cfg)
-        pop = self._population(run_id, cfg.deployment.client_nodes, live.cancel)
+        pop = self._population(run_id, cfg.deployment.client_nodes, cfg.deployment.population_wait_seconds, live.cancel)
         t0 = self._clock()
         plan = plan_run(cfg, pop.admitted_users, pop.unused_users, model, bound)
         seconds = self._clock() - t0
@@ -728,7 +727,8 @@ class RunManager:
         while (applied if redo else r) < plan["rounds"]:
             # no round is reserved while the shuffler cannot be reached: an outage costs no budget (issue 10 item 7)
             need = plan["cohort"] if plan["kind"] != "sequential" else 0  # fully interactive: every user
-            if live.cancel.is_set() or not self._await_shuffler(run_id, live, need):
+            wait = cfg.deployment.population_wait_seconds
+            if live.cancel.is_set() or not self._await_shuffler(run_id, live, need, wait):
                 self.ledger.set_state(run_id, "CANCELLED", "cancelled by the operator")
                 return
             event = PrivacyEvent(
@@ -753,10 +753,10 @@ class RunManager:
             r += 1
         self.ledger.set_state(run_id, "COMPLETED", "")
 
-    def _await_shuffler(self, run_id: str, live: _Live, need_users: int = 0) -> bool:
+    def _await_shuffler(self, run_id: str, live: _Live, need_users: int = 0, wait: float = 0.0) -> bool:
         """Return once the shuffler answers GetPopulation, retrying with exponential backoff while it is unreachable
         (the run's status message says so meanwhile), and once need_users users are connected again (after an
-        outage nodes reconnect with a backoff of their own; waited for up to the population wait, then the round
+        outage nodes reconnect with a backoff of their own; waited for up to `wait` s, then the round
         is tried anyway). False if the run is cancelled while waiting."""
         delay, since, waited_users = 0.5, None, None
         while not live.cancel.is_set():
@@ -776,13 +776,17 @@ class RunManager:
             if since is not None:
                 self.ledger.set_state(run_id, "RUNNING", f"shuffler reachable again (unreachable since {since})")
                 since, delay = None, 0.5
-            if pop.admitted_users < need_users:
+            if pop.admitted_users >= need_users:
+                live.settled_users = None
+            elif live.settled_users is None or pop.admitted_users < live.settled_users:
+                # a new loss: wait once for these users, not at every later round (a node gone for good)
                 waited_users = self._clock() if waited_users is None else waited_users
-                if self._clock() - waited_users < self._population_wait:
+                if self._clock() - waited_users < wait:
                     why = f"waiting for users to reconnect: {pop.admitted_users} of {need_users} connected"
                     self.ledger.set_state(run_id, "RUNNING", why)
                     live.cancel.wait(0.2)
                     continue
+                live.settled_users = pop.admitted_users
             if waited_users is not None:
                 self.ledger.set_state(run_id, "RUNNING", "")
             return True

@@ -143,6 +143,8 @@ mode = "counts"             # pvec: "counts" (trusted shuffler adds) or "bits" (
 [deployment]
 client_nodes = 2
 round_deadline_seconds = 60.0
+population_wait_seconds = 60.0  # how long a run waits for its nodes at the start, and for users to reconnect after
+                            # an outage (fully interactive) before a round goes on without them
 insecure = true             # plain text on loopback (shuffledp run); false = mTLS from pki_dir
 # pki_dir = "pki"           # insecure = false: the directory `shuffledp pki init` wrote (CA and role certificates)
 
@@ -432,6 +434,13 @@ def _deployment(t: dict[str, Any]) -> DeploymentConfig:
         round_deadline_seconds=_float(
             "deployment.round_deadline_seconds",
             t.get("round_deadline_seconds", d.round_deadline_seconds),
+            0.0,
+            86_400.0,
+            lo_open=True,
+        ),
+        population_wait_seconds=_float(
+            "deployment.population_wait_seconds",
+            t.get("population_wait_seconds", d.population_wait_seconds),
             0.0,
             86_400.0,
             lo_open=True,

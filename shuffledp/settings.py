@@ -266,6 +266,7 @@ class TransportConfig:
 class DeploymentConfig:
     client_nodes: int = 2
     round_deadline_seconds: float = 60.0
+    population_wait_seconds: float = 60.0
     insecure: bool = True
     pki_dir: str = ""
 

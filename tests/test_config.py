@@ -126,6 +126,8 @@ pki_dir = "/tmp/pki"
         ('[deployment]\ninsecure = "yes"', "deployment.insecure"),
         ("[deployment]\ninsecure = false", "deployment.pki_dir"),
         ("[deployment]\nclient_nodes = 0", "deployment.client_nodes"),
+        ("[deployment]\npopulation_wait_seconds = 0", "deployment.population_wait_seconds"),
+        ('[deployment]\npopulation_wait_seconds = "60"', "deployment.population_wait_seconds"),
         ("privacy = 3", "privacy"),
     ],
 )

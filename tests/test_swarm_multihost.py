@@ -184,9 +184,15 @@ def _leftovers(prefix: str) -> dict[str, list[str]]:
 
 
 def _config(path: Path, **replace: str) -> Path:
-    """deploy/example.toml with USERS users on 2 client nodes, a 4 s round deadline, and `replace`."""
+    """deploy/example.toml with USERS users on 2 client nodes, a 4 s round deadline, 10 s of waiting for lost users,
+    and `replace`."""
     text = common.config_text(
-        client_nodes="2", max_users=str(USERS), round_deadline_seconds="4.0", min_contributors_fraction="0.4", **replace
+        client_nodes="2",
+        max_users=str(USERS),
+        round_deadline_seconds="4.0",
+        population_wait_seconds="10.0",
+        min_contributors_fraction="0.4",
+        **replace,
     )
     path.write_text(text)
     return path

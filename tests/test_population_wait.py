@@ -1,0 +1,70 @@
+"""How long a run waits for missing users ([deployment] population_wait_seconds): once per loss, not once per round.
+
+A fully interactive run invites every user of its population. When a node goes away mid-run, the analyzer waits up
+to population_wait_seconds for its users to come back (after a shuffler restart every node reconnects with its own
+backoff), then goes on without them. It must not wait again at every later round for users it has already given up
+on: before, a node lost for good cost the whole wait (60 s by default) at each remaining round. Real services over
+loopback sockets.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from _runs import digits_pgd, wait_for_run
+from shuffledp.clients.node import start_node
+from shuffledp.services.analyzer import start_analyzer
+from shuffledp.services.shuffler import start_shuffler
+
+from shuffledp.config import parse_config
+from shuffledp.rng import make_rng
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+WAIT_S = 2.0
+DEADLINE_S = 3.0
+ROUNDS = 40
+USERS = 60
+
+
+def test_a_lost_node_costs_one_wait_and_the_run_goes_on_without_its_users(tmp_path):
+    # a round in flight when the node stops waits for its users until the round's deadline (documented), once
+    toml = digits_pgd(ROUNDS, USERS, f"population_wait_seconds = {WAIT_S}\nround_deadline_seconds = {DEADLINE_S}")
+    # two nodes; rounds with half the users still release (their noise is sized for at least 40 % of them)
+    toml = toml.replace("client_nodes = 1", "client_nodes = 2").replace(
+        "eps = 8.0", "eps = 8.0\nmin_contributors_fraction = 0.4"
+    )
+    cfg = parse_config(toml)
+    shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(3))
+    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
+    nodes = [start_node(f"n{i}", cfg, i, 2, f"127.0.0.1:{sport}", rng=make_rng(10 + i)) for i in range(2)]
+    channel = grpc.insecure_channel(f"127.0.0.1:{aport}")
+    try:
+        stub = pbg.AnalyzerStub(channel)
+        run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=toml)).run_id
+        stub.StartRun(pb.RunRef(run_id=run_id))
+        deadline = time.monotonic() + 60
+        while len(stub.GetRunStatus(pb.RunRef(run_id=run_id)).metrics) < 3:
+            assert time.monotonic() < deadline, "no 3 rounds in 60 s"
+            time.sleep(0.01)
+        nodes[1].stop()
+        t0 = time.monotonic()
+        st = wait_for_run(stub, run_id, timeout=ROUNDS * WAIT_S + 60)
+        after_loss = time.monotonic() - t0
+        assert st.state == pb.COMPLETED, st.message
+        rounds = [m for m in st.metrics if m.round >= 0]
+        assert len(rounds) == ROUNDS
+        # the run went on with the other node's users (each node hosts half)
+        assert [m.contributors for m in rounds][-1] == USERS // 2, [m.contributors for m in rounds]
+        # one wait for the lost users, then rounds at their own pace: well below a wait per remaining round
+        # (which took (ROUNDS - 3) * WAIT_S = 74 s before); the bound leaves 10 s for a loaded machine
+        assert WAIT_S <= after_loss < WAIT_S + DEADLINE_S + 10, (
+            after_loss,
+            [(m.round, m.contributors, round(m.seconds, 2)) for m in rounds],
+        )
+    finally:
+        channel.close()
+        nodes[0].stop()
+        analyzer.stop(0)
+        shuffler.stop(0)
