@@ -852,7 +852,7 @@ class RunManager:
             raise
         # the batch was delivered and used from here on: always committed, never released (design 6). The commit
         # goes into the durable write of the round's checkpoint (one transaction, one fsync per round: issue 30);
-        # a crash before it leaves the round reserved, which a restart counts as spent at its reservation (an
+        # a crash before it leaves the round reserved, which a restart charges as spent at its reservation (an
         # upper bound on its committed cost) and resumes from the previous checkpoint, so no round is charged twice
         # and no released noise is redrawn (nothing of this round was released before that write)
         commit = (dec.charged, ran)
