@@ -354,11 +354,17 @@ class ShufflerServicer(pbg.ShufflerServicer):
     def _read(self, requests, sub: Subscription) -> None:
         """Connect's reader: each contribution through _accept, its result queued behind what is queued already.
         The stream ends when the node stops sending (nothing it sends after could be answered)."""
+        it = iter(requests)
         try:
-            for msg in requests:
-                sub.put(self._result(msg, sub.node_id))
-        except Exception as exc:  # the RPC ended (cancelled, broken): the node reconnects
-            log.debug("Connect stream of node %s ended: %r", sub.node_id, exc)
+            while True:
+                try:
+                    msg = next(it)
+                except StopIteration:
+                    return
+                except Exception as exc:  # the RPC ended (cancelled, broken, or aborted for an undecodable message)
+                    log.debug("Connect stream of node %s ended: %r", sub.node_id, exc)
+                    return
+                sub.put(self._result(msg, sub.node_id))  # anything but a domain error is a bug: it is not hidden
         finally:
             sub.close()
 
