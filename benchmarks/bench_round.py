@@ -11,7 +11,10 @@ Each round is fully interactive (all 1000 users), PVEC count mode, calibrated ac
 End to end, the services run as separate OS processes on loopback (`python -m shuffledp.cli serve ... --insecure`):
   analyzer mode  shuffler + 2 client nodes (500 users each) + the real analyzer; a run of 1 + R rounds is driven
                  through the operator API and the round time is RoundMetrics.seconds (the analyzer's clock from
-                 sending the RoundSpec through ExecuteRound, ledger commit, decode_counts and the optimizer step).
+                 sending the RoundSpec through ExecuteRound, decode_counts and the optimizer step; since issue 30 the
+                 ledger commit is written with the round's checkpoint, after this clock stops). Also printed: the
+                 full round cycle, the median gap between consecutive rounds' reservations in the ledger (every
+                 durable write of the analyzer, the population probe and the evaluation included).
   direct mode    shuffler + 2 client nodes; this process plays the analyzer: builds the RoundSpec from the same
                  plan (services.run_manager.plan_run), calls ExecuteRound, decode_counts, PGD step. No ledger, no
                  evaluation: the pure cost of the distributed round.
@@ -27,7 +30,9 @@ time per round (/proc/<pid>/stat; clock-tick resolution, so a mean over R rounds
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -171,7 +176,8 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
 
 # ------------------------------------------------------------------------------------------------ analyzer
 def bench_analyzer(cfg_path: Path, workdir: Path, toml: str) -> tuple[list[float], dict[str, float], str]:
-    """Real analyzer run: RoundMetrics.seconds of every released round after the first."""
+    """Real analyzer run: RoundMetrics.seconds of every released round after the first; `info` also gives the
+    median round cycle (gaps between the ledger's reservation times)."""
     cluster, _, analyzer = start_local_cluster(cfg_path, workdir, NODES)
     try:
         result = drive_run(analyzer, toml, cluster, echo=lambda *_: None)
@@ -184,9 +190,13 @@ def bench_analyzer(cfg_path: Path, workdir: Path, toml: str) -> tuple[list[float
     released = [m for m in st.metrics if m.released]
     if len(released) != len(st.metrics) or any(m.contributors != USERS for m in released):
         raise RuntimeError(f"not every round was released with {USERS} contributors: {list(st.metrics)}")
+    with sqlite3.connect(workdir / "state" / "ledger.sqlite") as db:
+        reserved = [t for (t,) in db.execute("SELECT reserved_at FROM rounds ORDER BY round")]
+    cycle = statistics.median(np.diff(reserved[1:])) if len(reserved) > 2 else math.nan
     info = (
         f"eps spent {st.budget.eps_spent:.3f} (limit {st.budget.eps_limit:g}), "
-        f"test loss {released[0].loss:.4f} -> {released[-1].loss:.4f}"
+        f"test loss {released[0].loss:.4f} -> {released[-1].loss:.4f}; round cycle (reservation to reservation, "
+        f"median) {cycle * 1e3:.1f} ms"
     )
     return [m.seconds for m in released[1:]], mem, info
 

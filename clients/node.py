@@ -1,10 +1,13 @@
 """Client node: hosts N logical users, each with its own data shard, policy and budget (design 1; issue 4 item 5).
 
-The node dials the shuffler (RegisterUsers, then a long-lived Subscribe stream of Invitations) and answers each
-invitation with one Submit holding one message per joining user plus the refusals. It reconnects with
-exponential backoff when the stream drops. A contribution larger than grpc_options.SUBMIT_CHUNK_BYTES goes in several
-Submits (the shuffler aggregates them one by one); users whose messages could not be delivered are reported to the
-shuffler as refusals "submit_failed_<status>", so the operator sees the cause in the round's report.
+The node dials the shuffler (RegisterUsers, then one long-lived bidirectional Connect stream) and answers each
+invitation on that stream with one Contribution holding one message per joining user plus the refusals; the
+shuffler answers each with a SubmitResult on the stream (what a unary Submit would have answered: no call per round
+trip, issue 30). It reconnects with exponential backoff when the stream drops; a contribution whose result the
+broken stream never brought is sent again by unary Submit (the same nonces: a copy that did arrive is caught as a
+replay, never counted twice). A contribution larger than grpc_options.SUBMIT_CHUNK_BYTES goes in several parts (the
+shuffler aggregates them one by one); users whose messages could not be delivered are reported to the shuffler as
+refusals "submit_failed_<status>", so the operator sees the cause in the round's report.
 For the invited users it computes, vectorized over users:
 gradient of the round's loss at the broadcast iterate (shuffledp.models) -> l2 clipping to clip_norm ->
 the local randomizer (PVEC count mode, or bit mode with one HPKE seal per labelled bit, info binding run and
@@ -17,6 +20,7 @@ Layering: NodeCore is the transport-independent logic (spec -> Contribution); No
 from __future__ import annotations
 
 import logging
+import queue
 import secrets
 import threading
 import time
@@ -349,6 +353,52 @@ def _split_columns(c: pb.Contribution, max_bytes: int) -> list[pb.Contribution]:
     return parts
 
 
+class _Stream:
+    """The node's side of one Connect stream: the requests it sends, and the results it waits for, by seq."""
+
+    _END = object()
+
+    def __init__(self, node_id: str) -> None:
+        self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._out.put(pb.NodeMessage(subscribe=pb.SubscribeRequest(node_id=node_id)))
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._pending: dict[int, futures.Future] = {}
+        self._closed = False
+
+    def requests(self):
+        """The request iterator of the call (gRPC drains it in a thread of its own)."""
+        while (msg := self._out.get()) is not self._END:
+            yield msg
+
+    def send(self, contribution: pb.Contribution) -> futures.Future | None:
+        """Send a contribution; the future's result is its SubmitResult, or None if the stream ended first. None
+        (nothing sent) if the stream is closed already."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._seq += 1
+            fut: futures.Future = futures.Future()
+            self._pending[self._seq] = fut
+            self._out.put(pb.NodeMessage(seq=self._seq, contribution=contribution))
+            return fut
+
+    def resolve(self, result: pb.SubmitResult) -> None:
+        with self._lock:
+            fut = self._pending.pop(result.seq, None)
+        if fut is not None:
+            fut.set_result(result)
+
+    def close(self) -> None:
+        """The stream ended: every contribution still waiting gets None (its sender falls back to Submit)."""
+        with self._lock:
+            self._closed = True
+            pending, self._pending = self._pending, {}
+        self._out.put(self._END)
+        for fut in pending.values():
+            fut.set_result(None)
+
+
 class _NodeServicer(pbg.ClientNodeServicer):
     def __init__(self, core: NodeCore) -> None:
         self._core = core
@@ -377,6 +427,7 @@ class ClientNodeHandle:
         self._stop = threading.Event()
         self._backoff = backoff
         self._call = None
+        self._stream: _Stream | None = None
         self.connected = threading.Event()
         options = grpc_options.node_channel_options()
         if channel_credentials is None:
@@ -417,12 +468,17 @@ class ClientNodeHandle:
                     ack.total_users,
                     time.monotonic() - t0,
                 )
-                self._call = self._stub.Subscribe(pb.SubscribeRequest(node_id=core.node_id))
+                stream = _Stream(core.node_id)
+                self._call = self._stub.Connect(stream.requests())
+                self._stream = stream
                 self.connected.set()
                 self._set_health(health_pb2.HealthCheckResponse.SERVING)
                 delay = self._backoff[0]
-                for inv in self._call:
-                    self._worker.submit(self._answer, inv)
+                for msg in self._call:
+                    if msg.WhichOneof("kind") == "invitation":
+                        self._worker.submit(self._answer, msg.invitation)
+                    elif msg.WhichOneof("kind") == "result":
+                        stream.resolve(msg.result)
             except grpc.RpcError as exc:
                 if not self._stop.is_set():
                     log.warning(
@@ -430,6 +486,9 @@ class ClientNodeHandle:
                     )
             finally:
                 self.connected.clear()
+                if self._stream is not None:
+                    self._stream.close()
+                    self._stream = None
                 self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             # jittered exponential backoff (the jitter comes from the OS CSPRNG; it carries no privacy)
             self._stop.wait(delay * (0.5 + secrets.randbelow(1000) / 1000))
@@ -443,18 +502,43 @@ class ClientNodeHandle:
             return
         if not (contribution.messages or contribution.refusals or contribution.HasField("columns")):
             return  # a notice of a round none of this node's users was invited to: nothing to answer
-        for part in split_contribution(contribution, self._chunk):
-            code = self._submit(part, inv.spec.round)
+        parts = split_contribution(contribution, self._chunk)
+        stream = self._stream
+        # every part is on its way before the first result is awaited: one round trip for all of them
+        sent = [(part, stream.send(part) if stream is not None else None) for part in parts]
+        for part, result in sent:
+            code = self._deliver(part, result, inv.spec.round)
             senders = [m.user_id for m in part.messages] + list(part.columns.user_ids)
             if code is not None and senders:
                 # the operator sees why these users are missing: refusals with the cause (the users stay charged)
                 why = SUBMIT_FAILED_PREFIX + code.name.lower()
                 note = pb.Contribution(run_id=part.run_id, round=part.round, node_id=part.node_id)
                 note.refusals.extend(pb.Refusal(user_id=u, reason=why) for u in senders)
-                self._submit(note, inv.spec.round)
+                stream = self._stream
+                self._deliver(note, stream.send(note) if stream is not None else None, inv.spec.round)
+
+    def _deliver(
+        self, contribution: pb.Contribution, sent: futures.Future | None, round_index: int
+    ) -> grpc.StatusCode | None:
+        """The outcome of a contribution sent on the stream (sent: its future), or, when it was not sent or the
+        stream ended before its result came, of a unary Submit of it. None on success, else the status code."""
+        try:
+            result = sent.result(timeout=60) if sent is not None else None
+        except futures.TimeoutError:
+            log.warning("node %s: round %d: no result on the stream within 60 s", self.core.node_id, round_index)
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        if result is None:
+            return self._submit(contribution, round_index)
+        if result.status:
+            log.warning("node %s: round %d submit failed: %s", self.core.node_id, round_index, result.status)
+            return getattr(grpc.StatusCode, result.status, grpc.StatusCode.UNKNOWN)
+        if result.ack.rejected:
+            rejected = dict(result.ack.rejected)
+            log.warning("node %s: round %d: shuffler rejected %s", self.core.node_id, round_index, rejected)
+        return None
 
     def _submit(self, contribution: pb.Contribution, round_index: int) -> grpc.StatusCode | None:
-        """Submit with retries on UNAVAILABLE; None on success, else the final status code."""
+        """Unary Submit with retries on UNAVAILABLE; None on success, else the final status code."""
         code = None
         for attempt in range(3):
             try:

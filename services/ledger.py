@@ -332,6 +332,7 @@ class Ledger:
         # every committed write bumps the version and wakes wait_change (the operator API's long poll)
         self._changed = threading.Condition(self._lock)
         self._version = 0
+        self._depth = 0  # nesting of _tx (atomic): only the outermost begins and commits
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss before the next round leaves
@@ -347,15 +348,26 @@ class Ledger:
 
     # ----------------------------------------------------------------------------------------- helpers
     def _tx(self):
+        """One write transaction; inside another (atomic), part of it: the outermost commits or rolls back all."""
         ledger = self
 
         class _Tx:
             def __enter__(self_inner):
                 ledger._lock.acquire()
-                ledger._db.execute("BEGIN IMMEDIATE")
+                if ledger._depth == 0:
+                    try:
+                        ledger._db.execute("BEGIN IMMEDIATE")
+                    except BaseException:
+                        ledger._lock.release()
+                        raise
+                ledger._depth += 1
                 return ledger._db
 
             def __exit__(self_inner, exc_type, exc, tb):
+                ledger._depth -= 1
+                if ledger._depth:  # an inner write: the outermost transaction decides
+                    ledger._lock.release()
+                    return False
                 try:
                     if exc_type:
                         ledger._books.clear()  # they may hold what was rolled back: read again from the rows
@@ -373,6 +385,11 @@ class Ledger:
                 return False
 
         return _Tx()
+
+    def atomic(self):
+        """`with ledger.atomic():` the writes inside commit together in one durable transaction (one fsync), or
+        none of them (issue 30: a round's commit and its checkpoint)."""
+        return self._tx()
 
     def snapshot(self) -> threading.RLock:
         """Hold it (`with ledger.snapshot():`) to read several tables with no write landing in between."""

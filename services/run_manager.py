@@ -854,21 +854,33 @@ class RunManager:
         except BatchError as exc:
             self.ledger.commit(run_id, r, exc.charged, ran)  # delivered: charged; the run stops
             raise
-        # the batch was delivered and used from here on: always committed, never released (design 6)
-        self.ledger.commit(run_id, r, dec.charged, ran)
-        seconds = self._clock() - t0
+        # the batch was delivered and used from here on: always committed, never released (design 6). The commit
+        # goes into the durable write of the round's checkpoint (one transaction, one fsync per round: issue 30);
+        # a crash before it leaves the round reserved, which a restart charges as spent at its reservation (an
+        # upper bound on its committed cost) and resumes from the previous checkpoint, so no round is charged twice
+        # and no released noise is redrawn (nothing of this round was released before that write)
+        commit = (dec.charged, ran)
         if sum(dec.rejected.values()):
             log.warning("run %s round %d: skipped messages, by reason: %s", run_id, r, dec.rejected)
         if dec.total is None:
             log.warning("run %s round %d failed: %s; charged with %d contributors", run_id, r, dec.failure, dec.charged)
-            self._metrics(run_id, r, rd, state, False, dec.used, seconds, dec.rejected, rep, failure=dec.failure)
+            seconds = self._clock() - t0
+            self._metrics(
+                run_id, r, rd, state, False, dec.used, seconds, dec.rejected, rep, failure=dec.failure, commit=commit
+            )
             return "below_threshold", state
-        # central protocols add their noise here and divide by their fixed cohort; the others by n', which keeps
-        # the mean unbiased under dropouts (spec 000 sec 3)
-        total, divisor, noise = rd.protocol.add_noise(dec.total, r, plan, rd.params, state.noise, live.rng, dec.used)
-        _, opt_state = rd.opt.step(total / divisor, state.opt, theta)
+        try:
+            # central protocols add their noise here and divide by their fixed cohort; the others by n', which
+            # keeps the mean unbiased under dropouts (spec 000 sec 3)
+            total, divisor, noise = rd.protocol.add_noise(
+                dec.total, r, plan, rd.params, state.noise, live.rng, dec.used
+            )
+            _, opt_state = rd.opt.step(total / divisor, state.opt, theta)
+        except BaseException:
+            self.ledger.commit(run_id, r, dec.charged, ran)  # used: charged as it ran; the run stops
+            raise
         state = _RunState(opt_state, noise)
-        self._metrics(run_id, r, rd, state, True, dec.used, self._clock() - t0, dec.rejected, rep)
+        self._metrics(run_id, r, rd, state, True, dec.used, self._clock() - t0, dec.rejected, rep, commit=commit)
         return "ok", state
 
     def _metrics(
@@ -883,7 +895,10 @@ class RunManager:
         rejected: dict[str, int] | None = None,
         report: pb.BatchReport | None = None,
         failure: str = "",
+        commit: tuple[int, dict[str, Any] | None] | None = None,
     ) -> None:
+        """Write round r's checkpoint with its metrics; with `commit` (contributors charged, parameters it ran with)
+        the round's ledger commit too, in the same transaction (the metrics' spend includes it)."""
         if rd.plan.get("hidden_iterates"):  # data-independent status only (spec 004 sec 5)
             m: dict[str, Any] = {
                 "round": r,
@@ -891,23 +906,26 @@ class RunManager:
             }
         else:
             m = self._evaluate(rd.cfg, rd.opt, state.opt, r)
-        totals = self.ledger.totals(run_id)
-        m.update(
-            released=released,
-            contributors=n,
-            seconds=seconds,
-            eps_spent=totals.eps_spent,
-            delta_spent=totals.delta_spent,
-            eps_spent_robust=totals.eps_spent_robust,
-            **({"eps_spent_local": totals.views["local"]} if "local" in totals.views else {}),
-            rejected=dict(rejected or {}),  # messages rejected by reason, by the shuffler and the analyzer
-            # users who refused the round (their policy, or their node could not deliver), total and by reason
-            refused=int(report.refused) if report is not None else 0,
-            refused_reasons=dict(report.refused_reasons) if report is not None else {},
-            not_in_run=int(report.not_in_run) if report is not None else 0,
-            checked_in=int(report.checked_in) if report is not None else 0,
-            excluded_silent=int(report.excluded_silent) if report is not None else 0,
-        )
-        if failure:
-            m["failure"] = failure
-        self.ledger.save_checkpoint(run_id, r, _encode_state(state), m)
+        with self.ledger.atomic():
+            if commit is not None:
+                self.ledger.commit(run_id, r, *commit)
+            totals = self.ledger.totals(run_id)
+            m.update(
+                released=released,
+                contributors=n,
+                seconds=seconds,
+                eps_spent=totals.eps_spent,
+                delta_spent=totals.delta_spent,
+                eps_spent_robust=totals.eps_spent_robust,
+                **({"eps_spent_local": totals.views["local"]} if "local" in totals.views else {}),
+                rejected=dict(rejected or {}),  # messages rejected by reason, by the shuffler and the analyzer
+                # users who refused the round (their policy, or their node could not deliver), total and by reason
+                refused=int(report.refused) if report is not None else 0,
+                refused_reasons=dict(report.refused_reasons) if report is not None else {},
+                not_in_run=int(report.not_in_run) if report is not None else 0,
+                checked_in=int(report.checked_in) if report is not None else 0,
+                excluded_silent=int(report.excluded_silent) if report is not None else 0,
+            )
+            if failure:
+                m["failure"] = failure
+            self.ledger.save_checkpoint(run_id, r, _encode_state(state), m)

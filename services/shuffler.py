@@ -3,6 +3,11 @@
 Domain errors map to status codes from one table (_STATUS). Whole-contribution rejections (wrong or expired
 round) end the Submit call with FAILED_PRECONDITION, details "<reason>: ..." and trailing metadata
 ``shuffledp-reason``; per-message rejections come back in ContributionAck.rejected (reason -> count).
+
+A node holds one of two kinds of stream: Subscribe (invitations only; it answers each with unary Submits) or Connect
+(bidirectional: invitations, and its contributions with their SubmitResults, on one stream; issue 30). A contribution
+that comes over Connect goes through the very function Submit calls (_accept), and its SubmitResult carries what
+Submit would have answered: the ack, or the status, details and reason Submit would have ended with.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 from shuffledp.services.shuffler_state import (
     BatchResult,
     CohortUnavailable,
+    Invite,
     QuotaExceeded,
     RoundExistsError,
     RoundRejected,
@@ -28,6 +34,7 @@ from shuffledp.services.shuffler_state import (
     ShufflerState,
     SqliteParticipationStore,
     Submission,
+    Subscription,
     Transport,
     TreeLimits,
     UserColumns,
@@ -56,6 +63,7 @@ RESERVED_WORKERS = 16  # server threads never taken by Subscribe streams: rounds
 # Each can be up to 64 MiB and ~10x that once decoded, so this, not the thread pool, bounds what one node identity
 # can make the shuffler hold (issue 10). Plain text (loopback) has no identities: the budget is per connection.
 NODE_REQUESTS_IN_FLIGHT = 2
+# Connect is not limited here: its stream's contributions are read and checked one after another (one in flight)
 _LIMITED_METHODS = ("/shuffledp.v1.Shuffler/RegisterUsers", "/shuffledp.v1.Shuffler/Submit")
 
 
@@ -103,6 +111,7 @@ class InFlightLimit(grpc.ServerInterceptor):
 # one table: domain exception -> status code (first match wins, subclasses first)
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (RoundRejected, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (RoundExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (CohortUnavailable, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -111,15 +120,20 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 
+def _status(exc: BaseException) -> grpc.StatusCode | None:
+    """The status code of a domain exception (_STATUS), None if it is not one."""
+    return next((code for cls, code in _STATUS if isinstance(exc, cls)), None)
+
+
 def _abort(context: grpc.ServicerContext, exc: BaseException, round_refused: bool = False) -> None:
-    for cls, code in _STATUS:
-        if isinstance(exc, cls):
-            if isinstance(exc, RoundRejected):
-                context.set_trailing_metadata(((REASON_METADATA_KEY, exc.reason.value),))
-            elif round_refused:
-                context.set_trailing_metadata(((grpc_options.ROUND_REFUSED_METADATA_KEY, code.name),))
-            context.abort(code, tls.clip_details(str(exc)))
-    raise exc
+    code = _status(exc)
+    if code is None:
+        raise exc
+    if isinstance(exc, RoundRejected):
+        context.set_trailing_metadata(((REASON_METADATA_KEY, exc.reason.value),))
+    elif round_refused:
+        context.set_trailing_metadata(((grpc_options.ROUND_REFUSED_METADATA_KEY, code.name),))
+    context.abort(code, tls.clip_details(str(exc)))
 
 
 def _node_id(claimed: str, context: grpc.ServicerContext) -> str:
@@ -214,6 +228,10 @@ def _submission(c: pb.Contribution, node_id: str) -> Submission:
     )
 
 
+def _invitation(invite: Invite) -> pb.Invitation:
+    return pb.Invitation(spec=invite.relay, user_ids=invite.user_ids, eligible=invite.eligible)
+
+
 def _batch(b: BatchResult) -> pb.ShuffledBatch:
     report = pb.BatchReport(
         invited=b.invited,
@@ -233,6 +251,16 @@ def _batch(b: BatchResult) -> pb.ShuffledBatch:
             out.label_totals.extend(b.label_totals.tolist())
         out.ciphertexts.extend(b.ciphertexts)
     return out
+
+
+def _stream_node(claimed: str, stream_node: str) -> str:
+    """The node a contribution on a Connect stream speaks for: the stream's own (whose identity _node_id checked
+    when it subscribed); a node_id naming another node is refused, as Submit refuses it under mTLS."""
+    if claimed and claimed != stream_node:
+        raise PermissionError(
+            f"node_id {claimed!r} is not this stream's node {stream_node!r}: nodes speak for themselves"
+        )
+    return stream_node
 
 
 class ShufflerServicer(pbg.ShufflerServicer):
@@ -263,31 +291,95 @@ class ShufflerServicer(pbg.ShufflerServicer):
             _abort(context, exc)
         return pb.RegisterUsersResponse(admitted=admitted, total_users=total)
 
-    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext):
-        node = _node_id(request.node_id, context)
+    def _subscribe(self, node_id: str, context: grpc.ServicerContext) -> Subscription:
+        node = _node_id(node_id, context)
         try:
             sub = self.state.subscribe(node)
         except (ValueError, QuotaExceeded) as exc:
             _abort(context, exc)
         context.add_callback(sub.close)  # wake the loop as soon as the node goes away
+        return sub
+
+    def _queued(self, sub: Subscription, context: grpc.ServicerContext):
+        """What the state queued for the node (Invites, and on Connect SubmitResults) until its stream ends."""
         try:
             while context.is_active():
                 try:
-                    invite = sub.get(timeout=self._poll)
+                    item = sub.get(timeout=self._poll)
                 except EOFError:
                     return
-                if invite is not None:
-                    yield pb.Invitation(spec=invite.relay, user_ids=invite.user_ids, eligible=invite.eligible)
+                if item is not None:
+                    yield item
         finally:
             self.state.unsubscribe(sub)
+
+    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext):
+        for invite in self._queued(self._subscribe(request.node_id, context), context):
+            yield _invitation(invite)
+
+    def _accept(self, request: pb.Contribution, node: str) -> pb.ContributionAck:
+        """Validate and aggregate one contribution of `node` (design 5.3): the one path of Submit and Connect.
+        Raises the state's domain errors (RoundRejected, ValueError)."""
+        ack = self.state.submit(_submission(request, node))
+        return pb.ContributionAck(accepted=ack.accepted, rejected=ack.rejected)
 
     def Submit(self, request: pb.Contribution, context: grpc.ServicerContext) -> pb.ContributionAck:
         node = _node_id(request.node_id, context)
         try:
-            ack = self.state.submit(_submission(request, node))
+            return self._accept(request, node)
         except (RoundRejected, ValueError) as exc:
             _abort(context, exc)
-        return pb.ContributionAck(accepted=ack.accepted, rejected=ack.rejected)
+
+    def Connect(self, request_iterator, context: grpc.ServicerContext):
+        """The node's one stream (issue 30): `subscribe` first, then contributions, each answered by a SubmitResult
+        in order; invitations go out on the same stream. The contributions are read by a thread of the stream's
+        own, so that an invitation never waits for a contribution or the other way round."""
+        try:
+            first = next(request_iterator)
+        except StopIteration:
+            return
+        if first.WhichOneof("kind") != "subscribe":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect stream starts with `subscribe`")
+        sub = self._subscribe(first.subscribe.node_id, context)
+        reader = threading.Thread(
+            target=self._read, args=(request_iterator, sub), name=f"connect-{sub.node_id}", daemon=True
+        )
+        reader.start()
+        for item in self._queued(sub, context):
+            if isinstance(item, pb.SubmitResult):
+                yield pb.ShufflerMessage(result=item)
+            else:
+                yield pb.ShufflerMessage(invitation=_invitation(item))
+
+    def _read(self, requests, sub: Subscription) -> None:
+        """Connect's reader: each contribution through _accept, its result queued behind what is queued already.
+        The stream ends when the node stops sending (nothing it sends after could be answered)."""
+        it = iter(requests)
+        try:
+            while True:
+                try:
+                    msg = next(it)
+                except StopIteration:
+                    return
+                except Exception as exc:  # the RPC ended (cancelled, broken, or aborted for an undecodable message)
+                    log.debug("Connect stream of node %s ended: %r", sub.node_id, exc)
+                    return
+                sub.put(self._result(msg, sub.node_id))  # anything but a domain error is a bug: it is not hidden
+        finally:
+            sub.close()
+
+    def _result(self, msg: pb.NodeMessage, node: str) -> pb.SubmitResult:
+        out = pb.SubmitResult(seq=msg.seq)
+        if msg.WhichOneof("kind") != "contribution":
+            out.status, out.details = grpc.StatusCode.INVALID_ARGUMENT.name, "after `subscribe`, only contributions"
+            return out
+        try:
+            out.ack.CopyFrom(self._accept(msg.contribution, _stream_node(msg.contribution.node_id, node)))
+        except (RoundRejected, ValueError, PermissionError) as exc:
+            out.status, out.details = _status(exc).name, tls.clip_details(str(exc))
+            if isinstance(exc, RoundRejected):
+                out.reason = exc.reason.value
+        return out
 
 
 def serve_shuffler(

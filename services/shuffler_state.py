@@ -281,22 +281,23 @@ _CHECK_IN = object()  # _check_message: a valid payload-free answer to a check-i
 
 
 class Subscription:
-    """One node's invitation stream (a queue); closed when the node reconnects or the stream ends."""
+    """One node's stream (a queue of Invites, and on a Connect stream of the results of its contributions); closed
+    when the node reconnects or the stream ends."""
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
         self._q: queue.Queue[Any] = queue.Queue()
         self.closed = False
 
-    def put(self, invite: Invite) -> None:
-        self._q.put(invite)
+    def put(self, item: Any) -> None:
+        self._q.put(item)
 
     def close(self) -> None:
         self.closed = True
         self._q.put(_CLOSED)
 
-    def get(self, timeout: float) -> Invite | None:
-        """Next invitation, None on timeout; raises EOFError once closed."""
+    def get(self, timeout: float) -> Any:
+        """Next item (an Invite, or what the stream's server put), None on timeout; raises EOFError once closed."""
         try:
             item = self._q.get(timeout=timeout)
         except queue.Empty:

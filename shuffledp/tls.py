@@ -50,6 +50,7 @@ DEFAULT_POLICY: dict[str, frozenset[str]] = {
     "/shuffledp.v1.Shuffler/RegisterUsers": frozenset({pki.ROLE_CLIENT_NODE}),
     "/shuffledp.v1.Shuffler/Subscribe": frozenset({pki.ROLE_CLIENT_NODE}),
     "/shuffledp.v1.Shuffler/Submit": frozenset({pki.ROLE_CLIENT_NODE}),
+    "/shuffledp.v1.Shuffler/Connect": frozenset({pki.ROLE_CLIENT_NODE}),
     "/shuffledp.v1.ClientNode/": frozenset({pki.ROLE_OPERATOR}),
     "/grpc.health.v1.Health/": frozenset({ANY_ROLE}),
     # Watch holds a stream open per caller and nothing here uses it (healthchecks call Check): refused to all

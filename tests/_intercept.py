@@ -10,7 +10,8 @@ from shuffledp.v1 import shuffledp_pb2 as pb
 
 
 class Recorder(grpc.ServerInterceptor):
-    """Records every Contribution the shuffler receives (capture at the service boundary)."""
+    """Records every Contribution the shuffler receives, by Submit or on a Connect stream (capture at the service
+    boundary)."""
 
     def __init__(self) -> None:
         self.contributions: list[pb.Contribution] = []
@@ -18,6 +19,8 @@ class Recorder(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
+        if handler is not None and details.method.endswith("/Connect"):
+            return self._connect(handler)
         if handler is None or not details.method.endswith("/Submit"):
             return handler
         inner = handler.unary_unary
@@ -29,6 +32,23 @@ class Recorder(grpc.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(
             submit, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+    def _connect(self, handler):
+        inner = handler.stream_stream
+
+        def recorded(requests):
+            for msg in requests:
+                if msg.WhichOneof("kind") == "contribution":
+                    with self._lock:
+                        self.contributions.append(msg.contribution)
+                yield msg
+
+        def connect(request_iterator, context):
+            return inner(recorded(request_iterator), context)
+
+        return grpc.stream_stream_rpc_method_handler(
+            connect, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
         )
 
     def for_round(self, round_: int) -> list[pb.Contribution]:

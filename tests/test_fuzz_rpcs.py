@@ -97,9 +97,10 @@ class Rpc:
     server: str  # the process that serves it
     method: str  # "/pkg.Service/Method"
     request: type[Message]
-    streaming: bool  # server streaming (Subscribe, Watch)
+    streaming: bool  # server streaming (Subscribe, Connect, Watch)
     right: str  # a caller allowed to call it (design section 1, tls.DEFAULT_POLICY)
     wrong: tuple[str, ...]  # callers that must get PERMISSION_DENIED
+    client_streaming: bool = False  # Connect: the fuzzed request is the stream's one message, then it half-closes
 
 
 def _rpcs() -> list[Rpc]:
@@ -120,9 +121,9 @@ def _rpcs() -> list[Rpc]:
             method = f"/{svc.full_name}/{m.name}"
             caller = right.get(method) or right[f"/{svc.full_name}/"]
             cls = getattr(pb, m.input_type.name)
-            assert not m.client_streaming, "a client-streaming RPC needs a stream of requests here"
+            assert m.server_streaming or not m.client_streaming, "a client-streaming unary-response RPC: add it here"
             wrong = tuple(p for p in PARTIES if p != caller and _role(p) != _role(caller))
-            out.append(Rpc(server_of[svc.name], method, cls, m.server_streaming, caller, wrong))
+            out.append(Rpc(server_of[svc.name], method, cls, m.server_streaming, caller, wrong, m.client_streaming))
     for server in SERVER_NAMES:
         caller = "client-1" if server == "shuffler" else "operator"
         out.append(Rpc(server, "/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest, False, caller, ()))
@@ -288,7 +289,10 @@ def _call(ch: grpc.Channel, rpc: Rpc, data: bytes, may_stay_open: bool = True) -
             return OK, ""
         except grpc.RpcError as exc:
             return exc.code(), exc.details() or ""
-    call = ch.unary_stream(rpc.method)(data, timeout=RPC_TIMEOUT_S)
+    if rpc.client_streaming:
+        call = ch.stream_stream(rpc.method)(iter([data]), timeout=RPC_TIMEOUT_S)
+    else:
+        call = ch.unary_stream(rpc.method)(data, timeout=RPC_TIMEOUT_S)
     if not may_stay_open:
         # a watchdog, should the stream outlive its own deadline: the test reports it instead of hanging
         watchdog = threading.Timer(RPC_TIMEOUT_S + 5.0, call.cancel)
@@ -393,6 +397,10 @@ def _template(cls: type[Message], fz: Fuzzer, run_id: str) -> Message | None:
     if cls is pb.Contribution:
         msg = pb.UserMessage(user_id="fuzz-u0", nonce=r.randbytes(16), counts=pb.CountVector(packed=bytes(650)))
         return pb.Contribution(run_id=f"fuzz-{r.randrange(10**9)}", round=0, node_id="client-1", messages=[msg])
+    if cls is pb.NodeMessage:  # Connect: its first message subscribes; a contribution first is refused
+        if r.random() < 0.5:
+            return pb.NodeMessage(subscribe=pb.SubscribeRequest(node_id="client-1"))
+        return pb.NodeMessage(seq=1, contribution=_template(pb.Contribution, fz, run_id))
     if cls is health_pb2.HealthCheckRequest:
         return health_pb2.HealthCheckRequest(service=r.choice(["", "shuffledp.v1.Shuffler", "shuffledp.v1.ClientNode"]))
     return None  # e.g. NodeStatusRequest: no fields

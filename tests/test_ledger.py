@@ -157,6 +157,33 @@ def test_committed_rows_survive_a_reopen(tmp_path):
     assert con.execute("SELECT state, contributors FROM rounds").fetchall() == [("committed", 100)]
 
 
+def test_a_rounds_commit_and_checkpoint_are_one_transaction(tmp_path):
+    """atomic() (issue 30: one durable write per round): the commit and the checkpoint land together, seen by an
+    independent reader only once both are written; a failure in between leaves neither, the round reserved (a
+    restart counts it as spent at its reservation, never twice)."""
+    led = _ledger(tmp_path, BudgetLimit(3.0, 1e-6, "parallel"))
+    led.save_checkpoint("r1", -1, b"init", {"round": -1})
+    other = sqlite3.connect(tmp_path / "l.sqlite")
+    led.reserve("r1", 0, _event(1.0))
+    with led.atomic():
+        led.commit("r1", 0, 90)
+        assert other.execute("SELECT state FROM rounds WHERE round=0").fetchone() == ("reserved",)
+        led.save_checkpoint("r1", 0, b"after0", {"round": 0, "eps_spent": led.totals("r1").eps_spent})
+    assert other.execute("SELECT state, contributors FROM rounds WHERE round=0").fetchone() == ("committed", 90)
+    assert led.last_checkpoint("r1") == (0, b"after0")
+    led.reserve("r1", 1, _event(1.5))
+    with pytest.raises(RuntimeError, match="dies"), led.atomic():
+        led.commit("r1", 1, 100)
+        raise RuntimeError("the analyzer dies before its checkpoint")
+    assert [r["state"] for r in led.rounds("r1")] == ["committed", "reserved"]
+    assert led.last_checkpoint("r1") == (0, b"after0")
+    led.close()
+    led2 = Ledger(tmp_path / "l.sqlite")
+    assert led2.recover() == [("r1", 1)]
+    assert led2.totals("r1").eps_spent == 1.5  # parallel: the larger, once
+    assert led2.next_round("r1") == 2
+
+
 def test_limit_validation():
     with pytest.raises(ValueError, match="eps limit"):
         BudgetLimit(0.0, 1e-6, "parallel")

@@ -347,6 +347,38 @@ class SubscribeRequest(_message.Message):
     node_id: str
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
+class NodeMessage(_message.Message):
+    __slots__ = ("seq", "subscribe", "contribution")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    subscribe: SubscribeRequest
+    contribution: Contribution
+    def __init__(self, seq: _Optional[int] = ..., subscribe: _Optional[_Union[SubscribeRequest, _Mapping]] = ..., contribution: _Optional[_Union[Contribution, _Mapping]] = ...) -> None: ...
+
+class SubmitResult(_message.Message):
+    __slots__ = ("seq", "ack", "status", "details", "reason")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ack: ContributionAck
+    status: str
+    details: str
+    reason: str
+    def __init__(self, seq: _Optional[int] = ..., ack: _Optional[_Union[ContributionAck, _Mapping]] = ..., status: _Optional[str] = ..., details: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ShufflerMessage(_message.Message):
+    __slots__ = ("invitation", "result")
+    INVITATION_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    invitation: Invitation
+    result: SubmitResult
+    def __init__(self, invitation: _Optional[_Union[Invitation, _Mapping]] = ..., result: _Optional[_Union[SubmitResult, _Mapping]] = ...) -> None: ...
+
 class PopulationRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

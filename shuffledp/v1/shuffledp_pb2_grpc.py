@@ -347,6 +347,11 @@ class ShufflerStub:
                 request_serializer=shuffledp_dot_v1_dot_shuffledp__pb2.Contribution.SerializeToString,
                 response_deserializer=shuffledp_dot_v1_dot_shuffledp__pb2.ContributionAck.FromString,
                 _registered_method=True)
+        self.Connect = channel.stream_stream(
+                '/shuffledp.v1.Shuffler/Connect',
+                request_serializer=shuffledp_dot_v1_dot_shuffledp__pb2.NodeMessage.SerializeToString,
+                response_deserializer=shuffledp_dot_v1_dot_shuffledp__pb2.ShufflerMessage.FromString,
+                _registered_method=True)
 
 
 class ShufflerServicer:
@@ -385,6 +390,14 @@ class ShufflerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Connect(self, request_iterator, context):
+        """One stream per node both ways: invitations to the node, its contributions (check-ins and messages) to the
+        shuffler and their results back, without a call per round trip. Validation is Submit's (design 5.3).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShufflerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -412,6 +425,11 @@ def add_ShufflerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=shuffledp_dot_v1_dot_shuffledp__pb2.Contribution.FromString,
                     response_serializer=shuffledp_dot_v1_dot_shuffledp__pb2.ContributionAck.SerializeToString,
+            ),
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=shuffledp_dot_v1_dot_shuffledp__pb2.NodeMessage.FromString,
+                    response_serializer=shuffledp_dot_v1_dot_shuffledp__pb2.ShufflerMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -549,6 +567,33 @@ class Shuffler:
             '/shuffledp.v1.Shuffler/Submit',
             shuffledp_dot_v1_dot_shuffledp__pb2.Contribution.SerializeToString,
             shuffledp_dot_v1_dot_shuffledp__pb2.ContributionAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shuffledp.v1.Shuffler/Connect',
+            shuffledp_dot_v1_dot_shuffledp__pb2.NodeMessage.SerializeToString,
+            shuffledp_dot_v1_dot_shuffledp__pb2.ShufflerMessage.FromString,
             options,
             channel_credentials,
             insecure,
