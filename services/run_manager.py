@@ -25,6 +25,7 @@ released batch has n' >= n_min, and fewer contributors means less noise, so sizi
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -899,33 +900,41 @@ class RunManager:
     ) -> None:
         """Write round r's checkpoint with its metrics; with `commit` (contributors charged, parameters it ran with)
         the round's ledger commit too, in the same transaction (the metrics' spend includes it)."""
-        if rd.plan.get("hidden_iterates"):  # data-independent status only (spec 004 sec 5)
-            m: dict[str, Any] = {
-                "round": r,
-                **{f"{k}_{w}": math.nan for k in ("loss", "accuracy") for w in ("mean", "last")},
-            }
-        else:
-            m = self._evaluate(rd.cfg, rd.opt, state.opt, r)
-        with self.ledger.atomic():
+        try:
+            if rd.plan.get("hidden_iterates"):  # data-independent status only (spec 004 sec 5)
+                m: dict[str, Any] = {
+                    "round": r,
+                    **{f"{k}_{w}": math.nan for k in ("loss", "accuracy") for w in ("mean", "last")},
+                }
+            else:
+                m = self._evaluate(rd.cfg, rd.opt, state.opt, r)
+            with self.ledger.atomic():
+                if commit is not None:
+                    self.ledger.commit(run_id, r, *commit)
+                totals = self.ledger.totals(run_id)
+                m.update(
+                    released=released,
+                    contributors=n,
+                    seconds=seconds,
+                    eps_spent=totals.eps_spent,
+                    delta_spent=totals.delta_spent,
+                    eps_spent_robust=totals.eps_spent_robust,
+                    **({"eps_spent_local": totals.views["local"]} if "local" in totals.views else {}),
+                    rejected=dict(rejected or {}),  # messages rejected by reason, by the shuffler and the analyzer
+                    # users who refused the round (their policy, or their node could not deliver), total and by reason
+                    refused=int(report.refused) if report is not None else 0,
+                    refused_reasons=dict(report.refused_reasons) if report is not None else {},
+                    not_in_run=int(report.not_in_run) if report is not None else 0,
+                    checked_in=int(report.checked_in) if report is not None else 0,
+                    excluded_silent=int(report.excluded_silent) if report is not None else 0,
+                )
+                if failure:
+                    m["failure"] = failure
+                self.ledger.save_checkpoint(run_id, r, _encode_state(state), m)
+        except BaseException:
+            # the evaluation or the joint write failed, so the round is still only reserved; its batch was used,
+            # so it is charged all the same (an error path never skips a ledger entry)
             if commit is not None:
-                self.ledger.commit(run_id, r, *commit)
-            totals = self.ledger.totals(run_id)
-            m.update(
-                released=released,
-                contributors=n,
-                seconds=seconds,
-                eps_spent=totals.eps_spent,
-                delta_spent=totals.delta_spent,
-                eps_spent_robust=totals.eps_spent_robust,
-                **({"eps_spent_local": totals.views["local"]} if "local" in totals.views else {}),
-                rejected=dict(rejected or {}),  # messages rejected by reason, by the shuffler and the analyzer
-                # users who refused the round (their policy, or their node could not deliver), total and by reason
-                refused=int(report.refused) if report is not None else 0,
-                refused_reasons=dict(report.refused_reasons) if report is not None else {},
-                not_in_run=int(report.not_in_run) if report is not None else 0,
-                checked_in=int(report.checked_in) if report is not None else 0,
-                excluded_silent=int(report.excluded_silent) if report is not None else 0,
-            )
-            if failure:
-                m["failure"] = failure
-            self.ledger.save_checkpoint(run_id, r, _encode_state(state), m)
+                with contextlib.suppress(LedgerError):  # committed already: nothing to add
+                    self.ledger.commit(run_id, r, *commit)
+            raise

@@ -321,3 +321,27 @@ def test_bits_transport_decodes_sealed_labelled_bits(services, tmp_path):
     # initial loss of theta = 0 on y = 0.5 x + 0.2 is E[y^2]/2 ~ 0.06; two noisy steps must reduce it
     assert st.metrics[-1].loss < st.metrics[0].loss
     assert 0 < st.budget.eps_spent <= 8.0
+
+
+def test_a_round_whose_evaluation_fails_is_still_charged(services, data, monkeypatch):
+    """The round's ledger commit shares the checkpoint's durable write (issue 30); when what comes before that write
+    fails (here the evaluation of round 1), the round's batch was used all the same: committed, never left
+    reserved, and the run stops FAILED with the cause."""
+    stub, shuffler, nodes, state_dir = services
+    evaluate = RunManager._evaluate
+
+    def failing(self, cfg, opt, state, r):
+        if r == 1:
+            raise RuntimeError("evaluation failed")
+        return evaluate(self, cfg, opt, state, r)
+
+    monkeypatch.setattr(RunManager, "_evaluate", failing)
+    cfg_text = data + "[privacy]\neps = 4.0\n[schedule]\nrounds = 4\n"
+    nodes += [start_node(f"n{i}", parse_config(cfg_text), i, 2, shuffler) for i in range(2)]
+    run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
+    stub.StartRun(pb.RunRef(run_id=run_id))
+    st = wait_for_run(stub, run_id)
+    assert st.state == pb.FAILED and "evaluation failed" in st.message
+    rows = Ledger(state_dir / LEDGER_FILE).rounds(run_id)
+    assert [r["state"] for r in rows] == ["committed", "committed"], rows
+    assert st.budget.rounds_committed == 2 and st.budget.eps_spent > 0
