@@ -887,3 +887,53 @@ def test_used_users_follow_record_round_without_rereading(tmp_path, durable):
         again = SqliteParticipationStore(db)
         assert set(again.used_users("r")) == {"u0", "u1", "u2"} and set(again.used_users("other")) == set()
         again.close()
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_population_is_kept_not_reread_and_a_failed_record_keeps_none(tmp_path, durable):
+    """Issue 30 item 3: a fully interactive run's population is read once (a view, the same object at every round),
+    only once its round committed, and read back by a reopened store."""
+    from shuffledp.services.shuffler_state import MemoryParticipationStore
+
+    db = tmp_path / "p.sqlite"
+    store = SqliteParticipationStore(db) if durable else MemoryParticipationStore()
+    assert store.run_population("r") is None
+    store.record_round("r", 0, int(Schedule.FULLY_INTERACTIVE), [], iter(["u0", "u1"]))
+    view = store.run_population("r")
+    assert view == {"u0", "u1"} and store.run_population("r") is view and not hasattr(view, "add")
+    if durable:  # the durable record takes further users of the run (a call ShufflerState never makes)
+        store.record_round("r", 1, int(Schedule.FULLY_INTERACTIVE), [], ["u2"])
+        assert store.run_population("r") == {"u0", "u1", "u2"}
+    else:
+        with pytest.raises(RoundExistsError):
+            store.record_round("r", 1, int(Schedule.FULLY_INTERACTIVE), [], ["u2"])  # fixed once
+        assert store.run_population("r") == {"u0", "u1"}
+    if durable:
+        store.close()
+        again = SqliteParticipationStore(db)
+        assert again.run_population("r") == {"u0", "u1", "u2"} and again.run_population("other") is None
+        again.close()
+
+
+def test_a_rounds_tables_hold_the_admitted_key_objects():
+    """Issue 30 item 3: what a round keeps per user (invited, answered, checked in) is the one key object admitted
+    at registration, not a fresh string per message, and the sorted eligible users are not rebuilt per round."""
+    from shuffledp.services.shuffler_state import Submission, UserColumns
+
+    users = [f"u{i}" for i in range(6)]
+    state, t, out = _open_counts_round(users, 2, 2, check_in=True)
+    admitted = {id(k) for k in state._admitted}
+    rnd = next(iter(state._open.values()))
+    assert {id(k) for k in rnd.invited} == admitted - {id(state._admitted["other\no1"])}
+    state.submit(Submission("run", 0, "node", columns=UserColumns(users[:4], secrets.token_bytes(64), 16)))
+    state.submit(Submission("run", 0, "node", columns=UserColumns(users[4:5], bytes(16), 16)))  # the slow path
+    assert len(rnd.checked_in) == 5 and {id(k) for k in rnd.checked_in} <= admitted
+    assert {id(k) for k in rnd.answered} <= admitted
+    t.join()
+    assert out[0].checked_in == 5
+    with state._lock:
+        assert state._eligible_users() is state._eligible_users()
+        before = state._eligible_users()
+    state.register_users("node", ["u9"])  # a new user: rebuilt, and sorted
+    with state._lock:
+        assert state._eligible_users() is not before and state._eligible_users() == sorted(before + ["node\nu9"])
