@@ -269,10 +269,43 @@ class Population:
     connected_nodes: int
 
 
+class NodeUserIds(Sequence[str]):
+    """The node's own ids of some of its users, read from their user keys when asked (user_key: node id, newline,
+    id): an invitation waiting to be sent holds one reference per user, to its admitted key, not a fresh id string
+    each (issue 30 item 3). Equal to any sequence of the same ids."""
+
+    __slots__ = ("_keys", "_skip")
+
+    def __init__(self, node_id: str, keys: list[str]) -> None:
+        self._keys, self._skip = keys, len(node_id) + 1
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [k[self._skip :] for k in self._keys[i]]
+        return self._keys[i][self._skip :]
+
+    def __iter__(self):
+        skip = self._skip
+        return (k[skip:] for k in self._keys)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"NodeUserIds({list(self)!r})"
+
+
 @dataclass(frozen=True)
 class Invite:
     relay: Any
-    user_ids: list[str]
+    user_ids: Sequence[str]  # a NodeUserIds from the shuffler
     eligible: int = 0  # SUBSAMPLED: the users the cohort was drawn from (Invitation.eligible)
 
 
@@ -956,13 +989,13 @@ class ShufflerState:
         """Send the invitation to the invited users' nodes (`invited`: rnd.invited in the order they are listed to
         their nodes); a SUBSAMPLED round's also to every node with eligible users, none of them invited (a notice:
         design 6, a cost relying on sampling counts every round a user was eligible for). Caller holds the lock."""
-        by_node: dict[str, list[str]] = {}
+        by_node: dict[str, list[str]] = {}  # node -> its invited users' keys
         if rnd.req.schedule == Schedule.SUBSAMPLED:  # the eligible users are those of the live nodes
             by_node.update((node, []) for node in self._subs if self._node_users.get(node))
         for k in invited:
-            node, user = split_user_key(k)
-            by_node.setdefault(node, []).append(user)  # the node's own id of the user
-        for node, users in by_node.items():
+            by_node.setdefault(k[: k.index("\n")], []).append(k)
+        for node, keys in by_node.items():
+            users = NodeUserIds(node, keys)  # the node's own ids of the users
             sub = self._subs.get(node)
             # a node gone since its users checked in (the check-in's second invitation): they are dropouts, as if
             # the invitation had been lost on the way

@@ -937,3 +937,21 @@ def test_a_rounds_tables_hold_the_admitted_key_objects():
     state.register_users("node", ["u9"])  # a new user: rebuilt, and sorted
     with state._lock:
         assert state._eligible_users() is not before and state._eligible_users() == sorted(before + ["node\nu9"])
+
+
+def test_an_invitation_lists_the_node_ids_from_the_admitted_keys():
+    """Issue 30 item 3: an invitation waiting to be sent holds the admitted keys, not a fresh id string per user,
+    and reads as the node's own ids (in the order of the round's selection) wherever it is used."""
+    from shuffledp.services.shuffler_state import NodeUserIds
+
+    state = ShufflerState(rng=make_rng(11), poll_seconds=0.001)
+    state.register_users("node", ["u2", "u10", "u1"])
+    sub = state.subscribe("node")
+    req = RoundRequest("run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=2, g=1, m=2, deadline_seconds=0.2)
+    state.execute_round(req)
+    invite = sub.get(1.0)
+    assert isinstance(invite.user_ids, NodeUserIds) and invite.user_ids == ["u1", "u10", "u2"]  # the sorted keys
+    ids = NodeUserIds("node", ["node\nu1", "node\nu10", "node\nu2"])
+    assert ids == ["u1", "u10", "u2"] and ids[1:] == ["u10", "u2"] and ids[0] == "u1" and "u10" in ids
+    assert list(pb.Invitation(user_ids=ids).user_ids) == ["u1", "u10", "u2"]
+    assert ids != ["u1", "u10"] and ids != "u1u10u2"
