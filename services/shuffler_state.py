@@ -586,7 +586,7 @@ class _OpenRound:
     second_invitation: bool = False  # check-in rounds: the checked-in users were invited to report
     checked_in: list[str] = field(default_factory=list)  # user keys that checked in
     answered: set[str] = field(default_factory=set)  # user keys (user_key)
-    nonces: set[bytes] = field(default_factory=set)  # replay protection; dropped with the round (design 5.3)
+    nonces: NonceSet = field(default_factory=lambda: NonceSet())  # replay protection; dropped with the round (5.3)
     totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
     ciphertexts: list[bytes] = field(default_factory=list)
     contributors: int = 0
@@ -594,6 +594,64 @@ class _OpenRound:
     refused_reasons: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)
     closed: bool = False
+
+
+class NonceSet:
+    """The nonces one round has seen (replay protection, design 5.3), as exact as a set of bytes. A node's batch of
+    nonces of one width is kept as its rows (numpy void) sorted by their first 8 bytes: ~24 bytes per nonce, where a
+    bytes object and its set slot took ~100 (issue 30 item 3). Single nonces (the per-message path) go in a set."""
+
+    def __init__(self) -> None:
+        self._single: set[bytes] = set()
+        # width -> runs of (first 8 bytes as sorted uint64, the rows in that order); a run is merged into the one
+        # before it once that one is at most twice its size (O(log n) runs, each row copied O(log n) times)
+        self._runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    @staticmethod
+    def _prefixes(blob: bytes, width: int, n: int) -> np.ndarray:
+        return np.ndarray((n,), dtype="<u8", buffer=blob, strides=(width,))  # widths are >= NONCE_MIN_BYTES >= 8
+
+    def __contains__(self, nonce: bytes) -> bool:
+        if nonce in self._single:
+            return True
+        runs = self._runs.get(len(nonce), ())
+        if not runs:
+            return False
+        p = np.uint64(int.from_bytes(nonce[:8], "little"))
+        for pre, rows in runs:
+            a, b = int(np.searchsorted(pre, p, "left")), int(np.searchsorted(pre, p, "right"))
+            if any(rows[i].tobytes() == nonce for i in range(a, b)):
+                return True
+        return False
+
+    def add(self, nonce: bytes) -> None:
+        self._single.add(nonce)
+
+    def add_batch(self, blob: bytes, width: int, n: int) -> bool:
+        """Add the n nonces of `width` bytes in `blob` and return True if no two of them, and none of them and a
+        nonce seen before, share their first 8 bytes; else add nothing and return False (the caller checks them one
+        by one, exactly: random 16-byte nonces share 8 bytes with probability ~n^2 / 2^65)."""
+        pre = self._prefixes(blob, width, n)
+        order = np.argsort(pre, kind="stable")
+        pre = pre[order]
+        if n > 1 and bool((pre[1:] == pre[:-1]).any()):
+            return False
+        for old, _ in self._runs.get(width, ()):
+            at = np.minimum(np.searchsorted(old, pre), old.size - 1)
+            if bool((old[at] == pre).any()):
+                return False
+        if self._single:
+            seen = [x for x in self._single if len(x) == width]
+            if seen and bool(np.isin(self._prefixes(b"".join(seen), width, len(seen)), pre).any()):
+                return False
+        runs = self._runs.setdefault(width, [])
+        runs.append((pre, np.frombuffer(blob, dtype=f"V{width}")[order]))
+        while len(runs) > 1 and runs[-2][0].size <= 2 * runs[-1][0].size:
+            (p1, r1), (p2, r2) = runs.pop(), runs.pop()
+            p, r = np.concatenate([p2, p1]), np.concatenate([r2, r1])
+            o = np.argsort(p, kind="stable")
+            runs.append((p[o], r[o]))
+        return True
 
 
 def _limits_text(t: TreeLimits) -> str:
@@ -1190,22 +1248,20 @@ class ShufflerState:
         if not NONCE_MIN_BYTES <= width <= NONCE_MAX_BYTES or len(cols.nonces) != n * width:
             self._reject(rnd, Reason.BAD_NONCE, rejected, n)  # every nonce has a bad length, or none is defined
             return 0, []
-        nonces = [cols.nonces[i : i + width] for i in range(0, n * width, width)]
         fresh = set(keys)
         honest = (
             len(fresh) == n
-            and len(set(nonces)) == n
-            and rnd.nonces.isdisjoint(nonces)
             and fresh <= self._admitted.keys()
             and fresh <= rnd.invited
             and rnd.answered.isdisjoint(fresh)
+            and rnd.nonces.add_batch(cols.nonces, width, n)  # last: adds them when they are new and distinct
         )
         # each answer is used up once its sender checks pass, whether or not its payload passes below
         if honest:
-            rnd.nonces.update(nonces)
             rnd.answered.update(fresh)
             good: list[int] | range = range(n)
         else:  # somebody fails: the per-user checks in order give each message its reason
+            nonces = [cols.nonces[i : i + width] for i in range(0, n * width, width)]
             good = []
             for i, (ukey, nonce) in enumerate(zip(keys, nonces, strict=True)):
                 why = self._check_sender(rnd, ukey, nonce)

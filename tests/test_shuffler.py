@@ -955,3 +955,39 @@ def test_an_invitation_lists_the_node_ids_from_the_admitted_keys():
     assert ids == ["u1", "u10", "u2"] and ids[1:] == ["u10", "u2"] and ids[0] == "u1" and "u10" in ids
     assert list(pb.Invitation(user_ids=ids).user_ids) == ["u1", "u10", "u2"]
     assert ids != ["u1", "u10"] and ids != "u1u10u2"
+
+
+def test_the_rounds_nonce_set_is_exactly_a_set_of_bytes():
+    """Issue 30 item 3: NonceSet (sorted rows by their first 8 bytes) answers as a set of bytes would, with nonces
+    that share their first 8 bytes, of several widths, added by batch and one by one."""
+    from shuffledp.services.shuffler_state import NonceSet
+
+    rng = np.random.default_rng(3)
+    ref: set[bytes] = set()
+    ns = NonceSet()
+    pool = [bytes(rng.integers(0, 3, size=w, dtype=np.uint8)) for w in (16, 16, 16, 17, 24) for _ in range(60)]
+    pool += [b"\x01" * 8 + bytes(rng.integers(0, 256, size=8, dtype=np.uint8)) for _ in range(40)]  # one prefix
+    for _ in range(300):
+        if rng.random() < 0.3:
+            x = pool[int(rng.integers(len(pool)))]
+            if x not in ref:
+                ns.add(x)
+                ref.add(x)
+        else:
+            w = int(rng.choice([16, 17, 24]))
+            n = int(rng.integers(1, 6))
+            batch = [pool[i] for i in rng.integers(len(pool), size=n) if len(pool[i]) == w] or [os_nonce(w)]
+            ok = ns.add_batch(b"".join(batch), w, len(batch))
+            fresh = len(set(batch)) == len(batch) and ref.isdisjoint(batch)
+            assert not ok or fresh  # added only what a set would take as new; else nothing
+            if ok:
+                ref.update(batch)
+        for x in pool[::7]:
+            assert (x in ns) == (x in ref)
+    assert all(x in ns for x in ref)
+    fresh = secrets.token_bytes(16 * 1000)
+    assert ns.add_batch(fresh, 16, 1000) and not ns.add_batch(fresh[:16], 16, 1) and fresh[-16:] in ns
+
+
+def os_nonce(w: int) -> bytes:
+    return secrets.token_bytes(w)
