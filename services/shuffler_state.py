@@ -607,6 +607,9 @@ class NonceSet:
         # before it once that one is at most twice its size (O(log n) runs, each row copied O(log n) times)
         self._runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
 
+    def __len__(self) -> int:
+        return len(self._single) + sum(pre.size for runs in self._runs.values() for pre, _ in runs)
+
     @staticmethod
     def _prefixes(blob: bytes, width: int, n: int) -> np.ndarray:
         return np.ndarray((n,), dtype="<u8", buffer=blob, strides=(width,))  # widths are >= NONCE_MIN_BYTES >= 8

@@ -987,6 +987,7 @@ def test_the_rounds_nonce_set_is_exactly_a_set_of_bytes():
     assert all(x in ns for x in ref)
     fresh = secrets.token_bytes(16 * 1000)
     assert ns.add_batch(fresh, 16, 1000) and not ns.add_batch(fresh[:16], 16, 1) and fresh[-16:] in ns
+    assert len(ns) == len(ref) + 1000
 
 
 def os_nonce(w: int) -> bytes:
