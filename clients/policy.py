@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -45,6 +45,7 @@ from shuffledp.v1 import shuffledp_pb2 as pb
 __all__ = [
     "UserPolicy",
     "PolicyTable",
+    "Histories",
     "Refusal",
     "pvec_params_from_spec",
     "verify_round_epsilon",
@@ -141,6 +142,99 @@ def noise_key(spec: pb.RoundSpec) -> NoiseKey | None:
     return None if protocol is None else protocol.noise_key(spec)
 
 
+History = Counter | None  # round_noise_key -> rounds joined; None: some round has no key (basic composition only)
+
+
+class Histories:
+    """Every user's History, as one int32 per user into a table of the distinct histories: users with equal histories
+    share one entry (a fully interactive run gives all its users the same one), where a Counter per user cost ~250
+    bytes each (issue 30 item 3). Reading a user's history gives a fresh Counter (or None); it changes only through
+    __setitem__, add and clear."""
+
+    def __init__(self, num_users: int, entries: Iterable[Mapping | None] | None = None) -> None:
+        self._table: list[tuple | None] = [()]  # entry 0: the empty history
+        self._index: dict[tuple | None, int] = {(): 0}
+        self._of = np.zeros(num_users, dtype=np.int32)
+        self._limit = 64  # table entries before the next _compact
+        if entries is not None:
+            n = 0
+            for u, h in enumerate(entries):
+                if u < num_users:
+                    self[u] = h
+                n += 1
+            if n != num_users:
+                raise ValueError(f"history must hold {num_users} entries, got {n}")
+
+    @staticmethod
+    def _frozen(h: Mapping | None) -> tuple | None:
+        return None if h is None else tuple(sorted((k, v) for k, v in h.items() if v))
+
+    def _intern(self, frozen: tuple | None) -> int:
+        i = self._index.get(frozen)
+        if i is None:
+            i = self._index[frozen] = len(self._table)
+            self._table.append(frozen)
+        return i
+
+    def __len__(self) -> int:
+        return self._of.size
+
+    def __getitem__(self, u: int) -> Counter | None:
+        h = self._table[self._of[u]]
+        return None if h is None else Counter(dict(h))
+
+    def __setitem__(self, u: int, h: Mapping | None) -> None:
+        self._of[u] = self._intern(self._frozen(h))
+
+    def __iter__(self) -> Iterator[Counter | None]:
+        return (self[u] for u in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Histories | Sequence):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # mutable
+
+    def frozen(self, u: int) -> tuple | None:
+        """User u's history as sorted (key, count) pairs (None: basic composition only), shared, not copied."""
+        return self._table[self._of[u]]
+
+    def add(self, users: np.ndarray, key: tuple) -> None:
+        """One more round `key` for each of `users` (distinct indices); a None history stays None."""
+        users = np.asarray(users, dtype=np.int64)
+        if not users.size:
+            return
+        ids, inverse = np.unique(self._of[users], return_inverse=True)
+        new = np.empty(ids.size, dtype=np.int32)
+        for j, i in enumerate(ids.tolist()):
+            h = self._table[i]
+            if h is None:
+                new[j] = i
+            else:
+                c = Counter(dict(h))
+                c[key] += 1
+                new[j] = self._intern(self._frozen(c))
+        self._of[users] = new[inverse]
+        self._compact()
+
+    def clear(self, users: np.ndarray) -> None:
+        """Basic composition only from now on for `users` (their history becomes None)."""
+        self._of[np.asarray(users, dtype=np.int64)] = self._intern(None)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop the entries no user holds any more once the table doubled since the last time: its size stays
+        bounded by the users' distinct histories, whatever the number of rounds (amortized O(1) per change)."""
+        if len(self._table) <= self._limit:
+            return
+        used, inverse = np.unique(self._of, return_inverse=True)
+        self._of[:] = inverse
+        self._table = [self._table[i] for i in used.tolist()]
+        self._index = {h: i for i, h in enumerate(self._table)}
+        self._limit = 2 * len(self._table) + 64
+
+
 @dataclass
 class RunTable:
     """A run's per-user counts (UserAccount), what each user has paid for the run, and who withdrew from it."""
@@ -177,7 +271,7 @@ class PolicyTable:
         num_users: int,
         verifier: Callable[[pb.RoundSpec], float] = verify_round_epsilon,
         spent: tuple[np.ndarray, np.ndarray] | None = None,
-        history: Sequence[Counter | None] | None = None,
+        history: Histories | Sequence[Counter | None] | None = None,
     ) -> None:
         if isinstance(policies, UserPolicy):
             policies = [policies] * num_users
@@ -208,9 +302,12 @@ class PolicyTable:
             if self.eps_spent.shape != (num_users,) or self.delta_spent.shape != (num_users,):
                 raise ValueError(f"spent must hold {num_users} values each")
         # each user's verified PVEC rounds (round_noise_key -> count); None: some round was not, basic only
-        self.history: list[Counter | None] = [Counter() for _ in range(num_users)] if history is None else list(history)
-        if len(self.history) != num_users:
-            raise ValueError(f"history must hold {num_users} entries")
+        if isinstance(history, Histories):  # the node's spend store replays into this form: taken as it is
+            if len(history) != num_users:
+                raise ValueError(f"history must hold {num_users} entries")
+            self.history = history
+        else:
+            self.history = Histories(num_users, history)
         self.runs: dict[str, RunTable] = {}  # per-run accounts (UserAccount), loaded by the node from its store
 
     def _static(
@@ -395,12 +492,12 @@ class PolicyTable:
         ok = np.zeros(users.size, dtype=bool)
         memo: dict[tuple, float] = {}
         for j, u in enumerate(users.tolist()):
-            h = self.history[u]
+            h = self.history.frozen(u)
             if h is None:
                 continue  # joined a round without a noise key: basic composition only
-            hk = (tuple(sorted(h.items())), float(self.max_total_delta[u]))
+            hk = (h, float(self.max_total_delta[u]))
             if hk not in memo:
-                after = Counter(h)
+                after = Counter(dict(h))
                 after[key] += 1
                 memo[hk] = epsilon_of_rounds(after, hk[1]) if hk[1] > 0.0 else math.inf
             ok[j] = memo[hk] <= self.max_total_eps[u]
@@ -420,16 +517,11 @@ class PolicyTable:
         idx = np.asarray(idx, dtype=np.int64)
         self.eps_spent[idx] = sum_up(self.eps_spent[idx], eps)
         self.delta_spent[idx] = sum_up(self.delta_spent[idx], delta)
-        recorded: list[NoiseKey | None] = []
-        for u in idx.tolist():
-            k = key if self.verify[u] else None  # a round only trusted, not verified, has no place in RDP
-            h = self.history[u]
-            if k is None or h is None:
-                self.history[u] = None
-            else:
-                h[k] += 1
-            recorded.append(k)
-        return recorded
+        # a round only trusted, not verified, has no place in RDP: that user's history becomes None (and stays so)
+        verified = self.verify[idx] if key is not None else np.zeros(idx.size, dtype=bool)
+        self.history.clear(idx[~verified])
+        self.history.add(idx[verified], key)
+        return [key if v else None for v in verified.tolist()]
 
 
 def _owed(cost: float, paid: float) -> float:

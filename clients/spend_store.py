@@ -32,20 +32,19 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from shuffledp.clients.policy import sum_up
+from shuffledp.clients.policy import Histories, History, sum_up
 
 from shuffledp.durable import open_durable, transaction
 
 __all__ = ["SpendStore", "MemorySpendStore", "SqliteSpendStore", "History"]
 
-History = Counter | None  # round_noise_key -> rounds joined; None: some round has no key (basic composition only)
 # (user ids, eps each, delta each, noise key or None, run or None, what the round added to the users' run counts)
 Charge = tuple[list[str], float, float, tuple | None, str | None, str | None]
 RunCounts = dict[str, tuple[dict[int, Counter], np.ndarray, np.ndarray]]  # run -> (counts by user, paid eps, delta)
 
 
 class SpendStore(Protocol):
-    def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History]]:
+    def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories]:
         """(eps spent, delta spent, history) per user id; zeros and an empty history for users never charged."""
         ...
 
@@ -53,7 +52,7 @@ class SpendStore(Protocol):
         """Per run: the users' counts (by index in user_ids) and what each has paid for the run."""
         ...
 
-    def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History], RunCounts]:
+    def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories, RunCounts]:
         """load and load_runs from one read of the log (a node's start)."""
         ...
 
@@ -95,15 +94,17 @@ def replay(
     user_ids: Sequence[str],
     log: Iterable[Charge],
     base: dict[str, tuple[float, float, History]] | None = None,
-) -> tuple[np.ndarray, np.ndarray, list[History], RunCounts]:
+) -> tuple[np.ndarray, np.ndarray, Histories, RunCounts]:
     """The users' totals and histories after `log` (from `base`: an old store's absolute values), summed in log
     order exactly as PolicyTable.charge sums them (rounded up), and per run the users' counts and what each paid for
     the run (as PolicyTable.apply_run sums them)."""
     index = {u: i for i, u in enumerate(user_ids)}
-    start = [(base or {}).get(u, (0.0, 0.0, Counter())) for u in user_ids]
-    eps = np.array([b[0] for b in start], dtype=np.float64)
-    delta = np.array([b[1] for b in start], dtype=np.float64)
-    history: list[History] = [None if b[2] is None else Counter(b[2]) for b in start]
+    eps, delta = np.zeros(len(user_ids)), np.zeros(len(user_ids))
+    history = Histories(len(user_ids))  # one int per user, not a Counter each (issue 30 item 3)
+    for u, (e, d, h) in (base or {}).items():
+        i = index.get(u)
+        if i is not None:
+            eps[i], delta[i], history[i] = e, d, h
     runs: RunCounts = {}
     for users, e, d, key, run, step in log:
         ix = np.fromiter((index[u] for u in users if u in index), dtype=np.int64)
@@ -119,12 +120,10 @@ def replay(
                 counts.setdefault(i, Counter()).update(step.split(",") if step else ())
             if e == 0.0 and d == 0.0:
                 continue  # a run's counts that cost nothing yet: the history stays (PolicyTable.apply_run)
-        for i in ix.tolist():
-            h = history[i]
-            if key is None or h is None:
-                history[i] = None
-            else:
-                h[key] += 1
+        if key is None:
+            history.clear(ix)
+        else:
+            history.add(ix, key)  # a None history stays None
     return eps, delta, history, runs
 
 
@@ -132,13 +131,13 @@ class MemorySpendStore:
     def __init__(self) -> None:
         self._log: list[Charge] = []
 
-    def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History]]:
+    def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories]:
         return self.load_all(user_ids)[:3]
 
     def load_runs(self, user_ids: Sequence[str]) -> RunCounts:
         return self.load_all(user_ids)[3]
 
-    def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History], RunCounts]:
+    def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories, RunCounts]:
         return replay(user_ids, self._log)
 
     def record(
@@ -190,13 +189,13 @@ class SqliteSpendStore:
             for blob, e, d, k, run, step in rows
         ]
 
-    def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History]]:
+    def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories]:
         return self.load_all(user_ids)[:3]
 
     def load_runs(self, user_ids: Sequence[str]) -> RunCounts:
         return self.load_all(user_ids)[3]
 
-    def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[History], RunCounts]:
+    def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories, RunCounts]:
         with self._lock:
             base = self._base()
             log = self._log()

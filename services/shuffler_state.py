@@ -269,10 +269,43 @@ class Population:
     connected_nodes: int
 
 
+class NodeUserIds(Sequence[str]):
+    """The node's own ids of some of its users, read from their user keys when asked (user_key: node id, newline,
+    id): an invitation waiting to be sent holds one reference per user, to its admitted key, not a fresh id string
+    each (issue 30 item 3). Equal to any sequence of the same ids."""
+
+    __slots__ = ("_keys", "_skip")
+
+    def __init__(self, node_id: str, keys: list[str]) -> None:
+        self._keys, self._skip = keys, len(node_id) + 1
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [k[self._skip :] for k in self._keys[i]]
+        return self._keys[i][self._skip :]
+
+    def __iter__(self):
+        skip = self._skip
+        return (k[skip:] for k in self._keys)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"NodeUserIds({list(self)!r})"
+
+
 @dataclass(frozen=True)
 class Invite:
     relay: Any
-    user_ids: list[str]
+    user_ids: Sequence[str]  # a NodeUserIds from the shuffler
     eligible: int = 0  # SUBSAMPLED: the users the cohort was drawn from (Invitation.eligible)
 
 
@@ -316,8 +349,9 @@ class ParticipationStore(Protocol):
         run's 10^5 users are not read again at every round, issue 30 item 4)."""
         ...
 
-    def run_population(self, run_id: str) -> set[str] | None:
-        """A fully interactive run's users, fixed at its first round; None before it."""
+    def run_population(self, run_id: str) -> AbstractSet[str] | None:
+        """A fully interactive run's users, fixed at its first round; None before it. A read-only view, not a copy
+        (10^6 users are not read again at every round, issue 30 item 3)."""
         ...
 
     def run_limits(self, run_id: str) -> TreeLimits | None:
@@ -350,16 +384,15 @@ class MemoryParticipationStore:
     def __init__(self) -> None:
         self._rounds: set[tuple[str, int]] = set()
         self._used: dict[str, set[str]] = {}
-        self._population: dict[str, set[str]] = {}
+        self._population: dict[str, frozenset[str]] = {}
         self._limits: dict[str, TreeLimits] = {}
         self._leaves: dict[tuple[str, int], dict[str, list[int]]] = {}
 
     def used_users(self, run_id: str) -> AbstractSet[str]:
         return self._used.get(run_id, frozenset())
 
-    def run_population(self, run_id: str) -> set[str] | None:
-        pop = self._population.get(run_id)
-        return None if pop is None else set(pop)
+    def run_population(self, run_id: str) -> AbstractSet[str] | None:
+        return self._population.get(run_id)
 
     def run_limits(self, run_id: str) -> TreeLimits | None:
         return self._limits.get(run_id)
@@ -382,7 +415,7 @@ class MemoryParticipationStore:
     ) -> None:
         if (run_id, round_index) in self._rounds:
             raise RoundExistsError(f"round {round_index} of run {run_id!r} was already executed")
-        pop = set(population)
+        pop = frozenset(population)
         if pop and run_id in self._population:
             raise RoundExistsError(f"the population of run {run_id!r} was already fixed")
         self._rounds.add((run_id, round_index))
@@ -404,6 +437,7 @@ class SqliteParticipationStore:
         self._db = open_durable(path)  # a consumed user must survive a crash
         self._lock = threading.Lock()
         self._used: dict[str, set[str]] = {}  # by run, read once, then added to by record_round (this process only)
+        self._population: dict[str, frozenset[str]] = {}  # by run, read once (or kept from record_round)
         with self._lock:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS rounds (run_id TEXT NOT NULL, round INTEGER NOT NULL, "
@@ -437,10 +471,15 @@ class SqliteParticipationStore:
             used = self._used[run_id] = {r[0] for r in rows}
         return used
 
-    def run_population(self, run_id: str) -> set[str] | None:
+    def run_population(self, run_id: str) -> AbstractSet[str] | None:
         with self._lock:
-            rows = self._db.execute("SELECT user_id FROM population WHERE run_id = ?", (run_id,)).fetchall()
-        return {r[0] for r in rows} or None
+            pop = self._population.get(run_id)
+            if pop is None:
+                rows = self._db.execute("SELECT user_id FROM population WHERE run_id = ?", (run_id,)).fetchall()
+                if not rows:
+                    return None
+                pop = self._population[run_id] = frozenset(r[0] for r in rows)
+            return pop
 
     def run_limits(self, run_id: str) -> TreeLimits | None:
         with self._lock:
@@ -478,6 +517,7 @@ class SqliteParticipationStore:
     ) -> None:
         with self._lock:
             sequential_users = list(sequential_users)
+            population = list(population)
             used = self._used_locked(run_id)
             try:
                 with transaction(self._db) as db:
@@ -490,8 +530,12 @@ class SqliteParticipationStore:
                         [(run_id, u, int(round_index)) for u in sequential_users],
                     )
                     db.executemany(
-                        "INSERT INTO population (run_id, user_id) VALUES (?, ?)", [(run_id, u) for u in population]
+                        "INSERT INTO population (run_id, user_id) VALUES (?, ?)", ((run_id, u) for u in population)
                     )
+                    # the run's whole population is this one (kept: these key objects, not a copy read back)
+                    alone = bool(population) and db.execute(
+                        "SELECT COUNT(*) FROM population WHERE run_id = ?", (run_id,)
+                    ).fetchone()[0] == len(population)
                     if limits is not None:
                         db.execute("INSERT OR IGNORE INTO tree_limits VALUES (?, ?, ?, ?)", (run_id, *limits))
                         tree, leaf = limits.position(int(round_index))
@@ -504,6 +548,11 @@ class SqliteParticipationStore:
                     f"round {round_index} of run {run_id!r} was already executed (or a user was reused): {exc}"
                 ) from exc
             used.update(sequential_users)  # only once the transaction committed
+            if population:  # added to the run's population: kept if it is all of it, else read once when asked
+                if alone:
+                    self._population[run_id] = frozenset(population)
+                else:
+                    self._population.pop(run_id, None)
 
     def close(self) -> None:
         with self._lock:
@@ -526,7 +575,7 @@ class _Selection(NamedTuple):
 class _OpenRound:
     req: RoundRequest
     deadline: float
-    invited: dict[str, str]  # user_id -> node_id
+    invited: AbstractSet[str]  # user keys (user_key), the admitted key objects themselves
     expected_messages: int
     expected_ct_len: int
     bound: int  # g + m
@@ -538,7 +587,7 @@ class _OpenRound:
     second_invitation: bool = False  # check-in rounds: the checked-in users were invited to report
     checked_in: list[str] = field(default_factory=list)  # user keys that checked in
     answered: set[str] = field(default_factory=set)  # user keys (user_key)
-    nonces: set[bytes] = field(default_factory=set)  # replay protection; dropped with the round (design 5.3)
+    nonces: NonceSet = field(default_factory=lambda: NonceSet())  # replay protection; dropped with the round (5.3)
     totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
     ciphertexts: list[bytes] = field(default_factory=list)
     contributors: int = 0
@@ -546,6 +595,67 @@ class _OpenRound:
     refused_reasons: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)
     closed: bool = False
+
+
+class NonceSet:
+    """The nonces one round has seen (replay protection, design 5.3), as exact as a set of bytes. A node's batch of
+    nonces of one width is kept as its rows (numpy void) sorted by their first 8 bytes: ~24 bytes per nonce, where a
+    bytes object and its set slot took ~100 (issue 30 item 3). Single nonces (the per-message path) go in a set."""
+
+    def __init__(self) -> None:
+        self._single: set[bytes] = set()
+        # width -> runs of (first 8 bytes as sorted uint64, the rows in that order); a run is merged into the one
+        # before it once that one is at most twice its size (O(log n) runs, each row copied O(log n) times)
+        self._runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._single) + sum(pre.size for runs in self._runs.values() for pre, _ in runs)
+
+    @staticmethod
+    def _prefixes(blob: bytes, width: int, n: int) -> np.ndarray:
+        return np.ndarray((n,), dtype="<u8", buffer=blob, strides=(width,))  # widths are >= NONCE_MIN_BYTES >= 8
+
+    def __contains__(self, nonce: bytes) -> bool:
+        if nonce in self._single:
+            return True
+        runs = self._runs.get(len(nonce), ())
+        if not runs:
+            return False
+        p = np.uint64(int.from_bytes(nonce[:8], "little"))
+        for pre, rows in runs:
+            a, b = int(np.searchsorted(pre, p, "left")), int(np.searchsorted(pre, p, "right"))
+            if any(rows[i].tobytes() == nonce for i in range(a, b)):
+                return True
+        return False
+
+    def add(self, nonce: bytes) -> None:
+        self._single.add(nonce)
+
+    def add_batch(self, blob: bytes, width: int, n: int) -> bool:
+        """Add the n nonces of `width` bytes in `blob` and return True if no two of them, and none of them and a
+        nonce seen before, share their first 8 bytes; else add nothing and return False (the caller checks them one
+        by one, exactly: random 16-byte nonces share 8 bytes with probability ~n^2 / 2^65)."""
+        pre = self._prefixes(blob, width, n)
+        order = np.argsort(pre, kind="stable")
+        pre = pre[order]
+        if n > 1 and bool((pre[1:] == pre[:-1]).any()):
+            return False
+        for old, _ in self._runs.get(width, ()):
+            at = np.minimum(np.searchsorted(old, pre), old.size - 1)
+            if bool((old[at] == pre).any()):
+                return False
+        if self._single:
+            seen = [x for x in self._single if len(x) == width]
+            if seen and bool(np.isin(self._prefixes(b"".join(seen), width, len(seen)), pre).any()):
+                return False
+        runs = self._runs.setdefault(width, [])
+        runs.append((pre, np.frombuffer(blob, dtype=f"V{width}")[order]))
+        while len(runs) > 1 and runs[-2][0].size <= 2 * runs[-1][0].size:
+            (p1, r1), (p2, r2) = runs.pop(), runs.pop()
+            p, r = np.concatenate([p2, p1]), np.concatenate([r2, r1])
+            o = np.argsort(p, kind="stable")
+            runs.append((p[o], r[o]))
+        return True
 
 
 def _limits_text(t: TreeLimits) -> str:
@@ -592,8 +702,12 @@ class ShufflerState:
         self._max_streams = int(max_streams)
         self._max_batch_bytes = int(max_batch_bytes)
         self._lock = threading.Condition()
-        self._admitted: set[str] = set()  # user keys (user_key)
+        # user key (user_key) -> the same key object: the round's tables hold this one object per user, not a fresh
+        # string per message (issue 30 item 3)
+        self._admitted: dict[str, str] = {}
         self._node_users: dict[str, list[str]] = {}  # node -> its users' keys
+        self._registrations = 0  # requests that admitted new users (the key of the _eligible_users cache)
+        self._eligible: tuple[Any, list[str]] = (None, [])
         self._subs: dict[str, Subscription] = {}
         self._open: dict[tuple[str, int], _OpenRound] = {}
         # recently closed rounds, to tell a late message (expired) from a wrong one; bounded, so that the shuffler's
@@ -629,8 +743,10 @@ class ShufflerState:
                     f"node {node_id!r} would host {len(mine) + len(new)} users; at most {self._max_users_per_node} "
                     "per node identity"
                 )
-            self._node_users[node_id] = mine + new
-            self._admitted.update(new)
+            mine.extend(new)  # in place: no copy of a node's 10^6 keys per request
+            self._node_users[node_id] = mine
+            self._registrations += bool(new)
+            self._admitted.update(zip(new, new, strict=True))
             return len(keys), len(self._admitted)
 
     def set_max_streams(self, n: int) -> None:
@@ -661,12 +777,17 @@ class ShufflerState:
                 del self._subs[sub.node_id]
 
     def _eligible_users(self) -> list[str]:
-        """Admitted users on nodes with a live subscription, sorted (deterministic order for the CSPRNG draw)."""
-        users: list[str] = []
-        for node in self._subs:
-            users.extend(self._node_users.get(node, ()))
-        users.sort()
-        return users
+        """Admitted users on nodes with a live subscription, sorted (deterministic order for the CSPRNG draw). Kept
+        until a node registers users or its stream opens or closes (not sorted again at every round: 10^6 keys take
+        seconds); callers do not change it. Caller holds the lock."""
+        key = (tuple(self._subs), self._registrations)
+        if self._eligible[0] != key:
+            users: list[str] = []
+            for node in self._subs:
+                users.extend(self._node_users.get(node, ()))
+            users.sort()
+            self._eligible = (key, users)
+        return self._eligible[1]
 
     def population(self, run_id: str) -> Population:
         with self._lock:
@@ -886,7 +1007,7 @@ class ShufflerState:
             rnd = _OpenRound(
                 req=req,
                 deadline=self._clock() + req.deadline_seconds,
-                invited={k: split_user_key(k)[0] for k in invited},
+                invited=frozenset(invited),
                 expected_messages=per_user,
                 expected_ct_len=ct_len,
                 bound=bound,
@@ -899,7 +1020,7 @@ class ShufflerState:
                 rnd.totals = np.zeros(req.dim, dtype=np.uint64)
             rnd.checking_in = req.check_in_trials > 0
             self._open[key] = rnd
-            self._invite(rnd, req.relay)
+            self._invite(rnd, req.relay, invited)
             t1 = self._clock()
             try:
                 # check-in: the first half of the window for the check-ins, the rest for the messages
@@ -926,17 +1047,17 @@ class ShufflerState:
             self.on_round(batch, {"select": t1 - t0, "collect": t2 - t1, "release": self._clock() - t2})
         return batch
 
-    def _invite(self, rnd: _OpenRound, relay: Any) -> None:
-        """Send the invitation to the invited users' nodes; a SUBSAMPLED round's also to every node with eligible
-        users, none of them invited (a notice: design 6, a cost relying on sampling counts every round a user was
-        eligible for). Caller holds the lock."""
-        by_node: dict[str, list[str]] = {}
+    def _invite(self, rnd: _OpenRound, relay: Any, invited: Sequence[str]) -> None:
+        """Send the invitation to the invited users' nodes (`invited`: rnd.invited in the order they are listed to
+        their nodes); a SUBSAMPLED round's also to every node with eligible users, none of them invited (a notice:
+        design 6, a cost relying on sampling counts every round a user was eligible for). Caller holds the lock."""
+        by_node: dict[str, list[str]] = {}  # node -> its invited users' keys
         if rnd.req.schedule == Schedule.SUBSAMPLED:  # the eligible users are those of the live nodes
             by_node.update((node, []) for node in self._subs if self._node_users.get(node))
-        for k in rnd.invited:
-            node, user = split_user_key(k)
-            by_node.setdefault(node, []).append(user)  # the node's own id of the user
-        for node, users in by_node.items():
+        for k in invited:
+            by_node.setdefault(k[: k.index("\n")], []).append(k)
+        for node, keys in by_node.items():
+            users = NodeUserIds(node, keys)  # the node's own ids of the users
             sub = self._subs.get(node)
             # a node gone since its users checked in (the check-in's second invitation): they are dropouts, as if
             # the invitation had been lost on the way
@@ -967,10 +1088,11 @@ class ShufflerState:
         per_user, ct_len, bound = self._validate(second)  # cannot fail: m <= req.m (see _validate)
         rnd.req, rnd.bound, rnd.expected_messages, rnd.expected_ct_len = second, bound, per_user, ct_len
         rnd.wire_dtype = count_wire_dtype(bound) if req.transport == Transport.COUNTS else None
-        rnd.invited = {k: rnd.invited[k] for k in rnd.checked_in}
+        rnd.invited = frozenset(rnd.checked_in)
+        invited = rnd.checked_in
         rnd.answered = set()
         rnd.second_invitation = True
-        self._invite(rnd, relay)
+        self._invite(rnd, relay, invited)
         return True
 
     def _finish(self, rnd: _OpenRound, released_ok: bool, invited: int) -> BatchResult:
@@ -1036,8 +1158,10 @@ class ShufflerState:
             rows: list[bytes] = []  # COUNTS payloads valid but for the range check, done below for all at once
             # row indices of sub.columns.counts whose user passed every check but the range check
             column_rows: list[int] | range = []
+            admitted = self._admitted
             for msg in sub.messages:
                 ukey = user_key(sub.node_id, msg.user_id)
+                ukey = admitted.get(ukey, ukey)
                 checked = self._check_message(rnd, ukey, msg)
                 if isinstance(checked, Reason):
                     self._reject(rnd, checked, rejected)
@@ -1068,6 +1192,7 @@ class ShufflerState:
                 accepted += self._add_counts(rnd, block, rejected)
             for user_id, why in sub.refusals:
                 ukey = user_key(sub.node_id, user_id)
+                ukey = admitted.get(ukey, ukey)
                 if ukey not in rnd.invited:
                     self._reject(rnd, Reason.NOT_INVITED if ukey in self._admitted else Reason.UNKNOWN_USER, rejected)
                 elif ukey in rnd.answered:
@@ -1123,25 +1248,24 @@ class ShufflerState:
         (issue 15: the per-message checks were the shuffler's hot loop). Caller holds the lock."""
         n, width = len(cols.user_ids), int(cols.nonce_bytes)
         keys = [user_key(node_id, u) for u in cols.user_ids]
+        keys = list(map(self._admitted.get, keys, keys))  # the admitted key objects (unknown ones stay as they are)
         if not NONCE_MIN_BYTES <= width <= NONCE_MAX_BYTES or len(cols.nonces) != n * width:
             self._reject(rnd, Reason.BAD_NONCE, rejected, n)  # every nonce has a bad length, or none is defined
             return 0, []
-        nonces = [cols.nonces[i : i + width] for i in range(0, n * width, width)]
         fresh = set(keys)
         honest = (
             len(fresh) == n
-            and len(set(nonces)) == n
-            and rnd.nonces.isdisjoint(nonces)
-            and fresh <= self._admitted
-            and fresh <= rnd.invited.keys()
+            and fresh <= self._admitted.keys()
+            and fresh <= rnd.invited
             and rnd.answered.isdisjoint(fresh)
+            and rnd.nonces.add_batch(cols.nonces, width, n)  # last: adds them when they are new and distinct
         )
         # each answer is used up once its sender checks pass, whether or not its payload passes below
         if honest:
-            rnd.nonces.update(nonces)
             rnd.answered.update(fresh)
             good: list[int] | range = range(n)
         else:  # somebody fails: the per-user checks in order give each message its reason
+            nonces = [cols.nonces[i : i + width] for i in range(0, n * width, width)]
             good = []
             for i, (ukey, nonce) in enumerate(zip(keys, nonces, strict=True)):
                 why = self._check_sender(rnd, ukey, nonce)

@@ -887,3 +887,108 @@ def test_used_users_follow_record_round_without_rereading(tmp_path, durable):
         again = SqliteParticipationStore(db)
         assert set(again.used_users("r")) == {"u0", "u1", "u2"} and set(again.used_users("other")) == set()
         again.close()
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_population_is_kept_not_reread_and_a_failed_record_keeps_none(tmp_path, durable):
+    """Issue 30 item 3: a fully interactive run's population is read once (a view, the same object at every round),
+    only once its round committed, and read back by a reopened store."""
+    from shuffledp.services.shuffler_state import MemoryParticipationStore
+
+    db = tmp_path / "p.sqlite"
+    store = SqliteParticipationStore(db) if durable else MemoryParticipationStore()
+    assert store.run_population("r") is None
+    store.record_round("r", 0, int(Schedule.FULLY_INTERACTIVE), [], iter(["u0", "u1"]))
+    view = store.run_population("r")
+    assert view == {"u0", "u1"} and store.run_population("r") is view and not hasattr(view, "add")
+    if durable:  # the durable record takes further users of the run (a call ShufflerState never makes)
+        store.record_round("r", 1, int(Schedule.FULLY_INTERACTIVE), [], ["u2"])
+        assert store.run_population("r") == {"u0", "u1", "u2"}
+    else:
+        with pytest.raises(RoundExistsError):
+            store.record_round("r", 1, int(Schedule.FULLY_INTERACTIVE), [], ["u2"])  # fixed once
+        assert store.run_population("r") == {"u0", "u1"}
+    if durable:
+        store.close()
+        again = SqliteParticipationStore(db)
+        assert again.run_population("r") == {"u0", "u1", "u2"} and again.run_population("other") is None
+        again.close()
+
+
+def test_a_rounds_tables_hold_the_admitted_key_objects():
+    """Issue 30 item 3: what a round keeps per user (invited, answered, checked in) is the one key object admitted
+    at registration, not a fresh string per message, and the sorted eligible users are not rebuilt per round."""
+    from shuffledp.services.shuffler_state import Submission, UserColumns
+
+    users = [f"u{i}" for i in range(6)]
+    state, t, out = _open_counts_round(users, 2, 2, check_in=True)
+    admitted = {id(k) for k in state._admitted}
+    rnd = next(iter(state._open.values()))
+    assert {id(k) for k in rnd.invited} == admitted - {id(state._admitted["other\no1"])}
+    state.submit(Submission("run", 0, "node", columns=UserColumns(users[:4], secrets.token_bytes(64), 16)))
+    state.submit(Submission("run", 0, "node", columns=UserColumns(users[4:5], bytes(16), 16)))  # the slow path
+    assert len(rnd.checked_in) == 5 and {id(k) for k in rnd.checked_in} <= admitted
+    assert {id(k) for k in rnd.answered} <= admitted
+    t.join()
+    assert out[0].checked_in == 5
+    with state._lock:
+        assert state._eligible_users() is state._eligible_users()
+        before = state._eligible_users()
+    state.register_users("node", ["u9"])  # a new user: rebuilt, and sorted
+    with state._lock:
+        assert state._eligible_users() is not before and state._eligible_users() == sorted(before + ["node\nu9"])
+
+
+def test_an_invitation_lists_the_node_ids_from_the_admitted_keys():
+    """Issue 30 item 3: an invitation waiting to be sent holds the admitted keys, not a fresh id string per user,
+    and reads as the node's own ids (in the order of the round's selection) wherever it is used."""
+    from shuffledp.services.shuffler_state import NodeUserIds
+
+    state = ShufflerState(rng=make_rng(11), poll_seconds=0.001)
+    state.register_users("node", ["u2", "u10", "u1"])
+    sub = state.subscribe("node")
+    req = RoundRequest("run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=2, g=1, m=2, deadline_seconds=0.2)
+    state.execute_round(req)
+    invite = sub.get(1.0)
+    assert isinstance(invite.user_ids, NodeUserIds) and invite.user_ids == ["u1", "u10", "u2"]  # the sorted keys
+    ids = NodeUserIds("node", ["node\nu1", "node\nu10", "node\nu2"])
+    assert ids == ["u1", "u10", "u2"] and ids[1:] == ["u10", "u2"] and ids[0] == "u1" and "u10" in ids
+    assert list(pb.Invitation(user_ids=ids).user_ids) == ["u1", "u10", "u2"]
+    assert ids != ["u1", "u10"] and ids != "u1u10u2"
+
+
+def test_the_rounds_nonce_set_is_exactly_a_set_of_bytes():
+    """Issue 30 item 3: NonceSet (sorted rows by their first 8 bytes) answers as a set of bytes would, with nonces
+    that share their first 8 bytes, of several widths, added by batch and one by one."""
+    from shuffledp.services.shuffler_state import NonceSet
+
+    rng = np.random.default_rng(3)
+    ref: set[bytes] = set()
+    ns = NonceSet()
+    pool = [bytes(rng.integers(0, 3, size=w, dtype=np.uint8)) for w in (16, 16, 16, 17, 24) for _ in range(60)]
+    pool += [b"\x01" * 8 + bytes(rng.integers(0, 256, size=8, dtype=np.uint8)) for _ in range(40)]  # one prefix
+    for _ in range(300):
+        if rng.random() < 0.3:
+            x = pool[int(rng.integers(len(pool)))]
+            if x not in ref:
+                ns.add(x)
+                ref.add(x)
+        else:
+            w = int(rng.choice([16, 17, 24]))
+            n = int(rng.integers(1, 6))
+            batch = [pool[i] for i in rng.integers(len(pool), size=n) if len(pool[i]) == w] or [os_nonce(w)]
+            ok = ns.add_batch(b"".join(batch), w, len(batch))
+            fresh = len(set(batch)) == len(batch) and ref.isdisjoint(batch)
+            assert not ok or fresh  # added only what a set would take as new; else nothing
+            if ok:
+                ref.update(batch)
+        for x in pool[::7]:
+            assert (x in ns) == (x in ref)
+    assert all(x in ns for x in ref)
+    fresh = secrets.token_bytes(16 * 1000)
+    assert ns.add_batch(fresh, 16, 1000) and not ns.add_batch(fresh[:16], 16, 1) and fresh[-16:] in ns
+    assert len(ns) == len(ref) + 1000
+
+
+def os_nonce(w: int) -> bytes:
+    return secrets.token_bytes(w)

@@ -2,6 +2,7 @@
 [data] / [model] configuration keys that select them."""
 
 import dataclasses
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -53,6 +54,26 @@ def test_shapes_norms_and_determinism(task):
         assert np.array_equal(again.optimum, ds.optimum) and not np.allclose(other.optimum, ds.optimum)
     # training and test examples come from different streams
     assert not np.array_equal(ds.X_train, ds.X_test[:500])
+
+
+def test_features_are_drawn_in_place_with_the_same_values():
+    """Issue 30 item 3: a node draws the whole training set and keeps its shard, so the draw must not hold copies of
+    it: the peak is one array (numpy reports its buffers to tracemalloc), and the values are those of the plain
+    formula x / sqrt(dim), shrunk by its row norm, bit for bit (the data sets of earlier runs do not change)."""
+    from shuffledp.data import _NORM_BLOCK_ROWS, _features
+
+    k, dim = 400_001, 10  # several blocks of rows
+    ref = np.random.default_rng(5).standard_normal((k, dim)) / np.sqrt(dim)
+    ref /= np.maximum(1.0, np.linalg.norm(ref, axis=1))[:, None]
+    tracemalloc.start()
+    try:
+        X = _features(np.random.default_rng(5), k, dim)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert X.tobytes() == ref.tobytes()
+    # the array and a block's temporaries (the whole-array formula peaks at three arrays)
+    assert peak < X.nbytes + 3 * _NORM_BLOCK_ROWS * dim * 8, peak / X.nbytes
 
 
 def test_optimum_and_test_set_do_not_depend_on_n_and_small_n_is_a_prefix():
