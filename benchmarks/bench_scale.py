@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_round import InProcessRound, timed  # noqa: E402
 from shuffledp.services.run_manager import plan_run  # noqa: E402
+from shuffledp.services.shuffler_state import MAX_USERS_PER_NODE  # noqa: E402
 
 from shuffledp.config import parse_config  # noqa: E402
 from shuffledp.data import load_dataset  # noqa: E402
@@ -67,6 +68,7 @@ rounds = {rounds}
 [deployment]
 client_nodes = {nodes}
 round_deadline_seconds = 600.0
+population_wait_seconds = 900.0  # 10^7 users: every process draws the data set on 2 cores before registering
 """
 
 
@@ -224,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 2 or args.nodes < 1 or min(args.users) < args.nodes or args.dim < 1:
         ap.error("need --rounds >= 2, --nodes >= 1, --dim >= 1 and at least one user per node")
+    if max(args.users) > args.nodes * MAX_USERS_PER_NODE:
+        need = -(-max(args.users) // MAX_USERS_PER_NODE)
+        ap.error(f"{max(args.users)} users need --nodes >= {need}: the shuffler admits at most 2^20 users per node")
     check_in = {"default": None, "on": True, "off": False}[args.check_in]
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []

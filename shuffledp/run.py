@@ -59,6 +59,9 @@ CREATE_TIMEOUT_S = 60.0  # CreateRun at least this: it loads the data, and a tim
 # ... and with a model plug-in ([model] module): CreateRun also imports its framework and builds it (JAX: ~20 s on
 # an idle 2-core machine, minutes on a loaded one)
 PLUGIN_CREATE_TIMEOUT_S = 600.0
+# ... and per million synthetic examples (the analyzer draws the data set at CreateRun: a 10^7-example set took over
+# 60 s on 2 cores while the nodes drew theirs)
+SYNTHETIC_CREATE_S_PER_MILLION = 60.0
 BACKOFF_FIRST_S = 0.5
 BACKOFF_CAP_S = 8.0
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -923,10 +926,12 @@ def _create_timeout(config_toml: str) -> float:
     from shuffledp.config import ConfigError, parse_config
 
     try:
-        plugin = bool(parse_config(config_toml).model.module)
+        cfg = parse_config(config_toml)
     except ConfigError:
-        plugin = False  # the analyzer answers with the error at once
-    return PLUGIN_CREATE_TIMEOUT_S if plugin else CREATE_TIMEOUT_S
+        return CREATE_TIMEOUT_S  # the analyzer answers with the error at once
+    base = PLUGIN_CREATE_TIMEOUT_S if cfg.model.module else CREATE_TIMEOUT_S
+    synthetic = cfg.data.n if cfg.data.dataset == "synthetic" else 0
+    return base + SYNTHETIC_CREATE_S_PER_MILLION * synthetic / 1e6
 
 
 def check_before_start(config: RunConfig) -> None:

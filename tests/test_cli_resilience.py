@@ -275,3 +275,13 @@ def test_a_service_imports_only_its_own_subcommand():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == ["[]", "['account', 'health', 'pki', 'run', 'serve']"]
+
+
+def test_create_run_waits_longer_for_a_large_synthetic_data_set():
+    """CreateRun draws the data set at the analyzer, and a timed-out CreateRun is never repeated: the CLI allows
+    60 s plus 60 s per million synthetic examples (a 10^7-example run took over 60 s on 2 cores: issue 30)."""
+    from shuffledp.run import CREATE_TIMEOUT_S, _create_timeout
+
+    assert _create_timeout("") == CREATE_TIMEOUT_S
+    assert _create_timeout('[data]\ndataset = "synthetic"\nn = 10000000\n') == CREATE_TIMEOUT_S + 600
+    assert _create_timeout('[data]\ndataset = "digits"\n') == CREATE_TIMEOUT_S
