@@ -503,9 +503,8 @@ class ClientNodeHandle:
         if not (contribution.messages or contribution.refusals or contribution.HasField("columns")):
             return  # a notice of a round none of this node's users was invited to: nothing to answer
         parts = split_contribution(contribution, self._chunk)
-        stream = self._stream
         # every part is on its way before the first result is awaited: one round trip for all of them
-        sent = [(part, stream.send(part) if stream is not None else None) for part in parts]
+        sent = [(part, self._send(part)) for part in parts]
         for part, result in sent:
             code = self._deliver(part, result, inv.spec.round)
             senders = [m.user_id for m in part.messages] + list(part.columns.user_ids)
@@ -514,8 +513,17 @@ class ClientNodeHandle:
                 why = SUBMIT_FAILED_PREFIX + code.name.lower()
                 note = pb.Contribution(run_id=part.run_id, round=part.round, node_id=part.node_id)
                 note.refusals.extend(pb.Refusal(user_id=u, reason=why) for u in senders)
-                stream = self._stream
-                self._deliver(note, stream.send(note) if stream is not None else None, inv.spec.round)
+                self._deliver(note, self._send(note), inv.spec.round)
+
+    def _send(self, contribution: pb.Contribution) -> futures.Future | None:
+        """On the current stream (its result's future); None when there is none (the caller uses Submit)."""
+        stream = self._stream
+        return stream.send(contribution) if stream is not None else None
+
+    def _log_ack(self, ack: pb.ContributionAck, round_index: int) -> None:
+        if ack.rejected:
+            rejected = dict(ack.rejected)
+            log.warning("node %s: round %d: shuffler rejected %s", self.core.node_id, round_index, rejected)
 
     def _deliver(
         self, contribution: pb.Contribution, sent: futures.Future | None, round_index: int
@@ -532,9 +540,7 @@ class ClientNodeHandle:
         if result.status:
             log.warning("node %s: round %d submit failed: %s", self.core.node_id, round_index, result.status)
             return getattr(grpc.StatusCode, result.status, grpc.StatusCode.UNKNOWN)
-        if result.ack.rejected:
-            rejected = dict(result.ack.rejected)
-            log.warning("node %s: round %d: shuffler rejected %s", self.core.node_id, round_index, rejected)
+        self._log_ack(result.ack, round_index)
         return None
 
     def _submit(self, contribution: pb.Contribution, round_index: int) -> grpc.StatusCode | None:
@@ -542,10 +548,7 @@ class ClientNodeHandle:
         code = None
         for attempt in range(3):
             try:
-                ack = self._stub.Submit(contribution, timeout=60)
-                if ack.rejected:
-                    rejected = dict(ack.rejected)
-                    log.warning("node %s: round %d: shuffler rejected %s", self.core.node_id, round_index, rejected)
+                self._log_ack(self._stub.Submit(contribution, timeout=60), round_index)
                 return None
             except grpc.RpcError as exc:
                 code = exc.code()
