@@ -1,7 +1,7 @@
 """Throughput of the eps0-LDP randomizers of seed 001 (rr, r_inf, r_one, privunit).
 
 For each randomizer: users/second of `encode` on a batch of k users in dimension d, and the ratio of its time to
-drawing the same random numbers alone (same Generator calls and sizes, ChaCha20). Target ratio: <= 3.
+drawing the same random numbers alone (same Generator calls and sizes, shuffledp.rng). Target ratio: <= 3.
 R_inf and R_1 draw O(1) numbers per user but must read the O(d) input, so a second ratio divides by
 (draws + one read of the input, X.sum()). Also users/second of `decode_sum` (the analyzer's work on a batch).
 
@@ -87,7 +87,8 @@ def main() -> None:
             X_two,
         ),
     ]
-    print(f"k = {k} users, d = {d}, eps0 = {eps0}, best of {args.reps} runs (ChaCha20 Generator)")
+    generator = type(make_rng().bit_generator).__name__
+    print(f"k = {k} users, d = {d}, eps0 = {eps0}, best of {args.reps} runs ({generator} Generator)")
     print(
         f"{'randomizer':>10} {'msg bits':>9} {'encode users/s':>15} {'draws ms':>9} {'read X ms':>9} "
         f"{'encode ms':>10} {'ratio':>7} {'ratio*':>6} {'decode_sum users/s':>19}"

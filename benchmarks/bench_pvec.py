@@ -4,8 +4,8 @@ Run: python benchmarks/bench_pvec.py [--users 10000] [--d 100] [--repeats 5]
 
 For each setting it prints users/second of the full client-side encoding (validation, clipping, shift,
 randomized rounding, binomial noise) for all users in one vectorized call, and the ratio of its time to the
-time of drawing the same random numbers alone from the same kind of generator (ChaCha20 CSPRNG): one uniform
-per coordinate (Bernoulli rounding) plus one Binomial(m, p) per coordinate. Target ratio <= 3.
+time of drawing the same random numbers alone from the same kind of generator (shuffledp.rng: AES-CTR or ChaCha20):
+one uniform per coordinate (Bernoulli rounding) plus one Binomial(m, p) per coordinate. Target ratio <= 3.
 Times are the minimum over repeats (least disturbed by other processes on a shared machine).
 """
 

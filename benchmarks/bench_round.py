@@ -18,13 +18,19 @@ End to end, the services run as separate OS processes on loopback (`python -m sh
   direct mode    shuffler + 2 client nodes; this process plays the analyzer: builds the RoundSpec from the same
                  plan (services.run_manager.plan_run), calls ExecuteRound, decode_counts, PGD step. No ledger, no
                  evaluation: the pure cost of the distributed round.
-In one process: gradients of the 1000 users at the same model, clipping, encode_counts for all users, sum per
-label, decode_counts, PGD step (the same modules the services call).
+Two rounds in one process, each timed over the same R rounds, before and after the services' runs (same load):
+  in-process            gradients of the 1000 users at the same model, clipping, encode_counts for all users, sum
+                        per label, decode_counts, PGD step (the same modules the services call): the arithmetic alone.
+  services in one process  the same round with the services' own logic and no processes or gRPC (ServicesRound):
+                        the shuffler's ShufflerState with its durable participation record, each node's NodeCore
+                        with its durable spend record (the users' policies, the check-in's two invitations and its
+                        preparation), decode, PGD step: the work a distributed round does, minus the distribution.
 Both with the check-in (privacy.pvec.check_in, the default for calibrated PVEC: the users are invited twice, once to
 check in, then to send) and without (one invitation, the same exchange as the in-process round's single pass).
-Printed: median round times over R rounds after one warm-up round, their ratio (target <= 1.5), the peak
-resident memory (VmHWM of /proc/<pid>/status) of every service process and, in direct mode, each service's CPU
-time per round (/proc/<pid>/stat; clock-tick resolution, so a mean over R rounds).
+Printed: median round times over R rounds after one warm-up round, the end-to-end round's ratio to each of the two
+(target <= 1.3, issue 30), the peak resident memory (VmHWM of /proc/<pid>/status) of every service process and, in
+direct mode, each service's CPU time per round (/proc/<pid>/stat; clock-tick resolution, so a mean over R rounds).
+--profile: the median of each part of the services' round in one process.
 """
 
 from __future__ import annotations
@@ -45,10 +51,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 from shuffledp.clients.node import NodeCore, UserShard
+from shuffledp.clients.spend_store import SqliteSpendStore
 from shuffledp.services.ledger import PrivacyEvent
 from shuffledp.services.run_manager import plan_run, round_spec
 from shuffledp.services.shuffler import _request, _submission
-from shuffledp.services.shuffler_state import ShufflerState
+from shuffledp.services.shuffler_state import ShufflerState, SqliteParticipationStore
 
 from shuffledp.config import RunConfig, parse_config
 from shuffledp.data import load_dataset, user_shard
@@ -253,63 +260,79 @@ def bench_direct(
     return times, mem, phases, cpu
 
 
-# ----------------------------------------------------------------------------------------------- breakdown
-def component_breakdown(cfg: RunConfig, plan: dict, params: PvecParams, model: Model, rounds: int) -> None:
-    """Where an end-to-end round spends its time: the services' own logic run in this process, no gRPC.
+# ------------------------------------------------------------------------------------- services in one process
+class ServicesRound:
+    """The same round with the services' own logic in this one process, no processes and no gRPC: the shuffler's
+    ShufflerState (its durable participation record in SQLite) runs the round in a thread; each node's NodeCore
+    (its durable spend record in SQLite) answers its invitations in turn (with the check-in: the check-in, its
+    preparation, then the second invitation, as ClientNodeHandle does); then decode and the PGD step. Each node's
+    contribution goes through _submission, the shuffler's conversion of what arrives. `parts` collects the time of
+    each part per round (medians printed by --profile)."""
 
-    Per round: each node's NodeCore.handle (policy, gradients, clip, encode_counts, the users' UserColumns),
-    Contribution serialize + parse + conversion to the shuffler's domain objects,
-    and the shuffler's ShufflerState.submit (per-message checks, design 5.3, then one vectorized range check and
-    sum for the contribution). The nodes run one after
-    the other here; in the real deployment they run in parallel on their own processes.
-    """
-    ds = load_dataset(cfg.data, cfg.model.task)
-    state = ShufflerState()
-    cores, subs = [], []
-    for i in range(NODES):
-        ids, X, y = user_shard(ds, i, NODES, 1, cfg.data.max_users)
-        cores.append(NodeCore(f"node-{i}", UserShard(ids, X, y)))
-        state.register_users(f"node-{i}", ids)
-        subs.append(state.subscribe(f"node-{i}"))
-    t: dict[str, list[float]] = defaultdict(list)
-    theta = model.init_params()
-    rng = make_rng()
-    event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])
-    for r in range(rounds + 1):
-        spec = round_spec("profile", r, plan, params, event, theta)
+    def __init__(self, cfg: RunConfig, model: Model, plan: dict, params: PvecParams, workdir: Path) -> None:
+        ds = load_dataset(cfg.data, cfg.model.task)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.state = ShufflerState(SqliteParticipationStore(workdir / "shuffler.sqlite"))
+        self.cores, self.subs = [], []
+        for i in range(NODES):
+            ids, X, y = user_shard(ds, i, NODES, 1, cfg.data.max_users)
+            store = SqliteSpendStore(workdir / f"node-{i}.spend.sqlite")
+            self.cores.append(NodeCore(f"node-{i}", UserShard(ids, X, y), spend_store=store))
+            self.state.register_users(f"node-{i}", ids)
+            self.subs.append(self.state.subscribe(f"node-{i}"))
+        self.plan, self.params = plan, params
+        self.opt = pgd(plan["learning_rate"], plan["radius"])
+        self.opt_state = self.opt.init(model.init_params())
+        self.event = PrivacyEvent.pvec(params, plan["min_contributors"], plan["kind"])
+        self.round = 0
+        self.parts: dict[str, list[float]] = defaultdict(list)
+
+    def __call__(self) -> None:
+        spec = round_spec("in-process", self.round, self.plan, self.params, self.event, self.opt_state.last)
+        self.round += 1
         box: dict = {}
-        runner = threading.Thread(target=lambda s=spec, b=box: b.update(batch=state.execute_round(_request(s))))
+        runner = threading.Thread(target=lambda: box.update(batch=self.state.execute_round(_request(spec))))
         runner.start()
         phases = ("check-in", "contribution") if spec.check_in.noise_trials else ("contribution",)
         for phase in phases:  # a check-in round invites twice (mechanisms/check_in.py)
-            for core, sub in zip(cores, subs, strict=True):
+            for core, sub in zip(self.cores, self.subs, strict=True):
                 invite = sub.get(timeout=10)
+                inv = pb.Invitation(spec=invite.relay, user_ids=invite.user_ids)
                 t0 = time.perf_counter()
-                contribution = core.handle(pb.Invitation(spec=invite.relay, user_ids=invite.user_ids))
+                contribution = core.handle(inv)
                 t1 = time.perf_counter()
-                wire = pb.Contribution.FromString(contribution.SerializeToString())
-                submission = _submission(wire, core.node_id)
+                ack = self.state.submit(_submission(contribution, core.node_id))
                 t2 = time.perf_counter()
-                ack = state.submit(submission)
-                t3 = time.perf_counter()
+                if phase == "check-in":
+                    core.prepare(inv, contribution.columns.user_ids)
+                    self.parts[f"{phase}: node prepare (500 users)"].append(time.perf_counter() - t2)
                 if ack.accepted != len(invite.user_ids):
                     raise RuntimeError(f"in-process shuffler accepted {ack.accepted} of {len(invite.user_ids)}")
-                if r > 0:
-                    t[f"{phase}: node handle (500 users)"].append(t1 - t0)
-                    t[f"{phase}: serialize+parse+to-domain"].append(t2 - t1)
-                    t[f"{phase}: shuffler submit (500 users)"].append(t3 - t2)
+                self.parts[f"{phase}: node handle (500 users)"].append(t1 - t0)
+                self.parts[f"{phase}: to-domain + shuffler submit"].append(t2 - t1)
         runner.join()
-        # the in-process work of the same 500 users without protos or policy, for comparison
-        ids, X, y = cores[0].shard.user_ids, cores[0].shard.X[:, 0, :], cores[0].shard.y[:, 0]
+        batch = box["batch"]
+        if batch.contributors != USERS:
+            raise RuntimeError(f"in-process round released {batch.contributors} contributors")
         t0 = time.perf_counter()
-        encode_counts(clip_rows(model.per_example_gradients(theta, X, y), params.delta2), params, rng)
-        if r > 0:
-            t["grad+clip+encode alone (500)"].append(time.perf_counter() - t0)
-        if box["batch"].contributors != USERS:
-            raise RuntimeError(f"in-process round released {box['batch'].contributors} contributors")
-    print("\nbreakdown (services' logic in this process, no gRPC; median per node contribution):")
-    for name, xs in t.items():
-        print(f"  {name:30s} {statistics.median(xs) * 1e3:6.1f} ms")
+        grad = decode_counts(batch.label_totals, batch.contributors, self.params) / batch.contributors
+        _, self.opt_state = self.opt.step(grad, self.opt_state, self.opt_state.last)
+        self.parts["decode + step"].append(time.perf_counter() - t0)
+
+    def print_parts(self, model: Model, rng: np.random.Generator) -> None:
+        """The medians of `parts`, and the in-process round's own work for 500 users for comparison."""
+        core = self.cores[0]
+        X, y = core.shard.X[:, 0, :], core.shard.y[:, 0]
+        alone = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            encode_counts(
+                clip_rows(model.per_example_gradients(self.opt_state.last, X, y), self.params.delta2), self.params, rng
+            )
+            alone.append(time.perf_counter() - t0)
+        print("\nbreakdown of the services' logic in one process (median per node contribution):")
+        for name, xs in {**self.parts, "grad+clip+encode alone (500)": alone}.items():
+            print(f"  {name:42s} {statistics.median(xs) * 1e3:6.1f} ms")
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -351,8 +374,9 @@ def bench_dim(dim: int, args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_round_") as tmp:
         workdir = Path(tmp)
         data_path = write_problem(workdir, make_rng(), dim)
-        results: dict[str, list[float]] = {}
+        results: dict[tuple[str, str], list[float]] = {}
         t_local: list[float] = []
+        t_services: dict[str, list[float]] = {}
         for check_in in settings:
             toml = config_toml(data_path, args.rounds + 1, check_in)
             cfg_path = workdir / f"config-{check_in}.toml"
@@ -369,36 +393,41 @@ def bench_dim(dim: int, args: argparse.Namespace) -> None:
                 f"{plan['rounds']} rounds, delta={plan['delta']:g}, n_min={plan['min_contributors']})"
             )
             in_proc = InProcessRound(cfg, model, plan, params)
+            services = ServicesRound(cfg, model, plan, params, workdir / f"services-{check_in}")
             t_local += timed(in_proc, args.rounds)
+            t_services[label] = timed(services, args.rounds)
             if args.mode in ("analyzer", "both"):
                 secs, mem, info = bench_analyzer(cfg_path, workdir / f"analyzer_run-{check_in}", toml)
-                results[f"analyzer, {label}"] = secs
+                results[(label, "analyzer")] = secs
                 print(f"\n[analyzer mode, {label}] real analyzer run, RoundMetrics.seconds; {info}")
                 print(f"  end-to-end round  {fmt_ms(secs)}")
                 print(f"  peak memory (VmHWM): {fmt_mem(mem)}")
             if args.mode in ("direct", "both"):
                 run_dir = workdir / f"direct_run-{check_in}"
                 secs, mem, phases, cpu = bench_direct(cfg_path, run_dir, plan, params, model, args.rounds)
-                results[f"direct, {label}"] = secs
+                results[(label, "direct")] = secs
                 print(f"\n[direct mode, {label}] this process calls ExecuteRound as the analyzer does, decode, step")
                 print(f"  end-to-end round  {fmt_ms(secs)}")
                 print("  split (mean): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
                 print("  CPU per round (user+sys): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in cpu.items()))
                 print(f"  peak memory (VmHWM): {fmt_mem(mem)}; driver process {vm_hwm_mib(os.getpid()):.0f} MiB")
-            t_local += timed(in_proc, args.rounds)  # again after the services: both ends, same machine load
+            # again after the services: both ends, same machine load
+            t_local += timed(in_proc, args.rounds)
+            t_services[label] += timed(services, args.rounds)
+            print(f"the services' logic in one process ({label}): {fmt_ms(t_services[label])}")
             if args.profile:
-                component_breakdown(cfg, plan, params, model, args.rounds)
+                services.print_parts(model, make_rng())
         # the in-process round is the same for both settings (one pass over the users: it never invites anyone)
         print(f"\nin one process (d={dim})  {fmt_ms(t_local)}")
-        local = statistics.median(t_local)
-        for name, secs in results.items():
-            ratio = statistics.median(secs) / local
-            verdict = "met" if ratio <= TARGET_RATIO else "MISSED"
-            best = min(secs) / min(t_local)  # least disturbed by the other processes of a shared machine
-            print(
-                f"ratio end-to-end / in-process [d={dim}, {name}]: median {ratio:5.2f} (target <= {TARGET_RATIO:g}: "
-                f"{verdict}); ratio of the minima {best:5.2f}"
-            )
+        for (label, mode), secs in results.items():
+            for base_name, base in (("in-process", t_local), ("services in one process", t_services[label])):
+                ratio = statistics.median(secs) / statistics.median(base)
+                verdict = "met" if ratio <= TARGET_RATIO else "MISSED"
+                best = min(secs) / min(base)  # least disturbed by the other processes of a shared machine
+                print(
+                    f"ratio end-to-end / {base_name} [d={dim}, {mode}, {label}]: median {ratio:5.2f} "
+                    f"(target <= {TARGET_RATIO:g}: {verdict}); ratio of the minima {best:5.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -131,6 +131,9 @@ class NodeCore:
         self.spend_records = 0  # users charged, one record each per round (shuffledp/metrics.py)
         self.refusals: Counter = Counter()
         self._protocol_state: dict[str, Any] = {}  # per run: a stateful client estimator's state (mu2_round)
+        # the last check-in's draws (Protocol.prepare): (run, round, {user: row}, state), for its second invitation
+        self._prepared: tuple[str, int, dict[str, int], Any] | None = None
+        self.prepared_rounds = 0  # second invitations answered from the check-in's draws
 
     # ----- gradients -------------------------------------------------------------------------------------------
     def _builtin(self, spec: pb.RoundSpec) -> ModelPlugin:
@@ -294,10 +297,40 @@ class NodeCore:
         self._refuse(ids, reasons, join, out)
 
     def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray, out: pb.Contribution) -> None:
-        """One message per user of idx (in idx order) in out, by the round's protocol plug-in."""
+        """One message per user of idx (in idx order) in out, by the round's protocol plug-in: from the check-in's
+        draws when the protocol prepared them for this round and these users, else from scratch."""
         ids = [self.shard.user_ids[i] for i in idx]
         protocol = round_protocol(spec.randomizer.protocol)
+        prepared, self._prepared = self._prepared, None  # drawn for one invitation: never used twice
+        fits = prepared is not None and (prepared[0], prepared[1]) == (spec.run_id, spec.round)
+        if fits and hasattr(protocol, "randomize_prepared"):
+            rows = prepared[2]
+            if all(u in rows for u in ids):
+                at = np.fromiter((rows[u] for u in ids), dtype=np.int64, count=len(ids))
+                if protocol.randomize_prepared(spec, prepared[3], at, ids, _nonces(len(ids)), self._rng, out):
+                    self.prepared_rounds += 1
+                    return
         protocol.randomize(spec, protocol.local_vectors(spec, self, idx), ids, _nonces(len(ids)), self._rng, out)
+
+    def prepare(self, inv: pb.Invitation, checked_in: Sequence[str]) -> None:
+        """After this node's users checked in: what the round's protocol can draw before the second invitation
+        (Protocol.prepare, optional), kept for that invitation. Nothing is sent or charged here: the second
+        invitation is decided, charged and verified as any other, and its spec must match these draws."""
+        spec = inv.spec
+        protocol = known_protocol(spec.randomizer.protocol)
+        if protocol is None or not hasattr(protocol, "prepare") or not checked_in:
+            return
+        with self._lock:
+            self._prepared = None
+            idx = np.fromiter((self._index[u] for u in checked_in), dtype=np.int64, count=len(checked_in))
+            try:
+                state = protocol.prepare(spec, protocol.local_vectors(spec, self, idx), self._rng)
+            except ValueError as exc:  # the second invitation computes (and reports) it
+                log.debug("node %s: round %d not prepared: %s", self.node_id, spec.round, exc)
+                return
+            if state is not None:
+                rows = {u: i for i, u in enumerate(checked_in)}
+                self._prepared = (spec.run_id, spec.round, rows, state)
 
     def status(self) -> pb.NodeStatus:
         with self._lock:
@@ -505,6 +538,13 @@ class ClientNodeHandle:
         parts = split_contribution(contribution, self._chunk)
         # every part is on its way before the first result is awaited: one round trip for all of them
         sent = [(part, self._send(part)) for part in parts]
+        if inv.spec.check_in.noise_trials and not inv.spec.check_in.checked_in:
+            # the second invitation is a round trip away: draw what can be drawn now (one worker thread, so it
+            # is ready before that invitation is handled)
+            try:
+                self.core.prepare(inv, contribution.columns.user_ids)
+            except Exception:  # a failed preparation only costs its time: the second invitation starts over
+                log.exception("node %s: failed to prepare round %d", self.core.node_id, inv.spec.round)
         for part, result in sent:
             code = self._deliver(part, result, inv.spec.round)
             senders = [m.user_id for m in part.messages] + list(part.columns.user_ids)

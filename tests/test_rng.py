@@ -3,14 +3,17 @@ import sys
 
 import numpy as np
 import pytest
-from randomgen import ChaCha
+from randomgen import AESCounter, ChaCha
 
-from shuffledp.rng import InsecureSeedError, make_rng, secure_permutation
+from shuffledp.rng import AES_NI, InsecureSeedError, make_rng, secure_permutation
 
 
-def test_generator_is_chacha20():
-    rng = make_rng()
-    assert isinstance(rng.bit_generator, ChaCha)
+def test_generator_is_aes_ctr_with_aes_ni_else_chacha20():
+    for rng in (make_rng(), make_rng(3)):
+        if AES_NI:
+            assert isinstance(rng.bit_generator, AESCounter) and rng.bit_generator.use_aesni
+        else:
+            assert isinstance(rng.bit_generator, ChaCha)
 
 
 def test_unseeded_streams_differ():

@@ -197,6 +197,10 @@ class RoundProtocol(Protocol):
     def noise_key(self, spec: pb.RoundSpec) -> Any: ...
     def user_account(self, spec: pb.RoundSpec) -> UserAccount | None: ...
 
+    # optional, for check-in rounds (mechanisms/check_in.py): prepare(spec, G, rng) draws what it can once the users
+    # checked in, and randomize_prepared(spec, prepared, rows, user_ids, nonces, rng, out) -> bool answers the
+    # second invitation from it (False: it does not fit that spec, and the node calls randomize); pvec_round's
+
 
 class AnalyzerHooks:
     """Defaults of the configuration hooks (no table of its own, no extra check) and of the analyzer-side hooks,

@@ -87,6 +87,46 @@ def pvec_params_from_spec(spec: pb.RoundSpec) -> PvecParams:
     )
 
 
+@dataclass(frozen=True)
+class PreparedCounts:
+    """PvecRound.prepare's draws for the users who checked in (rows in their check-in order)."""
+
+    first: bytes  # the check-in spec without what the second invitation may change (_first_form)
+    m_low: int  # binomial trials per coordinate already drawn
+    counts: np.ndarray  # (users, d) xhat + Bin(m_low, p), in the wire width of g + m_low
+
+
+def _first_form(spec: pb.RoundSpec) -> bytes:
+    """The spec without the fields a check-in's second invitation sets (services/shuffler.py _second_spec)."""
+    s = pb.RoundSpec()
+    s.CopyFrom(spec)
+    s.check_in.checked_in = 0
+    s.min_contributors = 0
+    s.randomizer.m = 0
+    s.randomizer.messages_per_user = 0
+    return s.SerializeToString(deterministic=True)
+
+
+def _encode_wire(G: np.ndarray, params: PvecParams, rng: np.random.Generator) -> np.ndarray:
+    """Each row's d counts (xhat + Bin(m, p), in [0, g + m]) in the round's wire width, by blocks of users straight
+    into it: no whole (k, d) copy of G nor int64 counts (at mnist5k's k d ~ 1.5e7 per node those copies cost more
+    CPU than the rounding). encode_counts clips to ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7)."""
+    wire = np.empty(G.shape, dtype=pvec.count_wire_dtype(params.g + params.m))
+    step = max(1, pvec.ENCODE_BLOCK_VALUES // params.d)
+    for i in range(0, G.shape[0], step):
+        wire[i : i + step] = pvec.encode_counts(G[i : i + step], params, rng)
+    return wire
+
+
+def _put_columns(out: pb.Contribution, user_ids: Sequence[str], nonces: Sequence[bytes], wire: np.ndarray) -> None:
+    """UserColumns: each user's counts in the wire width (CountVector.packed's layout), all users in one buffer,
+    their ids and nonces as columns: no protobuf object per user on either side."""
+    out.columns.user_ids.extend(user_ids)
+    out.columns.nonce_bytes = len(nonces[0]) if len(nonces) else 0
+    out.columns.nonces = b"".join(nonces)
+    out.columns.counts = wire.tobytes()
+
+
 def open_bit_messages(
     private_key: Any, ciphertexts: Sequence[bytes], info: bytes, d: int
 ) -> tuple[np.ndarray, np.ndarray, Counter[str]]:
@@ -426,21 +466,9 @@ class PvecRound(AnalyzerHooks):
         UserMessages in out.messages."""
         params = pvec_params_from_spec(spec)
         if spec.transport == pb.COUNTS:
-            # UserColumns: each user's d counts in the round's wire width (CountVector.packed's layout), all users
-            # in one buffer, and their ids and nonces as columns: no protobuf object per user on either side.
-            # encode_counts clips to ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7; Alg 2 of paper
-            # 000); by blocks of users straight into the wire width: no whole (k, d) copy of G nor int64 counts
-            # (at mnist5k's k d ~ 1.5e7 per node those copies cost more CPU than the rounding)
-            wire = np.empty(G.shape, dtype=pvec.count_wire_dtype(params.g + params.m))
-            step = max(1, pvec.ENCODE_BLOCK_VALUES // params.d)
-            for i in range(0, G.shape[0], step):
-                wire[i : i + step] = pvec.encode_counts(G[i : i + step], params, rng)  # in [0, g + m]
-            out.columns.user_ids.extend(user_ids)
-            out.columns.nonce_bytes = len(nonces[0]) if len(nonces) else 0
-            out.columns.nonces = b"".join(nonces)
-            out.columns.counts = wire.tobytes()
+            _put_columns(out, user_ids, nonces, _encode_wire(G, params, rng))
             return
-        G = pvec.clip_rows(G, params.delta2)  # as above, for BITS
+        G = pvec.clip_rows(G, params.delta2)  # ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7)
         if spec.randomizer.message_bytes not in (0, sealing.BIT_MESSAGE_BYTES):
             raise ValueError(
                 f"BITS needs randomizer.message_bytes = {sealing.BIT_MESSAGE_BYTES}, "
@@ -451,6 +479,50 @@ class PvecRound(AnalyzerHooks):
             labels, bits = pvec.encode_bits(row, params, rng)
             cts = sealing.seal_many(spec.analyzer_public_key, sealing.pack_labelled_bits(labels, bits), info)
             out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=cts))
+
+    def prepare(self, spec: pb.RoundSpec, G: np.ndarray, rng: np.random.Generator) -> PreparedCounts | None:
+        """Check-in rounds in COUNTS (mechanisms/check_in.py): what the users who just checked in can draw before the
+        second invitation tells them their m. Their rounding and Bin(m_low, p) noise per coordinate, m_low the
+        share of the noise if the whole planned cohort (randomizer.extra n) checks in: no second invitation carries
+        less unless more users check in than planned (randomize_prepared then refuses it). None: nothing to do."""
+        ci = spec.check_in
+        if spec.transport != pb.COUNTS or not ci.noise_trials or ci.checked_in:
+            return None
+        params = pvec_params_from_spec(spec)
+        try:
+            _, m_low = check_in.share(int(ci.noise_trials), ci.report_fraction, spec.min_contributors, params.n)
+        except ValueError:
+            return None  # a planned cohort below the threshold: the second invitation draws everything
+        low = replace(params, m=min(m_low, params.m))
+        return PreparedCounts(_first_form(spec), low.m, _encode_wire(G, low, rng))
+
+    def randomize_prepared(
+        self,
+        spec: pb.RoundSpec,
+        prepared: PreparedCounts,
+        rows: np.ndarray,
+        user_ids: Sequence[str],
+        nonces: Sequence[bytes],
+        rng: np.random.Generator,
+        out: pb.Contribution,
+    ) -> bool:
+        """randomize for the second invitation from prepare's draws (rows: each user's row in them), adding
+        Bin(m - m_low, p): independent binomials of one p add up to the binomial of the summed trials, so each
+        count is xhat + Bin(m, p) exactly as randomize draws it (Alg 1 of paper 000). False, with nothing drawn or
+        written, when the draws do not fit this spec: another round, model or parameters, or m < m_low."""
+        if spec.transport != pb.COUNTS or not spec.check_in.checked_in or spec.randomizer.m < prepared.m_low:
+            return False
+        if _first_form(spec) != prepared.first:
+            return False
+        params = pvec_params_from_spec(spec)
+        wire = prepared.counts[rows].astype(pvec.count_wire_dtype(params.g + params.m))
+        extra = params.m - prepared.m_low
+        if extra:
+            step = max(1, pvec.ENCODE_BLOCK_VALUES // params.d)
+            for i in range(0, wire.shape[0], step):  # by blocks, as encode_counts: no whole-array temporary
+                wire[i : i + step] += rng.binomial(extra, params.p, size=wire[i : i + step].shape).astype(wire.dtype)
+        _put_columns(out, user_ids, nonces, wire)
+        return True
 
     def verify_epsilon(self, spec: pb.RoundSpec) -> float:
         """The eps of this round's randomizer for one user, recomputed from its parameters (not the claim):

@@ -1,0 +1,171 @@
+"""A node draws a check-in round's noise while its users' check-in travels (PvecRound.prepare, issue 30 item 1):
+the second invitation adds only the trials that invitation adds, each count is still xhat + Bin(m, p), and the draws
+are used only for the spec, users and m they fit."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from _intercept import user_messages
+from shuffledp.clients.node import NodeCore, UserShard
+from shuffledp.clients.policy import UserPolicy
+from shuffledp.services.shuffler import _second_spec
+
+from shuffledp.mechanisms import check_in
+from shuffledp.rng import make_rng
+from shuffledp.v1 import shuffledp_pb2 as pb
+
+F = 3
+D = F + 1
+G, M_PLAN, P, FRACTION = 16, 40, 0.5, 0.99
+POLICY = UserPolicy(max_total_eps=np.inf, max_total_delta=1.0, verify_randomizer=False)
+THETA = np.array([0.3, -0.2, 0.1, 0.05])
+
+
+def shard(n: int) -> UserShard:
+    rng = make_rng(31)
+    return UserShard([f"u{j}" for j in range(n)], rng.normal(size=(n, 1, F)) * 4, rng.normal(size=(n, 1)))
+
+
+def first_spec(planned: int, n_min: int, round_: int = 2) -> pb.RoundSpec:
+    """A check-in invitation sized for `planned` users (randomizer.extra n) and n_min contributors."""
+    return pb.RoundSpec(
+        run_id="run",
+        round=round_,
+        schedule=pb.FULLY_INTERACTIVE,
+        trust_model=pb.SHUFFLE,
+        transport=pb.COUNTS,
+        randomizer=pb.RandomizerSpec(
+            protocol="pvec", dim=D, g=G, m=M_PLAN, p=P, clip_norm=1.0, extra={"n": float(planned)}
+        ),
+        model=pb.Tensor(shape=[D], f64=THETA.tobytes()),
+        task="leastsq",
+        min_contributors=n_min,
+        deadline_seconds=10,
+        per_user_cost=pb.PrivacyCost(eps=1.0, delta=1e-6, trust_model=pb.SHUFFLE),
+        local_batch=1,
+        check_in=pb.CheckIn(noise_trials=M_PLAN * n_min, report_fraction=FRACTION),
+    )
+
+
+def second(first: pb.RoundSpec, c: int) -> tuple[pb.RoundSpec, int]:
+    """The shuffler's second invitation after c check-ins (its own code), and its m."""
+    c_min, m = check_in.share(int(first.check_in.noise_trials), FRACTION, first.min_contributors, c)
+    return _second_spec(first, c, c_min, m), m
+
+
+def check_in_and_prepare(core: NodeCore, spec: pb.RoundSpec, ids: list[str]) -> list[str]:
+    con = core.handle(pb.Invitation(spec=spec, user_ids=ids))
+    checked = list(con.columns.user_ids)
+    core.prepare(pb.Invitation(spec=spec, user_ids=ids), checked)
+    return checked
+
+
+def counts_of(con: pb.Contribution, m: int) -> np.ndarray:
+    from shuffledp.mechanisms.pvec import count_wire_dtype
+
+    return np.frombuffer(con.columns.counts, dtype=count_wire_dtype(G + m)).reshape(-1, D).astype(np.int64)
+
+
+def units(sh: UserShard, ids: list[str]) -> np.ndarray:
+    """Independent reference: each user's clipped least-squares gradient shifted to [0, 1] (Alg 2 line 4)."""
+    rows = [int(u[1:]) for u in ids]
+    Z = np.concatenate([sh.X[rows, 0, :], np.ones((len(rows), 1))], axis=1)
+    g = (Z @ THETA - sh.y[rows, 0])[:, None] * Z
+    g *= np.minimum(1.0, 1.0 / np.linalg.norm(g, axis=1, keepdims=True))
+    return (g + 1.0) / 2.0
+
+
+@pytest.mark.parametrize(
+    "n_users, planned, c",
+    [
+        (6000, 6000, 6000),  # everyone checks in as planned: m = m_low, nothing added
+        (6000, 8000, 6000),  # fewer than planned: m > m_low, Bin(m - m_low, p) added
+    ],
+)
+def test_second_invitation_from_prepared_draws_has_the_exact_mean_and_variance(n_users, planned, c):
+    """Each count minus its mean u g + m p (Alg 1 of paper 000), over the users: the sum per coordinate within 4.5
+    standard deviations of 0 (exact variance sum r(1 - r) + m p (1 - p), spec 000 sec 2), and the summed squares
+    within 6 % of that variance (relative sd of a sum of 6000 x 4 squares ~ 1.3 %). Fixed seeds."""
+    sh = shard(n_users)
+    core = NodeCore("node", sh, POLICY, rng=make_rng(7))
+    first = first_spec(planned, n_min=int(0.9 * planned) if planned == n_users else 5000)
+    checked = check_in_and_prepare(core, first, sh.user_ids)
+    assert checked == sh.user_ids
+    spec, m = second(first, c)
+    _, m_low = check_in.share(int(first.check_in.noise_trials), FRACTION, first.min_contributors, planned)
+    assert (m == m_low) == (planned == c)
+    con = core.handle(pb.Invitation(spec=spec, user_ids=checked))
+    assert core.prepared_rounds == 1 and list(con.columns.user_ids) == checked
+    counts = counts_of(con, m)
+    assert counts.min() >= 0 and counts.max() <= G + m
+    v = units(sh, checked) * G
+    r = v - np.floor(v)
+    resid = counts - (v + m * P)
+    var = r * (1 - r) + m * P * (1 - P)
+    z = resid.sum(axis=0) / np.sqrt(var.sum(axis=0))
+    assert np.all(np.abs(z) < 4.5), z
+    assert abs((resid**2).sum() / var.sum() - 1.0) < 0.06
+    # xhat is floor(v) or floor(v) + 1: the counts minus the noise mean can only sit near v (m p = 20 +- ~7 sd)
+    assert np.all(np.abs(resid) < 1 + 8 * math.sqrt(m * P * (1 - P)))
+
+
+def test_prepared_draws_serve_only_the_spec_users_and_m_they_fit():
+    """Not used (and the round is drawn from scratch) for another model, another round, a user not checked in
+    here, or an m below the trials already drawn (more users checked in than planned); and used once only."""
+    sh = shard(40)
+    core = NodeCore("node", sh, POLICY, rng=make_rng(8))
+
+    def answer(spec: pb.RoundSpec, ids: list[str]) -> pb.Contribution:
+        con = core.handle(pb.Invitation(spec=spec, user_ids=ids))
+        assert len(con.columns.user_ids) == len(ids) and not con.refusals
+        return con
+
+    first = first_spec(planned=30, n_min=20)
+    cases = []
+    # another model in the second invitation
+    spec, _ = second(first, 30)
+    spec.model.f64 = (THETA * 2).tobytes()
+    cases.append((spec, sh.user_ids[:30]))
+    # more users checked in than planned: m < m_low
+    spec, m = second(first, 40)
+    assert m < second(first, 30)[1]
+    cases.append((spec, sh.user_ids))
+    # a user invited who did not check in at this node's check-in (the draws hold 30 users)
+    spec, _ = second(first, 31)
+    cases.append((spec, sh.user_ids[:31]))
+    for spec, ids in cases:
+        check_in_and_prepare(core, first, sh.user_ids[:30] if len(ids) <= 31 else sh.user_ids)
+        answer(spec, ids)
+        assert core.prepared_rounds == 0
+    # another round: the draws of round 2 do not answer round 3
+    check_in_and_prepare(core, first, sh.user_ids[:30])
+    other = first_spec(planned=30, n_min=20, round_=3)
+    answer(second(other, 30)[0], sh.user_ids[:30])
+    assert core.prepared_rounds == 0
+    # the fitting case: used, then gone (a repeated invitation draws afresh)
+    check_in_and_prepare(core, first, sh.user_ids[:30])
+    spec, _ = second(first, 30)
+    answer(spec, sh.user_ids[:30])
+    assert core.prepared_rounds == 1
+    answer(spec, sh.user_ids[:30])
+    assert core.prepared_rounds == 1
+
+
+def test_a_second_invitation_from_prepared_draws_is_charged_as_any_other():
+    """Preparing charges nothing; the second invitation charges each user once, the same as without preparing."""
+    sh = shard(30)
+    prepared, plain = (NodeCore("node", sh, POLICY, rng=make_rng(9)) for _ in range(2))
+    first = first_spec(planned=30, n_min=20)
+    spec, _ = second(first, 30)
+    for core, prep in ((prepared, True), (plain, False)):
+        con = core.handle(pb.Invitation(spec=first, user_ids=sh.user_ids))
+        if prep:
+            core.prepare(pb.Invitation(spec=first, user_ids=sh.user_ids), list(con.columns.user_ids))
+        assert core.spent("u0") == (0.0, 0.0)
+        assert len(user_messages(core.handle(pb.Invitation(spec=spec, user_ids=sh.user_ids)))) == 30
+    assert prepared.prepared_rounds == 1 and plain.prepared_rounds == 0
+    assert [prepared.spent(u) for u in sh.user_ids] == [plain.spent(u) for u in sh.user_ids]
+    assert prepared.spent("u0") == pytest.approx((1.0, 1e-6))
