@@ -668,16 +668,18 @@ def start_node(
     """The client-node entry point (issue 4 contract): users = shuffledp.data.user_shard of config.data; their
     policy is `policy` or else the configuration's [policy] section; their spend persists in state_dir. With
     [model] module set, the node loads that plug-in here, from what is installed on it (shuffledp.model_plugin)."""
-    from shuffledp.data import load_dataset, user_shard
+    from shuffledp.data import load_user_shard
     from shuffledp.model_plugin import build_model, model_identity
 
     t0 = time.monotonic()
-    ds = load_dataset(config.data, config.model.task)
-    ids, X, y = user_shard(ds, node_index, num_nodes, config.data.examples_per_user, config.data.max_users)
+    data = config.data
+    ids, X, y, features, classes = load_user_shard(
+        data, config.model.task, node_index, num_nodes, data.examples_per_user, data.max_users
+    )
     log.info("node %s: %d users' data loaded (%.2f s)", node_id, len(ids), time.monotonic() - t0)
     model = None
     if config.model.module:
-        plugin = build_model(config.model, ds.num_features, ds.num_classes)
+        plugin = build_model(config.model, features, classes)
         model = (plugin, model_identity(config.model, plugin))
         log.info("node %s: model %s (dim %d, digest %s)", node_id, model[1].name, plugin.dim, model[1].digest[:12])
     if policy is None:
