@@ -79,13 +79,14 @@ def units(sh: UserShard, ids: list[str]) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "n_users, planned, c",
+    "n_users, planned, c, subset",
     [
-        (6000, 6000, 6000),  # everyone checks in as planned: m = m_low, nothing added
-        (6000, 8000, 6000),  # fewer than planned: m > m_low, Bin(m - m_low, p) added
+        (6000, 6000, 6000, False),  # everyone checks in as planned: m = m_low, nothing added
+        (6000, 8000, 6000, False),  # fewer than planned: m > m_low, Bin(m - m_low, p) added
+        (6000, 8000, 6000, True),  # and invited again in another order, some of them not (rows picked)
     ],
 )
-def test_second_invitation_from_prepared_draws_has_the_exact_mean_and_variance(n_users, planned, c):
+def test_second_invitation_from_prepared_draws_has_the_exact_mean_and_variance(n_users, planned, c, subset):
     """Each count minus its mean u g + m p (Alg 1 of paper 000), over the users: the sum per coordinate within 4.5
     standard deviations of 0 (exact variance sum r(1 - r) + m p (1 - p), spec 000 sec 2), and the summed squares
     within 6 % of that variance (relative sd of a sum of 6000 x 4 squares ~ 1.3 %). Fixed seeds."""
@@ -97,6 +98,8 @@ def test_second_invitation_from_prepared_draws_has_the_exact_mean_and_variance(n
     spec, m = second(first, c)
     _, m_low = check_in.share(int(first.check_in.noise_trials), FRACTION, first.min_contributors, planned)
     assert (m == m_low) == (planned == c)
+    if subset:
+        checked = checked[::-1][:5000]
     con = core.handle(pb.Invitation(spec=spec, user_ids=checked))
     assert core.prepared_rounds == 1 and list(con.columns.user_ids) == checked
     counts = counts_of(con, m)

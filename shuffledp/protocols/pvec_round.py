@@ -515,7 +515,11 @@ class PvecRound(AnalyzerHooks):
         if _first_form(spec) != prepared.first:
             return False
         params = pvec_params_from_spec(spec)
-        wire = prepared.counts[rows].astype(pvec.count_wire_dtype(params.g + params.m))
+        dtype = pvec.count_wire_dtype(params.g + params.m)
+        if prepared.counts.dtype == dtype and np.array_equal(rows, np.arange(prepared.counts.shape[0])):
+            wire = prepared.counts  # every user, in order: no copy (the node drops the draws once used)
+        else:
+            wire = prepared.counts[rows].astype(dtype)
         extra = params.m - prepared.m_low
         if extra:
             step = max(1, pvec.ENCODE_BLOCK_VALUES // params.d)
