@@ -154,6 +154,7 @@ def test_unknown_protocol_is_a_clear_lookup_error_and_a_refusal_at_the_node():
 def test_node_differentiates_the_loss_the_spec_asks_for(task, kw):
     rng = make_rng(5)
     X, y = rng.normal(size=(6, 1, F)), (rng.random((6, 1)) > 0.5).astype(float)
+    X[0, 0], y[0] = [2.5, 0.0, 0.0], 1.0  # margin theta . [x; 1] = 0.8, where a smoothed hinge bends (not by luck)
     node = NodeCore("n", UserShard([f"u{i}" for i in range(6)], X, y), UserPolicy(verify_randomizer=False))
     spec = _spec(task, **kw)
     theta = np.frombuffer(spec.model.f64)
