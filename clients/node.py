@@ -20,8 +20,10 @@ Layering: NodeCore is the transport-independent logic (spec -> Contribution); No
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import secrets
+import sys
 import threading
 import time
 from collections import Counter
@@ -349,6 +351,15 @@ class NodeCore:
             return float(self.policy.eps_spent[i]), float(self.policy.delta_spent[i])
 
 
+def _lower_priority() -> None:
+    """Nice +10 for the calling thread (Linux: a thread has a nice value of its own); elsewhere nothing."""
+    if sys.platform == "linux":
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:  # not allowed here: the preparation runs at the node's priority
+            pass
+
+
 def split_contribution(c: pb.Contribution, max_bytes: int = grpc_options.SUBMIT_CHUNK_BYTES) -> list[pb.Contribution]:
     """`c` as Contributions of at most about max_bytes each (all messages of a round have one size); the refusals
     travel with the first. One Contribution if it fits."""
@@ -469,6 +480,12 @@ class ClientNodeHandle:
             self._channel = grpc.secure_channel(shuffler_address, channel_credentials, options=options)
         self._stub = pbg.ShufflerStub(self._channel)
         self._worker = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{core.node_id}-round")
+        # a check-in round's preparation (NodeCore.prepare) runs on a thread of lower CPU priority: it uses what a
+        # shared host has spare and never delays the shuffler's or another node's work on the round's path
+        self._preparer = futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"{core.node_id}-prepare", initializer=_lower_priority
+        )
+        self._prepared: futures.Future | None = None
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{core.node_id}-rpc"),
             interceptors=list(interceptors),
@@ -528,6 +545,9 @@ class ClientNodeHandle:
             delay = min(delay * 2, self._backoff[1])
 
     def _answer(self, inv: pb.Invitation) -> None:
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            futures.wait([prepared])  # the last check-in's draws are ready (or failed) before anything else is drawn
         try:
             contribution = self.core.handle(inv)
         except Exception:  # a bug for one round must not kill the node
@@ -539,12 +559,9 @@ class ClientNodeHandle:
         # every part is on its way before the first result is awaited: one round trip for all of them
         sent = [(part, self._send(part)) for part in parts]
         if inv.spec.check_in.noise_trials and not inv.spec.check_in.checked_in:
-            # the second invitation is a round trip away: draw what can be drawn now (one worker thread, so it
-            # is ready before that invitation is handled)
-            try:
-                self.core.prepare(inv, contribution.columns.user_ids)
-            except Exception:  # a failed preparation only costs its time: the second invitation starts over
-                log.exception("node %s: failed to prepare round %d", self.core.node_id, inv.spec.round)
+            # the second invitation is a round trip away: draw what can be drawn meanwhile (the next invitation
+            # waits for it, above)
+            self._prepared = self._preparer.submit(self._prepare, inv, list(contribution.columns.user_ids))
         for part, result in sent:
             code = self._deliver(part, result, inv.spec.round)
             senders = [m.user_id for m in part.messages] + list(part.columns.user_ids)
@@ -554,6 +571,12 @@ class ClientNodeHandle:
                 note = pb.Contribution(run_id=part.run_id, round=part.round, node_id=part.node_id)
                 note.refusals.extend(pb.Refusal(user_id=u, reason=why) for u in senders)
                 self._deliver(note, self._send(note), inv.spec.round)
+
+    def _prepare(self, inv: pb.Invitation, checked_in: list[str]) -> None:
+        try:
+            self.core.prepare(inv, checked_in)
+        except Exception:  # a failed preparation only costs its time: the second invitation starts over
+            log.exception("node %s: failed to prepare round %d", self.core.node_id, inv.spec.round)
 
     def _send(self, contribution: pb.Contribution) -> futures.Future | None:
         """On the current stream (its result's future); None when there is none (the caller uses Submit)."""
@@ -607,6 +630,7 @@ class ClientNodeHandle:
             call.cancel()
         self._thread.join(timeout=5)
         self._worker.shutdown(wait=True, cancel_futures=True)
+        self._preparer.shutdown(wait=True, cancel_futures=True)
         self._server.stop(grace).wait()
         self._channel.close()
 

@@ -172,3 +172,27 @@ def test_a_second_invitation_from_prepared_draws_is_charged_as_any_other():
     assert prepared.prepared_rounds == 1 and plain.prepared_rounds == 0
     assert [prepared.spent(u) for u in sh.user_ids] == [plain.spent(u) for u in sh.user_ids]
     assert prepared.spent("u0") == pytest.approx((1.0, 1e-6))
+
+
+def test_the_preparation_thread_runs_at_lower_cpu_priority():
+    """ClientNodeHandle's preparer thread: nice +10 on Linux (a thread's own nice value), the node's threads not."""
+    import os
+    import sys
+    import threading
+
+    from shuffledp.clients.node import _lower_priority
+
+    if sys.platform != "linux":
+        pytest.skip("per-thread nice values are Linux's")
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: dict[str, int] = {}
+
+    def run() -> None:
+        _lower_priority()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen["nice"] == min(base + 10, 19)  # the kernel caps nice at 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # only that thread
