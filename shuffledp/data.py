@@ -449,7 +449,7 @@ def load_user_shard(
     num_classes = 2 if task in ("logreg", "hinge") else 1
     return (
         [f"n{node_index}-u{j}" for j in users],
-        X.reshape(users.size, k, -1),
+        X.reshape(users.size, k, dim),  # not -1: a node may host no user
         y.reshape(users.size, k),
         dim,
         num_classes,

@@ -97,7 +97,8 @@ def test_examples_are_drawn_by_blocks_with_the_values_of_the_plain_formula(task)
 @pytest.mark.parametrize("task", TASKS)
 def test_a_node_draws_only_its_own_rows_with_the_same_values(task):
     """load_user_shard (what a client node loads) equals user_shard of the whole data set, for every split."""
-    for n, nodes, k, max_users in ((600, 1, 1, 0), (601, 3, 2, 0), (600, 7, 3, 150), (50, 4, 1, 10)):
+    # the last split leaves two of the four nodes without users (2 users of 100 examples)
+    for n, nodes, k, max_users in ((600, 1, 1, 0), (601, 3, 2, 0), (600, 7, 3, 150), (50, 4, 1, 10), (250, 4, 100, 0)):
         cfg = DataConfig(dataset="synthetic", n=n, dim=4, noise=0.5, seed=3, examples_per_user=k, max_users=max_users)
         ds = load_dataset(cfg, task)
         for i in range(nodes):
