@@ -485,7 +485,7 @@ class ClientNodeHandle:
         self._preparer = futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"{core.node_id}-prepare", initializer=_lower_priority
         )
-        self._prepared: futures.Future | None = None
+        self._preparing: futures.Future | None = None
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{core.node_id}-rpc"),
             interceptors=list(interceptors),
@@ -545,9 +545,9 @@ class ClientNodeHandle:
             delay = min(delay * 2, self._backoff[1])
 
     def _answer(self, inv: pb.Invitation) -> None:
-        prepared, self._prepared = self._prepared, None
-        if prepared is not None:
-            futures.wait([prepared])  # the last check-in's draws are ready (or failed) before anything else is drawn
+        preparing, self._preparing = self._preparing, None
+        if preparing is not None:
+            futures.wait([preparing])  # the last check-in's draws are ready (or failed) before anything else is drawn
         try:
             contribution = self.core.handle(inv)
         except Exception:  # a bug for one round must not kill the node
@@ -561,7 +561,7 @@ class ClientNodeHandle:
         if inv.spec.check_in.noise_trials and not inv.spec.check_in.checked_in:
             # the second invitation is a round trip away: draw what can be drawn meanwhile (the next invitation
             # waits for it, above)
-            self._prepared = self._preparer.submit(self._prepare, inv, list(contribution.columns.user_ids))
+            self._preparing = self._preparer.submit(self._prepare, inv, list(contribution.columns.user_ids))
         for part, result in sent:
             code = self._deliver(part, result, inv.spec.round)
             senders = [m.user_id for m in part.messages] + list(part.columns.user_ids)

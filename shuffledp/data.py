@@ -21,7 +21,6 @@ import importlib.util
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import overload
 
 import numpy as np
 
@@ -192,10 +191,7 @@ def load_dataset(cfg: DataConfig, task: str = "logreg") -> Dataset:
     """Load the configured data set and apply the class subset, the public split and label encoding (synthetic data:
     generate it for the task)."""
     if cfg.dataset == "synthetic":
-        # the parser fills unset keys; a DataConfig built in code may leave them 0 / None: same defaults
-        n, dim = cfg.n or _SYNTHETIC_DEFAULTS["n"], cfg.dim or _SYNTHETIC_DEFAULTS["dim"]
-        noise = cfg.noise if cfg.noise is not None else _SYNTHETIC_DEFAULTS["noise"]
-        return synthetic_dataset(task, n, dim, noise, cfg.seed)
+        return synthetic_dataset(task, *_synthetic_config(cfg))
     bound = None
     if cfg.dataset == "digits":
         X, y = load_digits()
@@ -321,34 +317,21 @@ def _draw(
     return out_x, (out_y if out_y is not None else np.empty(0))
 
 
-@overload
-def synthetic_dataset(task: str, n: int, dim: int, noise: float, seed: int = 0, rows: None = None) -> Dataset: ...
-@overload
-def synthetic_dataset(
-    task: str, n: int, dim: int, noise: float, seed: int, rows: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]: ...
-def synthetic_dataset(
-    task: str, n: int, dim: int, noise: float, seed: int = 0, rows: np.ndarray | None = None
-) -> Dataset | tuple[np.ndarray, np.ndarray]:
-    """A synthetic convex problem with a known population optimum (design 7), deterministic in (task, n, dim, noise,
-    seed). The data are public, so numpy's PCG64 is fine (no CSPRNG needed). With `rows` (sorted indices of training
-    examples): only those examples' (X, y), the same values, drawn without holding the others (a client node).
+def _synthetic_config(cfg: DataConfig) -> tuple[int, int, float, int]:
+    """(n, dim, noise, seed) of a synthetic [data] section: the parser fills unset keys; a DataConfig built in code
+    may leave them 0 / None: the same defaults."""
+    n, dim = cfg.n or _SYNTHETIC_DEFAULTS["n"], cfg.dim or _SYNTHETIC_DEFAULTS["dim"]
+    return n, dim, cfg.noise if cfg.noise is not None else _SYNTHETIC_DEFAULTS["noise"], cfg.seed
 
-    A direction w* (norm 1, bias included as the last coordinate; distance: mu in R^dim) is drawn from the seed.
-    Features x ~ N(0, I/dim) shrunk onto the unit ball (||x|| <= 1), z = [x; 1]; labels follow a well-specified
-    model of the task, so the population minimizer is known:
-    - leastsq: y = w*.z + noise N(0,1)              -> optimum w* (E[y|x] = w*.z)
-    - absolute: y = w*.z + noise Laplace(0,1)       -> optimum w* (median of y|x is w*.z)
-    - logreg: y = 1[w*.z + noise Logistic(0,1) > 0] -> P(y=1|x) = sigmoid(w*.z / noise); the cross-entropy
-      minimizers are the W with W[1] - W[0] = w*/noise; optimum = the minimum-norm one, rows -w*/(2 noise) and
-      w*/(2 noise) (layout (2, dim + 1) row-major). Needs noise > 0 (else the minimizer is at infinity).
-    - distance: x = mu + noise N(0, I)/sqrt(dim), labels 0 -> optimum mu (the distribution is symmetric about mu,
-      so mu is its geometric median); no norm bound (feature_norm_bound None).
-    - hinge: y = 1[w*.z + noise N(0,1) > 0]; the hinge risk minimizer has no closed form: optimum None.
-    Streams (SeedSequence spawn keys of the seed): 0 the optimum, 1/2 training features/label noise, 3/4 test
-    features/label noise; so the optimum and the test set do not depend on n, and a smaller n gives a prefix of the
-    training set of a larger one.
-    """
+
+def _synthetic_classes(task: str) -> int:
+    return 2 if task in ("logreg", "hinge") else 1
+
+
+def _synthetic_streams(
+    task: str, n: int, dim: int, noise: float, seed: int
+) -> tuple[list[np.random.Generator], np.ndarray]:
+    """synthetic_dataset's arguments checked; its five streams (synthetic_dataset's docstring) and the direction w."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
@@ -365,10 +348,30 @@ def synthetic_dataset(
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
         raise ValueError(f"data.seed must be an integer >= 0, got {seed!r}")
     rngs = [np.random.default_rng(s) for s in np.random.SeedSequence(int(seed)).spawn(5)]
+    return rngs, _unit(rngs[0], int(dim) if task == "distance" else int(dim) + 1)
+
+
+def synthetic_dataset(task: str, n: int, dim: int, noise: float, seed: int = 0) -> Dataset:
+    """A synthetic convex problem with a known population optimum (design 7), deterministic in (task, n, dim, noise,
+    seed). The data are public, so numpy's PCG64 is fine (no CSPRNG needed).
+
+    A direction w* (norm 1, bias included as the last coordinate; distance: mu in R^dim) is drawn from the seed.
+    Features x ~ N(0, I/dim) shrunk onto the unit ball (||x|| <= 1), z = [x; 1]; labels follow a well-specified
+    model of the task, so the population minimizer is known:
+    - leastsq: y = w*.z + noise N(0,1)              -> optimum w* (E[y|x] = w*.z)
+    - absolute: y = w*.z + noise Laplace(0,1)       -> optimum w* (median of y|x is w*.z)
+    - logreg: y = 1[w*.z + noise Logistic(0,1) > 0] -> P(y=1|x) = sigmoid(w*.z / noise); the cross-entropy
+      minimizers are the W with W[1] - W[0] = w*/noise; optimum = the minimum-norm one, rows -w*/(2 noise) and
+      w*/(2 noise) (layout (2, dim + 1) row-major). Needs noise > 0 (else the minimizer is at infinity).
+    - distance: x = mu + noise N(0, I)/sqrt(dim), labels 0 -> optimum mu (the distribution is symmetric about mu,
+      so mu is its geometric median); no norm bound (feature_norm_bound None).
+    - hinge: y = 1[w*.z + noise N(0,1) > 0]; the hinge risk minimizer has no closed form: optimum None.
+    Streams (SeedSequence spawn keys of the seed): 0 the optimum, 1/2 training features/label noise, 3/4 test
+    features/label noise; so the optimum and the test set do not depend on n, and a smaller n gives a prefix of the
+    training set of a larger one.
+    """
+    rngs, w = _synthetic_streams(task, n, dim, noise, seed)
     n, dim = int(n), int(dim)
-    w = _unit(rngs[0], dim if task == "distance" else dim + 1)
-    if rows is not None:
-        return _draw(task, n, dim, noise, w, rngs[1], rngs[2], rows)
     X_train, y_train = _draw(task, n, dim, noise, w, rngs[1], rngs[2])
     X_test, y_test = _draw(task, SYNTHETIC_TEST_SIZE, dim, noise, w, rngs[3], rngs[4])
     if task == "logreg":
@@ -377,7 +380,7 @@ def synthetic_dataset(
         optimum = None
     else:
         optimum = w.copy()
-    num_classes = 2 if task in ("logreg", "hinge") else 1
+    num_classes = _synthetic_classes(task)
     name = f"synthetic-{task}-n{n}-d{dim}-noise{noise:g}-seed{seed}"
     bound = None if task == "distance" else 1.0
     return Dataset(name, X_train, y_train, X_test, y_test, num_classes, optimum=optimum, feature_norm_bound=bound)
@@ -398,18 +401,23 @@ def excess_risk(model: Model, params: np.ndarray, dataset: Dataset) -> float:
     return plain.loss(params, X, y) - plain.loss(dataset.optimum, X, y)
 
 
-def num_users(dataset: Dataset, examples_per_user: int = 1, max_users: int = 0) -> int:
-    """Training users: floor(train examples / examples_per_user), capped at max_users when > 0."""
-    u = dataset.X_train.shape[0] // examples_per_user
+def _num_users(examples: int, examples_per_user: int, max_users: int) -> int:
+    u = examples // examples_per_user
     return min(u, max_users) if max_users > 0 else u
 
 
-def _shard_users(n: int, node_index: int, num_nodes: int, examples_per_user: int) -> np.ndarray:
+def num_users(dataset: Dataset, examples_per_user: int = 1, max_users: int = 0) -> int:
+    """Training users: floor(train examples / examples_per_user), capped at max_users when > 0."""
+    return _num_users(dataset.X_train.shape[0], examples_per_user, max_users)
+
+
+def _shard_users(examples: int, node_index: int, num_nodes: int, examples_per_user: int, max_users: int) -> np.ndarray:
+    """The indices j of the users one node hosts (user_shard's rule) among those of `examples` training examples."""
     if num_nodes < 1 or not 0 <= node_index < num_nodes:
         raise ValueError(f"node_index must lie in [0, num_nodes={num_nodes}), got {node_index}")
     if examples_per_user < 1:
         raise ValueError(f"examples_per_user must be >= 1, got {examples_per_user}")
-    return np.arange(node_index, n, num_nodes)
+    return np.arange(node_index, _num_users(examples, examples_per_user, max_users), num_nodes)
 
 
 def user_shard(
@@ -421,8 +429,8 @@ def user_shard(
     j mod num_nodes, so the nodes partition the users exactly.
     """
     k = examples_per_user
-    n = num_users(dataset, k, max_users) if k >= 1 else 0
-    users = _shard_users(n, node_index, num_nodes, k)
+    users = _shard_users(dataset.X_train.shape[0], node_index, num_nodes, k, max_users)
+    n = num_users(dataset, k, max_users)
     X = dataset.X_train[: n * k].reshape(n, k, -1)[users]
     y = dataset.y_train[: n * k].reshape(n, k)[users]
     return [f"n{node_index}-u{j}" for j in users], X, y
@@ -438,19 +446,16 @@ def load_user_shard(
         ds = load_dataset(cfg, task)
         ids, X, y = user_shard(ds, node_index, num_nodes, examples_per_user, max_users)
         return ids, X, y, ds.num_features, ds.num_classes
-    n, dim = cfg.n or _SYNTHETIC_DEFAULTS["n"], cfg.dim or _SYNTHETIC_DEFAULTS["dim"]
-    noise = cfg.noise if cfg.noise is not None else _SYNTHETIC_DEFAULTS["noise"]
+    n, dim, noise, seed = _synthetic_config(cfg)
     k = examples_per_user
-    u = n // k if k >= 1 else 0
-    u = min(u, max_users) if max_users > 0 else u
-    users = _shard_users(u, node_index, num_nodes, k)
-    rows = (users[:, None] * k + np.arange(k)[None, :]).ravel()
-    X, y = synthetic_dataset(task, n, dim, noise, cfg.seed, rows)
-    num_classes = 2 if task in ("logreg", "hinge") else 1
+    users = _shard_users(n, node_index, num_nodes, k, max_users)
+    rngs, w = _synthetic_streams(task, n, dim, noise, seed)
+    rows = (users[:, None] * k + np.arange(k)[None, :]).ravel()  # user j owns examples [j k, (j+1) k)
+    X, y = _draw(task, n, dim, noise, w, rngs[1], rngs[2], rows)  # the training streams, as synthetic_dataset
     return (
         [f"n{node_index}-u{j}" for j in users],
         X.reshape(users.size, k, dim),  # not -1: a node may host no user
         y.reshape(users.size, k),
         dim,
-        num_classes,
+        _synthetic_classes(task),
     )

@@ -199,7 +199,7 @@ class RoundProtocol(Protocol):
 
     # optional, for check-in rounds (mechanisms/check_in.py): prepare(spec, G, rng) draws what it can once the users
     # checked in, and randomize_prepared(spec, prepared, rows, user_ids, nonces, rng, out) -> bool answers the
-    # second invitation from it (False: it does not fit that spec, and the node calls randomize); pvec_round's
+    # second invitation from it (False: it does not fit that spec, and the node calls randomize). PvecRound has both.
 
 
 class AnalyzerHooks:
