@@ -304,7 +304,7 @@ class ServicesRound:
                 ack = self.state.submit(_submission(contribution, core.node_id))
                 t2 = time.perf_counter()
                 if phase == "check-in":
-                    core.prepare(inv, contribution.columns.user_ids)
+                    core.prepare(inv)
                     self.parts[f"{phase}: node prepare (500 users)"].append(time.perf_counter() - t2)
                 if ack.accepted != len(invite.user_ids):
                     raise RuntimeError(f"in-process shuffler accepted {ack.accepted} of {len(invite.user_ids)}")

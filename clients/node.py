@@ -133,8 +133,10 @@ class NodeCore:
         self.spend_records = 0  # users charged, one record each per round (shuffledp/metrics.py)
         self.refusals: Counter = Counter()
         self._protocol_state: dict[str, Any] = {}  # per run: a stateful client estimator's state (mu2_round)
-        # the last check-in's draws (Protocol.prepare): (run, round, {user: row}, state), for its second invitation
-        self._prepared: tuple[str, int, dict[str, int], Any] | None = None
+        # the last check-in: (run, round, indices of the users who checked in here), and its draws
+        # (Protocol.prepare): (run, round, those indices, state), for its second invitation
+        self._checked_in: tuple[str, int, np.ndarray] | None = None
+        self._prepared: tuple[str, int, np.ndarray, Any] | None = None
         self.prepared_rounds = 0  # second invitations answered from the check-in's draws
 
     # ----- gradients -------------------------------------------------------------------------------------------
@@ -210,6 +212,11 @@ class NodeCore:
         out = pb.Contribution(run_id=spec.run_id, round=spec.round, node_id=self.node_id)
         ids = [u for u in inv.user_ids if u in self._index]
         idx = np.fromiter((self._index[u] for u in ids), dtype=np.int64, count=len(ids))
+        if idx.size and np.bincount(idx).max() > 1:
+            # a user named twice would send two messages for one charge: each user answers once (the first)
+            log.warning("node %s: round %d names users more than once; each answers once", self.node_id, spec.round)
+            keep = np.sort(np.unique(idx, return_index=True)[1])
+            ids, idx = [ids[i] for i in keep.tolist()], idx[keep]
         protocol = known_protocol(spec.randomizer.protocol)
         supported = protocol is not None and protocol.supports(spec)
         account = None
@@ -236,10 +243,11 @@ class NodeCore:
             if spec.check_in.noise_trials and not spec.check_in.checked_in:
                 # check-in invitation (mechanisms/check_in.py): the users whose policy accepts the worst case check
                 # in with a payload-free message; nothing is computed or charged until the second invitation
-                joined = [ids[i] for i in np.flatnonzero(join)]
-                out.columns.user_ids.extend(joined)
+                joined = np.flatnonzero(join)
+                out.columns.user_ids.extend(ids[i] for i in joined.tolist())
                 out.columns.nonce_bytes = NONCE_BYTES
-                out.columns.nonces = _nonce_blob(len(joined))
+                out.columns.nonces = _nonce_blob(joined.size)
+                self._checked_in = (spec.run_id, spec.round, idx[joined])
             elif np.any(join):
                 try:
                     self._randomize(spec, idx[join], out)
@@ -261,9 +269,10 @@ class NodeCore:
         return out
 
     def _refuse(self, ids: Sequence[str], reasons: np.ndarray, join: np.ndarray, out: pb.Contribution) -> None:
-        for u, why in zip(np.asarray(ids)[~join], reasons[~join], strict=True):
-            out.refusals.append(pb.Refusal(user_id=str(u), reason=str(why)))
-            self.refusals[str(why)] += 1
+        for i in np.flatnonzero(~join).tolist():  # only the refused: no per-user work when everyone joins
+            why = str(reasons[i])
+            out.refusals.append(pb.Refusal(user_id=ids[i], reason=why))
+            self.refusals[why] += 1
 
     def _handle_in_run(
         self,
@@ -306,33 +315,36 @@ class NodeCore:
         prepared, self._prepared = self._prepared, None  # drawn for one invitation: never used twice
         fits = prepared is not None and (prepared[0], prepared[1]) == (spec.run_id, spec.round)
         if fits and hasattr(protocol, "randomize_prepared"):
-            rows = prepared[2]
-            if all(u in rows for u in ids):
-                at = np.fromiter((rows[u] for u in ids), dtype=np.int64, count=len(ids))
-                if protocol.randomize_prepared(spec, prepared[3], at, ids, _nonces(len(ids)), self._rng, out):
-                    self.prepared_rounds += 1
-                    return
+            at = _rows_of(prepared[2], idx)
+            if at is not None and protocol.randomize_prepared(
+                spec, prepared[3], at, ids, _nonces(len(ids)), self._rng, out
+            ):
+                self.prepared_rounds += 1
+                return
         protocol.randomize(spec, protocol.local_vectors(spec, self, idx), ids, _nonces(len(ids)), self._rng, out)
 
-    def prepare(self, inv: pb.Invitation, checked_in: Sequence[str]) -> None:
-        """After this node's users checked in: what the round's protocol can draw before the second invitation
-        (Protocol.prepare, optional), kept for that invitation. Nothing is sent or charged here: the second
-        invitation is decided, charged and verified as any other, and its spec must match these draws."""
+    def prepare(self, inv: pb.Invitation) -> None:
+        """After this node answered inv's check-in (handle): what the round's protocol can draw for the users who
+        checked in before the second invitation (Protocol.prepare, optional), kept for that invitation. Nothing is
+        sent or charged here: the second invitation is decided, charged and verified as any other, and its spec
+        must match these draws."""
         spec = inv.spec
         protocol = known_protocol(spec.randomizer.protocol)
-        if protocol is None or not hasattr(protocol, "prepare") or not checked_in:
-            return
         with self._lock:
+            checked, self._checked_in = self._checked_in, None
             self._prepared = None
-            idx = np.fromiter((self._index[u] for u in checked_in), dtype=np.int64, count=len(checked_in))
+            if protocol is None or not hasattr(protocol, "prepare") or checked is None:
+                return
+            run, round_, idx = checked
+            if (run, round_) != (spec.run_id, spec.round) or not idx.size:
+                return
             try:
                 state = protocol.prepare(spec, protocol.local_vectors(spec, self, idx), self._rng)
             except ValueError as exc:  # the second invitation computes (and reports) it
                 log.debug("node %s: round %d not prepared: %s", self.node_id, spec.round, exc)
                 return
             if state is not None:
-                rows = {u: i for i, u in enumerate(checked_in)}
-                self._prepared = (spec.run_id, spec.round, rows, state)
+                self._prepared = (spec.run_id, spec.round, idx, state)
 
     def status(self) -> pb.NodeStatus:
         with self._lock:
@@ -349,6 +361,19 @@ class NodeCore:
         i = self._index[user_id]
         with self._lock:
             return float(self.policy.eps_spent[i]), float(self.policy.delta_spent[i])
+
+
+def _rows_of(prepared: np.ndarray, idx: np.ndarray) -> np.ndarray | None:
+    """Where each user of idx is in `prepared` (distinct node indices, the users a preparation drew for); None
+    if one of them is not there."""
+    if np.array_equal(prepared, idx):
+        return np.arange(idx.size)
+    order = np.argsort(prepared)
+    pos = np.searchsorted(prepared, idx, sorter=order)
+    if np.any(pos >= prepared.size):
+        return None
+    at = order[pos]
+    return at if np.array_equal(prepared[at], idx) else None
 
 
 def _lower_priority() -> None:
@@ -415,17 +440,19 @@ class _Stream:
         while (msg := self._out.get()) is not self._END:
             yield msg
 
-    def send(self, contribution: pb.Contribution) -> futures.Future | None:
-        """Send a contribution; the future's result is its SubmitResult, or None if the stream ended first. None
-        (nothing sent) if the stream is closed already."""
+    def send(self, contribution: pb.Contribution) -> tuple[pb.Contribution, futures.Future | None]:
+        """Send a contribution; the future's result is its SubmitResult, or None if the stream ended first (None,
+        nothing sent, if the stream is closed already). Returns the copy the stream sends (the caller keeps that one
+        for a retry and drops its own: one copy of a round's messages in memory) and the future."""
         with self._lock:
             if self._closed:
-                return None
+                return contribution, None
             self._seq += 1
             fut: futures.Future = futures.Future()
             self._pending[self._seq] = fut
-            self._out.put(pb.NodeMessage(seq=self._seq, contribution=contribution))
-            return fut
+            msg = pb.NodeMessage(seq=self._seq, contribution=contribution)
+            self._out.put(msg)
+            return msg.contribution, fut
 
     def resolve(self, result: pb.SubmitResult) -> None:
         with self._lock:
@@ -556,32 +583,37 @@ class ClientNodeHandle:
         if not (contribution.messages or contribution.refusals or contribution.HasField("columns")):
             return  # a notice of a round none of this node's users was invited to: nothing to answer
         parts = split_contribution(contribution, self._chunk)
+        del contribution  # the parts hold it (memory: one copy of the round's messages on their way, not three)
         # every part is on its way before the first result is awaited: one round trip for all of them
-        sent = [(part, self._send(part)) for part in parts]
+        sent = []
+        for i in range(len(parts)):
+            part, parts[i] = parts[i], None
+            sent.append(self._send(part))
+        del part
         if inv.spec.check_in.noise_trials and not inv.spec.check_in.checked_in:
             # the second invitation is a round trip away: draw what can be drawn meanwhile (the next invitation
             # waits for it, above)
-            self._preparing = self._preparer.submit(self._prepare, inv, list(contribution.columns.user_ids))
+            self._preparing = self._preparer.submit(self._prepare, inv)
         for part, result in sent:
             code = self._deliver(part, result, inv.spec.round)
-            senders = [m.user_id for m in part.messages] + list(part.columns.user_ids)
-            if code is not None and senders:
+            if code is not None and (senders := [m.user_id for m in part.messages] + list(part.columns.user_ids)):
                 # the operator sees why these users are missing: refusals with the cause (the users stay charged)
                 why = SUBMIT_FAILED_PREFIX + code.name.lower()
                 note = pb.Contribution(run_id=part.run_id, round=part.round, node_id=part.node_id)
                 note.refusals.extend(pb.Refusal(user_id=u, reason=why) for u in senders)
-                self._deliver(note, self._send(note), inv.spec.round)
+                self._deliver(*self._send(note), inv.spec.round)
 
-    def _prepare(self, inv: pb.Invitation, checked_in: list[str]) -> None:
+    def _prepare(self, inv: pb.Invitation) -> None:
         try:
-            self.core.prepare(inv, checked_in)
+            self.core.prepare(inv)
         except Exception:  # a failed preparation only costs its time: the second invitation starts over
             log.exception("node %s: failed to prepare round %d", self.core.node_id, inv.spec.round)
 
-    def _send(self, contribution: pb.Contribution) -> futures.Future | None:
-        """On the current stream (its result's future); None when there is none (the caller uses Submit)."""
+    def _send(self, contribution: pb.Contribution) -> tuple[pb.Contribution, futures.Future | None]:
+        """On the current stream: (the contribution as sent, its result's future); the future is None when there is
+        no stream (the caller uses Submit)."""
         stream = self._stream
-        return stream.send(contribution) if stream is not None else None
+        return stream.send(contribution) if stream is not None else (contribution, None)
 
     def _log_ack(self, ack: pb.ContributionAck, round_index: int) -> None:
         if ack.rejected:

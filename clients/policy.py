@@ -521,6 +521,8 @@ class PolicyTable:
         verified = self.verify[idx] if key is not None else np.zeros(idx.size, dtype=bool)
         self.history.clear(idx[~verified])
         self.history.add(idx[verified], key)
+        if verified.all():
+            return [key] * idx.size
         return [key if v else None for v in verified.tolist()]
 
 

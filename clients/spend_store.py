@@ -81,11 +81,14 @@ def charges(
 ) -> list[Charge]:
     """One round's charge as log entries: the users grouped by (eps, delta, key, step), in first-appearance order."""
     n = len(user_ids)
-    deltas = np.broadcast_to(np.asarray(delta, dtype=np.float64), (n,)).tolist()
+    eps_, delta_ = np.asarray(eps, dtype=np.float64), np.asarray(delta, dtype=np.float64)
+    steps = steps or [None] * n
+    if n and all(x.min() == x.max() for x in (eps_, delta_)) and all(s.count(s[0]) == n for s in (keys, steps)):
+        # one group, as a fully interactive round's charge is: no step per user
+        return [(list(user_ids), float(eps_.flat[0]), float(delta_.flat[0]), keys[0], run, steps[0])]
+    deltas = np.broadcast_to(delta_, (n,)).tolist()
     groups: dict[tuple, list[str]] = {}
-    for u, e, d, k, st in zip(
-        user_ids, np.asarray(eps, dtype=np.float64).tolist(), deltas, keys, steps or [None] * n, strict=True
-    ):
+    for u, e, d, k, st in zip(user_ids, np.broadcast_to(eps_, (n,)).tolist(), deltas, keys, steps, strict=True):
         groups.setdefault((e, d, k, st), []).append(u)
     return [(users, e, d, k, run, st) for (e, d, k, st), users in groups.items()]
 

@@ -57,9 +57,9 @@ def second(first: pb.RoundSpec, c: int) -> tuple[pb.RoundSpec, int]:
 
 
 def check_in_and_prepare(core: NodeCore, spec: pb.RoundSpec, ids: list[str]) -> list[str]:
-    con = core.handle(pb.Invitation(spec=spec, user_ids=ids))
-    checked = list(con.columns.user_ids)
-    core.prepare(pb.Invitation(spec=spec, user_ids=ids), checked)
+    inv = pb.Invitation(spec=spec, user_ids=ids)
+    checked = list(core.handle(inv).columns.user_ids)
+    core.prepare(inv)
     return checked
 
 
@@ -148,6 +148,11 @@ def test_prepared_draws_serve_only_the_spec_users_and_m_they_fit():
     other = first_spec(planned=30, n_min=20, round_=3)
     answer(second(other, 30)[0], sh.user_ids[:30])
     assert core.prepared_rounds == 0
+    # a preparation asked for a round whose check-in this node did not answer last draws nothing
+    core.handle(pb.Invitation(spec=first, user_ids=sh.user_ids[:30]))
+    core.prepare(pb.Invitation(spec=other, user_ids=sh.user_ids[:30]))
+    answer(second(other, 30)[0], sh.user_ids[:30])
+    assert core.prepared_rounds == 0
     # the fitting case: used, then gone (a repeated invitation draws afresh)
     check_in_and_prepare(core, first, sh.user_ids[:30])
     spec, _ = second(first, 30)
@@ -164,9 +169,9 @@ def test_a_second_invitation_from_prepared_draws_is_charged_as_any_other():
     first = first_spec(planned=30, n_min=20)
     spec, _ = second(first, 30)
     for core, prep in ((prepared, True), (plain, False)):
-        con = core.handle(pb.Invitation(spec=first, user_ids=sh.user_ids))
+        core.handle(pb.Invitation(spec=first, user_ids=sh.user_ids))
         if prep:
-            core.prepare(pb.Invitation(spec=first, user_ids=sh.user_ids), list(con.columns.user_ids))
+            core.prepare(pb.Invitation(spec=first, user_ids=sh.user_ids))
         assert core.spent("u0") == (0.0, 0.0)
         assert len(user_messages(core.handle(pb.Invitation(spec=spec, user_ids=sh.user_ids)))) == 30
     assert prepared.prepared_rounds == 1 and plain.prepared_rounds == 0

@@ -304,6 +304,51 @@ def test_check_in_invitation_is_answered_without_payload_and_charges_nothing():
     assert core.spent("u0") == pytest.approx((1.0, 1e-6)) and core.status().rounds_joined == 1
 
 
+@pytest.mark.parametrize("check_in", [False, True])
+def test_a_user_named_twice_in_an_invitation_sends_one_message_for_its_one_charge(check_in):
+    """A shuffler that names a user twice in one invitation (or in a check-in) gets one message from that user, not
+    two independent randomizations of one gradient for one charge (the node charges a round once per user)."""
+    shard = make_shard(n=6)
+    core = NodeCore("node", shard, NO_VERIFY, rng=make_rng(5))
+    spec = make_spec(round_=2, min_contributors=1)
+    twice = ["u1", "u1", "u2", "u3", "u2", "u1"]
+    if check_in:
+        spec.check_in.noise_trials, spec.check_in.report_fraction = 40, 0.99
+        con = core.handle(pb.Invitation(spec=spec, user_ids=twice))
+        assert [m.user_id for m in user_messages(con)] == ["u1", "u2", "u3"]
+        second = pb.RoundSpec()
+        second.CopyFrom(spec)
+        second.check_in.checked_in, second.randomizer.m = 3, 14  # c = 3: m = ceil(40 / 3)
+        core.prepare(pb.Invitation(spec=spec, user_ids=twice))
+        spec = second
+    con = core.handle(pb.Invitation(spec=spec, user_ids=twice))
+    assert [m.user_id for m in user_messages(con)] == ["u1", "u2", "u3"]
+    assert all(m.WhichOneof("payload") == "counts" for m in user_messages(con))
+    assert core.spent("u1") == pytest.approx((1.0, 1e-6)) and core.spent("u0") == (0.0, 0.0)
+
+
+def test_a_rounds_charge_is_grouped_by_eps_delta_key_and_step_in_first_appearance_order():
+    """spend_store.charges against a grouping written out here, on one-group rounds (its fast path) and mixed ones."""
+    from shuffledp.clients.spend_store import charges
+
+    rng = make_rng(23)
+    ids = [f"u{i}" for i in range(50)]
+    key_a, key_b = (1000, 0.5, 4, 8), (2000, 0.5, 4, 8)
+    for case in range(40):
+        mixed = case % 2 == 1
+        eps = rng.choice([0.25, 0.5], size=50) if mixed else np.full(50, 0.25)
+        delta = rng.choice([1e-6, 0.0], size=50) if mixed and case % 4 == 1 else 1e-6
+        keys = [[key_a, tuple(key_a), key_b, None][j] for j in rng.integers(0, 4 if mixed else 1, size=50)]
+        steps = [["joined", "eligible"][j] for j in rng.integers(0, 2 if mixed else 1, size=50)] if case % 3 else None
+        want: dict[tuple, list[str]] = {}
+        deltas = np.broadcast_to(delta, (50,))
+        for i, u in enumerate(ids):
+            want.setdefault((float(eps[i]), float(deltas[i]), keys[i], steps[i] if steps else None), []).append(u)
+        got = charges(ids, eps, delta, keys, "run", steps)
+        assert got == [(users, e, d, k, "run", st) for (e, d, k, st), users in want.items()]
+        assert (len(got) == 1) == (not mixed)
+
+
 def test_spend_store_is_a_log_of_rounds_that_replays_to_the_same_totals(tmp_path):
     """Issue 15: the node's spend record costs one row per round and (eps, key) group, not one per user, and a
     restarted node reads back bitwise the totals and histories it held; a store of the earlier per-user layout is
