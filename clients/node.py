@@ -43,6 +43,7 @@ from shuffledp import grpc_options, tls
 from shuffledp.health import start_with_health
 from shuffledp.model_plugin import ModelIdentity
 from shuffledp.models import DEFAULT_HIDDEN, ModelPlugin, make_model, model_digest
+from shuffledp.protocols.base import Nonces
 from shuffledp.protocols.registry import known_protocol, round_protocol
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -85,10 +86,9 @@ def _nonce_blob(k: int) -> bytes:
     return secrets.token_bytes(NONCE_BYTES * k)
 
 
-def _nonces(k: int) -> list[bytes]:
-    """k fresh replay nonces (slices of independent uniform bytes are independent)."""
-    raw = _nonce_blob(k)
-    return [raw[i : i + NONCE_BYTES] for i in range(0, NONCE_BYTES * k, NONCE_BYTES)]
+def _nonces(k: int) -> Nonces:
+    """k fresh replay nonces (slices of independent uniform bytes are independent), as one buffer."""
+    return Nonces(_nonce_blob(k), NONCE_BYTES)
 
 
 def tensor_to_array(t: pb.Tensor) -> np.ndarray:
@@ -193,7 +193,10 @@ class NodeCore:
 
     def batch_gradients(self, spec: pb.RoundSpec, idx: np.ndarray) -> np.ndarray:
         """Mean loss gradient of each user's local batch at the broadcast iterate, shape (len(idx), dim)."""
-        X, y = self.shard.X[idx], self.shard.y[idx]
+        if idx.size == self.shard.X.shape[0] and np.array_equal(idx, np.arange(idx.size)):
+            X, y = self.shard.X, self.shard.y  # every user in order (a fully interactive round): no copy
+        else:
+            X, y = self.shard.X[idx], self.shard.y[idx]
         n, k, _ = X.shape
         params = tensor_to_array(spec.model).ravel()
         model = self._model(spec, params)

@@ -30,11 +30,34 @@ __all__ = [
     "AnalyzerHooks",
     "UserAccount",
     "Counts",
+    "Nonces",
 ]
 
 # The analyzer's own rejection reasons (design 5.3), counted per message in the round's metrics["rejected"]
 UNDECRYPTABLE = "undecryptable"  # HPKE open failed: wrong key, wrong run/round (a replay), tampered or truncated
 MALFORMED_PLAINTEXT = "malformed_plaintext"  # opened, but not a message of this round's randomizer
+
+
+class Nonces(Sequence[bytes]):
+    """A round's replay nonces, `width` bytes each, as one buffer (UserColumns' layout): a sequence of bytes to a
+    protocol that sends one message per user, the buffer itself (.blob) to one that sends columns, with no object
+    per user (issue 30 item 3: a node's memory per hosted user)."""
+
+    def __init__(self, blob: bytes, width: int) -> None:
+        if width <= 0 or len(blob) % width:
+            raise ValueError(f"{len(blob)} bytes are not nonces of {width} bytes")
+        self.blob, self.width = blob, width
+
+    def __len__(self) -> int:
+        return len(self.blob) // self.width
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        return self.blob[i * self.width : (i + 1) * self.width]
 
 
 def open_each(private_key: Any, ciphertexts: Sequence[bytes], info: bytes) -> tuple[list[bytes], int]:

@@ -38,6 +38,7 @@ from shuffledp.protocols.base import (
     AnalyzerHooks,
     BatchError,
     Decoded,
+    Nonces,
     PlanRequest,
     RoundPlan,
     open_each,
@@ -122,8 +123,11 @@ def _put_columns(out: pb.Contribution, user_ids: Sequence[str], nonces: Sequence
     """UserColumns: each user's counts in the wire width (CountVector.packed's layout), all users in one buffer,
     their ids and nonces as columns: no protobuf object per user on either side."""
     out.columns.user_ids.extend(user_ids)
-    out.columns.nonce_bytes = len(nonces[0]) if len(nonces) else 0
-    out.columns.nonces = b"".join(nonces)
+    if isinstance(nonces, Nonces):
+        out.columns.nonce_bytes, out.columns.nonces = nonces.width, nonces.blob
+    else:
+        out.columns.nonce_bytes = len(nonces[0]) if len(nonces) else 0
+        out.columns.nonces = b"".join(nonces)
     out.columns.counts = wire.tobytes()
 
 
