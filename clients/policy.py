@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -273,26 +274,29 @@ class PolicyTable:
         spent: tuple[np.ndarray, np.ndarray] | None = None,
         history: Histories | Sequence[Counter | None] | None = None,
     ) -> None:
-        if isinstance(policies, UserPolicy):
-            policies = [policies] * num_users
-        if len(policies) != num_users:
+        if not isinstance(policies, UserPolicy) and len(policies) != num_users:
             raise ValueError(f"policies must be one UserPolicy or one per user ({num_users}), got {len(policies)}")
         self._verifier = verifier
-        self.policies = list(policies)
-        for f in fields(UserPolicy):
-            if f.name in ("max_eps_per_round", "max_delta_per_round", "max_total_eps", "max_total_delta"):
-                setattr(self, f.name, np.array([getattr(p, f.name) for p in self.policies], dtype=np.float64))
-        self.verify = np.array([p.verify_randomizer for p in self.policies], dtype=bool)
+        if not isinstance(policies, UserPolicy) and policies and all(p is policies[0] for p in policies):
+            policies = policies[0]
+
+        def column(get: Callable[[UserPolicy], Any], dtype: type) -> np.ndarray:
+            """One field of every user's policy; read-only, and no memory per user when they share one policy."""
+            if isinstance(policies, UserPolicy):
+                return np.broadcast_to(np.asarray(get(policies), dtype=dtype), (num_users,))
+            return np.array([get(p) for p in policies], dtype=dtype).reshape(num_users)
+
+        for f in ("max_eps_per_round", "max_delta_per_round", "max_total_eps", "max_total_delta"):
+            setattr(self, f, column(lambda p, f=f: getattr(p, f), np.float64))
+        self.verify = column(lambda p: p.verify_randomizer, bool)
         self.trust_ok = {
-            t: np.array([name in p.allowed_trust_models for p in self.policies], dtype=bool)
-            for t, name in TRUST_NAMES.items()
+            t: column(lambda p, n=name: n in p.allowed_trust_models, bool) for t, name in TRUST_NAMES.items()
         }
         self.transport_ok = {
-            t: np.array([name in p.allowed_transports for p in self.policies], dtype=bool)
-            for t, name in TRANSPORT_NAMES.items()
+            t: column(lambda p, n=name: n in p.allowed_transports, bool) for t, name in TRANSPORT_NAMES.items()
         }
         self.protocol_ok = {
-            name: np.array([not p.allowed_protocols or name in p.allowed_protocols for p in self.policies], dtype=bool)
+            name: column(lambda p, n=name: not p.allowed_protocols or n in p.allowed_protocols, bool)
             for name in PROTOCOL_NAMES
         }
         if spent is None:

@@ -8,7 +8,9 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from shuffledp.clients.policy import Histories, PolicyTable, UserPolicy
+from shuffledp.clients.policy import Histories, PolicyTable, Refusal, UserPolicy
+
+from shuffledp.v1 import shuffledp_pb2 as pb
 
 
 def test_histories_behave_as_a_list_of_counters_and_stay_bounded():
@@ -61,6 +63,42 @@ def test_a_fully_interactive_run_keeps_one_history_entry_not_a_counter_per_user(
     assert table.history[n - 1] == Counter({(40, 0.5, 16, 4): 3, (40, 0.5, 16, 5): 2})
     assert held < 16 * n, held / n  # the int per user and the returned list of keys
     # a user who only trusted a round (no verification) leaves RDP composition, alone
-    table.verify[7] = False
-    table.charge(np.array([6, 7]), 0.5, 1e-7, (40, 0.5, 16, 4))
-    assert table.history[7] is None and table.history[6][(40, 0.5, 16, 4)] == 4
+    trusting = PolicyTable([UserPolicy()] * 7 + [UserPolicy(verify_randomizer=False)], 8, verifier=lambda spec: 0.5)
+    for _ in range(3):
+        trusting.charge(np.array([6, 7]), 0.5, 1e-7, (40, 0.5, 16, 4))
+    assert trusting.history[7] is None and trusting.history[6][(40, 0.5, 16, 4)] == 3
+
+
+def test_a_policy_shared_by_all_users_decides_as_copies_and_costs_no_memory_per_user():
+    """A node whose users share one policy holds its limits once (read-only views), not an array per field per
+    user; its decisions and charges equal those of a table of per-user copies of the policy."""
+    from dataclasses import replace
+
+    from shuffledp.clients.policy import noise_key
+
+    policy = UserPolicy(max_total_eps=2.0, max_eps_per_round=1.0, verify_randomizer=False)
+    n = 50_000
+    tracemalloc.start()
+    try:
+        shared = PolicyTable(policy, n)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 24 * n, held / n  # the spend (eps, delta) and the history index: 20 bytes per user
+    copies = PolicyTable([replace(policy) for _ in range(n)], n)
+    spec = pb.RoundSpec(
+        trust_model=pb.SHUFFLE,
+        transport=pb.COUNTS,
+        randomizer=pb.RandomizerSpec(protocol="pvec"),
+        per_user_cost=pb.PrivacyCost(eps=0.75, delta=1e-7),
+    )
+    idx = np.arange(0, n, 7)
+    for _ in range(3):  # the third round breaks max_total_eps = 2
+        (a, cost_a), (b, cost_b) = shared.decide(spec, idx, True), copies.decide(spec, idx, True)
+        assert list(a) == list(b) and np.array_equal(cost_a, cost_b)
+        join = idx[a == ""]
+        shared.charge(join, cost_a[a == ""], 1e-7, noise_key(spec))
+        copies.charge(join, cost_b[b == ""], 1e-7, noise_key(spec))
+    assert set(a) == {Refusal.TOTAL_EPS} and np.array_equal(shared.eps_spent, copies.eps_spent)
+    with pytest.raises(ValueError, match="read-only"):
+        shared.max_total_eps[0] = 10.0
