@@ -213,13 +213,13 @@ class NodeCore:
         """Decide, compute and randomize for the invited users of this node; returns the Contribution."""
         spec = inv.spec
         out = pb.Contribution(run_id=spec.run_id, round=spec.round, node_id=self.node_id)
-        ids = [u for u in inv.user_ids if u in self._index]
-        idx = np.fromiter((self._index[u] for u in ids), dtype=np.int64, count=len(ids))
+        # the invited users hosted here, as indices (no string kept per invited user: memory per hosted user)
+        idx = np.fromiter((self._index.get(u, -1) for u in inv.user_ids), dtype=np.int64, count=len(inv.user_ids))
+        idx = idx[idx >= 0]
         if idx.size and np.bincount(idx).max() > 1:
             # a user named twice would send two messages for one charge: each user answers once (the first)
             log.warning("node %s: round %d names users more than once; each answers once", self.node_id, spec.round)
-            keep = np.sort(np.unique(idx, return_index=True)[1])
-            ids, idx = [ids[i] for i in keep.tolist()], idx[keep]
+            idx = idx[np.sort(np.unique(idx, return_index=True)[1])]
         protocol = known_protocol(spec.randomizer.protocol)
         supported = protocol is not None and protocol.supports(spec)
         account = None
@@ -238,7 +238,7 @@ class NodeCore:
                 log.warning("node %s: refusing round %d of %s: %s", self.node_id, spec.round, spec.run_id, differs)
                 reasons, join = np.full(idx.size, Refusal.MODEL_DIFFERS, dtype=object), np.zeros(idx.size, dtype=bool)
             elif account is not None:
-                self._handle_in_run(spec, account, ids, idx, supported, out)
+                self._handle_in_run(spec, account, idx, supported, out)
                 return out
             else:
                 reasons, cost = self.policy.decide(spec, idx, supported)
@@ -247,7 +247,7 @@ class NodeCore:
                 # check-in invitation (mechanisms/check_in.py): the users whose policy accepts the worst case check
                 # in with a payload-free message; nothing is computed or charged until the second invitation
                 joined = np.flatnonzero(join)
-                out.columns.user_ids.extend(ids[i] for i in joined.tolist())
+                out.columns.user_ids.extend(map(self.shard.user_ids.__getitem__, idx[joined].tolist()))
                 out.columns.nonce_bytes = NONCE_BYTES
                 out.columns.nonces = _nonce_blob(joined.size)
                 self._checked_in = (spec.run_id, spec.round, idx[joined])
@@ -268,20 +268,19 @@ class NodeCore:
                     self._spend.record([self.shard.user_ids[i] for i in charged], cost[join], delta, keys)
                     self.spend_records += len(charged)
                     self.rounds_joined += 1
-            self._refuse(ids, reasons, join, out)
+            self._refuse(idx, reasons, join, out)
         return out
 
-    def _refuse(self, ids: Sequence[str], reasons: np.ndarray, join: np.ndarray, out: pb.Contribution) -> None:
+    def _refuse(self, idx: np.ndarray, reasons: np.ndarray, join: np.ndarray, out: pb.Contribution) -> None:
         for i in np.flatnonzero(~join).tolist():  # only the refused: no per-user work when everyone joins
             why = str(reasons[i])
-            out.refusals.append(pb.Refusal(user_id=ids[i], reason=why))
+            out.refusals.append(pb.Refusal(user_id=self.shard.user_ids[idx[i]], reason=why))
             self.refusals[why] += 1
 
     def _handle_in_run(
         self,
         spec: pb.RoundSpec,
         account: Any,
-        ids: Sequence[str],
         idx: np.ndarray,
         supported: bool,
         out: pb.Contribution,
@@ -308,7 +307,7 @@ class NodeCore:
         self.policy.apply_run(charge)
         if np.any(join):
             self.rounds_joined += 1
-        self._refuse(ids, reasons, join, out)
+        self._refuse(idx, reasons, join, out)
 
     def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray, out: pb.Contribution) -> None:
         """One message per user of idx (in idx order) in out, by the round's protocol plug-in: from the check-in's
