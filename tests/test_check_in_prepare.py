@@ -79,22 +79,39 @@ def units(sh: UserShard, ids: list[str]) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "n_users, planned, c, subset",
+    "n_users, planned, c, subset, block",
     [
-        (6000, 6000, 6000, False),  # everyone checks in as planned: m = m_low, nothing added
-        (6000, 8000, 6000, False),  # fewer than planned: m > m_low, Bin(m - m_low, p) added
-        (6000, 8000, 6000, True),  # and invited again in another order, some of them not (rows picked)
+        (6000, 6000, 6000, False, None),  # everyone checks in as planned: m = m_low, nothing added
+        (6000, 8000, 6000, False, None),  # fewer than planned: m > m_low, Bin(m - m_low, p) added
+        (6000, 8000, 6000, True, None),  # and invited again in another order, some of them not (rows picked)
+        (6000, 8000, 6000, True, 1024),  # the same, the vectors computed by blocks of 1024 users (the last: 880)
     ],
 )
-def test_second_invitation_from_prepared_draws_has_the_exact_mean_and_variance(n_users, planned, c, subset):
+def test_second_invitation_from_prepared_draws_has_the_exact_mean_and_variance(
+    n_users, planned, c, subset, block, monkeypatch
+):
     """Each count minus its mean u g + m p (Alg 1 of paper 000), over the users: the sum per coordinate within 4.5
     standard deviations of 0 (exact variance sum r(1 - r) + m p (1 - p), spec 000 sec 2), and the summed squares
     within 6 % of that variance (relative sd of a sum of 6000 x 4 squares ~ 1.3 %). Fixed seeds."""
+    if block is not None:
+        import shuffledp.clients.node as node_module
+
+        monkeypatch.setattr(node_module, "PREPARE_BLOCK_USERS", block)
+        monkeypatch.setattr(node_module, "PREPARE_BLOCK_BYTES", 1)
+        calls = []
+        batch_gradients = NodeCore.batch_gradients
+        monkeypatch.setattr(
+            NodeCore,
+            "batch_gradients",
+            lambda self, spec, idx: calls.append(idx.size) or batch_gradients(self, spec, idx),
+        )
     sh = shard(n_users)
     core = NodeCore("node", sh, POLICY, rng=make_rng(7))
     first = first_spec(planned, n_min=int(0.9 * planned) if planned == n_users else 5000)
     checked = check_in_and_prepare(core, first, sh.user_ids)
     assert checked == sh.user_ids
+    if block is not None:
+        assert calls == [1024] * 5 + [880]
     spec, m = second(first, c)
     _, m_low = check_in.share(int(first.check_in.noise_trials), FRACTION, first.min_contributors, planned)
     assert (m == m_low) == (planned == c)

@@ -220,9 +220,10 @@ class RoundProtocol(Protocol):
     def noise_key(self, spec: pb.RoundSpec) -> Any: ...
     def user_account(self, spec: pb.RoundSpec) -> UserAccount | None: ...
 
-    # optional, for check-in rounds (mechanisms/check_in.py): prepare(spec, G, rng) draws what it can once the users
-    # checked in, and randomize_prepared(spec, prepared, rows, user_ids, nonces, rng, out) -> bool answers the
-    # second invitation from it (False: it does not fit that spec, and the node calls randomize). PvecRound has both.
+    # optional, for check-in rounds (mechanisms/check_in.py): prepare(spec, blocks, rng) draws what it can once the
+    # users checked in (blocks: their vectors as arrays of consecutive rows, in order), and randomize_prepared(spec,
+    # prepared, rows, user_ids, nonces, rng, out) -> bool answers the second invitation from it (False: it does not
+    # fit that spec, and the node calls randomize). PvecRound has both.
 
 
 class AnalyzerHooks:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -484,11 +484,14 @@ class PvecRound(AnalyzerHooks):
             cts = sealing.seal_many(spec.analyzer_public_key, sealing.pack_labelled_bits(labels, bits), info)
             out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=cts))
 
-    def prepare(self, spec: pb.RoundSpec, G: np.ndarray, rng: np.random.Generator) -> PreparedCounts | None:
+    def prepare(
+        self, spec: pb.RoundSpec, blocks: Iterable[np.ndarray], rng: np.random.Generator
+    ) -> PreparedCounts | None:
         """Check-in rounds in COUNTS (mechanisms/check_in.py): what the users who just checked in can draw before the
-        second invitation tells them their m. Their rounding and Bin(m_low, p) noise per coordinate, m_low the
-        share of the noise if the whole planned cohort (randomizer.extra n) checks in: no second invitation carries
-        less unless more users check in than planned (randomize_prepared then refuses it). None: nothing to do."""
+        second invitation tells them their m: their rounding and Bin(m_low, p) noise per coordinate, m_low the share
+        of the noise if the whole planned cohort (randomizer.extra n) checks in: no second invitation carries less
+        unless more users check in than planned (randomize_prepared then refuses it). None: nothing to do. blocks:
+        their vectors, consecutive rows at a time (only their counts are held at once, not their float vectors)."""
         ci = spec.check_in
         if spec.transport != pb.COUNTS or not ci.noise_trials or ci.checked_in:
             return None
@@ -498,7 +501,11 @@ class PvecRound(AnalyzerHooks):
         except ValueError:
             return None  # a planned cohort below the threshold: the second invitation draws everything
         low = replace(params, m=min(m_low, params.m))
-        return PreparedCounts(_first_form(spec), low.m, _encode_wire(G, low, rng))
+        parts = [_encode_wire(G, low, rng) for G in blocks]
+        if not parts:
+            return None
+        counts = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return PreparedCounts(_first_form(spec), low.m, counts)
 
     def randomize_prepared(
         self,
