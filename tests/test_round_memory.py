@@ -7,9 +7,12 @@ tracemalloc (numpy reports its buffers to it): the peak beyond the gradients is 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from shuffledp.protocols.pvec_round import PvecRound
 from shuffledp.rng import make_rng
@@ -36,3 +39,40 @@ def test_counts_round_allocates_no_whole_array_temporaries():
     assert counts.min() >= 0 and counts.max() <= 5671 + 168208
     # wire buffer + tobytes + the protobuf's copy: 12 bytes per value; the old whole-array path added >= 16 more
     assert peak < 13 * k * d, peak / (k * d)
+
+
+_RETAINED = """
+import sys, threading
+import numpy as np
+from shuffledp.serve import _return_large_blocks
+if sys.argv[1] == "fixed":
+    assert _return_large_blocks()
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+keep = []
+def round_():  # a round's worker thread: large per-user arrays, and small objects that outlive them
+    np.ones(6 * 2**20 // 8)  # freed: glibc's own threshold rises to 6 MiB
+    blocks = []
+    for _ in range(50):
+        blocks.append(np.ones(6 * 2**20 // 8))
+        keep.append(np.ones(2000))
+base = rss()
+t = threading.Thread(target=round_)
+t.start()
+t.join()
+print(rss() - base)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and /proc")
+def test_a_service_returns_a_rounds_large_blocks_to_the_os():
+    """serve sets a fixed mmap threshold (issue 30 item 3): 50 blocks of 6 MiB freed by a round's thread leave the
+    process, where glibc's own threshold keeps them in that thread's heap (~300 MB here, behind small objects that
+    outlive the round)."""
+    mib = {}
+    for mode in ("fixed", "glibc"):
+        out = subprocess.run([sys.executable, "-c", _RETAINED, mode], capture_output=True, text=True, check=True)
+        mib[mode] = float(out.stdout)
+    assert mib["fixed"] < 30 and mib["glibc"] > 150, mib
