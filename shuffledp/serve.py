@@ -25,7 +25,11 @@ SHUFFLER_WAIT_S = 60.0
 # users' data between rounds (issue 30 item 3). A fixed threshold maps every block of at least this size on its own
 # and unmaps it when freed; smaller ones (a round's 1 MiB encoding blocks) are reused from the heaps.
 MMAP_THRESHOLD_BYTES = 4 * 2**20
-_M_MMAP_THRESHOLD = -3  # glibc malloc.h
+# a fixed threshold also fixes the trim threshold (glibc's default 128 KiB): every free at a heap's top gave its pages
+# back, and the next round's 1 MiB blocks faulted them in again (d = 650: a node's CPU per round 21 -> 35 ms). Up to
+# this much free space stays at each heap's top.
+TRIM_THRESHOLD_BYTES = 64 * 2**20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
 
 
 def _return_large_blocks() -> bool:
@@ -35,7 +39,9 @@ def _return_large_blocks() -> bool:
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+        return bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)) and bool(
+            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        )
     except (OSError, AttributeError):  # not glibc (musl, macOS): its own allocator's policy stays
         return False
 
