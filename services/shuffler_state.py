@@ -793,7 +793,8 @@ class ShufflerState:
         with self._lock:
             eligible = self._eligible_users()
             used = self._store.used_users(run_id) if run_id else set()
-            unused = sum(1 for u in eligible if u not in used)
+            # a set operation, not a Python step per user (the analyzer asks before every round)
+            unused = len(eligible) - (len(used.intersection(eligible)) if used else 0)
             return Population(len(eligible), unused, len(self._subs))
 
     def node_summary(self) -> dict[str, tuple[int, bool]]:
