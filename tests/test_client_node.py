@@ -388,3 +388,26 @@ def test_spend_store_is_a_log_of_rounds_that_replays_to_the_same_totals(tmp_path
     eps, delta, history = SqliteSpendStore(old).load(["u0", "u1", "u2"])
     assert eps.tolist() == [3.0, 1.5, 0.0] and delta.tolist() == [2e-6, 1e-6, 0.0]
     assert history == [Counter({key_a: 4}), None, Counter()]
+
+
+def test_a_rounds_nonces_are_one_buffer_read_as_a_sequence_of_bytes():
+    """protocols.base.Nonces: per-message protocols read nonce i as bytes i*w..(i+1)*w of the buffer, PVEC's columns
+    take the buffer itself; every nonce of a node's round is fresh (16 bytes from the OS CSPRNG each)."""
+    from shuffledp.clients.node import NONCE_BYTES, _nonces
+
+    from shuffledp.protocols.base import Nonces
+
+    blob = bytes(range(48))
+    n = Nonces(blob, 16)
+    assert len(n) == 3 and n[0] == blob[:16] and n[2] == blob[32:] and n[-1] == blob[32:]
+    assert list(n) == [blob[:16], blob[16:32], blob[32:]] and n[1:] == [blob[16:32], blob[32:]]
+    with pytest.raises(IndexError):
+        n[3]
+    with pytest.raises(ValueError, match="not nonces of 16 bytes"):
+        Nonces(blob[:40], 16)
+    fresh = _nonces(1000)
+    assert fresh.width == NONCE_BYTES and len(fresh.blob) == 1000 * NONCE_BYTES and len(set(fresh)) == 1000
+    shard = make_shard(n=3)
+    core = NodeCore("node", shard, NO_VERIFY, rng=make_rng(6))
+    out = core.handle(invite(make_spec(), shard))
+    assert out.columns.nonce_bytes == NONCE_BYTES and len(out.columns.nonces) == 3 * NONCE_BYTES
