@@ -62,8 +62,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 NONCE_BYTES = 16
-# a check-in's preparation computes the users' vectors by blocks of at least this many users (a multiple of the Flax
-# adapter's USERS_PER_CALL) and about this many bytes of float64
+# a check-in's preparation computes the users' vectors by blocks of at least this many users and about this many
+# bytes of float64 (the Flax adapter pads each block's last call of USERS_PER_CALL users: blocks are large)
 PREPARE_BLOCK_USERS, PREPARE_BLOCK_BYTES = 1024, 16 * 2**20
 SUBMIT_FAILED_PREFIX = "submit_failed_"  # + the gRPC status name, lower case: a refusal reason the operator sees
 
@@ -251,7 +251,7 @@ class NodeCore:
                 # check-in invitation (mechanisms/check_in.py): the users whose policy accepts the worst case check
                 # in with a payload-free message; nothing is computed or charged until the second invitation
                 joined = np.flatnonzero(join)
-                out.columns.user_ids.extend(map(self.shard.user_ids.__getitem__, idx[joined].tolist()))
+                out.columns.user_ids.extend(self._names(idx[joined]))
                 out.columns.nonce_bytes = NONCE_BYTES
                 out.columns.nonces = _nonce_blob(joined.size)
                 self._checked_in = (spec.run_id, spec.round, idx[joined])
@@ -269,11 +269,15 @@ class NodeCore:
                     # fails, the exception leaves handle() and nothing of the round is sent.
                     charged, delta = idx[join], float(spec.per_user_cost.delta)
                     keys = self.policy.charge(charged, cost[join], delta, noise_key(spec))
-                    self._spend.record([self.shard.user_ids[i] for i in charged], cost[join], delta, keys)
+                    self._spend.record(self._names(charged), cost[join], delta, keys)
                     self.spend_records += len(charged)
                     self.rounds_joined += 1
             self._refuse(idx, reasons, join, out)
         return out
+
+    def _names(self, idx: np.ndarray) -> list[str]:
+        """The node's own ids of the users at node indices idx."""
+        return [self.shard.user_ids[i] for i in idx.tolist()]
 
     def _refuse(self, idx: np.ndarray, reasons: np.ndarray, join: np.ndarray, out: pb.Contribution) -> None:
         for i in np.flatnonzero(~join).tolist():  # only the refused: no per-user work when everyone joins
@@ -304,7 +308,7 @@ class NodeCore:
                 join[:] = False
                 _, charge = self.policy.decide_in_run(spec, account, idx, supported, join_allowed=False)
         if charge.users.size:
-            charged = [self.shard.user_ids[i] for i in charge.users.tolist()]
+            charged = self._names(charge.users)
             # if the store fails, the exception leaves handle() and nothing of the round is sent
             self._spend.record(charged, charge.eps, charge.delta, [None] * len(charged), charge.run, charge.steps)
             self.spend_records += len(charged)
@@ -316,7 +320,7 @@ class NodeCore:
     def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray, out: pb.Contribution) -> None:
         """One message per user of idx (in idx order) in out, by the round's protocol plug-in: from the check-in's
         draws when the protocol prepared them for this round and these users, else from scratch."""
-        ids = [self.shard.user_ids[i] for i in idx]
+        ids = self._names(idx)
         protocol = round_protocol(spec.randomizer.protocol)
         prepared, self._prepared = self._prepared, None  # drawn for one invitation: never used twice
         fits = prepared is not None and (prepared[0], prepared[1]) == (spec.run_id, spec.round)
