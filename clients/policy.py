@@ -197,6 +197,10 @@ class Histories:
 
     __hash__ = None  # mutable
 
+    def ids(self, users: np.ndarray) -> np.ndarray:
+        """Each user's entry in the table of distinct histories: users with equal ids have equal histories."""
+        return self._of[users]
+
     def frozen(self, u: int) -> tuple | None:
         """User u's history as sorted (key, count) pairs (None: basic composition only), shared, not copied."""
         return self._table[self._of[u]]
@@ -492,20 +496,19 @@ class PolicyTable:
     def _tight_ok(self, users: np.ndarray, key: NoiseKey) -> np.ndarray:
         """Whether each user's RDP-composed spend with one more round `key`, at delta = its max_total_delta, stays
         within its max_total_eps. Users with equal histories and limits share one evaluation (fully interactive
-        runs: one per round)."""
-        ok = np.zeros(users.size, dtype=bool)
-        memo: dict[tuple, float] = {}
-        for j, u in enumerate(users.tolist()):
-            h = self.history.frozen(u)
-            if h is None:
-                continue  # joined a round without a noise key: basic composition only
-            hk = (h, float(self.max_total_delta[u]))
-            if hk not in memo:
+        runs: one per round), found by array operations: no Python step per user."""
+        hist, delta = self.history.ids(users), self.max_total_delta[users]
+        _, at_h = np.unique(hist, return_inverse=True)
+        deltas, at_d = np.unique(delta, return_inverse=True)
+        groups, first, at = np.unique(at_h * deltas.size + at_d, return_index=True, return_inverse=True)
+        eps = np.full(groups.size, math.inf)
+        for j, u in enumerate(users[first].tolist()):
+            h, dlt = self.history.frozen(u), float(self.max_total_delta[u])
+            if h is not None and dlt > 0.0:  # None: joined a round without a noise key, basic composition only
                 after = Counter(dict(h))
                 after[key] += 1
-                memo[hk] = epsilon_of_rounds(after, hk[1]) if hk[1] > 0.0 else math.inf
-            ok[j] = memo[hk] <= self.max_total_eps[u]
-        return ok
+                eps[j] = epsilon_of_rounds(after, dlt)
+        return eps[at.reshape(-1)] <= self.max_total_eps[users]
 
     def tight_spent(self, u: int) -> float:
         """User u's RDP-composed eps at its max_total_delta (inf if it cannot be accounted so)."""

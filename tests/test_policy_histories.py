@@ -102,3 +102,36 @@ def test_a_policy_shared_by_all_users_decides_as_copies_and_costs_no_memory_per_
     assert set(a) == {Refusal.TOTAL_EPS} and np.array_equal(shared.eps_spent, copies.eps_spent)
     with pytest.raises(ValueError, match="read-only"):
         shared.max_total_eps[0] = 10.0
+
+
+def test_the_rdp_check_by_groups_decides_each_user_as_its_own_history_and_limits_would():
+    """_tight_ok evaluates one eps per (history, max_total_delta) group; each user's answer must equal the
+    per-user evaluation (its own history plus the round, at its own delta, against its own max_total_eps)."""
+    from shuffledp.accountants.pvec_pld import epsilon_of_rounds
+
+    key, other = (200_000, 0.5, 16, 2), (100_000, 0.5, 16, 2)  # one round: eps 0.26-0.30 and 0.4-0.45
+    rng = np.random.default_rng(3)
+    n = 300
+    deltas, limits = (1e-6, 1e-5, 0.0), (0.3, 0.5, 0.7, 3.0)
+    policies = [
+        UserPolicy(max_total_delta=deltas[i % 3], max_total_eps=limits[(i // 3) % 4], verify_randomizer=True)
+        for i in range(n)
+    ]
+    table = PolicyTable(policies, n, verifier=lambda spec: 0.5)
+    for _ in range(3):  # histories of 0-3 rounds of two keys, some None (a round that was only trusted)
+        users = np.flatnonzero(rng.random(n) < 0.6)
+        table.history.add(users, key if rng.random() < 0.5 else other)
+    table.history.clear(np.flatnonzero(rng.random(n) < 0.1))
+    users = rng.permutation(n)[:250]
+    got = table._tight_ok(users, key)
+    want = []
+    for u in users.tolist():
+        h, dlt = table.history[u], policies[u].max_total_delta
+        if h is None or dlt <= 0.0:
+            want.append(False)
+            continue
+        h[key] += 1
+        want.append(epsilon_of_rounds(h, dlt) <= policies[u].max_total_eps)
+    assert got.dtype == bool and got.tolist() == want
+    assert 0 < sum(want) < len(want)  # both answers occur: the test can tell a wrong grouping
+    assert table._tight_ok(np.array([], dtype=np.int64), key).size == 0
