@@ -141,6 +141,11 @@ class NodeCore:
         self._checked_in: tuple[str, int, np.ndarray] | None = None
         self._prepared: tuple[str, int, np.ndarray, Any] | None = None
         self.prepared_rounds = 0  # second invitations answered from the check-in's draws
+        # the data-independent noise of the last preparation (its state's noise_plan, and its users), which predraw
+        # draws between rounds for the next preparation (_predrawn: taken by that one preparation, fit or not)
+        self._noise_plan: tuple[Any, int] | None = None
+        self._predrawn: Any = None
+        self.predrawn_rows = 0  # users whose preparation used noise drawn between rounds
 
     # ----- gradients -------------------------------------------------------------------------------------------
     def _builtin(self, spec: pb.RoundSpec) -> ModelPlugin:
@@ -342,6 +347,7 @@ class NodeCore:
         protocol = known_protocol(spec.randomizer.protocol)
         with self._lock:
             checked, self._checked_in = self._checked_in, None
+            predrawn, self._predrawn = self._predrawn, None  # drawn for one preparation: never used twice
             self._prepared = None
             if protocol is None or not hasattr(protocol, "prepare") or checked is None:
                 return
@@ -352,12 +358,29 @@ class NodeCore:
             step = max(PREPARE_BLOCK_USERS, PREPARE_BLOCK_BYTES // (8 * max(1, int(spec.randomizer.dim))))
             blocks = (protocol.local_vectors(spec, self, idx[i : i + step]) for i in range(0, idx.size, step))
             try:
-                state = protocol.prepare(spec, blocks, self._rng)
+                state = protocol.prepare(spec, blocks, self._rng, predrawn)
             except ValueError as exc:  # the second invitation computes (and reports) it
                 log.debug("node %s: round %d not prepared: %s", self.node_id, spec.round, exc)
                 return
             if state is not None:
                 self._prepared = (spec.run_id, spec.round, idx, state)
+                plan = getattr(state, "noise_plan", None)
+                self._noise_plan = None if plan is None else (plan, idx.size)
+                self.predrawn_rows += getattr(state, "predrawn_rows", 0)
+
+    def predraw(self) -> None:
+        """Between rounds (after a second invitation was answered): draw, from the node's CSPRNG, the noise the next
+        check-in round's preparation draws whatever the data, if it is like the last one (the same plan, as many
+        users). That preparation uses it only if its own plan is the same, and drops it either way. The draws
+        depend on nothing of any user; drawing them early changes no law (pvec.encode_counts)."""
+        with self._lock:
+            basis, self._noise_plan = self._noise_plan, None
+        if basis is None:
+            return
+        plan, rows = basis
+        noise = plan.draw(rows, self._rng)  # without the lock: the node answers invitations meanwhile
+        with self._lock:
+            self._predrawn = noise
 
     def status(self) -> pb.NodeStatus:
         with self._lock:
@@ -607,6 +630,10 @@ class ClientNodeHandle:
             # the second invitation is a round trip away: draw what can be drawn meanwhile (the next invitation
             # waits for it, above)
             self._preparing = self._preparer.submit(self._prepare, inv)
+        elif inv.spec.check_in.checked_in:
+            # the round is answered; until the next one, draw the noise its preparation will need (on the same
+            # thread: that preparation starts after it; nothing waits for it before)
+            self._preparer.submit(self._predraw)
         for part, result in sent:
             code = self._deliver(part, result, inv.spec.round)
             if code is not None and (senders := [m.user_id for m in part.messages] + list(part.columns.user_ids)):
@@ -621,6 +648,12 @@ class ClientNodeHandle:
             self.core.prepare(inv)
         except Exception:  # a failed preparation only costs its time: the second invitation starts over
             log.exception("node %s: failed to prepare round %d", self.core.node_id, inv.spec.round)
+
+    def _predraw(self) -> None:
+        try:
+            self.core.predraw()
+        except Exception:  # only costs the next preparation its time
+            log.exception("node %s: failed to draw the next round's noise", self.core.node_id)
 
     def _send(self, contribution: pb.Contribution) -> tuple[pb.Contribution, futures.Future | None]:
         """On the current stream: (the contribution as sent, its result's future); the future is None when there is

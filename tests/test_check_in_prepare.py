@@ -79,20 +79,23 @@ def units(sh: UserShard, ids: list[str]) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "n_users, planned, c, subset, block",
+    "n_users, planned, c, subset, block, ahead",
     [
-        (6000, 6000, 6000, False, None),  # everyone checks in as planned: m = m_low, nothing added
-        (6000, 8000, 6000, False, None),  # fewer than planned: m > m_low, Bin(m - m_low, p) added
-        (6000, 8000, 6000, True, None),  # and invited again in another order, some of them not (rows picked)
-        (6000, 8000, 6000, True, 1024),  # the same, the vectors computed by blocks of 1024 users (the last: 880)
+        (6000, 6000, 6000, False, None, False),  # everyone checks in as planned: m = m_low, nothing added
+        (6000, 8000, 6000, False, None, False),  # fewer than planned: m > m_low, Bin(m - m_low, p) added
+        (6000, 8000, 6000, True, None, False),  # and invited again in another order, some not (rows picked)
+        (6000, 8000, 6000, True, 1024, False),  # the same, the vectors by blocks of 1024 users (the last: 880)
+        (6000, 6000, 6000, False, None, True),  # Bin(m_low, p) drawn between rounds (NodeCore.predraw)
+        (6000, 8000, 6000, True, 1024, True),  # and by blocks, rows picked, Bin(m - m_low, p) added
     ],
 )
 def test_second_invitation_from_prepared_draws_has_the_exact_mean_and_variance(
-    n_users, planned, c, subset, block, monkeypatch
+    n_users, planned, c, subset, block, ahead, monkeypatch
 ):
     """Each count minus its mean u g + m p (Alg 1 of paper 000), over the users: the sum per coordinate within 4.5
     standard deviations of 0 (exact variance sum r(1 - r) + m p (1 - p), spec 000 sec 2), and the summed squares
-    within 6 % of that variance (relative sd of a sum of 6000 x 4 squares ~ 1.3 %). Fixed seeds."""
+    within 6 % of that variance (relative sd of a sum of 6000 x 4 squares ~ 1.3 %). Fixed seeds. ahead: the
+    round before ran with the same plan, and the node drew this round's Bin(m_low, p) between the two."""
     if block is not None:
         import shuffledp.clients.node as node_module
 
@@ -107,9 +110,16 @@ def test_second_invitation_from_prepared_draws_has_the_exact_mean_and_variance(
         )
     sh = shard(n_users)
     core = NodeCore("node", sh, POLICY, rng=make_rng(7))
-    first = first_spec(planned, n_min=int(0.9 * planned) if planned == n_users else 5000)
+    n_min = int(0.9 * planned) if planned == n_users else 5000
+    first = first_spec(planned, n_min)
+    if ahead:
+        check_in_and_prepare(core, first_spec(planned, n_min, round_=1), sh.user_ids)
+        core.predraw()
+        if block is not None:
+            calls.clear()
     checked = check_in_and_prepare(core, first, sh.user_ids)
     assert checked == sh.user_ids
+    assert core.predrawn_rows == (n_users if ahead else 0)
     if block is not None:
         assert calls == [1024] * 5 + [880]
     spec, m = second(first, c)
@@ -218,3 +228,53 @@ def test_the_preparation_thread_runs_at_lower_cpu_priority():
     t.join()
     assert seen["nice"] == min(base + 10, 19)  # the kernel caps nice at 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # only that thread
+
+
+def test_noise_drawn_between_rounds_serves_one_preparation_of_the_same_plan():
+    """NodeCore.predraw draws the last preparation's Bin(m_low, p) for as many users; the next preparation adds it
+    (each count minus its predrawn noise is the rounding, floor(u g) or one more) when its plan is the same, and
+    drops it unused otherwise (another m_low); a second preparation never sees it again."""
+    from shuffledp.protocols.pvec_round import NoisePlan
+
+    sh = shard(40)
+    core = NodeCore("node", sh, POLICY, rng=make_rng(10))
+    assert core._noise_plan is None
+    core.predraw()  # nothing prepared yet: nothing drawn
+    assert core._predrawn is None
+    check_in_and_prepare(core, first_spec(planned=30, n_min=20, round_=1), sh.user_ids[:30])
+    m_low = core._prepared[3].m_low
+    assert core._noise_plan == (NoisePlan(m_low, P, D), 30)
+    core.predraw()
+    ahead = core._predrawn
+    assert ahead.plan == NoisePlan(m_low, P, D) and ahead.counts.shape == (30, D) and core._noise_plan is None
+    noise = ahead.counts.astype(np.int64)
+    # the same plan: used, one row per user in check-in order
+    check_in_and_prepare(core, first_spec(planned=30, n_min=20, round_=2), sh.user_ids[:30])
+    assert core._predrawn is None and core.predrawn_rows == 30
+    xhat = core._prepared[3].counts.astype(np.int64) - noise
+    v = units(sh, sh.user_ids[:30]) * G
+    assert np.all((xhat == np.floor(v)) | (xhat == np.floor(v) + 1))
+    # another plan (another m_low: fewer noise trials): dropped, the preparation draws its own
+    core.predraw()
+    assert core._predrawn is not None
+    other = first_spec(planned=30, n_min=20, round_=3)
+    other.check_in.noise_trials = M_PLAN * 10
+    check_in_and_prepare(core, other, sh.user_ids[:30])
+    assert core._predrawn is None and core.predrawn_rows == 30
+    assert core._prepared[3].m_low != m_low
+    # more users than were drawn for (one block of 40 users, 30 rows drawn): that block draws its own
+    core.predraw()
+    check_in_and_prepare(core, first_spec(planned=30, n_min=20, round_=4), sh.user_ids)
+    assert core.predrawn_rows == 30 and core._predrawn is None
+
+
+def test_encode_counts_adds_noise_drawn_beforehand_and_checks_its_shape():
+    from shuffledp.mechanisms.pvec import PvecParams, _round_units, encode_counts, shift_to_units
+
+    params = PvecParams(d=3, n=10, delta2=1.0, g=8, m=50, p=0.5, eps=1.0, delta=1e-6, method="calibrated")
+    X = make_rng(4).normal(size=(7, 3))
+    noise = make_rng(5).binomial(50, 0.5, size=(7, 3)).astype(np.uint8)
+    got = encode_counts(X, params, make_rng(6), noise) - noise
+    assert np.array_equal(got, _round_units(shift_to_units(X, params), 8, make_rng(6)))
+    with pytest.raises(ValueError, match="shape of X"):
+        encode_counts(X, params, make_rng(6), noise[:6])

@@ -401,23 +401,37 @@ def shift_to_units(X: np.ndarray, params: PvecParams) -> np.ndarray:
 ENCODE_BLOCK_VALUES = 1 << 17  # values per block of encode_counts: ~1 MiB per float64 temporary
 
 
-def encode_counts(X: np.ndarray, params: PvecParams, rng: np.random.Generator) -> np.ndarray:
+def encode_counts(
+    X: np.ndarray, params: PvecParams, rng: np.random.Generator, noise: np.ndarray | None = None
+) -> np.ndarray:
     """Count mode of PVEC for k users at once: counts[i, j] = xhat_ij + Bin(m, p), int64 of shape (k, d).
 
     Inputs are clipped to ||x||_2 <= delta2 here (whatever the caller did) before the shift. A 1-D x is one user.
+    noise: the Bin(m, p) draws to add, shape (k, d), when they were drawn beforehand: from the CSPRNG, independently
+    of X and of every other draw, and added to nothing else (a node draws them between rounds: PvecRound.prepare).
+    The counts then have the same law as with noise=None, which draws them here (Alg 1 line 6 of paper 000 draws
+    the noise independently of the input, so when it is drawn does not matter).
     """
     X = np.asarray(X)
     one = X.ndim == 1
     rows = X.reshape(1, -1) if one else X
     if rows.ndim != 2 or rows.shape[1] != params.d:
         raise ValueError(f"X must have shape (k, d={params.d}), got {X.shape}")
+    if noise is not None:
+        noise = noise.reshape(1, -1) if one else noise
+        if noise.shape != rows.shape:
+            raise ValueError(f"noise must have the shape of X {rows.shape}, got {noise.shape}")
     # block by block: at k d ~ 10^7 (mnist5k: 1875 users x 7850) the ~8 whole-array temporaries of clipping,
     # shifting, rounding and the binomials cost more in page faults than the draws; a block's are reused in cache
     step = max(1, ENCODE_BLOCK_VALUES // params.d)
     counts = np.empty(rows.shape, dtype=np.int64)
     for i in range(0, rows.shape[0], step):
         u = shift_to_units(rows[i : i + step], params)
-        counts[i : i + step] = _encode_units(u, params.g, params.m, params.p, rng)
+        if noise is None:
+            counts[i : i + step] = _encode_units(u, params.g, params.m, params.p, rng)
+        else:
+            counts[i : i + step] = _round_units(u, params.g, rng)
+            counts[i : i + step] += noise[i : i + step]
     return counts[0] if one else counts
 
 

@@ -88,6 +88,40 @@ def pvec_params_from_spec(spec: pb.RoundSpec) -> PvecParams:
     )
 
 
+PREDRAW_MAX_VALUES = 1 << 24  # counts a node draws ahead between rounds at most (uint32: 64 MiB)
+
+
+@dataclass(frozen=True)
+class NoisePlan:
+    """The noise a check-in round's preparation draws whatever the users' data: Bin(m, p) for each of d coordinates
+    of each user. A node draws it for the next round between rounds (draw) and hands it to that round's prepare,
+    which uses it only if that round's plan is the same."""
+
+    m: int
+    p: float
+    d: int
+
+    def draw(self, rows: int, rng: np.random.Generator) -> Predrawn | None:
+        """Bin(m, p) for rows users, from rng (the node's CSPRNG); None above PREDRAW_MAX_VALUES (memory)."""
+        dtype = pvec.count_wire_dtype(self.m)
+        if rows < 1 or rows * self.d > PREDRAW_MAX_VALUES or dtype.itemsize > 4:  # > 4: adds to int64 unsafely
+            return None
+        counts = np.empty((rows, self.d), dtype=dtype)
+        step = max(1, pvec.ENCODE_BLOCK_VALUES // self.d)
+        for i in range(0, rows, step):  # by blocks: no int64 temporary of the whole array
+            counts[i : i + step] = rng.binomial(self.m, self.p, size=counts[i : i + step].shape)
+        return Predrawn(self, counts)
+
+
+@dataclass(frozen=True)
+class Predrawn:
+    """Noise of a NoisePlan drawn ahead for `counts.shape[0]` users; prepare adds each row to one user's counts and
+    the node drops it after that one preparation (never used twice, whether it fit or not)."""
+
+    plan: NoisePlan
+    counts: np.ndarray
+
+
 @dataclass(frozen=True)
 class PreparedCounts:
     """PvecRound.prepare's draws for the users who checked in (rows in their check-in order)."""
@@ -95,6 +129,8 @@ class PreparedCounts:
     first: bytes  # the check-in spec without what the second invitation may change (_first_form)
     m_low: int  # binomial trials per coordinate already drawn
     counts: np.ndarray  # (users, d) xhat + Bin(m_low, p), in the wire width of g + m_low
+    noise_plan: NoisePlan  # the noise in counts: what the next round can draw ahead if it looks like this one
+    predrawn_rows: int = 0  # users whose noise came from a Predrawn
 
 
 def _first_form(spec: pb.RoundSpec) -> bytes:
@@ -108,14 +144,18 @@ def _first_form(spec: pb.RoundSpec) -> bytes:
     return s.SerializeToString(deterministic=True)
 
 
-def _encode_wire(G: np.ndarray, params: PvecParams, rng: np.random.Generator) -> np.ndarray:
+def _encode_wire(
+    G: np.ndarray, params: PvecParams, rng: np.random.Generator, noise: np.ndarray | None = None
+) -> np.ndarray:
     """Each row's d counts (xhat + Bin(m, p), in [0, g + m]) in the round's wire width, by blocks of users straight
     into it: no whole (k, d) copy of G nor int64 counts (at mnist5k's k d ~ 1.5e7 per node those copies cost more
-    CPU than the rounding). encode_counts clips to ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7)."""
+    CPU than the rounding). encode_counts clips to ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7).
+    noise: the rows' Bin(m, p) drawn ahead (encode_counts), else drawn here."""
     wire = np.empty(G.shape, dtype=pvec.count_wire_dtype(params.g + params.m))
     step = max(1, pvec.ENCODE_BLOCK_VALUES // params.d)
     for i in range(0, G.shape[0], step):
-        wire[i : i + step] = pvec.encode_counts(G[i : i + step], params, rng)
+        rows = None if noise is None else noise[i : i + step]
+        wire[i : i + step] = pvec.encode_counts(G[i : i + step], params, rng, rows)
     return wire
 
 
@@ -485,13 +525,19 @@ class PvecRound(AnalyzerHooks):
             out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=cts))
 
     def prepare(
-        self, spec: pb.RoundSpec, blocks: Iterable[np.ndarray], rng: np.random.Generator
+        self,
+        spec: pb.RoundSpec,
+        blocks: Iterable[np.ndarray],
+        rng: np.random.Generator,
+        predrawn: Predrawn | None = None,
     ) -> PreparedCounts | None:
         """Check-in rounds in COUNTS (mechanisms/check_in.py): what the users who just checked in can draw before the
         second invitation tells them their m: their rounding and Bin(m_low, p) noise per coordinate, m_low the share
         of the noise if the whole planned cohort (randomizer.extra n) checks in: no second invitation carries less
         unless more users check in than planned (randomize_prepared then refuses it). None: nothing to do. blocks:
-        their vectors, consecutive rows at a time (only their counts are held at once, not their float vectors)."""
+        their vectors, consecutive rows at a time (only their counts are held at once, not their float vectors).
+        predrawn: Bin(m, p) drawn ahead by the node (NoisePlan.draw), used, one row per user in order, only if its
+        plan is this round's (m = m_low, the same p and d); users beyond its rows get fresh draws."""
         ci = spec.check_in
         if spec.transport != pb.COUNTS or not ci.noise_trials or ci.checked_in:
             return None
@@ -501,11 +547,18 @@ class PvecRound(AnalyzerHooks):
         except ValueError:
             return None  # a planned cohort below the threshold: the second invitation draws everything
         low = replace(params, m=min(m_low, params.m))
-        parts = [_encode_wire(G, low, rng) for G in blocks]
+        plan = NoisePlan(low.m, low.p, low.d)
+        ahead = predrawn.counts if predrawn is not None and predrawn.plan == plan else None
+        parts, used = [], 0
+        for G in blocks:
+            noise = None
+            if ahead is not None and used + G.shape[0] <= ahead.shape[0]:
+                noise, used = ahead[used : used + G.shape[0]], used + G.shape[0]
+            parts.append(_encode_wire(G, low, rng, noise))
         if not parts:
             return None
         counts = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return PreparedCounts(_first_form(spec), low.m, counts)
+        return PreparedCounts(_first_form(spec), low.m, counts, plan, used)
 
     def randomize_prepared(
         self,
