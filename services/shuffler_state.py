@@ -595,6 +595,7 @@ class _OpenRound:
     refused_reasons: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)
     closed: bool = False
+    is_active: Callable[[], bool] = lambda: True  # whether the analyzer still waits for the round (execute_round)
 
 
 class NonceSet:
@@ -1020,14 +1021,16 @@ class ShufflerState:
             if req.transport == Transport.COUNTS:
                 rnd.totals = np.zeros(req.dim, dtype=np.uint64)
             rnd.checking_in = req.check_in_trials > 0
+            rnd.is_active = is_active
             self._open[key] = rnd
             self._invite(rnd, req.relay, invited)
             t1 = self._clock()
             try:
-                # check-in: the first half of the window for the check-ins, the rest for the messages
+                # check-in: the first half of the window for the check-ins, the rest for the messages. The last
+                # check-in sends the second invitation itself (submit); if the window closes first, it goes from here
                 self._collect(rnd, is_active, self._clock() + req.deadline_seconds / 2 if rnd.checking_in else None)
                 # an analyzer gone mid-check-in releases nothing: no second invitation for reports that would be lost
-                if not rnd.checking_in or (is_active() and self._second_invitation(rnd)):
+                if rnd.second_invitation or (rnd.checking_in and is_active() and self._second_invitation(rnd)):
                     self._collect(rnd, is_active)
             finally:
                 rnd.closed = True
@@ -1204,6 +1207,10 @@ class ShufflerState:
                     rnd.refused_reasons[_refusal_reason(rnd, why)] += 1
                     self._counters["refused"] += 1
             self._counters["accepted"] += accepted
+            if rnd.checking_in and len(rnd.answered) >= len(rnd.invited) and rnd.is_active():
+                # every invitee checked in or answered otherwise: invite again now, from this thread (execute_round
+                # would only wake up to do it); fewer than the threshold ends the round as below it
+                self._second_invitation(rnd)
             self._lock.notify_all()
             return Ack(accepted, dict(rejected))
 

@@ -833,6 +833,40 @@ def test_check_ins_as_user_columns():
     assert out[0].checked_in == 2
 
 
+def test_the_last_check_in_sends_the_second_invitation_before_its_submit_returns():
+    """Issue 30: the thread that accepts the last check-in invites the users again (the round's own thread would
+    only wake up to do it: one thread hand-off less on the round's path); a round whose check-ins are all in is
+    released with the second window intact, and the next check-in round's answers are checked again from scratch."""
+    from shuffledp.services.shuffler_state import Submission, UserColumns
+
+    state = ShufflerState(rng=make_rng(13), poll_seconds=1.0)
+    state.register_users("node", ["a", "b"])
+    sub = state.subscribe("node")
+    req = RoundRequest(
+        "run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=2, g=1, m=2, min_contributors=1,
+        deadline_seconds=30, check_in_trials=2, check_in_fraction=1.0,
+    )  # fmt: skip
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(state.execute_round(req)))
+    t.start()
+    first = sub.get(5.0)
+    assert list(first.user_ids) == ["a", "b"]
+    ack = state.submit(Submission("run", 0, "node", columns=UserColumns(["a"], secrets.token_bytes(16), 16)))
+    assert ack.accepted == 1 and sub.get(0) is None  # b has not checked in yet: nobody is invited again
+    ack = state.submit(Submission("run", 0, "node", columns=UserColumns(["b"], secrets.token_bytes(16), 16)))
+    assert ack.accepted == 1
+    second = sub.get(0)  # already queued when submit returned
+    assert second is not None and list(second.user_ids) == ["a", "b"]
+    counts = np.array([[1, 2], [0, 1]], dtype=np.uint8).tobytes()  # g + m = 2 bounds each count
+    ack = state.submit(
+        Submission("run", 0, "node", columns=UserColumns(["a", "b"], secrets.token_bytes(32), 16, counts))
+    )
+    assert ack.accepted == 2
+    t.join(10)
+    assert out[0].released and out[0].checked_in == 2 and out[0].contributors == 2
+    assert out[0].label_totals.tolist() == [1, 3]
+
+
 def test_the_shuffler_remembers_a_bounded_number_of_closed_rounds(monkeypatch):
     # issue 15: the shuffler's memory must not grow with the rounds it ran; a late message to a recent round is
     # expired, one to a forgotten round is a wrong round, and no round runs twice either way (durable record)
