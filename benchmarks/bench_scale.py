@@ -10,7 +10,8 @@ process (shuffler, analyzer and nodes as its child processes on loopback), sampl
   start-up     command start until round 1 begins (its line's arrival minus round 1's own seconds)
   peak MiB     VmHWM of each service process (the shuffler, the analyzer, the largest client node)
   in-process   the same round's work for all N users in this one process (gradients, clip, encode_counts, sum,
-               decode, step: benchmarks/bench_round.InProcessRound), median of 3 after a warm-up
+               decode, step: benchmarks/bench_round.InProcessRound, with the services' allocator thresholds),
+               median of 3 after a warm-up
 The shuffler's resident memory after each round is sampled too: `shuffler MiB by round` shows whether it grows
 with the number of rounds. Per-user memory is the slope of peak memory between the two largest sizes (bytes per
 user the process hosts: all N at the shuffler and analyzer, N / nodes at a node).
@@ -42,6 +43,7 @@ from shuffledp.config import parse_config  # noqa: E402
 from shuffledp.data import load_dataset  # noqa: E402
 from shuffledp.mechanisms.pvec import PvecParams  # noqa: E402
 from shuffledp.models import make_model  # noqa: E402
+from shuffledp.serve import return_large_blocks  # noqa: E402
 
 DIM = 10
 
@@ -230,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         need = -(-max(args.users) // MAX_USERS_PER_NODE)
         ap.error(f"{max(args.users)} users need --nodes >= {need}: the shuffler admits at most 2^20 users per node")
     check_in = {"default": None, "on": True, "off": False}[args.check_in]
+    return_large_blocks()  # the in-process round runs with the services' allocator thresholds (bench_round)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:

@@ -32,8 +32,9 @@ TRIM_THRESHOLD_BYTES = 64 * 2**20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
 
 
-def _return_large_blocks() -> bool:
-    """A fixed mmap threshold (mallopt, glibc; with it glibc adjusts nothing by itself). False elsewhere."""
+def return_large_blocks() -> bool:
+    """A fixed mmap threshold (mallopt, glibc; with it glibc adjusts nothing by itself). False elsewhere. Every
+    service calls it at start; the benchmarks call it too, so that a round in one process runs as the services'."""
     import ctypes
     import ctypes.util
 
@@ -223,7 +224,7 @@ def _registry(maker: str, target: object):
 
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _return_large_blocks()
+    return_large_blocks()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -44,9 +44,9 @@ def test_counts_round_allocates_no_whole_array_temporaries():
 _RETAINED = """
 import sys, threading
 import numpy as np
-from shuffledp.serve import _return_large_blocks
+from shuffledp.serve import return_large_blocks
 if sys.argv[1] == "fixed":
-    assert _return_large_blocks()
+    assert return_large_blocks()
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS"):
