@@ -414,6 +414,9 @@ class _Live:
     rng: np.random.Generator | None = None  # the analyzer's own noise (central protocols), from the CSPRNG
     # connected users the run settled for after waiting for the rest: later rounds wait again only if fewer
     settled_users: int | None = None
+    # GetPopulation asked once a round was applied: answered while the analyzer evaluates and writes the round, it
+    # is the next round's check that the shuffler is there (_await_shuffler), not a round trip after them
+    probe: Any = None
 
 
 _NOISE_PREFIX = "noise."
@@ -760,9 +763,14 @@ class RunManager:
         outage nodes reconnect with a backoff of their own; waited for up to `wait` s, then the round
         is tried anyway). False if the run is cancelled while waiting."""
         delay, since, waited_users = 0.5, None, None
+        asked, live.probe = live.probe, None
         while not live.cancel.is_set():
             try:
-                pop = self.shuffler.GetPopulation(pb.PopulationRequest(run_id=run_id), timeout=_PROBE_SECONDS)
+                if asked is not None:  # its failure counts as this attempt's: the retries ask afresh
+                    probe, asked = asked, None
+                    pop = probe.result()
+                else:
+                    pop = self.shuffler.GetPopulation(pb.PopulationRequest(run_id=run_id), timeout=_PROBE_SECONDS)
             except grpc.RpcError as exc:
                 if exc.code() not in _UNREACHABLE:
                     raise
@@ -881,7 +889,9 @@ class RunManager:
             self.ledger.commit(run_id, r, dec.charged, ran)  # used: charged as it ran; the run stops
             raise
         state = _RunState(opt_state, noise)
-        self._metrics(run_id, r, rd, state, True, dec.used, self._clock() - t0, dec.rejected, rep, commit=commit)
+        seconds = self._clock() - t0
+        live.probe = self.shuffler.GetPopulation.future(pb.PopulationRequest(run_id=run_id), timeout=_PROBE_SECONDS)
+        self._metrics(run_id, r, rd, state, True, dec.used, seconds, dec.rejected, rep, commit=commit)
         return "ok", state
 
     def _metrics(

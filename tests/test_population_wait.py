@@ -68,3 +68,38 @@ def test_a_lost_node_costs_one_wait_and_the_run_goes_on_without_its_users(tmp_pa
         nodes[0].stop()
         analyzer.stop(0)
         shuffler.stop(0)
+
+
+def test_the_probe_asked_after_a_round_is_the_next_rounds_check_and_a_failed_one_is_asked_again(tmp_path):
+    """Issue 30: the analyzer asks GetPopulation once a round is applied (answered while it writes the round) and
+    the next round's check uses that answer instead of a round trip of its own; a probe that failed (the shuffler
+    gone meanwhile) counts as one failed attempt: the check asks afresh, it never waits on the failed one again."""
+    from shuffledp.services.ledger import Ledger
+    from shuffledp.services.run_manager import RunManager, _Live
+
+    shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(5))
+    live_channel = grpc.insecure_channel(f"127.0.0.1:{sport}")
+    dead_channel = grpc.insecure_channel("127.0.0.1:1")  # nothing listens there
+    try:
+        stub = pbg.ShufflerStub(live_channel)
+        asked: list[str] = []
+        real = stub.GetPopulation
+        stub.GetPopulation = lambda *a, **kw: asked.append("call") or real(*a, **kw)
+        stub.GetPopulation.future = real.future
+        ledger = Ledger(tmp_path / "ledger.sqlite")
+        ledger.create_run("r", "", state="RUNNING")
+        manager = RunManager(ledger, stub)
+        live = _Live()
+        # answered: the check takes it and asks nothing more
+        live.probe = real.future(pb.PopulationRequest(run_id="r"), timeout=10)
+        assert manager._await_shuffler("r", live) and asked == [] and live.probe is None
+        # failed (UNAVAILABLE): one failed attempt, then a fresh question answers
+        live.probe = pbg.ShufflerStub(dead_channel).GetPopulation.future(pb.PopulationRequest(run_id="r"), timeout=10)
+        t0 = time.monotonic()
+        assert manager._await_shuffler("r", live) and asked == ["call"] and live.probe is None
+        assert time.monotonic() - t0 < 5  # one backoff step (~0.5 s), not a wait on the failed probe
+        assert "reachable again" in ledger.run("r")["message"]  # the operator saw the outage and its end
+    finally:
+        live_channel.close()
+        dead_channel.close()
+        shuffler.stop(0)
