@@ -23,8 +23,9 @@ Two rounds in one process, each timed over the same R rounds, before and after t
                         per label, decode_counts, PGD step (the same modules the services call): the arithmetic alone.
   services in one process  the same round with the services' own logic and no processes or gRPC (ServicesRound):
                         the shuffler's ShufflerState with its durable participation record, each node's NodeCore
-                        with its durable spend record (the users' policies, the check-in's two invitations and its
-                        preparation), decode, PGD step: the work a distributed round does, minus the distribution.
+                        with its durable spend record (the users' policies, the check-in's two invitations, its
+                        preparation and the draws for the next one), decode, PGD step: the work a distributed round
+                        does, minus the distribution.
 Both rounds in one process run with the services' allocator thresholds (serve.return_large_blocks, which every
 service sets at start): with glibc's own, fresh large blocks fault their pages in at every round, and the round at
 d = 100 took ~1.8x as long (measured 2026-11-27: 8.5-9.8 ms against 4.5-6.0).
@@ -315,6 +316,8 @@ class ServicesRound:
                 self.parts[f"{phase}: node handle (500 users)"].append(t1 - t0)
                 self.parts[f"{phase}: to-domain + shuffler submit"].append(t2 - t1)
         runner.join()
+        for core in self.cores:  # what each node draws between rounds for its next preparation (NodeCore.predraw)
+            core.predraw()
         batch = box["batch"]
         if batch.contributors != USERS:
             raise RuntimeError(f"in-process round released {batch.contributors} contributors")
