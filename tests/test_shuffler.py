@@ -737,22 +737,25 @@ def test_a_check_in_with_a_payload_is_rejected():
     assert not out[0].released and out[0].checked_in == 0  # b never answered, a's answer was used up
 
 
-def _open_counts_round(users: list[str], dim: int, bound_m: int, check_in: bool = False):
-    """An in-process shuffler with `users` registered under "node" and one COUNTS round (g = 1) open for all."""
-    state = ShufflerState(rng=make_rng(11), poll_seconds=0.001)
+def _open_counts_round(
+    users: list[str], dim: int, bound_m: int, check_in: bool = False, deadline: float = 0.4, poll: float = 0.001
+):
+    """An in-process shuffler with `users` registered under "node" and one COUNTS round (g = 1) open for all, its
+    (first) invitation taken: (state, the round's thread, its result list, the node's subscription)."""
+    state = ShufflerState(rng=make_rng(11), poll_seconds=poll)
     state.register_users("node", users)
     state.register_users("other", ["o1"])
     sub = state.subscribe("node")
     extra = {"check_in_trials": 2, "check_in_fraction": 1.0} if check_in else {}
     req = RoundRequest(
         "run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=dim, g=1, m=bound_m,
-        min_contributors=1, deadline_seconds=0.4, **extra,
+        min_contributors=1, deadline_seconds=deadline, **extra,
     )  # fmt: skip
     out: list = []
     t = threading.Thread(target=lambda: out.append(state.execute_round(req)))
     t.start()
     assert sub.get(5.0) is not None
-    return state, t, out
+    return state, t, out, sub
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -786,7 +789,7 @@ def test_user_columns_are_checked_exactly_as_one_message_per_user(seed):
     counts = np.array(rows, dtype=np.uint8)
     results = []
     for as_columns in (True, False):
-        state, t, out = _open_counts_round(users, dim, m)
+        state, t, out, _ = _open_counts_round(users, dim, m)
         if as_columns:
             sub = Submission("run", 0, "node", columns=UserColumns(ids, b"".join(nonces), 16, counts.tobytes()))
         else:
@@ -810,7 +813,7 @@ def test_malformed_user_columns_are_rejected_user_by_user(case, reason):
     from shuffledp.services.shuffler_state import Submission, UserColumns
 
     users = ["a", "b", "c"]
-    state, t, out = _open_counts_round(users, 2, 3)
+    state, t, out, _ = _open_counts_round(users, 2, 3)
     counts = bytes(2 * 3) if case != "short_counts" else bytes(5)
     width = 16 if case != "nonce_width" else 8
     cols = UserColumns(users, secrets.token_bytes(width * 3), width, b"" if case == "no_counts" else counts)
@@ -823,7 +826,7 @@ def test_malformed_user_columns_are_rejected_user_by_user(case, reason):
 def test_check_ins_as_user_columns():
     from shuffledp.services.shuffler_state import Submission, UserColumns
 
-    state, t, out = _open_counts_round(["a", "b"], 2, 2, check_in=True)
+    state, t, out, _ = _open_counts_round(["a", "b"], 2, 2, check_in=True)
     nonces = secrets.token_bytes(32)
     ack = state.submit(Submission("run", 0, "node", columns=UserColumns(["a", "b"], nonces, 16)))
     assert ack.accepted == 2 and not ack.rejected
@@ -835,22 +838,12 @@ def test_check_ins_as_user_columns():
 
 def test_the_last_check_in_sends_the_second_invitation_before_its_submit_returns():
     """Issue 30: the thread that accepts the last check-in invites the users again (the round's own thread would
-    only wake up to do it: one thread hand-off less on the round's path); a round whose check-ins are all in is
-    released with the second window intact, and the next check-in round's answers are checked again from scratch."""
+    only wake up to do it: one thread hand-off less on the round's path), and the round then collects and releases
+    the reports as before."""
     from shuffledp.services.shuffler_state import Submission, UserColumns
 
-    state = ShufflerState(rng=make_rng(13), poll_seconds=1.0)
-    state.register_users("node", ["a", "b"])
-    sub = state.subscribe("node")
-    req = RoundRequest(
-        "run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=2, g=1, m=2, min_contributors=1,
-        deadline_seconds=30, check_in_trials=2, check_in_fraction=1.0,
-    )  # fmt: skip
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(state.execute_round(req)))
-    t.start()
-    first = sub.get(5.0)
-    assert list(first.user_ids) == ["a", "b"]
+    # the round's thread waits up to 1 s between looks: it cannot be the one that invites within the test
+    state, t, out, sub = _open_counts_round(["a", "b"], 2, 2, check_in=True, deadline=30, poll=1.0)
     ack = state.submit(Submission("run", 0, "node", columns=UserColumns(["a"], secrets.token_bytes(16), 16)))
     assert ack.accepted == 1 and sub.get(0) is None  # b has not checked in yet: nobody is invited again
     ack = state.submit(Submission("run", 0, "node", columns=UserColumns(["b"], secrets.token_bytes(16), 16)))
@@ -955,7 +948,7 @@ def test_a_rounds_tables_hold_the_admitted_key_objects():
     from shuffledp.services.shuffler_state import Submission, UserColumns
 
     users = [f"u{i}" for i in range(6)]
-    state, t, out = _open_counts_round(users, 2, 2, check_in=True)
+    state, t, out, _ = _open_counts_round(users, 2, 2, check_in=True)
     admitted = {id(k) for k in state._admitted}
     rnd = next(iter(state._open.values()))
     assert {id(k) for k in rnd.invited} == admitted - {id(state._admitted["other\no1"])}
