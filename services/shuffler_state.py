@@ -598,6 +598,20 @@ class _OpenRound:
     is_active: Callable[[], bool] = lambda: True  # whether the analyzer still waits for the round (execute_round)
 
 
+FRESH_MASK_RUNS = 8  # runs whose mask of fresh users ShufflerState keeps (one byte per eligible user each)
+
+
+class _FreshUsers:
+    """A run's eligible users not used yet: fresh[i] for eligible[i], for the eligible list of `key` and a used set
+    of `used` users; `pending`: the positions of the last cohort drawn and the used count once it is recorded."""
+
+    def __init__(self, key: Any, eligible: list[str], used: AbstractSet[str]) -> None:
+        self.key = key
+        self.fresh = np.fromiter((u not in used for u in eligible), dtype=bool, count=len(eligible))
+        self.used = len(used)
+        self.pending: tuple[np.ndarray, int] | None = None
+
+
 class NonceSet:
     """The nonces one round has seen (replay protection, design 5.3), as exact as a set of bytes. A node's batch of
     nonces of one width is kept as its rows (numpy void) sorted by their first 8 bytes: ~24 bytes per nonce, where a
@@ -719,6 +733,8 @@ class ShufflerState:
         # invited to check in again in that run, so that one silent node cannot hold back every release. Only
         # liveness rests on it (a lost set lets them in again); the noise guarantee rests on c_min and m alone
         self._silent: dict[str, set[str]] = {}
+        # per run with used users (sequential), which eligible users are still fresh: _FreshUsers, a few runs only
+        self._fresh: OrderedDict[str, _FreshUsers] = OrderedDict()
         # observer of each executed round (shuffledp/metrics.py): its batch and its phases' durations in seconds
         self.on_round: Callable[[BatchResult, dict[str, float]], None] | None = None
 
@@ -794,9 +810,28 @@ class ShufflerState:
         with self._lock:
             eligible = self._eligible_users()
             used = self._store.used_users(run_id) if run_id else set()
-            # a set operation, not a Python step per user (the analyzer asks before every round)
-            unused = len(eligible) - (len(used.intersection(eligible)) if used else 0)
+            # counted on the run's mask of fresh users (the analyzer asks before every round)
+            unused = int(np.count_nonzero(self._fresh_users(run_id, eligible).fresh)) if used else len(eligible)
             return Population(len(eligible), unused, len(self._subs))
+
+    def _fresh_users(self, run_id: str, eligible: list[str]) -> _FreshUsers:
+        """The run's eligible users not used yet, as a mask over `eligible` (the current _eligible_users list). Kept
+        between rounds: a round's cohort is taken off it when its record landed (the used count grew by exactly the
+        cohort), and it is built again (a Python step per eligible user) only when the eligible users or the used
+        ones changed otherwise. Caller holds the lock."""
+        used = self._store.used_users(run_id)
+        key = self._eligible[0]
+        f = self._fresh.get(run_id)
+        if f is not None and f.key == key and f.pending is not None and len(used) == f.pending[1]:
+            f.fresh[f.pending[0]] = False  # the last cohort drawn from it was recorded as used
+            f.used = len(used)
+        if f is None or f.key != key or f.used != len(used):
+            f = self._fresh[run_id] = _FreshUsers(key, eligible, used)
+            while len(self._fresh) > FRESH_MASK_RUNS:
+                self._fresh.popitem(last=False)
+        self._fresh.move_to_end(run_id)
+        f.pending = None
+        return f
 
     def node_summary(self) -> dict[str, tuple[int, bool]]:
         """Per node identity: (its admitted users, whether it holds an invitation stream now). Counts only."""
@@ -947,9 +982,12 @@ class ShufflerState:
         if k < 1:
             raise ValueError(f"cohort_size must be >= 1 for {req.schedule.name}, got {k}")
         limited = ""
+        fresh = None
         if req.schedule == Schedule.SEQUENTIAL:
-            used = self._store.used_users(req.run_id)
-            pool = [u for u in eligible if u not in used]  # fresh users only: disjoint cohorts
+            # fresh users only (disjoint cohorts), in eligible order: positions into eligible, no Python step per
+            # user (a list of them cost O(n) lookups per round, slower as the used set grew: issue 30 item 4)
+            fresh = self._fresh_users(req.run_id, eligible)
+            pool = np.flatnonzero(fresh.fresh)
         elif req.limits is not None:
             # DP-FTRL (spec 003 sec 3-4): only users whose leaves in this tree leave room for this one. The limits
             # are the run's from its first round on: the tree accountant's (E, xi) describe every tree
@@ -964,9 +1002,12 @@ class ShufflerState:
                 f"{req.schedule.name} round needs cohort_size={k} users but only {len(pool)} are eligible{limited}"
             )
         idx = self._rng.choice(len(pool), size=k, replace=False)  # uniform k-subset from the CSPRNG
-        chosen = [pool[i] for i in np.sort(idx)]
-        if req.schedule == Schedule.SEQUENTIAL:
+        if fresh is not None:
+            at = pool[np.sort(idx)]
+            chosen = [eligible[i] for i in at.tolist()]
+            fresh.pending = (at, fresh.used + k)  # taken off the mask once recorded (_fresh_users)
             return _Selection(chosen, chosen, [], 0)
+        chosen = [pool[i] for i in np.sort(idx)]
         return _Selection(chosen, [], [], 0, len(pool))
 
     def _check_batch_size(self, req: RoundRequest, invited: int, per_user: int, ct_len: int) -> None:
