@@ -502,8 +502,8 @@ class PolicyTable:
         deltas, at_d = np.unique(delta, return_inverse=True)
         groups, first, at = np.unique(at_h * deltas.size + at_d, return_index=True, return_inverse=True)
         eps = np.full(groups.size, math.inf)
-        for j, u in enumerate(users[first].tolist()):
-            h, dlt = self.history.frozen(u), float(self.max_total_delta[u])
+        for j, (u, dlt) in enumerate(zip(users[first].tolist(), delta[first].tolist(), strict=True)):
+            h = self.history.frozen(u)
             if h is not None and dlt > 0.0:  # None: joined a round without a noise key, basic composition only
                 after = Counter(dict(h))
                 after[key] += 1

@@ -127,10 +127,14 @@ class PreparedCounts:
     """PvecRound.prepare's draws for the users who checked in (rows in their check-in order)."""
 
     first: bytes  # the check-in spec without what the second invitation may change (_first_form)
-    m_low: int  # binomial trials per coordinate already drawn
     counts: np.ndarray  # (users, d) xhat + Bin(m_low, p), in the wire width of g + m_low
     noise_plan: NoisePlan  # the noise in counts: what the next round can draw ahead if it looks like this one
     predrawn_rows: int = 0  # users whose noise came from a Predrawn
+
+    @property
+    def m_low(self) -> int:
+        """Binomial trials per coordinate already drawn."""
+        return self.noise_plan.m
 
 
 def _first_form(spec: pb.RoundSpec) -> bytes:
@@ -558,7 +562,7 @@ class PvecRound(AnalyzerHooks):
         if not parts:
             return None
         counts = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return PreparedCounts(_first_form(spec), low.m, counts, plan, used)
+        return PreparedCounts(_first_form(spec), counts, plan, used)
 
     def randomize_prepared(
         self,
