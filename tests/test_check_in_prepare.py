@@ -278,3 +278,38 @@ def test_encode_counts_adds_noise_drawn_beforehand_and_checks_its_shape():
     assert np.array_equal(got, _round_units(shift_to_units(X, params), 8, make_rng(6)))
     with pytest.raises(ValueError, match="shape of X"):
         encode_counts(X, params, make_rng(6), noise[:6])
+
+
+def test_a_second_invitation_is_certified_at_no_more_contributors_than_checked_in():
+    # helper probe (session 17): a lying shuffler's second invitation said 21 users checked in and set the release
+    # threshold at 30, which no release of those 21 can meet; the node certified (and charged) the round at n' = 30,
+    # a smaller eps than any release of <= 21 users has. It now certifies at n' = min(threshold, checked in)
+    from shuffledp.accountants.pvec_pld import calibrate_pvec_pld, pvec_round_epsilon
+    from shuffledp.protocols.pvec_round import pvec_params_from_spec
+
+    n_min, planned, delta = 20, 30, 1e-6
+    prm = calibrate_pvec_pld(1.0, delta, n_min, D, 1.0, rounds=1)
+    first = first_spec(planned, n_min)
+    first.randomizer.g, first.randomizer.m, first.randomizer.p = prm.g, prm.m, prm.p
+    first.check_in.noise_trials = prm.m * n_min
+    first.per_user_cost.eps = 0.01  # the claim: the node charges what it verifies
+    core = NodeCore("node", shard(planned), UserPolicy(max_total_eps=100, max_total_delta=1.0), rng=make_rng(3))
+    ids = core.shard.user_ids
+    assert len(check_in_and_prepare(core, first, ids)) == planned
+    c = 21
+    _, m = check_in.share(int(first.check_in.noise_trials), FRACTION, n_min, c)
+    lying = _second_spec(first, c, planned, m)  # threshold 30 > the 21 who checked in
+    con = core.handle(pb.Invitation(spec=lying, user_ids=ids[:c]))
+    assert len(con.columns.user_ids) == c and not con.refusals
+    at_c = pvec_round_epsilon(pvec_params_from_spec(lying), c, delta)
+    at_claim = pvec_round_epsilon(pvec_params_from_spec(lying), planned, delta)
+    assert at_claim < 0.9 * at_c  # the lie matters: certified at 30 the round would look much cheaper
+    assert core.spent(ids[0])[0] == pytest.approx(at_c, rel=1e-9)
+    # an honest second invitation (c_min <= c) is certified at its own threshold, as before
+    honest, _ = second(first, c)
+    assert honest.min_contributors <= c
+    core2 = NodeCore("node", shard(planned), UserPolicy(max_total_eps=100, max_total_delta=1.0), rng=make_rng(4))
+    check_in_and_prepare(core2, first, ids)
+    core2.handle(pb.Invitation(spec=honest, user_ids=ids[:c]))
+    expected = pvec_round_epsilon(pvec_params_from_spec(honest), int(honest.min_contributors), delta)
+    assert core2.spent(ids[0])[0] == pytest.approx(expected, rel=1e-9)
