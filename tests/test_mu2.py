@@ -381,3 +381,18 @@ def test_trusted_machines_show_the_shuffler_only_ciphertexts_and_an_unaffordable
         channel.close()
         analyzer.stop(0)
         shuffler.stop(0)
+
+
+
+def test_a_machine_certifies_a_round_at_no_more_machines_than_the_spec_can_have():
+    # a threshold above the spec's own cohort (a lying shuffler or analyzer) had the machine certify the sensitivity
+    # 2S/M of the trusted average (Alg 2) for more machines than can contribute; it certifies at
+    # M = min(min_contributors, cohort_size)
+    _, key = generate_keypair()
+    x = np.zeros(D)
+    honest = spec(TRUSTED, x, x, key, clip=1.0, sigma=2.0, M=3)
+    claimed = spec(TRUSTED, x, x, key, clip=1.0, sigma=2.0, M=8)
+    lying = spec(TRUSTED, x, x, key, clip=1.0, sigma=2.0, M=8)
+    lying.cohort_size = 3
+    assert TRUSTED.verify_epsilon(claimed) < 0.9 * TRUSTED.verify_epsilon(honest)  # the lie would pay less
+    assert TRUSTED.verify_epsilon(lying) == TRUSTED.verify_epsilon(honest)

@@ -444,3 +444,19 @@ def test_the_readme_is_right_that_shuffled_pnsgd_releases_no_better_than_w0_at_r
     w0 = model.loss(np.zeros(model.dim), X[n:], y[n:])
     assert w0 == pytest.approx(np.log(2))
     assert np.mean(losses) > w0, (np.mean(losses), w0)
+
+
+def test_a_user_certifies_the_pass_at_no_more_records_than_the_spec_can_have():
+    # a threshold above the spec's own cohort (a lying shuffler or analyzer) had the user certify the shuffled
+    # pass's amplification over more records than it can run on; it certifies at n = min(min_contributors, cohort)
+    _, pub = generate_keypair()
+    p = _plan()
+    extra = {k: float(p[k]) for k in ("lipschitz", "sigma", "eta", "diameter", "m", "delta", "num_classes")}
+
+    def spec(n_min: int, cohort: int = 0) -> pb.RoundSpec:
+        s = pb.RoundSpec(run_id="run", schedule=pb.SEQUENTIAL, min_contributors=n_min, cohort_size=cohort)
+        s.MergeFrom(pb.RoundSpec(**PROTO._sealed_fields({"d": 3, "clip": 1.0}, pub, extra)))
+        return s
+
+    assert PROTO.verify_epsilon(spec(200)) < 0.9 * PROTO.verify_epsilon(spec(20))  # the lie would pay less
+    assert PROTO.verify_epsilon(spec(200, cohort=20)) == PROTO.verify_epsilon(spec(20, cohort=20))

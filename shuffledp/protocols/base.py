@@ -25,6 +25,7 @@ __all__ = [
     "Decoded",
     "BatchError",
     "open_each",
+    "release_floor",
     "UNDECRYPTABLE",
     "MALFORMED_PLAINTEXT",
     "AnalyzerHooks",
@@ -72,6 +73,18 @@ def open_each(private_key: Any, ciphertexts: Sequence[bytes], info: bytes) -> tu
         except sealing.SealingError:
             pass
     return opened, len(ciphertexts) - len(opened)
+
+
+def release_floor(spec: pb.RoundSpec) -> int:
+    """The fewest contributors a node certifies a round's amplification or sensitivity at: its min_contributors, but
+    never more users than the spec itself says can contribute (its cohort, and in a check-in's second invitation the
+    users who checked in). An honest spec's threshold lies within both (check_in.share: c_min <= c); one above them
+    would have the node certify contributors the round cannot have (a lying shuffler or analyzer)."""
+    n = max(int(spec.min_contributors), 1)
+    for bound in (int(spec.cohort_size), int(spec.check_in.checked_in)):
+        if bound > 0:
+            n = min(n, bound)
+    return n
 
 
 @dataclass(frozen=True)

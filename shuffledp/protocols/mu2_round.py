@@ -49,6 +49,7 @@ from shuffledp.protocols.base import (
     Decoded,
     PlanRequest,
     RoundPlan,
+    release_floor,
 )
 from shuffledp.protocols.central import (
     CentralRound,
@@ -240,9 +241,9 @@ class Mu2Round(CentralRound):
     # -------------------------------------------------------------------------------------------- client
     def verify_epsilon(self, spec: pb.RoundSpec) -> float:
         """One round's eps from what the machine knows itself: it clips s_t to clip_norm S, so the sensitivity is
-        2S, or 2S/M on an average the shuffler releases only with M = min_contributors machines in it."""
+        2S, or 2S/M on an average the shuffler releases only with M = release_floor(spec) machines in it."""
         x = dict(spec.randomizer.extra)
-        S, M = float(spec.randomizer.clip_norm), int(spec.min_contributors)
+        S, M = float(spec.randomizer.clip_norm), release_floor(spec) if spec.min_contributors >= 1 else 0
         sigma, delta = x.get("sigma", 0.0), x.get("delta", 0.0)
         if not (S > 0 and M >= 1 and sigma > 0 and math.isfinite(sigma) and 0 < delta < 1):
             raise ValueError("the spec lacks a valid clip norm, machine count, sigma or delta")

@@ -63,6 +63,7 @@ from shuffledp.protocols.base import (
     PlanRequest,
     RoundPlan,
     open_each,
+    release_floor,
 )
 from shuffledp.protocols.central import WIRE_DTYPE, CentralRound, message_bytes, noise_multiplier_setting, seal_rows
 from shuffledp.settings import ConfigError, NoSettings, RunConfig, setting
@@ -337,7 +338,7 @@ class PnsgdRound(CentralRound):
 
     # -------------------------------------------------------------------------------------------- client
     def verify_epsilon(self, spec: pb.RoundSpec) -> float:
-        """The pass's eps from the spec's constants: shuffled at n = min_contributors, the fewest records it runs on
+        """The pass's eps from the spec's constants: shuffled at n = release_floor(spec), the fewest records it runs on
         (delta_shuf decreases in n); online at the most records the analyzer says the pass can run (its newest
         record's noise is the smallest)."""
         x = dict(spec.randomizer.extra)
@@ -347,7 +348,7 @@ class PnsgdRound(CentralRound):
             raise ValueError("the spec lacks valid PNSGD constants")
         if self.online:
             return online_epsilon(x, [int(x["records_max"])], x["delta"])
-        return pnsgd_epsilon(x, int(spec.min_contributors), x["delta"])
+        return pnsgd_epsilon(x, release_floor(spec), x["delta"])
 
     def local_vectors(self, spec: pb.RoundSpec, node: Any, idx: np.ndarray) -> np.ndarray:
         """Each user's record [x, y] (its first example)."""

@@ -42,6 +42,7 @@ from shuffledp.protocols.base import (
     PlanRequest,
     RoundPlan,
     open_each,
+    release_floor,
 )
 from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -598,30 +599,18 @@ class PvecRound(AnalyzerHooks):
 
     def verify_epsilon(self, spec: pb.RoundSpec) -> float:
         """The eps of this round's randomizer for one user, recomputed from its parameters (not the claim):
-        the calibrated numerical accountant on (d, g, m, p) at n' = _release_floor(spec), the fewest contributors
+        the calibrated numerical accountant on (d, g, m, p) at n' = release_floor(spec), the fewest contributors
         the shuffler will release (the worst case of the shuffle amplification), and the claimed delta."""
         from shuffledp.accountants.pvec_pld import pvec_round_epsilon  # H3 (issue 4 contract); the ledger's
 
-        n_release = _release_floor(spec)
+        n_release = release_floor(spec)
         return float(pvec_round_epsilon(pvec_params_from_spec(spec), n_release, float(spec.per_user_cost.delta)))
 
     def noise_key(self, spec: pb.RoundSpec):
-        """The round's round_noise_key (what its RDP depends on) at n' = _release_floor(spec); None if invalid."""
+        """The round's round_noise_key (what its RDP depends on) at n' = release_floor(spec); None if invalid."""
         from shuffledp.accountants.calibrated_pvec import round_noise_key
 
         try:
-            return round_noise_key(pvec_params_from_spec(spec), _release_floor(spec))
+            return round_noise_key(pvec_params_from_spec(spec), release_floor(spec))
         except ValueError:
             return None
-
-
-def _release_floor(spec: pb.RoundSpec) -> int:
-    """n' a node certifies a round at: its min_contributors, but never more users than the spec says can contribute
-    (the cohort, and in a check-in's second invitation the users who checked in). An honest spec's threshold lies
-    within both (check_in.share: c_min <= c); a shuffler that claims a threshold above them would have the node
-    certify amplification by contributors it cannot have."""
-    n = max(int(spec.min_contributors), 1)
-    for bound in (int(spec.cohort_size), int(spec.check_in.checked_in)):
-        if bound > 0:
-            n = min(n, bound)
-    return n
