@@ -383,7 +383,6 @@ def test_trusted_machines_show_the_shuffler_only_ciphertexts_and_an_unaffordable
         shuffler.stop(0)
 
 
-
 def test_a_machine_certifies_a_round_at_no_more_machines_than_the_spec_can_have():
     # a threshold above the spec's own cohort (a lying shuffler or analyzer) had the machine certify the sensitivity
     # 2S/M of the trusted average (Alg 2) for more machines than can contribute; it certifies at
