@@ -129,6 +129,23 @@ def test_bench_round_prints_both_invitation_settings_for_each_dimension():
     assert "d=30, 1000 users" in out  # the model the round ran has the dimension asked for
 
 
+def test_trace_round_prints_every_party_on_the_round_path():
+    out = _run("trace_round.py", "--rounds", "6", "--dim", "30", timeout=240)
+    rows = re.findall(r"^\s+([0-9.]+)  (analyzer|shuffler|node 0|node 1)\s+(\S+)", out, re.M)
+    events = {(who, what) for _, who, what in rows}
+    for expected in [
+        ("analyzer", "Ledger.reserve"),
+        ("shuffler", "ShufflerState.execute_round"),
+        ("shuffler", "SqliteParticipationStore.record_round"),
+        ("node 0", "SqliteSpendStore.record"),
+        ("node 1", "NodeCore.prepare"),  # the check-in's preparation (on by default)
+        ("analyzer", "RunManager._metrics"),
+    ]:
+        assert expected in events, out
+    times = [float(t) for t, _, _ in rows]
+    assert times == sorted(times) and times[0] == 0.0, out  # a timeline from each cycle's reservation
+
+
 def test_bench_scale_runs_two_sizes_over_the_services(tmp_path):
     # issue 15 item 4 at a small size: the table's rows, the per-user memory line, the JSON and the plot
     argv = ["--users", "200", "400", "--rounds", "2", "--nodes", "2", "--dim", "20", "--check-in", "off"]

@@ -21,7 +21,8 @@ depends on its noise only through the trials N (count mode, noise Bin(N, p); ``c
 and is monotone in N: Bin(N + 1, p) is Bin(N, p) plus an independent Bernoulli, a post-processing. So whoever drops
 after check-in (c_min <= n' <= c), a released round costs at most its reservation (at N*), and the ledger charges
 its exact cost at m n'. c is a count of users online, which like dropouts is assumed independent of the data
-(spec 000 sec 3). Each user verifies the second spec itself (eps from (g, m, p) at n' = c_min, clients/policy.py).
+(spec 000 sec 3). Each user verifies the second spec itself (eps from (g, m, p) at n' = c_min, and never above the c
+the spec states: protocols/base.release_floor; clients/policy.py).
 
 Cost: one more invitation and one more (payload-free) message per user per round, and one more node round trip of
 latency. The gain when every user reports: noise N* c / c_min ~ N* / f instead of N* n / n_min (f = 0.99: 1.01x the
