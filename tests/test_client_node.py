@@ -390,6 +390,64 @@ def test_spend_store_is_a_log_of_rounds_that_replays_to_the_same_totals(tmp_path
     assert history == [Counter({key_a: 4}), None, Counter()]
 
 
+def test_spend_store_keeps_a_set_of_users_once_and_loads_row_by_row(tmp_path):
+    """Issue 30 (found in session 17): every round's row held all its users' ids, so a node's record grew by every id
+    per round and a restart held every round's id lists at once (10^5 users, 40 rounds: 57 MB on disk, +325 MiB to
+    load). Rounds of the same users name one stored set; loading decodes it once and reads the log row by row, to
+    the same totals as rows of the earlier layout (their own ids), which a store may still hold."""
+    import sqlite3
+    import tracemalloc
+
+    from shuffledp.clients.spend_store import SqliteSpendStore
+
+    ids = [f"user-{i:06d}" for i in range(3000)]
+    key = (1000, 0.5, 4, 8)
+
+    def load_peak(path) -> tuple[int, tuple]:
+        store = SqliteSpendStore(path)
+        tracemalloc.start()
+        out = store.load_all(ids)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        store.close()
+        return peak, out
+
+    one, many = tmp_path / "one.sqlite", tmp_path / "many.sqlite"
+    SqliteSpendStore(one).record(ids, np.full(len(ids), 0.25), 1e-7, [key] * len(ids))
+    store = SqliteSpendStore(many)
+    table = PolicyTable(UserPolicy(), len(ids))
+    for r in range(60):
+        idx = np.arange(len(ids)) if r % 10 else np.arange(0, len(ids), 2)  # every tenth round: half of them
+        table.charge(idx, np.full(idx.size, 0.25), 1e-7, key)
+        store.record([ids[i] for i in idx], np.full(idx.size, 0.25), 1e-7, [key] * idx.size)
+    store.close()
+    db = sqlite3.connect(many)
+    assert db.execute("SELECT COUNT(*) FROM user_sets").fetchone()[0] == 2  # all users, and every second one
+    assert db.execute("SELECT COUNT(*), MAX(LENGTH(users)) FROM charges").fetchone() == (60, 0)
+    db.close()
+    peak_one, _ = load_peak(one)
+    peak_many, (eps, delta, history, _) = load_peak(many)
+    assert peak_many < 2 * peak_one, (peak_many, peak_one)  # not 60 rounds of id lists (old code: ~25x)
+    assert eps.tobytes() == table.eps_spent.tobytes() and delta.tobytes() == table.delta_spent.tobytes()
+    assert history == table.history
+
+    # a store of the earlier log layout (rows holding their ids, no user_sets) reads the same and takes new rows
+    old = tmp_path / "old-log.sqlite"
+    db = sqlite3.connect(old)
+    db.execute(
+        "CREATE TABLE charges (seq INTEGER PRIMARY KEY AUTOINCREMENT, users BLOB NOT NULL, eps REAL NOT NULL, "
+        "delta REAL NOT NULL, noise_key TEXT, run TEXT, step TEXT)"
+    )
+    db.execute("INSERT INTO charges (users, eps, delta, noise_key) VALUES (?, 0.5, 1e-7, '[1000, 0.5, 4, 8]')",
+               ("\n".join(ids[:2]).encode(),))  # fmt: skip
+    db.commit()
+    db.close()
+    SqliteSpendStore(old).record(ids[1:3], np.full(2, 0.25), 1e-7, [None, None])
+    eps, _, history = SqliteSpendStore(old).load(ids[:4])
+    assert eps.tolist() == [0.5, 0.75, 0.25, 0.0]
+    assert history == [Counter({key: 1}), None, None, Counter()]
+
+
 def test_a_rounds_nonces_are_one_buffer_read_as_a_sequence_of_bytes():
     """protocols.base.Nonces: per-message protocols read nonce i as bytes i*w..(i+1)*w of the buffer, PVEC's columns
     take the buffer itself; every nonce of a node's round is fresh (16 bytes from the OS CSPRNG each)."""

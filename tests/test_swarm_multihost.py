@@ -284,11 +284,16 @@ def _audit(out: Path) -> tuple[dict, list[dict]]:
 
 
 # Runs in a one-off container of the image on the engine that holds a client slot's volume: the charges that node
-# logged after seq N (clients/spend_store.py: one row per round and cost, the users' ids joined by newlines).
+# logged after seq N (clients/spend_store.py: one row per round and cost naming a set of users in user_sets, the
+# users' ids joined by newlines).
 SPEND_QUERY = """
 import json, sqlite3, sys
 db = sqlite3.connect(sys.argv[1])
-rows = db.execute("SELECT seq, users, eps FROM charges WHERE seq > ? ORDER BY seq", (int(sys.argv[2]),)).fetchall()
+rows = db.execute(
+    "SELECT c.seq, COALESCE(s.users, c.users), c.eps FROM charges c LEFT JOIN user_sets s ON s.id = c.users_set "
+    "WHERE c.seq > ? ORDER BY c.seq",
+    (int(sys.argv[2]),),
+).fetchall()
 print(json.dumps([[seq, users.decode().split(chr(10)), eps] for seq, users, eps in rows]))
 """
 
