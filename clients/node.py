@@ -324,19 +324,26 @@ class NodeCore:
 
     def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray, out: pb.Contribution) -> None:
         """One message per user of idx (in idx order) in out, by the round's protocol plug-in: from the check-in's
-        draws when the protocol prepared them for this round and these users, else from scratch."""
-        ids = self._names(idx)
+        draws when the protocol prepared them for this round and these users; in a round of one invitation, from
+        the protocol's draws made now with the noise drawn since the last round (predraw); else from scratch."""
+        ids, nonces = self._names(idx), _nonces(idx.size)
         protocol = round_protocol(spec.randomizer.protocol)
         prepared, self._prepared = self._prepared, None  # drawn for one invitation: never used twice
-        fits = prepared is not None and (prepared[0], prepared[1]) == (spec.run_id, spec.round)
-        if fits and hasattr(protocol, "randomize_prepared"):
-            at = _rows_of(prepared[2], idx)
-            if at is not None and protocol.randomize_prepared(
-                spec, prepared[3], at, ids, _nonces(len(ids)), self._rng, out
-            ):
-                self.prepared_rounds += 1
-                return
-        protocol.randomize(spec, protocol.local_vectors(spec, self, idx), ids, _nonces(len(ids)), self._rng, out)
+        state, at = None, None
+        if prepared is not None and (prepared[0], prepared[1]) == (spec.run_id, spec.round):
+            state, at = prepared[3], _rows_of(prepared[2], idx)
+        elif not spec.check_in.noise_trials and hasattr(protocol, "prepare"):
+            predrawn, self._predrawn = self._predrawn, None  # one preparation takes it, fit or not
+            state, at = self._draw(protocol, spec, idx, predrawn), np.arange(idx.size)
+        if (
+            state is not None
+            and at is not None
+            and hasattr(protocol, "randomize_prepared")
+            and protocol.randomize_prepared(spec, state, at, ids, nonces, self._rng, out)
+        ):
+            self.prepared_rounds += 1
+            return
+        protocol.randomize(spec, protocol.local_vectors(spec, self, idx), ids, nonces, self._rng, out)
 
     def prepare(self, inv: pb.Invitation) -> None:
         """After this node answered inv's check-in (handle): what the round's protocol can draw for the users who
@@ -354,25 +361,32 @@ class NodeCore:
             run, round_, idx = checked
             if (run, round_) != (spec.run_id, spec.round) or not idx.size:
                 return
-            # by blocks of users: one block's float vectors at a time (at 10^6 users and d = 22, 176 MB at once)
-            step = max(PREPARE_BLOCK_USERS, PREPARE_BLOCK_BYTES // (8 * max(1, int(spec.randomizer.dim))))
-            blocks = (protocol.local_vectors(spec, self, idx[i : i + step]) for i in range(0, idx.size, step))
             try:
-                state = protocol.prepare(spec, blocks, self._rng, predrawn)
+                state = self._draw(protocol, spec, idx, predrawn)
             except ValueError as exc:  # the second invitation computes (and reports) it
                 log.debug("node %s: round %d not prepared: %s", self.node_id, spec.round, exc)
                 return
             if state is not None:
                 self._prepared = (spec.run_id, spec.round, idx, state)
-                plan = getattr(state, "noise_plan", None)
-                self._noise_plan = None if plan is None else (plan, idx.size)
-                self.predrawn_rows += getattr(state, "predrawn_rows", 0)
+
+    def _draw(self, protocol: Any, spec: pb.RoundSpec, idx: np.ndarray, predrawn: Any) -> Any:
+        """protocol.prepare's draws for the users idx (with predrawn, the noise drawn ahead, if it fits), and the
+        noise plan it leaves for the next predraw. Caller holds the lock."""
+        # by blocks of users: one block's float vectors at a time (at 10^6 users and d = 22, 176 MB at once)
+        step = max(PREPARE_BLOCK_USERS, PREPARE_BLOCK_BYTES // (8 * max(1, int(spec.randomizer.dim))))
+        blocks = (protocol.local_vectors(spec, self, idx[i : i + step]) for i in range(0, idx.size, step))
+        state = protocol.prepare(spec, blocks, self._rng, predrawn)
+        if state is not None:
+            plan = getattr(state, "noise_plan", None)
+            self._noise_plan = None if plan is None else (plan, idx.size)
+            self.predrawn_rows += getattr(state, "predrawn_rows", 0)
+        return state
 
     def predraw(self) -> None:
-        """Between rounds (after a second invitation was answered): draw, from the node's CSPRNG, the noise the next
-        check-in round's preparation draws whatever the data, if it is like the last one (the same plan, as many
-        users). That preparation uses it only if its own plan is the same, and drops it either way. The draws
-        depend on nothing of any user; drawing them early changes no law (pvec.encode_counts)."""
+        """Between rounds (after a round was answered): draw, from the node's CSPRNG, the noise the next round's
+        preparation (a check-in's, or a round of one invitation's) draws whatever the data, if it is like the last
+        one (the same plan, as many users). That preparation uses it only if its own plan is the same, and drops it
+        either way. The draws depend on nothing of any user; drawing them early changes no law (pvec.encode_counts)."""
         with self._lock:
             basis, self._noise_plan = self._noise_plan, None
         if basis is None:
@@ -630,9 +644,9 @@ class ClientNodeHandle:
             # the second invitation is a round trip away: draw what can be drawn meanwhile (the next invitation
             # waits for it, above)
             self._preparing = self._preparer.submit(self._prepare, inv)
-        elif inv.spec.check_in.checked_in:
-            # the round is answered; until the next one, draw the noise its preparation will need (on the same
-            # thread: that preparation starts after it; nothing waits for it before)
+        else:
+            # the round is answered; until the next one, draw the noise its preparation will need, if the protocol
+            # left a plan (on the same thread: that preparation starts after it; nothing waits for it before)
             self._preparer.submit(self._predraw)
         for part, result in sent:
             code = self._deliver(part, result, inv.spec.round)

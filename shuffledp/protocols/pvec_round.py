@@ -539,19 +539,24 @@ class PvecRound(AnalyzerHooks):
         """Check-in rounds in COUNTS (mechanisms/check_in.py): what the users who just checked in can draw before the
         second invitation tells them their m: their rounding and Bin(m_low, p) noise per coordinate, m_low the share
         of the noise if the whole planned cohort (randomizer.extra n) checks in: no second invitation carries less
-        unless more users check in than planned (randomize_prepared then refuses it). None: nothing to do. blocks:
-        their vectors, consecutive rows at a time (only their counts are held at once, not their float vectors).
+        unless more users check in than planned (randomize_prepared then refuses it). A COUNTS round of one
+        invitation: the same draws with its own m (m_low = m), which the node makes as it answers, so that noise
+        drawn ahead serves it too. None: nothing to do (BITS, a second invitation, a cohort below the threshold).
+        blocks: their vectors, consecutive rows at a time (only their counts are held at once, not their floats).
         predrawn: Bin(m, p) drawn ahead by the node (NoisePlan.draw), used, one row per user in order, only if its
         plan is this round's (m = m_low, the same p and d); users beyond its rows get fresh draws."""
         ci = spec.check_in
-        if spec.transport != pb.COUNTS or not ci.noise_trials or ci.checked_in:
+        if spec.transport != pb.COUNTS or ci.checked_in:
             return None
-        params = pvec_params_from_spec(spec)
-        try:
-            _, m_low = check_in.share(int(ci.noise_trials), ci.report_fraction, spec.min_contributors, params.n)
-        except ValueError:
-            return None  # a planned cohort below the threshold: the second invitation draws everything
-        low = replace(params, m=min(m_low, params.m))
+        params, low = pvec_params_from_spec(spec), None
+        if not ci.noise_trials:
+            low = params  # a round of one invitation: its m is final (randomize_prepared adds nothing)
+        else:
+            try:
+                _, m_low = check_in.share(int(ci.noise_trials), ci.report_fraction, spec.min_contributors, params.n)
+            except ValueError:
+                return None  # a planned cohort below the threshold: the second invitation draws everything
+            low = replace(params, m=min(m_low, params.m))
         plan = NoisePlan(low.m, low.p, low.d)
         ahead = predrawn.counts if predrawn is not None and predrawn.plan == plan else None
         parts, used = [], 0
@@ -579,7 +584,8 @@ class PvecRound(AnalyzerHooks):
         Bin(m - m_low, p): independent binomials of one p add up to the binomial of the summed trials, so each
         count is xhat + Bin(m, p) exactly as randomize draws it (Alg 1 of paper 000). False, with nothing drawn or
         written, when the draws do not fit this spec: another round, model or parameters, or m < m_low."""
-        if spec.transport != pb.COUNTS or not spec.check_in.checked_in or spec.randomizer.m < prepared.m_low:
+        ci = spec.check_in
+        if spec.transport != pb.COUNTS or (ci.noise_trials and not ci.checked_in) or spec.randomizer.m < prepared.m_low:
             return False
         if _first_form(spec) != prepared.first:
             return False
