@@ -330,15 +330,15 @@ class NodeCore:
         protocol = round_protocol(spec.randomizer.protocol)
         prepared, self._prepared = self._prepared, None  # drawn for one invitation: never used twice
         state, at = None, None
-        if prepared is not None and (prepared[0], prepared[1]) == (spec.run_id, spec.round):
-            state, at = prepared[3], _rows_of(prepared[2], idx)
-        elif not spec.check_in.noise_trials and hasattr(protocol, "prepare"):
-            predrawn, self._predrawn = self._predrawn, None  # one preparation takes it, fit or not
-            state, at = self._draw(protocol, spec, idx, predrawn), np.arange(idx.size)
+        if hasattr(protocol, "randomize_prepared"):  # a plug-in that draws ahead (prepare)
+            if prepared is not None and (prepared[0], prepared[1]) == (spec.run_id, spec.round):
+                state, at = prepared[3], _rows_of(prepared[2], idx)
+            elif not spec.check_in.noise_trials:
+                predrawn, self._predrawn = self._predrawn, None  # one preparation takes it, fit or not
+                state, at = self._draw(protocol, spec, idx, predrawn), np.arange(idx.size)
         if (
             state is not None
             and at is not None
-            and hasattr(protocol, "randomize_prepared")
             and protocol.randomize_prepared(spec, state, at, ids, nonces, self._rng, out)
         ):
             self.prepared_rounds += 1

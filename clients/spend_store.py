@@ -164,8 +164,8 @@ class MemorySpendStore:
         self._log.extend(charges(user_ids, eps, delta, keys, run, steps))
 
 
-SETS_DECODED = 4  # user sets a load keeps decoded at once (a fully interactive run names one; a sequential run one
-# per round, each once)
+# user sets a load keeps decoded at once (a fully interactive run names one; a sequential run one per round, once each)
+SETS_DECODED = 4
 
 
 class SqliteSpendStore:

@@ -243,9 +243,9 @@ class Mu2Round(CentralRound):
         """One round's eps from what the machine knows itself: it clips s_t to clip_norm S, so the sensitivity is
         2S, or 2S/M on an average the shuffler releases only with M = release_floor(spec) machines in it."""
         x = dict(spec.randomizer.extra)
-        S, M = float(spec.randomizer.clip_norm), release_floor(spec) if spec.min_contributors >= 1 else 0
+        S, M = float(spec.randomizer.clip_norm), release_floor(spec)
         sigma, delta = x.get("sigma", 0.0), x.get("delta", 0.0)
-        if not (S > 0 and M >= 1 and sigma > 0 and math.isfinite(sigma) and 0 < delta < 1):
+        if not (S > 0 and spec.min_contributors >= 1 and sigma > 0 and math.isfinite(sigma) and 0 < delta < 1):
             raise ValueError("the spec lacks a valid clip norm, machine count, sigma or delta")
         noise = discrete_gaussian.spec_noise(x)  # absent: discrete (never the continuous figure by default)
         return mu2_epsilon(sigma, gaussian.sensitivity(S, M, self.trusted), self.trust, 1, delta, noise)

@@ -548,10 +548,8 @@ class PvecRound(AnalyzerHooks):
         ci = spec.check_in
         if spec.transport != pb.COUNTS or ci.checked_in:
             return None
-        params, low = pvec_params_from_spec(spec), None
-        if not ci.noise_trials:
-            low = params  # a round of one invitation: its m is final (randomize_prepared adds nothing)
-        else:
+        params = low = pvec_params_from_spec(spec)  # a round of one invitation: its m is final
+        if ci.noise_trials:
             try:
                 _, m_low = check_in.share(int(ci.noise_trials), ci.report_fraction, spec.min_contributors, params.n)
             except ValueError:
@@ -580,10 +578,11 @@ class PvecRound(AnalyzerHooks):
         rng: np.random.Generator,
         out: pb.Contribution,
     ) -> bool:
-        """randomize for the second invitation from prepare's draws (rows: each user's row in them), adding
-        Bin(m - m_low, p): independent binomials of one p add up to the binomial of the summed trials, so each
-        count is xhat + Bin(m, p) exactly as randomize draws it (Alg 1 of paper 000). False, with nothing drawn or
-        written, when the draws do not fit this spec: another round, model or parameters, or m < m_low."""
+        """randomize for a check-in's second invitation, or a round of one invitation, from prepare's draws (rows:
+        each user's row in them), adding Bin(m - m_low, p) (nothing for one invitation): independent binomials of one
+        p add up to the binomial of the summed trials, so each count is xhat + Bin(m, p) exactly as randomize draws
+        it (Alg 1 of paper 000). False, with nothing drawn or written, when the draws do not fit this spec: another
+        round, model or parameters, or m < m_low."""
         ci = spec.check_in
         if spec.transport != pb.COUNTS or (ci.noise_trials and not ci.checked_in) or spec.randomizer.m < prepared.m_low:
             return False
