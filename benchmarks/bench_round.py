@@ -19,12 +19,13 @@ End to end, the services run as separate OS processes on loopback (`python -m sh
                  plan (services.run_manager.plan_run), calls ExecuteRound, decode_counts, PGD step. No ledger, no
                  evaluation: the pure cost of the distributed round.
 Two rounds in one process, each timed over the same R rounds, before and after the services' runs (same load):
-  in-process            gradients of the 1000 users at the same model, clipping, encode_counts for all users, sum
-                        per label, decode_counts, PGD step (the same modules the services call): the arithmetic alone.
+  in-process            gradients of the 1000 users at the same model, clipping, each user's rounding, their sum per
+                        label plus each node's users' summed noise (what the nodes send), decode_counts, PGD step (the
+                        same modules the services call): the arithmetic alone.
   services in one process  the same round with the services' own logic and no processes or gRPC (ServicesRound):
                         the shuffler's ShufflerState with its durable participation record, each node's NodeCore
                         with its durable spend record (the users' policies, the check-in's two invitations, its
-                        preparation and the draws for the next one), decode, PGD step: the work a distributed round
+                        preparation), decode, PGD step: the work a distributed round
                         does, minus the distribution.
 Both rounds in one process run with the services' allocator thresholds (serve.return_large_blocks, which every
 service sets at start): with glibc's own, fresh large blocks fault their pages in at every round, and the round at
@@ -63,7 +64,7 @@ from shuffledp.services.shuffler_state import ShufflerState, SqliteParticipation
 
 from shuffledp.config import RunConfig, parse_config
 from shuffledp.data import load_dataset, user_shard
-from shuffledp.mechanisms.pvec import PvecParams, clip_rows, decode_counts, encode_counts
+from shuffledp.mechanisms.pvec import PvecParams, clip_rows, decode_counts, round_counts, summed_noise
 from shuffledp.models import Model, make_model
 from shuffledp.optimizers.pgd import pgd
 from shuffledp.rng import make_rng
@@ -155,14 +156,15 @@ def cpu_seconds(pid: int) -> float:
 
 # ------------------------------------------------------------------------------------------ in one process
 class InProcessRound:
-    """The same round without services: all users' gradients, clip, encode, sum, decode, PGD step."""
+    """The same round without services: all users' gradients, clip, rounding, sum, each node's summed noise (as the
+    nodes send it: pvec_round._put_sums), decode, PGD step."""
 
     def __init__(self, cfg: RunConfig, model: Model, plan: dict, params: PvecParams, nodes: int = NODES):
         ds = load_dataset(cfg.data, cfg.model.task)
         parts = [user_shard(ds, i, nodes, 1, cfg.data.max_users) for i in range(nodes)]
         self.X = np.concatenate([p[1][:, 0, :] for p in parts])
         self.y = np.concatenate([p[2][:, 0] for p in parts])
-        self.model, self.params = model, params
+        self.model, self.params, self.nodes = model, params, nodes
         self.opt = pgd(plan["learning_rate"], plan["radius"])
         self.state = self.opt.init(model.init_params())
         self.rng = make_rng()
@@ -170,8 +172,10 @@ class InProcessRound:
     def __call__(self) -> None:
         theta = self.state.last
         G = clip_rows(self.model.per_example_gradients(theta, self.X, self.y), self.params.delta2)
-        totals = encode_counts(G, self.params, self.rng).sum(axis=0)  # what the shuffler forwards: per-label totals
-        n = self.X.shape[0]
+        totals = round_counts(G, self.params, self.rng).sum(axis=0, dtype=np.uint64)
+        n, p = self.X.shape[0], self.params
+        for users in np.array_split(np.arange(n), self.nodes):  # each node's users' noise, summed (one draw each)
+            totals += summed_noise(p.m, users.size, p.p, p.d, self.rng)
         grad = decode_counts(totals, n, self.params) / n
         _, self.state = self.opt.step(grad, self.state, theta)
 
@@ -316,8 +320,6 @@ class ServicesRound:
                 self.parts[f"{phase}: node handle (500 users)"].append(t1 - t0)
                 self.parts[f"{phase}: to-domain + shuffler submit"].append(t2 - t1)
         runner.join()
-        for core in self.cores:  # what each node draws between rounds for its next preparation (NodeCore.predraw)
-            core.predraw()
         batch = box["batch"]
         if batch.contributors != USERS:
             raise RuntimeError(f"in-process round released {batch.contributors} contributors")
@@ -333,12 +335,12 @@ class ServicesRound:
         alone = []
         for _ in range(20):
             t0 = time.perf_counter()
-            encode_counts(
-                clip_rows(model.per_example_gradients(self.opt_state.last, X, y), self.params.delta2), self.params, rng
-            )
+            G = clip_rows(model.per_example_gradients(self.opt_state.last, X, y), self.params.delta2)
+            round_counts(G, self.params, rng).sum(axis=0)
+            summed_noise(self.params.m, len(y), self.params.p, self.params.d, rng)
             alone.append(time.perf_counter() - t0)
         print("\nbreakdown of the services' logic in one process (median per node contribution):")
-        for name, xs in {**self.parts, "grad+clip+encode alone (500)": alone}.items():
+        for name, xs in {**self.parts, "grad+clip+round+noise alone (500)": alone}.items():
             print(f"  {name:42s} {statistics.median(xs) * 1e3:6.1f} ms")
 
 

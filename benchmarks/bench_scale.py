@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = r["seconds_per_round"] / r["in_process_seconds"]
         by_round = " ".join(f"{x:.0f}" for x in r["shuffler_rss_mib_by_round"])
         print(
-            f"{r['users']:>12} {r['seconds_per_round']:>8.3f} {r['in_process_seconds']:>8.3f} {ratio:>6.2f} "
+            f"{r['users']:>12} {r['seconds_per_round']:>8.3f} {r['in_process_seconds']:>8.4f} {ratio:>6.2f} "
             f"{r['startup_seconds']:>8.1f}s {m['shuffler']:>8.0f}M {m['analyzer']:>8.0f}M "
             f"{m['client node (max)']:>8.0f}M  {by_round}"
         )

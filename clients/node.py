@@ -11,8 +11,9 @@ refusals "submit_failed_<status>", so the operator sees the cause in the round's
 For the invited users it computes, vectorized over users:
 gradient of the round's loss at the broadcast iterate (shuffledp.models) -> l2 clipping to clip_norm ->
 the local randomizer (PVEC count mode, or bit mode with one HPKE seal per labelled bit, info binding run and
-round). Each user's noise is its own independent draws from the node's CSPRNG (a (k, d) array of iid draws is
-k independent randomizers). The node serves GetNodeStatus and the standard gRPC health service.
+round). Every draw comes from the node's CSPRNG; in PVEC count mode the node sends, per group of its users, the
+sum of their counts with the sum of their noise drawn at once (pvec_round._put_sums: the same law). The node
+serves GetNodeStatus and the standard gRPC health service.
 
 Layering: NodeCore is the transport-independent logic (spec -> Contribution); NodeRunner owns the connection.
 """
@@ -136,16 +137,11 @@ class NodeCore:
         self.spend_records = 0  # users charged, one record each per round (shuffledp/metrics.py)
         self.refusals: Counter = Counter()
         self._protocol_state: dict[str, Any] = {}  # per run: a stateful client estimator's state (mu2_round)
-        # the last check-in: (run, round, indices of the users who checked in here), and its draws
+        # the last check-in: (run, round, indices of the users who checked in here), and what was computed for them
         # (Protocol.prepare): (run, round, those indices, state), for its second invitation
         self._checked_in: tuple[str, int, np.ndarray] | None = None
         self._prepared: tuple[str, int, np.ndarray, Any] | None = None
-        self.prepared_rounds = 0  # second invitations answered from the check-in's draws
-        # the data-independent noise of the last preparation (its state's noise_plan, and its users), which predraw
-        # draws between rounds for the next preparation (_predrawn: taken by that one preparation, fit or not)
-        self._noise_plan: tuple[Any, int] | None = None
-        self._predrawn: Any = None
-        self.predrawn_rows = 0  # users whose preparation used noise drawn between rounds
+        self.prepared_rounds = 0  # second invitations answered from the check-in's preparation
 
     # ----- gradients -------------------------------------------------------------------------------------------
     def _builtin(self, spec: pb.RoundSpec) -> ModelPlugin:
@@ -324,37 +320,26 @@ class NodeCore:
 
     def _randomize(self, spec: pb.RoundSpec, idx: np.ndarray, out: pb.Contribution) -> None:
         """One message per user of idx (in idx order) in out, by the round's protocol plug-in: from the check-in's
-        draws when the protocol prepared them for this round and these users; in a round of one invitation, from
-        the protocol's draws made now with the noise drawn since the last round (predraw); else from scratch."""
+        preparation when the protocol prepared this round for these users, else from scratch."""
         ids, nonces = self._names(idx), _nonces(idx.size)
         protocol = round_protocol(spec.randomizer.protocol)
-        prepared, self._prepared = self._prepared, None  # drawn for one invitation: never used twice
-        state, at = None, None
-        if hasattr(protocol, "randomize_prepared"):  # a plug-in that draws ahead (prepare)
-            if prepared is not None and (prepared[0], prepared[1]) == (spec.run_id, spec.round):
-                state, at = prepared[3], _rows_of(prepared[2], idx)
-            elif not spec.check_in.noise_trials:
-                predrawn, self._predrawn = self._predrawn, None  # one preparation takes it, fit or not
-                state, at = self._draw(protocol, spec, idx, predrawn), np.arange(idx.size)
-        if (
-            state is not None
-            and at is not None
-            and protocol.randomize_prepared(spec, state, at, ids, nonces, self._rng, out)
-        ):
-            self.prepared_rounds += 1
-            return
+        prepared, self._prepared = self._prepared, None  # computed for one invitation: never used twice
+        if prepared is not None and (prepared[0], prepared[1]) == (spec.run_id, spec.round):
+            at = _rows_of(prepared[2], idx)
+            if at is not None and protocol.randomize_prepared(spec, prepared[3], at, ids, nonces, self._rng, out):
+                self.prepared_rounds += 1
+                return
         protocol.randomize(spec, protocol.local_vectors(spec, self, idx), ids, nonces, self._rng, out)
 
     def prepare(self, inv: pb.Invitation) -> None:
-        """After this node answered inv's check-in (handle): what the round's protocol can draw for the users who
+        """After this node answered inv's check-in (handle): what the round's protocol can compute for the users who
         checked in before the second invitation (Protocol.prepare, optional), kept for that invitation. Nothing is
         sent or charged here: the second invitation is decided, charged and verified as any other, and its spec
-        must match these draws."""
+        must match this preparation."""
         spec = inv.spec
         protocol = known_protocol(spec.randomizer.protocol)
         with self._lock:
             checked, self._checked_in = self._checked_in, None
-            predrawn, self._predrawn = self._predrawn, None  # drawn for one preparation: never used twice
             self._prepared = None
             if protocol is None or not hasattr(protocol, "prepare") or checked is None:
                 return
@@ -362,39 +347,15 @@ class NodeCore:
             if (run, round_) != (spec.run_id, spec.round) or not idx.size:
                 return
             try:
-                state = self._draw(protocol, spec, idx, predrawn)
+                # by blocks of users: one block's float vectors at a time (at 10^6 users and d = 22, 176 MB at once)
+                step = max(PREPARE_BLOCK_USERS, PREPARE_BLOCK_BYTES // (8 * max(1, int(spec.randomizer.dim))))
+                blocks = (protocol.local_vectors(spec, self, idx[i : i + step]) for i in range(0, idx.size, step))
+                state = protocol.prepare(spec, blocks, self._rng)
             except ValueError as exc:  # the second invitation computes (and reports) it
                 log.debug("node %s: round %d not prepared: %s", self.node_id, spec.round, exc)
                 return
             if state is not None:
                 self._prepared = (spec.run_id, spec.round, idx, state)
-
-    def _draw(self, protocol: Any, spec: pb.RoundSpec, idx: np.ndarray, predrawn: Any) -> Any:
-        """protocol.prepare's draws for the users idx (with predrawn, the noise drawn ahead, if it fits), and the
-        noise plan it leaves for the next predraw. Caller holds the lock."""
-        # by blocks of users: one block's float vectors at a time (at 10^6 users and d = 22, 176 MB at once)
-        step = max(PREPARE_BLOCK_USERS, PREPARE_BLOCK_BYTES // (8 * max(1, int(spec.randomizer.dim))))
-        blocks = (protocol.local_vectors(spec, self, idx[i : i + step]) for i in range(0, idx.size, step))
-        state = protocol.prepare(spec, blocks, self._rng, predrawn)
-        if state is not None:
-            plan = getattr(state, "noise_plan", None)
-            self._noise_plan = None if plan is None else (plan, idx.size)
-            self.predrawn_rows += getattr(state, "predrawn_rows", 0)
-        return state
-
-    def predraw(self) -> None:
-        """Between rounds (after a round was answered): draw, from the node's CSPRNG, the noise the next round's
-        preparation (a check-in's, or a round of one invitation's) draws whatever the data, if it is like the last
-        one (the same plan, as many users). That preparation uses it only if its own plan is the same, and drops it
-        either way. The draws depend on nothing of any user; drawing them early changes no law (pvec.encode_counts)."""
-        with self._lock:
-            basis, self._noise_plan = self._noise_plan, None
-        if basis is None:
-            return
-        plan, rows = basis
-        noise = plan.draw(rows, self._rng)  # without the lock: the node answers invitations meanwhile
-        with self._lock:
-            self._predrawn = noise
 
     def status(self) -> pb.NodeStatus:
         with self._lock:
@@ -454,11 +415,16 @@ def split_contribution(c: pb.Contribution, max_bytes: int = grpc_options.SUBMIT_
 
 
 def _split_columns(c: pb.Contribution, max_bytes: int) -> list[pb.Contribution]:
+    """By consecutive users; with sums (UserColumns.sums), at group boundaries, each part with its groups' sums."""
     cols = c.columns
     n = len(cols.user_ids)
-    row = len(cols.counts) // n  # bytes of one user's counts (0 in a check-in)
+    row = len(cols.counts) // n  # bytes of one user's counts (0 in a check-in or with sums)
     per_user = cols.nonce_bytes + row + max(len(u) for u in cols.user_ids) + 3  # + tag and length of its id
     k = max(1, max_bytes // per_user)
+    group = cols.sum_users if cols.sums else 0
+    if group:
+        sum_bytes = len(cols.sums) // -(-n // group)
+        k = group * max(1, max_bytes // (group * per_user + sum_bytes))  # whole groups only
     parts = []
     for a in range(0, n, k):
         b = min(n, a + k)
@@ -467,6 +433,9 @@ def _split_columns(c: pb.Contribution, max_bytes: int) -> list[pb.Contribution]:
         part.columns.nonce_bytes = cols.nonce_bytes
         part.columns.nonces = cols.nonces[a * cols.nonce_bytes : b * cols.nonce_bytes]
         part.columns.counts = cols.counts[a * row : b * row]
+        if group:
+            part.columns.sums = cols.sums[a // group * sum_bytes : -(-b // group) * sum_bytes]
+            part.columns.sum_users = group
         parts.append(part)
     parts[0].refusals.extend(c.refusals)
     return parts
@@ -624,7 +593,7 @@ class ClientNodeHandle:
     def _answer(self, inv: pb.Invitation) -> None:
         preparing, self._preparing = self._preparing, None
         if preparing is not None:
-            futures.wait([preparing])  # the last check-in's draws are ready (or failed) before anything else is drawn
+            futures.wait([preparing])  # the last check-in's preparation is ready (or failed) before anything is drawn
         try:
             contribution = self.core.handle(inv)
         except Exception:  # a bug for one round must not kill the node
@@ -641,13 +610,9 @@ class ClientNodeHandle:
             sent.append(self._send(part))
         del part
         if inv.spec.check_in.noise_trials and not inv.spec.check_in.checked_in:
-            # the second invitation is a round trip away: draw what can be drawn meanwhile (the next invitation
-            # waits for it, above)
+            # the second invitation is a round trip away: compute what can be computed meanwhile (the next
+            # invitation waits for it, above)
             self._preparing = self._preparer.submit(self._prepare, inv)
-        else:
-            # the round is answered; until the next one, draw the noise its preparation will need, if the protocol
-            # left a plan (on the same thread: that preparation starts after it; nothing waits for it before)
-            self._preparer.submit(self._predraw)
         for part, result in sent:
             code = self._deliver(part, result, inv.spec.round)
             if code is not None and (senders := [m.user_id for m in part.messages] + list(part.columns.user_ids)):
@@ -662,12 +627,6 @@ class ClientNodeHandle:
             self.core.prepare(inv)
         except Exception:  # a failed preparation only costs its time: the second invitation starts over
             log.exception("node %s: failed to prepare round %d", self.core.node_id, inv.spec.round)
-
-    def _predraw(self) -> None:
-        try:
-            self.core.predraw()
-        except Exception:  # only costs the next preparation its time
-            log.exception("node %s: failed to draw the next round's noise", self.core.node_id)
 
     def _send(self, contribution: pb.Contribution) -> tuple[pb.Contribution, futures.Future | None]:
         """On the current stream: (the contribution as sent, its result's future); the future is None when there is

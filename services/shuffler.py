@@ -217,7 +217,7 @@ def _submission(c: pb.Contribution, node_id: str) -> Submission:
     cols = None
     if c.HasField("columns"):
         k = c.columns
-        cols = UserColumns(list(k.user_ids), k.nonces, k.nonce_bytes, k.counts)
+        cols = UserColumns(list(k.user_ids), k.nonces, k.nonce_bytes, k.counts, k.sums, k.sum_users)
     return Submission(
         run_id=c.run_id,
         round=c.round,

@@ -92,6 +92,7 @@ class Reason(StrEnum):
     COUNT_OUT_OF_RANGE = "count_out_of_range"  # COUNTS: a count outside [0, g+m]
     WRONG_MESSAGE_COUNT = "wrong_message_count"  # SEALED/BITS: not the round's number of messages per user
     WRONG_CIPHERTEXT_LENGTH = "wrong_ciphertext_length"  # SEALED/BITS: not the round's fixed length
+    PARTIAL_SUM = "partial_sum"  # COUNTS sums: the user's group sum also holds a user refused by a check above
 
 
 _PAYLOAD_REASONS = frozenset(
@@ -101,6 +102,7 @@ _PAYLOAD_REASONS = frozenset(
         Reason.COUNT_OUT_OF_RANGE,
         Reason.WRONG_MESSAGE_COUNT,
         Reason.WRONG_CIPHERTEXT_LENGTH,
+        Reason.PARTIAL_SUM,
     }
 )
 
@@ -217,12 +219,15 @@ class UserMessage:
 @dataclass(frozen=True)
 class UserColumns:
     """Many users' messages as columns (proto UserColumns): user i has user_ids[i], the i-th nonce_bytes of
-    `nonces` and, in a COUNTS round, the i-th row of `counts`; an empty `counts` is a payload-free check-in."""
+    `nonces` and, in a COUNTS round, the i-th row of `counts`, or a share of the sum of its group of sum_users
+    (`sums`); neither counts nor sums is a payload-free check-in."""
 
     user_ids: Sequence[str]
     nonces: bytes
     nonce_bytes: int
     counts: bytes = b""
+    sums: bytes = b""
+    sum_users: int = 0
 
 
 @dataclass(frozen=True)
@@ -1226,8 +1231,8 @@ class ShufflerState:
                     rnd.contributors += 1
                     accepted += 1
             if sub.columns is not None and sub.columns.user_ids:
-                checked_in, column_rows = self._check_columns(rnd, sub.node_id, sub.columns, rejected)
-                accepted += checked_in
+                added, column_rows = self._check_columns(rnd, sub.node_id, sub.columns, rejected)
+                accepted += added
             if rows or column_rows:
                 block = np.frombuffer(b"".join(rows), dtype=rnd.wire_dtype).reshape(len(rows), rnd.req.dim)
                 if column_rows:  # rows of the columns' counts, validated above to hold dim values each
@@ -1292,9 +1297,10 @@ class ShufflerState:
         self, rnd: _OpenRound, node_id: str, cols: UserColumns, rejected: Counter
     ) -> tuple[int, list[int] | range]:
         """Every check of _check_message for each user of `cols`, with the same outcome and counts as one
-        UserMessage per user in column order; returns (check-ins accepted, rows of cols.counts left for the range
-        check). An honest batch passes the sender checks as set operations, without a Python step per user
-        (issue 15: the per-message checks were the shuffler's hot loop). Caller holds the lock."""
+        UserMessage per user in column order; returns (check-ins accepted or users added by their sums, rows of
+        cols.counts left for the range check). An honest batch passes the sender checks as set operations, without
+        a Python step per user (issue 15: the per-message checks were the shuffler's hot loop). Caller holds the
+        lock."""
         n, width = len(cols.user_ids), int(cols.nonce_bytes)
         keys = [user_key(node_id, u) for u in cols.user_ids]
         keys = list(map(self._admitted.get, keys, keys))  # the admitted key objects (unknown ones stay as they are)
@@ -1327,18 +1333,52 @@ class ShufflerState:
             return 0, []
         row_bytes = rnd.req.dim * rnd.wire_dtype.itemsize if rnd.wire_dtype is not None else 0
         if rnd.checking_in:  # a check-in carries no payload (CheckIn)
-            if cols.counts:
+            if cols.counts or cols.sums:
                 self._reject(rnd, Reason.WRONG_PAYLOAD, rejected, len(good))
                 return 0, []
             rnd.checked_in.extend(keys[i] for i in good)
             return len(good), []
-        if rnd.req.transport != Transport.COUNTS or not cols.counts:
+        # exactly one COUNTS form: both set would leave open which one is the users' answer
+        if rnd.req.transport != Transport.COUNTS or bool(cols.counts) == bool(cols.sums):
             self._reject(rnd, Reason.WRONG_PAYLOAD, rejected, len(good))
             return 0, []
+        if cols.sums:
+            return self._add_sums(rnd, cols, good, rejected), []
         if len(cols.counts) != n * row_bytes:  # rows cannot be told apart: none has the round's length
             self._reject(rnd, Reason.WRONG_COUNT_LENGTH, rejected, len(good))
             return 0, []
         return 0, good
+
+    def _add_sums(self, rnd: _OpenRound, cols: UserColumns, good: list[int] | range, rejected: Counter) -> int:
+        """Range-check the group sums of cols (UserColumns.sums) whose users all passed the sender checks (`good`)
+        and add them into the running total; returns the users added. A sum of s users is accepted in [0, s (g + m)]
+        per coordinate: exactly the sums of s counts in [0, g + m] each, so a node's users can move the totals no
+        further than with one row each (design 5.3). A group with a refused user cannot be split: its other users
+        are rejected (PARTIAL_SUM). Caller holds the lock."""
+        n, d, size = len(cols.user_ids), rnd.req.dim, int(cols.sum_users)
+        groups = -(-n // size) if size > 0 else 0
+        if not groups or len(cols.sums) != groups * d * 8:  # the sums cannot be told apart
+            self._reject(rnd, Reason.WRONG_COUNT_LENGTH, rejected, len(good))
+            return 0
+        starts = np.arange(0, n, size)
+        sizes = np.minimum(starts + size, n) - starts
+        ok = np.zeros(n, dtype=np.int64)
+        ok[np.asarray(good, dtype=np.int64)] = 1
+        good_in = np.add.reduceat(ok, starts)  # users of each group that passed the sender checks
+        whole = good_in == sizes
+        if not np.all(whole):
+            self._reject(rnd, Reason.PARTIAL_SUM, rejected, int(good_in[~whole].sum()))
+        sums = np.frombuffer(cols.sums, dtype="<u8").reshape(groups, d)[whole]
+        if not len(sums):
+            return 0
+        # no overflow: a whole group's users are distinct admitted users, and _validate bounds users * (g+m) < 2^64
+        in_range = sums.max(axis=1) <= sizes[whole].astype(np.uint64) * np.uint64(rnd.bound)
+        if not np.all(in_range):
+            self._reject(rnd, Reason.COUNT_OUT_OF_RANGE, rejected, int(sizes[whole][~in_range].sum()))
+        added = int(sizes[whole][in_range].sum())
+        rnd.totals += sums[in_range].sum(axis=0, dtype=np.uint64)
+        rnd.contributors += added
+        return added
 
     def _check_message(self, rnd: _OpenRound, ukey: str, msg: UserMessage) -> Reason | bytes | object | None:
         """First failing check of design 5.3 for one user message (a Reason), else for COUNTS the payload as

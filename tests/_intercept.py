@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import grpc
+import numpy as np
 
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -56,9 +57,22 @@ class Recorder(grpc.ServerInterceptor):
             return [c for c in self.contributions if c.round == round_]
 
 
+def count_total(c: pb.Contribution, dtype: np.dtype | None = None) -> np.ndarray:
+    """A COUNTS contribution's per-label total as the shuffler adds it up (int64): its group sums (UserColumns.sums,
+    what client nodes send), plus any per-user rows (columns.counts or CountVector.packed, of `dtype`)."""
+    total = 0
+    if c.columns.sums:
+        groups = -(-len(c.columns.user_ids) // c.columns.sum_users)
+        total = np.frombuffer(c.columns.sums, dtype="<u8").astype(np.int64).reshape(groups, -1).sum(axis=0)
+    for m in user_messages(c):
+        if m.WhichOneof("payload") == "counts":
+            total = total + np.frombuffer(m.counts.packed, dtype=dtype).astype(np.int64)
+    return np.asarray(total)
+
+
 def user_messages(c: pb.Contribution) -> list[pb.UserMessage]:
     """Every user message of a Contribution as a UserMessage: `messages`, then one per row of `columns` (a COUNTS
-    row as CountVector.packed, a check-in without payload), as the shuffler checks them."""
+    row as CountVector.packed, a check-in or a user of a group sum without payload), as the shuffler checks them."""
     out = list(c.messages)
     cols = c.columns
     n, w = len(cols.user_ids), cols.nonce_bytes

@@ -9,13 +9,12 @@ order stands in for the shuffler's secret selection. Randomness from make_rng(se
 from __future__ import annotations
 
 import numpy as np
-from _intercept import user_messages
+from _intercept import count_total
 from shuffledp.services.ledger import PrivacyEvent
 from shuffledp.services.run_manager import _optimizer, plan_run, round_spec
 
 from shuffledp.config import parse_config
 from shuffledp.data import excess_risk, load_dataset, num_users
-from shuffledp.mechanisms.pvec import count_wire_dtype
 from shuffledp.models import make_model
 from shuffledp.protocols.registry import round_protocol
 from shuffledp.rng import make_rng
@@ -36,7 +35,6 @@ def simulate_run(config_toml: str, seed: int) -> tuple[float, dict]:
     order = rng.permutation(n)
     B = plan["cohort"]
     event = PrivacyEvent(protocol.name, plan["params"], plan["min_contributors"], plan["kind"])
-    dtype = count_wire_dtype(params.g + params.m)
     state = opt.init(model.init_params())
     for r in range(plan["rounds"]):
         idx = order[r * B : (r + 1) * B] if plan["kind"] == "sequential" else np.arange(n)
@@ -45,9 +43,7 @@ def simulate_run(config_toml: str, seed: int) -> tuple[float, dict]:
         out = pb.Contribution()
         G = users.per_example_gradients(theta, ds.X_train[idx], ds.y_train[idx])
         protocol.randomize(spec, G, [str(i) for i in idx], [b""] * idx.size, rng, out)
-        totals = np.sum(
-            [np.frombuffer(m.counts.packed, dtype=dtype).astype(np.int64) for m in user_messages(out)], axis=0
-        )
+        totals = count_total(out)
         decoded = protocol.decode(pb.ShuffledBatch(label_totals=totals.tolist()), idx.size, plan, params, None, b"")
         _, state = opt.step(decoded.total / decoded.used, state, theta)
     return excess_risk(model, opt.release(state, plan["output"]), ds), plan

@@ -1,6 +1,7 @@
-"""A node draws a check-in round's noise while its users' check-in travels (PvecRound.prepare, issue 30 item 1):
-the second invitation adds only the trials that invitation adds, each count is still xhat + Bin(m, p), and the draws
-are used only for the spec, users and m they fit."""
+"""A node computes a check-in round's rounding while its users' check-in travels (PvecRound.prepare, issue 30 item
+1), and sends its users' counts as sums per group of users with their noise drawn at once (pvec_round._put_sums):
+each group's sum has the law of the sum of its users' xhat + Bin(m, p) (Alg 1 of paper 000), and a preparation is
+used only for the spec and users it fits."""
 
 from __future__ import annotations
 
@@ -63,10 +64,32 @@ def check_in_and_prepare(core: NodeCore, spec: pb.RoundSpec, ids: list[str]) -> 
     return checked
 
 
-def counts_of(con: pb.Contribution, m: int) -> np.ndarray:
-    from shuffledp.mechanisms.pvec import count_wire_dtype
+def sums_of(con: pb.Contribution) -> np.ndarray:
+    """The contribution's group sums (UserColumns.sums), one row per group."""
+    assert not con.columns.counts
+    return np.frombuffer(con.columns.sums, dtype="<u8").reshape(-1, D).astype(np.int64)
 
-    return np.frombuffer(con.columns.counts, dtype=count_wire_dtype(G + m)).reshape(-1, D).astype(np.int64)
+
+def assert_sums_have_the_law_of_the_counts(con: pb.Contribution, sh: UserShard, m: int, group: int) -> None:
+    """Each group sum minus its mean (sum of u g + m p over its users; Alg 1 of paper 000): the sum over the groups
+    per coordinate within 4.5 standard deviations of 0 (exact variance: sum of r (1 - r) + users m p (1 - p), spec
+    000 sec 2), and the summed squares within 6 % of that variance (~3000 groups x 4 coordinates: relative sd
+    ~1.3 %). Each sum lies in [0, users (g + m)]."""
+    ids = list(con.columns.user_ids)
+    assert con.columns.sum_users == group
+    sums = sums_of(con)
+    assert sums.shape[0] == -(-len(ids) // group)
+    v = units(sh, ids) * G
+    r = v - np.floor(v)
+    starts = np.arange(0, len(ids), group)
+    sizes = np.minimum(starts + group, len(ids)) - starts
+    mean = np.add.reduceat(v, starts, axis=0) + (sizes * m * P)[:, None]
+    var = np.add.reduceat(r * (1 - r), starts, axis=0) + (sizes * m * P * (1 - P))[:, None]
+    assert sums.min() >= 0 and np.all(sums <= (sizes * (G + m))[:, None])
+    resid = sums - mean
+    z = resid.sum(axis=0) / np.sqrt(var.sum(axis=0))
+    assert np.all(np.abs(z) < 4.5), z
+    assert abs((resid**2).sum() / var.sum() - 1.0) < 0.06
 
 
 def units(sh: UserShard, ids: list[str]) -> np.ndarray:
@@ -79,23 +102,22 @@ def units(sh: UserShard, ids: list[str]) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "n_users, planned, c, subset, block, ahead",
+    "n_users, planned, c, subset, block",
     [
-        (6000, 6000, 6000, False, None, False),  # everyone checks in as planned: m = m_low, nothing added
-        (6000, 8000, 6000, False, None, False),  # fewer than planned: m > m_low, Bin(m - m_low, p) added
-        (6000, 8000, 6000, True, None, False),  # and invited again in another order, some not (rows picked)
-        (6000, 8000, 6000, True, 1024, False),  # the same, the vectors by blocks of 1024 users (the last: 880)
-        (6000, 6000, 6000, False, None, True),  # Bin(m_low, p) drawn between rounds (NodeCore.predraw)
-        (6000, 8000, 6000, True, 1024, True),  # and by blocks, rows picked, Bin(m - m_low, p) added
+        (6000, 6000, 6000, False, None),  # everyone checks in as planned
+        (6000, 8000, 6000, False, None),  # fewer than planned: a larger m than the plan's share
+        (6000, 8000, 6000, True, None),  # and invited again in another order, some not (rows picked)
+        (6000, 8000, 6000, True, 1024),  # the same, the vectors by blocks of 1024 users (the last: 880)
     ],
 )
-def test_second_invitation_from_prepared_draws_has_the_exact_mean_and_variance(
-    n_users, planned, c, subset, block, ahead, monkeypatch
+def test_sums_from_the_prepared_rounding_have_the_law_of_the_users_counts(
+    n_users, planned, c, subset, block, monkeypatch
 ):
-    """Each count minus its mean u g + m p (Alg 1 of paper 000), over the users: the sum per coordinate within 4.5
-    standard deviations of 0 (exact variance sum r(1 - r) + m p (1 - p), spec 000 sec 2), and the summed squares
-    within 6 % of that variance (relative sd of a sum of 6000 x 4 squares ~ 1.3 %). Fixed seeds. ahead: the
-    round before ran with the same plan, and the node drew this round's Bin(m_low, p) between the two."""
+    """The preparation is each checked-in user's rounding, floor(u g) or one more; the second invitation sends the
+    sums of groups of 2 users with the noise of its own m, of the law above. Fixed seeds."""
+    import shuffledp.protocols.pvec_round as pvec_round
+
+    monkeypatch.setattr(pvec_round, "SUM_GROUP_USERS", 2)
     if block is not None:
         import shuffledp.clients.node as node_module
 
@@ -112,45 +134,30 @@ def test_second_invitation_from_prepared_draws_has_the_exact_mean_and_variance(
     core = NodeCore("node", sh, POLICY, rng=make_rng(7))
     n_min = int(0.9 * planned) if planned == n_users else 5000
     first = first_spec(planned, n_min)
-    if ahead:
-        check_in_and_prepare(core, first_spec(planned, n_min, round_=1), sh.user_ids)
-        core.predraw()
-        if block is not None:
-            calls.clear()
     checked = check_in_and_prepare(core, first, sh.user_ids)
     assert checked == sh.user_ids
-    assert core.predrawn_rows == (n_users if ahead else 0)
     if block is not None:
         assert calls == [1024] * 5 + [880]
+    xhat = core._prepared[3].xhat.astype(np.int64)
+    v = units(sh, checked) * G
+    assert np.all((xhat == np.floor(v)) | (xhat == np.floor(v) + 1))
     spec, m = second(first, c)
-    _, m_low = check_in.share(int(first.check_in.noise_trials), FRACTION, first.min_contributors, planned)
-    assert (m == m_low) == (planned == c)
     if subset:
         checked = checked[::-1][:5000]
     con = core.handle(pb.Invitation(spec=spec, user_ids=checked))
     assert core.prepared_rounds == 1 and list(con.columns.user_ids) == checked
-    counts = counts_of(con, m)
-    assert counts.min() >= 0 and counts.max() <= G + m
-    v = units(sh, checked) * G
-    r = v - np.floor(v)
-    resid = counts - (v + m * P)
-    var = r * (1 - r) + m * P * (1 - P)
-    z = resid.sum(axis=0) / np.sqrt(var.sum(axis=0))
-    assert np.all(np.abs(z) < 4.5), z
-    assert abs((resid**2).sum() / var.sum() - 1.0) < 0.06
-    # xhat is floor(v) or floor(v) + 1: the counts minus the noise mean can only sit near v (m p = 20 +- ~7 sd)
-    assert np.all(np.abs(resid) < 1 + 8 * math.sqrt(m * P * (1 - P)))
+    assert_sums_have_the_law_of_the_counts(con, sh, m, 2)
 
 
-def test_prepared_draws_serve_only_the_spec_users_and_m_they_fit():
-    """Not used (and the round is drawn from scratch) for another model, another round, a user not checked in
-    here, or an m below the trials already drawn (more users checked in than planned); and used once only."""
+def test_the_preparation_serves_only_the_spec_and_users_it_fits():
+    """Not used (and the round is computed from scratch) for another model, another round or a user not checked in
+    here; used whatever the second invitation's m (the preparation holds no noise); used once only."""
     sh = shard(40)
     core = NodeCore("node", sh, POLICY, rng=make_rng(8))
 
     def answer(spec: pb.RoundSpec, ids: list[str]) -> pb.Contribution:
         con = core.handle(pb.Invitation(spec=spec, user_ids=ids))
-        assert len(con.columns.user_ids) == len(ids) and not con.refusals
+        assert len(con.columns.user_ids) == len(ids) and not con.refusals and con.columns.sums
         return con
 
     first = first_spec(planned=30, n_min=20)
@@ -159,37 +166,106 @@ def test_prepared_draws_serve_only_the_spec_users_and_m_they_fit():
     spec, _ = second(first, 30)
     spec.model.f64 = (THETA * 2).tobytes()
     cases.append((spec, sh.user_ids[:30]))
-    # more users checked in than planned: m < m_low
-    spec, m = second(first, 40)
-    assert m < second(first, 30)[1]
-    cases.append((spec, sh.user_ids))
-    # a user invited who did not check in at this node's check-in (the draws hold 30 users)
+    # a user invited who did not check in at this node's check-in (the preparation holds 30 users)
     spec, _ = second(first, 31)
     cases.append((spec, sh.user_ids[:31]))
     for spec, ids in cases:
-        check_in_and_prepare(core, first, sh.user_ids[:30] if len(ids) <= 31 else sh.user_ids)
+        check_in_and_prepare(core, first, sh.user_ids[:30])
         answer(spec, ids)
         assert core.prepared_rounds == 0
-    # another round: the draws of round 2 do not answer round 3
+    # another round: the preparation of round 2 does not answer round 3
     check_in_and_prepare(core, first, sh.user_ids[:30])
     other = first_spec(planned=30, n_min=20, round_=3)
     answer(second(other, 30)[0], sh.user_ids[:30])
     assert core.prepared_rounds == 0
-    # a preparation asked for a round whose check-in this node did not answer last draws nothing
+    # a preparation asked for a round whose check-in this node did not answer last computes nothing
     core.handle(pb.Invitation(spec=first, user_ids=sh.user_ids[:30]))
     core.prepare(pb.Invitation(spec=other, user_ids=sh.user_ids[:30]))
     answer(second(other, 30)[0], sh.user_ids[:30])
     assert core.prepared_rounds == 0
-    # the fitting case: used, then gone (a repeated invitation draws afresh)
+    # more users checked in than planned (a smaller m than the plan's share): used
+    check_in_and_prepare(core, first, sh.user_ids)
+    spec, m = second(first, 40)
+    assert m < second(first, 30)[1]
+    answer(spec, sh.user_ids)
+    assert core.prepared_rounds == 1
+    # the fitting case: used, then gone (a repeated invitation computes afresh)
     check_in_and_prepare(core, first, sh.user_ids[:30])
     spec, _ = second(first, 30)
     answer(spec, sh.user_ids[:30])
-    assert core.prepared_rounds == 1
+    assert core.prepared_rounds == 2
     answer(spec, sh.user_ids[:30])
-    assert core.prepared_rounds == 1
+    assert core.prepared_rounds == 2
 
 
-def test_a_second_invitation_from_prepared_draws_is_charged_as_any_other():
+def one_invitation(planned: int, n_min: int, round_: int, m: int = M_PLAN) -> pb.RoundSpec:
+    """A COUNTS round of one invitation (no check-in), its noise m trials per user."""
+    spec = first_spec(planned, n_min, round_)
+    spec.ClearField("check_in")
+    spec.randomizer.m = m
+    return spec
+
+
+def test_a_round_of_one_invitation_sends_sums_of_the_same_law(monkeypatch):
+    """Without the check-in nothing is prepared: the node rounds and sums as it answers, groups of 2 users, the
+    law above over 6000 users; with the default group size (256), 24 groups (the last of 112 users)."""
+    import shuffledp.protocols.pvec_round as pvec_round
+
+    sh = shard(6000)
+    core = NodeCore("node", sh, POLICY, rng=make_rng(11))
+    con = core.handle(pb.Invitation(spec=one_invitation(6000, 5400, 1), user_ids=sh.user_ids))
+    assert core.prepared_rounds == 0 and sums_of(con).shape == (24, D)
+    assert con.columns.sum_users == pvec_round.SUM_GROUP_USERS
+    monkeypatch.setattr(pvec_round, "SUM_GROUP_USERS", 2)
+    con = core.handle(pb.Invitation(spec=one_invitation(6000, 5400, 2), user_ids=sh.user_ids))
+    assert core.prepared_rounds == 0
+    assert_sums_have_the_law_of_the_counts(con, sh, M_PLAN, 2)
+
+
+def test_round_counts_is_the_rounding_of_encode_counts():
+    """round_counts: floor(u g) + Bernoulli(frac), the same draws as _round_units on the shifted rows; 1-D is one
+    user; its values lie in {0..g} and their mean is u g (one seed, 40000 values: within 4.5 sd)."""
+    from shuffledp.mechanisms.pvec import PvecParams, _round_units, round_counts, shift_to_units
+
+    params = PvecParams(d=4, n=10, delta2=1.0, g=8, m=50, p=0.5, eps=1.0, delta=1e-6, method="calibrated")
+    X = make_rng(4).normal(size=(10000, 4))
+    got = round_counts(X, params, make_rng(6))
+    u = shift_to_units(X, params)
+    assert np.array_equal(got, _round_units(u, 8, make_rng(6)))
+    assert np.array_equal(round_counts(X[0], params, make_rng(6)), got[0])
+    assert got.min() >= 0 and got.max() <= 8
+    v = u * 8
+    r = v - np.floor(v)
+    assert abs((got - v).sum()) < 4.5 * math.sqrt((r * (1 - r)).sum())
+
+
+@pytest.mark.parametrize("m, users, p, max_m", [(3, 5, 0.5, 4), (3, 5, 0.3, 2**53), (7, 1, 0.5, 3), (2, 9, 0.7, 5)])
+def test_summed_noise_is_the_binomial_of_the_summed_trials(m, users, p, max_m, monkeypatch):
+    """summed_noise(m, users, p) against the exact pmf of Bin(users m, p), the law of the sum of the users'
+    Bin(m, p) (also when drawn in pieces of at most MAX_M trials, monkeypatched small): a chi-square test over
+    200000 draws, p-value > 1e-4 (fixed seed), every value in [0, users m]."""
+    from scipy import stats
+
+    from shuffledp.mechanisms import pvec
+
+    monkeypatch.setattr(pvec, "MAX_M", max_m)
+    x = pvec.summed_noise(m, users, p, 200_000, make_rng(12))
+    assert x.dtype == np.uint64 and x.max() <= users * m
+    n = users * m
+    observed = np.bincount(x.astype(np.int64), minlength=n + 1)
+    expected = stats.binom.pmf(np.arange(n + 1), n, p) * x.size
+    keep = expected >= 5  # the chi-square approximation needs >= 5 expected per bin: the rest pooled
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-4
+    assert np.array_equal(pvec.summed_noise(m, 0, p, 3, make_rng(1)), np.zeros(3, dtype=np.uint64))
+    with pytest.raises(ValueError, match="m must be an integer >= 1"):
+        pvec.summed_noise(0, users, p, 3, make_rng(1))
+
+
+def test_a_second_invitation_from_the_preparation_is_charged_as_any_other():
     """Preparing charges nothing; the second invitation charges each user once, the same as without preparing."""
     sh = shard(30)
     prepared, plain = (NodeCore("node", sh, POLICY, rng=make_rng(9)) for _ in range(2))
@@ -230,56 +306,6 @@ def test_the_preparation_thread_runs_at_lower_cpu_priority():
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # only that thread
 
 
-def test_noise_drawn_between_rounds_serves_one_preparation_of_the_same_plan():
-    """NodeCore.predraw draws the last preparation's Bin(m_low, p) for as many users; the next preparation adds it
-    (each count minus its predrawn noise is the rounding, floor(u g) or one more) when its plan is the same, and
-    drops it unused otherwise (another m_low); a second preparation never sees it again."""
-    from shuffledp.protocols.pvec_round import NoisePlan
-
-    sh = shard(40)
-    core = NodeCore("node", sh, POLICY, rng=make_rng(10))
-    assert core._noise_plan is None
-    core.predraw()  # nothing prepared yet: nothing drawn
-    assert core._predrawn is None
-    check_in_and_prepare(core, first_spec(planned=30, n_min=20, round_=1), sh.user_ids[:30])
-    m_low = core._prepared[3].m_low
-    assert core._noise_plan == (NoisePlan(m_low, P, D), 30)
-    core.predraw()
-    ahead = core._predrawn
-    assert ahead.plan == NoisePlan(m_low, P, D) and ahead.counts.shape == (30, D) and core._noise_plan is None
-    noise = ahead.counts.astype(np.int64)
-    # the same plan: used, one row per user in check-in order
-    check_in_and_prepare(core, first_spec(planned=30, n_min=20, round_=2), sh.user_ids[:30])
-    assert core._predrawn is None and core.predrawn_rows == 30
-    xhat = core._prepared[3].counts.astype(np.int64) - noise
-    v = units(sh, sh.user_ids[:30]) * G
-    assert np.all((xhat == np.floor(v)) | (xhat == np.floor(v) + 1))
-    # another plan (another m_low: fewer noise trials): dropped, the preparation draws its own
-    core.predraw()
-    assert core._predrawn is not None
-    other = first_spec(planned=30, n_min=20, round_=3)
-    other.check_in.noise_trials = M_PLAN * 10
-    check_in_and_prepare(core, other, sh.user_ids[:30])
-    assert core._predrawn is None and core.predrawn_rows == 30
-    assert core._prepared[3].m_low != m_low
-    # more users than were drawn for (one block of 40 users, 30 rows drawn): that block draws its own
-    core.predraw()
-    check_in_and_prepare(core, first_spec(planned=30, n_min=20, round_=4), sh.user_ids)
-    assert core.predrawn_rows == 30 and core._predrawn is None
-
-
-def test_encode_counts_adds_noise_drawn_beforehand_and_checks_its_shape():
-    from shuffledp.mechanisms.pvec import PvecParams, _round_units, encode_counts, shift_to_units
-
-    params = PvecParams(d=3, n=10, delta2=1.0, g=8, m=50, p=0.5, eps=1.0, delta=1e-6, method="calibrated")
-    X = make_rng(4).normal(size=(7, 3))
-    noise = make_rng(5).binomial(50, 0.5, size=(7, 3)).astype(np.uint8)
-    got = encode_counts(X, params, make_rng(6), noise) - noise
-    assert np.array_equal(got, _round_units(shift_to_units(X, params), 8, make_rng(6)))
-    with pytest.raises(ValueError, match="shape of X"):
-        encode_counts(X, params, make_rng(6), noise[:6])
-
-
 def test_a_second_invitation_is_certified_at_no_more_contributors_than_checked_in():
     # helper probe (session 17): a lying shuffler's second invitation said 21 users checked in and set the release
     # threshold at 30, which no release of those 21 can meet; the node certified (and charged) the round at n' = 30,
@@ -313,43 +339,3 @@ def test_a_second_invitation_is_certified_at_no_more_contributors_than_checked_i
     core2.handle(pb.Invitation(spec=honest, user_ids=ids[:c]))
     expected = pvec_round_epsilon(pvec_params_from_spec(honest), int(honest.min_contributors), delta)
     assert core2.spent(ids[0])[0] == pytest.approx(expected, rel=1e-9)
-
-
-def one_invitation(planned: int, n_min: int, round_: int, m: int = M_PLAN) -> pb.RoundSpec:
-    """A COUNTS round of one invitation (no check-in), its noise m trials per user."""
-    spec = first_spec(planned, n_min, round_)
-    spec.ClearField("check_in")
-    spec.randomizer.m = m
-    return spec
-
-
-def test_a_round_of_one_invitation_adds_the_noise_drawn_since_the_last_round():
-    """Without the check-in, a node draws the next round's Bin(m, p) between rounds too (issue 30): the round adds it
-    when its plan (m, p, d) is the last one's, each count being xhat + Bin(m, p) with xhat floor(u g) or one more,
-    and draws afresh otherwise; the draws serve one round. The exact mean and variance over 6000 users (4.5 sd, 6 %,
-    as above; fixed seeds) hold for the round that used them."""
-    from shuffledp.protocols.pvec_round import NoisePlan
-
-    sh = shard(6000)
-    core = NodeCore("node", sh, POLICY, rng=make_rng(12))
-    con = core.handle(pb.Invitation(spec=one_invitation(6000, 5400, 1), user_ids=sh.user_ids))
-    assert list(con.columns.user_ids) == sh.user_ids and core._noise_plan == (NoisePlan(M_PLAN, P, D), 6000)
-    core.predraw()
-    noise = core._predrawn.counts.astype(np.int64)
-    con = core.handle(pb.Invitation(spec=one_invitation(6000, 5400, 2), user_ids=sh.user_ids))
-    assert core._predrawn is None and core.predrawn_rows == 6000
-    counts = counts_of(con, M_PLAN)
-    v = units(sh, sh.user_ids) * G
-    xhat = counts - noise
-    assert np.all((xhat == np.floor(v)) | (xhat == np.floor(v) + 1))
-    r = v - np.floor(v)
-    resid = counts - (v + M_PLAN * P)
-    var = r * (1 - r) + M_PLAN * P * (1 - P)
-    assert np.all(np.abs(resid.sum(axis=0) / np.sqrt(var.sum(axis=0))) < 4.5)
-    assert abs((resid**2).sum() / var.sum() - 1.0) < 0.06
-    # another m: the draws are dropped unused and the round draws its own
-    core.predraw()
-    assert core._predrawn is not None
-    con = core.handle(pb.Invitation(spec=one_invitation(6000, 5400, 3, m=M_PLAN + 8), user_ids=sh.user_ids[:50]))
-    assert core._predrawn is None and core.predrawn_rows == 6000 and len(con.columns.user_ids) == 50
-    assert counts_of(con, M_PLAN + 8).max() <= G + M_PLAN + 8

@@ -8,7 +8,7 @@ from collections import Counter
 import grpc
 import numpy as np
 import pytest
-from _intercept import user_messages
+from _intercept import count_total, user_messages
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shuffledp.clients.node import NodeCore, UserShard, start_node
 from shuffledp.clients.policy import PolicyTable, Refusal, UserPolicy
@@ -87,13 +87,12 @@ def test_counts_pipeline_is_unbiased_for_clipped_gradient_sum():
     for r in range(R):
         con = core.handle(invite(make_spec(round_=r), shard))
         assert not con.refusals and len(user_messages(con)) == N
-        assert all(m.WhichOneof("payload") == "counts" and not m.counts.counts for m in user_messages(con))
-        wire = pvec.count_wire_dtype(16 + 8)  # g + m = 24: one byte per count on the wire
-        assert wire.itemsize == 1 and all(len(m.counts.packed) == D for m in user_messages(con))
-        counts = np.array([np.frombuffer(m.counts.packed, dtype=wire) for m in user_messages(con)], dtype=np.int64)
-        assert counts.shape == (N, D) and counts.min() >= 0 and counts.max() <= 16 + 8
+        # the N users' counts as one group sum (pvec_round._put_sums), in [0, N (g + m)]
+        assert not con.messages and not con.columns.counts and len(con.columns.sums) == 8 * D
+        total = count_total(con)
+        assert total.shape == (D,) and total.min() >= 0 and total.max() <= N * (16 + 8)
         assert len({m.nonce for m in user_messages(con)}) == N and all(len(m.nonce) == 16 for m in user_messages(con))
-        est.append(pvec.decode_counts(counts.sum(axis=0), N, params))
+        est.append(pvec.decode_counts(total, N, params))
     se = np.sqrt(pvec.pvec_variance(ref, params) / R)
     assert np.all(np.abs(np.mean(est, axis=0) - ref.sum(axis=0)) <= 4 * se), (np.mean(est, axis=0), ref.sum(0), se)
     # each user's spend is the sum of its round costs
@@ -300,7 +299,7 @@ def test_check_in_invitation_is_answered_without_payload_and_charges_nothing():
     second.CopyFrom(first)
     second.check_in.checked_in, second.randomizer.m = 5, 8  # c = 5: c_min = 5, m = ceil(40 / 5)
     con = core.handle(pb.Invitation(spec=second, user_ids=shard.user_ids[:5]))
-    assert len(user_messages(con)) == 5 and all(m.WhichOneof("payload") == "counts" for m in user_messages(con))
+    assert [m.user_id for m in user_messages(con)] == shard.user_ids[:5] and con.columns.sums
     assert core.spent("u0") == pytest.approx((1.0, 1e-6)) and core.status().rounds_joined == 1
 
 
@@ -322,8 +321,7 @@ def test_a_user_named_twice_in_an_invitation_sends_one_message_for_its_one_charg
         core.prepare(pb.Invitation(spec=spec, user_ids=twice))
         spec = second
     con = core.handle(pb.Invitation(spec=spec, user_ids=twice))
-    assert [m.user_id for m in user_messages(con)] == ["u1", "u2", "u3"]
-    assert all(m.WhichOneof("payload") == "counts" for m in user_messages(con))
+    assert [m.user_id for m in user_messages(con)] == ["u1", "u2", "u3"] and con.columns.sums
     assert core.spent("u1") == pytest.approx((1.0, 1e-6)) and core.spent("u0") == (0.0, 0.0)
 
 

@@ -2,8 +2,9 @@
 
 At mnist5k (1875 users x 7850 parameters per node) the whole-array copies (the clipped gradients and int64 counts,
 8 bytes per value each) cost more CPU in page faults than the rounding, and doubled the node's memory. Measured with
-tracemalloc (numpy reports its buffers to it): the peak beyond the gradients is the wire buffer and its bytes copy
-(4 + 4 bytes per value here) plus blocks, never the 16+ bytes per value of whole-array temporaries."""
+tracemalloc (numpy reports its buffers to it): the peak beyond the gradients is the users' rounding in the width of g
+(2 bytes per value here; the node sends their sum, pvec_round._put_sums) plus blocks, never the 16+ bytes per value
+of whole-array temporaries."""
 
 from __future__ import annotations
 
@@ -34,11 +35,12 @@ def test_counts_round_allocates_no_whole_array_temporaries():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert len(out.columns.counts) == 4 * k * d
-    counts = np.frombuffer(out.columns.counts, dtype="<u4").reshape(k, d)
-    assert counts.min() >= 0 and counts.max() <= 5671 + 168208
-    # wire buffer + tobytes + the protobuf's copy: 12 bytes per value; the old whole-array path added >= 16 more
-    assert peak < 13 * k * d, peak / (k * d)
+    sums = np.frombuffer(out.columns.sums, dtype="<u8").reshape(-1, d)
+    assert sums.shape == (3, d) and not out.columns.counts and list(out.columns.user_ids) == ids  # 256 + 256 + 88
+    assert sums.min() >= 0 and sums.max() <= 256 * (5671 + 168208)
+    # the users' rounding in the wire width of g (2 bytes per value) and one block's temporaries; per-user counts
+    # took 12 bytes per value (wire buffer, its bytes and the protobuf's copy), whole-array temporaries 16 more
+    assert peak < 4 * k * d, peak / (k * d)
 
 
 _RETAINED = """

@@ -17,7 +17,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
-from _intercept import Recorder, user_messages
+from _intercept import Recorder, count_total, user_messages
 from scipy import stats
 from shuffledp.clients.node import UserShard, start_node_with_shard
 from shuffledp.clients.policy import UserPolicy
@@ -87,12 +87,6 @@ def shuffler():
     s.stop()
 
 
-def wire_counts(m: pb.UserMessage, bound: int = 4 + 6) -> np.ndarray:  # spec(): g + m = 10
-    """A user's counts as sent by a real node: CountVector.packed only (d values of count_wire_dtype(g+m))."""
-    assert m.WhichOneof("payload") == "counts" and not m.counts.counts
-    return np.frombuffer(m.counts.packed, dtype=pvec.count_wire_dtype(bound)).astype(np.int64)
-
-
 def shard(prefix: str, n: int, seed: int) -> UserShard:
     rng = make_rng(seed)
     return UserShard([f"{prefix}-u{j}" for j in range(n)], rng.normal(size=(n, 1, F)) * 3, rng.normal(size=(n, 1)))
@@ -138,12 +132,11 @@ def test_count_mode_batch_holds_only_label_totals(shuffler, nodes):
     batch = shuffler.stub.ExecuteRound(spec(1), timeout=30)
     received = shuffler.recorder.for_round(1)
     assert len(received) == 2  # one Submit per node per round
-    per_user = [wire_counts(m) for c in received for m in user_messages(c)]
-    assert len(per_user) == 11
+    assert sum(len(user_messages(c)) for c in received) == 11
     assert batch.released and batch.report.contributors == 11 and batch.report.invited == 11
-    # only the d per-label totals, equal to the sum of what the nodes sent; no ciphertexts
+    # only the d per-label totals, equal to the sum of what the nodes sent (their users' sums); no ciphertexts
     assert len(batch.label_totals) == F + 1 and not batch.ciphertexts
-    np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(per_user, axis=0))
+    np.testing.assert_array_equal(np.array(batch.label_totals), np.sum([count_total(c) for c in received], axis=0))
     # nothing else: no ids, nonces, node names or per-user counts anywhere in what the analyzer received
     assert {f.name for f, _ in batch.ListFields()} <= {"run_id", "round", "released", "label_totals", "report"}
     assert {f.name for f, _ in batch.report.ListFields()} <= {"invited", "contributors", "rejected", "refused"}
@@ -398,7 +391,7 @@ def test_deadline_ends_round_with_contributors_received(shuffler, nodes):
         elapsed = time.monotonic() - t0
         assert 1.4 <= elapsed < 6.0
         assert batch.released and batch.report.invited == 13 and batch.report.contributors == 11
-        received = [wire_counts(m) for c in shuffler.recorder.for_round(1) for m in user_messages(c)]
+        received = [count_total(c) for c in shuffler.recorder.for_round(1)]
         np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(received, axis=0))
         # threshold above what arrives: released = false, no data at all
         batch = shuffler.stub.ExecuteRound(spec(2, deadline_seconds=1.0, min_contributors=12), timeout=30)
@@ -583,12 +576,14 @@ def test_check_in_shares_the_noise_and_a_dropout_after_check_in_never_weakens_it
         rep = batch.report
         assert batch.released and (rep.invited, rep.checked_in, rep.contributors) == (13, 13, 11)
         assert rep.contributors * second.randomizer.m >= 30
-        # the real nodes answered the check-in without payload, then sent counts in [0, g + 3] only
+        # the real nodes answered the check-in without payload, then sent their users' sums, each in
+        # [0, users (g + 3)] only
         received = shuffler.recorder.for_round(1)
-        check_ins = [m for c in received for m in user_messages(c) if m.WhichOneof("payload") is None]
-        sent = [wire_counts(m, 4 + 3) for c in received for m in user_messages(c) if m.WhichOneof("payload")]
-        assert len(check_ins) == 13 and len(sent) == 11 and max(int(x.max()) for x in sent) <= 7
-        np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(sent, axis=0))
+        check_ins = [m for c in received if not c.columns.sums for m in user_messages(c)]
+        sent = [c for c in received if c.columns.sums]
+        assert len(check_ins) == 13 and sum(len(c.columns.user_ids) for c in sent) == 11
+        assert all(count_total(c).max() <= len(c.columns.user_ids) * 7 for c in sent)
+        np.testing.assert_array_equal(np.array(batch.label_totals), np.sum([count_total(c) for c in sent], axis=0))
 
         t.join(timeout=5)
         batch = shuffler.stub.ExecuteRound(_check_in_spec(2, 1.0), timeout=30)
@@ -1091,3 +1086,110 @@ def test_sequential_cohorts_are_drawn_from_the_fresh_users_as_a_list_of_them_wou
     for _ in range(3):
         run_round()
     assert len(used) == 7 * 12 and len(state._fresh) == 1
+
+
+def _sums_submission(ids: list[str], counts: np.ndarray, group: int, sums: np.ndarray | None = None):
+    """UserColumns with group sums of `counts` (rows of ids, in order), or the given sums."""
+    from shuffledp.services.shuffler_state import Submission, UserColumns
+
+    starts = np.arange(0, len(ids), group)
+    if sums is None:
+        sums = np.add.reduceat(counts.astype(np.uint64), starts, axis=0)
+    cols = UserColumns(ids, secrets.token_bytes(16 * len(ids)), 16, sums=sums.astype("<u8").tobytes(), sum_users=group)
+    return Submission("run", 0, "node", columns=cols)
+
+
+def test_group_sums_are_added_whole_and_checked_against_their_users_bound():
+    """Issue 30: a node sends its users' counts as sums per group (UserColumns.sums). A sum of s users is added
+    when every one of them passes the checks of design 5.3 and it lies in [0, s (g + m)] (the sums s counts in
+    [0, g + m] each can make, and no other); a group with a refused user cannot be split and its other users are
+    rejected as partial_sum; a sum above its bound is rejected for all its users."""
+    dim, m = 3, 4  # bound g + m = 5
+    users = [f"u{i}" for i in range(7)]
+    counts = make_rng(21).integers(0, 6, size=(7, dim))
+    # honest: groups [u0-u2], [u3-u5], [u6]; the totals are the users' counts summed
+    state, t, out, _ = _open_counts_round(users, dim, m)
+    ack = state.submit(_sums_submission(users, counts, 3))
+    t.join()
+    assert (ack.accepted, ack.rejected) == (7, {})
+    assert out[0].contributors == 7 and out[0].label_totals.tolist() == counts.sum(axis=0).tolist()
+    # a stranger in the middle group: its two others are partial_sum, the other groups are added
+    state, t, out, _ = _open_counts_round(users, dim, m)
+    ids = users[:4] + ["stranger"] + users[5:]
+    ack = state.submit(_sums_submission(ids, counts, 3))
+    t.join()
+    assert (ack.accepted, ack.rejected) == (4, {"unknown_user": 1, "partial_sum": 2})
+    want = counts[[0, 1, 2, 6]].sum(axis=0)
+    assert out[0].contributors == 4 and out[0].label_totals.tolist() == want.tolist()
+    # at the bound (3 users x 5) a sum is added; one above it is not, for all its users
+    sums = np.add.reduceat(counts, [0, 3, 6], axis=0)
+    sums[0] = [15, 0, 15]
+    sums[1, 2] = 16
+    state, t, out, _ = _open_counts_round(users, dim, m)
+    ack = state.submit(_sums_submission(users, counts, 3, sums))
+    t.join()
+    assert (ack.accepted, ack.rejected) == (4, {"count_out_of_range": 3})
+    assert out[0].label_totals.tolist() == (sums[0] + sums[2]).tolist()
+    # the same users again (the round still open: "late" has not answered): their answers are used up
+    state, t, out, _ = _open_counts_round(users + ["late"], dim, m, deadline=1)
+    sub = _sums_submission(users, counts, 3)
+    assert state.submit(sub).accepted == 7
+    again = state.submit(sub)
+    assert again.accepted == 0 and again.rejected == {"replayed_nonce": 7}
+    t.join()
+    assert out[0].contributors == 7
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("short_sums", "wrong_count_length"),
+        ("no_group", "wrong_count_length"),
+        ("counts_and_sums", "wrong_payload"),
+        ("check_in", "wrong_payload"),
+    ],
+)
+def test_malformed_group_sums_are_rejected_for_all_their_users(case, reason):
+    from dataclasses import replace
+
+    users = ["a", "b", "c"]
+    state, t, out, _ = _open_counts_round(users, 2, 3, check_in=case == "check_in")
+    sub = _sums_submission(users, np.ones((3, 2), dtype=np.uint8), 2)
+    cols = sub.columns
+    if case == "short_sums":
+        cols = replace(cols, sums=cols.sums[:-8])
+    elif case == "no_group":
+        cols = replace(cols, sum_users=0)
+    elif case == "counts_and_sums":
+        cols = replace(cols, counts=bytes(6))
+    ack = state.submit(replace(sub, columns=cols))
+    assert ack.accepted == 0 and ack.rejected == {reason: 3}
+    t.join()
+    assert out[0].contributors == 0
+
+
+def test_a_contribution_of_sums_is_split_at_group_boundaries():
+    """split_contribution keeps each group's users and sum in one part: the parts together are the contribution,
+    and the shuffler adds them up to the same totals."""
+    from shuffledp.clients.node import split_contribution
+
+    users = [f"user-{i:03d}" for i in range(50)]
+    counts = make_rng(22).integers(0, 6, size=(50, 2))
+    sums = np.add.reduceat(counts.astype(np.uint64), np.arange(0, 50, 4), axis=0)
+    whole = pb.Contribution(run_id="run", round=0, node_id="node")
+    whole.columns.user_ids.extend(users)
+    whole.columns.nonce_bytes, whole.columns.nonces = 16, secrets.token_bytes(16 * 50)
+    whole.columns.sums, whole.columns.sum_users = sums.astype("<u8").tobytes(), 4
+    parts = split_contribution(whole, max_bytes=400)
+    assert len(parts) > 3
+    for part in parts[:-1]:
+        assert len(part.columns.user_ids) % 4 == 0 and part.columns.sum_users == 4
+    assert [u for p in parts for u in p.columns.user_ids] == users
+    assert b"".join(p.columns.nonces for p in parts) == whole.columns.nonces
+    assert b"".join(p.columns.sums for p in parts) == whole.columns.sums
+    state, t, out, _ = _open_counts_round(users, 2, 4)
+    from shuffledp.services.shuffler import _submission
+
+    assert sum(state.submit(_submission(p, "node")).accepted for p in parts) == 50
+    t.join()
+    assert out[0].label_totals.tolist() == counts.sum(axis=0).tolist()

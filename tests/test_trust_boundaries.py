@@ -346,25 +346,26 @@ def _wide_shard(n: int, features: int = 64, classes: int = 10):
     return UserShard([f"u{i}" for i in range(n)], X, y)
 
 
-@pytest.mark.parametrize("chunk", [256 * 2**10, 4 * 2**20])
+@pytest.mark.parametrize("chunk", [60 * 2**10, 4 * 2**20])
 def test_6_large_contributions_are_split_or_their_cause_reported(chunk: int) -> None:
-    """1000 users at d = 650 (1.3 MB of counts) against a shuffler that accepts 1 MiB per request: the node splits
-    its contribution into Submits below its chunk size; if even one chunk is too large, the users are reported
-    as refusals with the cause, instead of silently missing."""
+    """300 users at d = 6410 (their ids, nonces and two group sums, of 256 and 44 users: ~110 kB) against a
+    shuffler that accepts 64 KiB per request: the node splits its contribution into Submits below its chunk size,
+    between groups (~57 and ~52 kB); if even one chunk is too large, the users are reported as refusals with the
+    cause (~13 kB), instead of silently missing."""
     state = ShufflerState(rng=make_rng(7))
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=20), options=grpc_options.server_options(max_receive=2**20)
+        futures.ThreadPoolExecutor(max_workers=20), options=grpc_options.server_options(max_receive=2**16)
     )
     pbg.add_ShufflerServicer_to_server(ShufflerServicer(state), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    shard = _wide_shard(1000)
+    shard = _wide_shard(300, features=640)
     node = start_node_with_shard(
         "wide", shard, f"127.0.0.1:{port}", policy=UserPolicy(verify_randomizer=False), submit_chunk_bytes=chunk
     )
     try:
         assert node.connected.wait(30)
-        dim = 650
+        dim = 6410
         spec = _counts_spec(
             "wide",
             0,
@@ -380,11 +381,11 @@ def test_6_large_contributions_are_split_or_their_cause_reported(chunk: int) -> 
         )
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             report = pbg.ShufflerStub(ch).ExecuteRound(spec, timeout=60).report
-        if chunk < 2**20:
-            assert report.contributors == 1000 and report.refused == 0
+        if chunk < 2**16:
+            assert report.contributors == 300 and report.refused == 0
         else:
             assert report.contributors == 0 and dict(report.refused_reasons) == {
-                "submit_failed_resource_exhausted": 1000
+                "submit_failed_resource_exhausted": 300
             }
     finally:
         node.stop()

@@ -23,7 +23,6 @@ TRACED = {
         "ClientNodeHandle._answer",
         "NodeCore.handle",
         "NodeCore.prepare",
-        "NodeCore.predraw",
         "_Stream.send",
         "_Stream.resolve",
     ],

@@ -21,6 +21,7 @@ totals and n'); *bit mode* sends the literal d (g + m) labelled bits of Alg 2 fo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -35,6 +36,8 @@ __all__ = [
     "clip_rows",
     "shift_to_units",
     "encode_counts",
+    "round_counts",
+    "summed_noise",
     "encode_bits",
     "decode_counts",
     "decode_bits",
@@ -401,38 +404,50 @@ def shift_to_units(X: np.ndarray, params: PvecParams) -> np.ndarray:
 ENCODE_BLOCK_VALUES = 1 << 17  # values per block of encode_counts: ~1 MiB per float64 temporary
 
 
-def encode_counts(
-    X: np.ndarray, params: PvecParams, rng: np.random.Generator, noise: np.ndarray | None = None
-) -> np.ndarray:
+def encode_counts(X: np.ndarray, params: PvecParams, rng: np.random.Generator) -> np.ndarray:
     """Count mode of PVEC for k users at once: counts[i, j] = xhat_ij + Bin(m, p), int64 of shape (k, d).
 
     Inputs are clipped to ||x||_2 <= delta2 here (whatever the caller did) before the shift. A 1-D x is one user.
-    noise: the Bin(m, p) draws to add, shape (k, d), when they were drawn beforehand: from the CSPRNG, independently
-    of X and of every other draw, and added to nothing else (a node draws them between rounds: PvecRound.prepare).
-    The counts then have the same law as with noise=None, which draws them here (Alg 1 line 6 of paper 000 draws
-    the noise independently of the input, so when it is drawn does not matter).
     """
+    return _by_blocks(X, params, lambda u: _encode_units(u, params.g, params.m, params.p, rng))
+
+
+def round_counts(X: np.ndarray, params: PvecParams, rng: np.random.Generator) -> np.ndarray:
+    """encode_counts without the noise: xhat_ij in {0..g} (Alg 1 lines 3-5 of paper 000), int64 of shape (k, d).
+    A client node adds its users' noise to their sum instead (summed_noise)."""
+    return _by_blocks(X, params, lambda u: _round_units(u, params.g, rng))
+
+
+def _by_blocks(X: np.ndarray, params: PvecParams, encode: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     X = np.asarray(X)
     one = X.ndim == 1
     rows = X.reshape(1, -1) if one else X
     if rows.ndim != 2 or rows.shape[1] != params.d:
         raise ValueError(f"X must have shape (k, d={params.d}), got {X.shape}")
-    if noise is not None:
-        noise = noise.reshape(1, -1) if one else noise
-        if noise.shape != rows.shape:
-            raise ValueError(f"noise must have the shape of X {rows.shape}, got {noise.shape}")
     # block by block: at k d ~ 10^7 (mnist5k: 1875 users x 7850) the ~8 whole-array temporaries of clipping,
     # shifting, rounding and the binomials cost more in page faults than the draws; a block's are reused in cache
     step = max(1, ENCODE_BLOCK_VALUES // params.d)
     counts = np.empty(rows.shape, dtype=np.int64)
     for i in range(0, rows.shape[0], step):
-        u = shift_to_units(rows[i : i + step], params)
-        if noise is None:
-            counts[i : i + step] = _encode_units(u, params.g, params.m, params.p, rng)
-        else:
-            counts[i : i + step] = _round_units(u, params.g, rng)
-            counts[i : i + step] += noise[i : i + step]
+        counts[i : i + step] = encode(shift_to_units(rows[i : i + step], params))
     return counts[0] if one else counts
+
+
+def summed_noise(m: int, users: int, p: float, d: int, rng: np.random.Generator) -> np.ndarray:
+    """The sum of `users` users' noise of count mode (each Bin(m, p) per coordinate, Alg 1 line 6 of paper 000) for
+    d coordinates, uint64: Bin(users m, p) per coordinate, since independent binomials of one p add up to the
+    binomial of the summed trials. Drawn in pieces of at most MAX_M trials (numpy's accuracy bound), which add up
+    the same way. The noise depends on nothing of the users' data, so the sum of their counts plus this has the law
+    of the sum of their encode_counts rows."""
+    if not (isinstance(m, int) and m >= 1 and isinstance(users, int) and users >= 0):
+        raise ValueError(f"m must be an integer >= 1 and users an integer >= 0, got m={m!r}, users={users!r}")
+    total = np.zeros(d, dtype=np.uint64)
+    trials = m * users  # exact (Python int)
+    while trials > 0:
+        piece = min(trials, MAX_M)
+        total += rng.binomial(piece, p, size=d).astype(np.uint64)
+        trials -= piece
+    return total
 
 
 def encode_bits(

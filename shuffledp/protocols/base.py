@@ -233,12 +233,10 @@ class RoundProtocol(Protocol):
     def noise_key(self, spec: pb.RoundSpec) -> Any: ...
     def user_account(self, spec: pb.RoundSpec) -> UserAccount | None: ...
 
-    # optional, for check-in rounds (mechanisms/check_in.py): prepare(spec, blocks, rng, predrawn) draws what it can
+    # optional, for check-in rounds (mechanisms/check_in.py): prepare(spec, blocks, rng) computes what it can
     # once the users checked in (blocks: their vectors as arrays of consecutive rows, in order), and
     # randomize_prepared(spec, prepared, rows, user_ids, nonces, rng, out) -> bool answers the second invitation from
-    # it (False: it does not fit that spec, and the node calls randomize). What prepare returns may name the noise it
-    # drew whatever the data (noise_plan, with draw(rows, rng)): the node draws that for the next round between
-    # rounds and passes it as predrawn. PvecRound has all of them.
+    # it (False: it does not fit that spec, and the node calls randomize). PvecRound has both.
 
 
 class AnalyzerHooks:

@@ -5,7 +5,7 @@ Each party calls the plug-in through shuffledp.protocols.registry.round_protocol
     analyzer  plan(request) -> RoundPlan           sizing from the budget and the population (once per run)
               spec_fields(plan, params, event, key) the RoundSpec's randomizer, transport, trust model and claim
               decode(batch, n, plan, params, key, info) -> Decoded   the estimate of the sum of the users' vectors
-    client    randomize(spec, G, user_ids, nonces, rng, out)   one UserMessage per user (clipped here)
+    client    randomize(spec, G, user_ids, nonces, rng, out)   the users' messages (clipped here; COUNTS: group sums)
               verify_epsilon(spec), noise_key(spec)  what the round costs a user, recomputed from the spec
     config    settings ([privacy.pvec]), check_config(cfg, optimizer)   the protocol's own keys and their checks
     shuffler  nothing protocol-specific: it sums counts (COUNTS) or permutes and forwards ciphertexts (BITS,
@@ -89,53 +89,18 @@ def pvec_params_from_spec(spec: pb.RoundSpec) -> PvecParams:
     )
 
 
-PREDRAW_MAX_VALUES = 1 << 24  # counts a node draws ahead between rounds at most (uint32: 64 MiB)
-
-
-@dataclass(frozen=True)
-class NoisePlan:
-    """The noise a check-in round's preparation draws whatever the users' data: Bin(m, p) for each of d coordinates
-    of each user. A node draws it for the next round between rounds (draw) and hands it to that round's prepare,
-    which uses it only if that round's plan is the same."""
-
-    m: int
-    p: float
-    d: int
-
-    def draw(self, rows: int, rng: np.random.Generator) -> Predrawn | None:
-        """Bin(m, p) for rows users, from rng (the node's CSPRNG); None above PREDRAW_MAX_VALUES (memory)."""
-        dtype = pvec.count_wire_dtype(self.m)
-        if rows < 1 or rows * self.d > PREDRAW_MAX_VALUES or dtype.itemsize > 4:  # > 4: adds to int64 unsafely
-            return None
-        counts = np.empty((rows, self.d), dtype=dtype)
-        step = max(1, pvec.ENCODE_BLOCK_VALUES // self.d)
-        for i in range(0, rows, step):  # by blocks: no int64 temporary of the whole array
-            counts[i : i + step] = rng.binomial(self.m, self.p, size=counts[i : i + step].shape)
-        return Predrawn(self, counts)
-
-
-@dataclass(frozen=True)
-class Predrawn:
-    """Noise of a NoisePlan drawn ahead for `counts.shape[0]` users; prepare adds each row to one user's counts and
-    the node drops it after that one preparation (never used twice, whether it fit or not)."""
-
-    plan: NoisePlan
-    counts: np.ndarray
+# users per sum in the columns a node sends (UserColumns.sums): one sum (d uint64) and Bin(users m, p) per coordinate
+# per group. A node splits a large contribution only between groups (split_contribution); 256 users' ids and nonces
+# are ~6-10 kB, so even a small chunk size splits, and the draws stay ~d / 256 per user (d per user before)
+SUM_GROUP_USERS = 1 << 8
 
 
 @dataclass(frozen=True)
 class PreparedCounts:
-    """PvecRound.prepare's draws for the users who checked in (rows in their check-in order)."""
+    """PvecRound.prepare's rounding for the users who checked in (rows in their check-in order)."""
 
     first: bytes  # the check-in spec without what the second invitation may change (_first_form)
-    counts: np.ndarray  # (users, d) xhat + Bin(m_low, p), in the wire width of g + m_low
-    noise_plan: NoisePlan  # the noise in counts: what the next round can draw ahead if it looks like this one
-    predrawn_rows: int = 0  # users whose noise came from a Predrawn
-
-    @property
-    def m_low(self) -> int:
-        """Binomial trials per coordinate already drawn."""
-        return self.noise_plan.m
+    xhat: np.ndarray  # (users, d) xhat in {0..g}, in the wire width of g
 
 
 def _first_form(spec: pb.RoundSpec) -> bytes:
@@ -149,31 +114,50 @@ def _first_form(spec: pb.RoundSpec) -> bytes:
     return s.SerializeToString(deterministic=True)
 
 
-def _encode_wire(
-    G: np.ndarray, params: PvecParams, rng: np.random.Generator, noise: np.ndarray | None = None
-) -> np.ndarray:
-    """Each row's d counts (xhat + Bin(m, p), in [0, g + m]) in the round's wire width, by blocks of users straight
-    into it: no whole (k, d) copy of G nor int64 counts (at mnist5k's k d ~ 1.5e7 per node those copies cost more
-    CPU than the rounding). encode_counts clips to ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7).
-    noise: the rows' Bin(m, p) drawn ahead (encode_counts), else drawn here."""
-    wire = np.empty(G.shape, dtype=pvec.count_wire_dtype(params.g + params.m))
+def _round_wire(blocks: Iterable[np.ndarray], params: PvecParams, rng: np.random.Generator) -> np.ndarray:
+    """Each user's xhat (rounding of Alg 1, clipped to ||g||_2 <= clip_norm before the shift, spec 000 sec 7 item
+    7) in the narrowest width that holds g, block by block of users straight into it: no int64 (k, d) array (at
+    mnist5k's k d ~ 1.5e7 per node that copy costs more CPU than the rounding)."""
+    dtype = pvec.count_wire_dtype(params.g)
     step = max(1, pvec.ENCODE_BLOCK_VALUES // params.d)
-    for i in range(0, G.shape[0], step):
-        rows = None if noise is None else noise[i : i + step]
-        wire[i : i + step] = pvec.encode_counts(G[i : i + step], params, rng, rows)
-    return wire
+    parts = []
+    for G in blocks:
+        xhat = np.empty((len(G), params.d), dtype=dtype)
+        for i in range(0, len(G), step):
+            xhat[i : i + step] = pvec.round_counts(G[i : i + step], params, rng)
+        parts.append(xhat)
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.empty((0, params.d), dtype=dtype)
 
 
-def _put_columns(out: pb.Contribution, user_ids: Sequence[str], nonces: Sequence[bytes], wire: np.ndarray) -> None:
-    """UserColumns: each user's counts in the wire width (CountVector.packed's layout), all users in one buffer,
-    their ids and nonces as columns: no protobuf object per user on either side."""
+def _put_sums(
+    out: pb.Contribution,
+    user_ids: Sequence[str],
+    nonces: Sequence[bytes],
+    xhat: np.ndarray,
+    params: PvecParams,
+    rng: np.random.Generator,
+) -> None:
+    """UserColumns with the users' ids and nonces and, per group of SUM_GROUP_USERS users, the sum of their counts
+    (UserColumns.sums): their xhat summed plus Bin(group m, p) per coordinate (pvec.summed_noise), which has the
+    law of the sum of their xhat + Bin(m, p) (Alg 1 of paper 000). The shuffler adds up counts and forwards only
+    their totals (design 5.2), so the analyzer's view is the same; the shuffler sees sums of many users instead
+    of each user's counts, and checks each against [0, users (g + m)]: every sum a node's users could make with
+    counts in [0, g + m] each, and no other."""
     out.columns.user_ids.extend(user_ids)
     if isinstance(nonces, Nonces):
         out.columns.nonce_bytes, out.columns.nonces = nonces.width, nonces.blob
     else:
         out.columns.nonce_bytes = len(nonces[0]) if len(nonces) else 0
         out.columns.nonces = b"".join(nonces)
-    out.columns.counts = wire.tobytes()
+    k = xhat.shape[0]
+    sums = np.empty((-(-k // SUM_GROUP_USERS), params.d), dtype="<u8")
+    for j, a in enumerate(range(0, k, SUM_GROUP_USERS)):
+        group = xhat[a : a + SUM_GROUP_USERS]
+        sums[j] = group.sum(axis=0, dtype=np.uint64)
+        sums[j] += pvec.summed_noise(params.m, group.shape[0], params.p, params.d, rng)
+    out.columns.sums, out.columns.sum_users = sums.tobytes(), SUM_GROUP_USERS
 
 
 def open_bit_messages(
@@ -511,11 +495,11 @@ class PvecRound(AnalyzerHooks):
         rng: np.random.Generator,
         out: pb.Contribution,
     ) -> None:
-        """One message per row of G (the users' gradients, in user_ids order): COUNTS as out.columns, BITS as
-        UserMessages in out.messages."""
+        """The users' messages (G: their gradients, in user_ids order): COUNTS as out.columns with the sums of
+        groups of users (_put_sums), BITS as one UserMessage per user in out.messages."""
         params = pvec_params_from_spec(spec)
         if spec.transport == pb.COUNTS:
-            _put_columns(out, user_ids, nonces, _encode_wire(G, params, rng))
+            _put_sums(out, user_ids, nonces, _round_wire([G], params, rng), params, rng)
             return
         G = pvec.clip_rows(G, params.delta2)  # ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7)
         if spec.randomizer.message_bytes not in (0, sealing.BIT_MESSAGE_BYTES):
@@ -530,43 +514,17 @@ class PvecRound(AnalyzerHooks):
             out.messages.add(user_id=u, nonce=nonce, sealed=pb.SealedMessages(ciphertexts=cts))
 
     def prepare(
-        self,
-        spec: pb.RoundSpec,
-        blocks: Iterable[np.ndarray],
-        rng: np.random.Generator,
-        predrawn: Predrawn | None = None,
+        self, spec: pb.RoundSpec, blocks: Iterable[np.ndarray], rng: np.random.Generator
     ) -> PreparedCounts | None:
-        """Check-in rounds in COUNTS (mechanisms/check_in.py): what the users who just checked in can draw before the
-        second invitation tells them their m: their rounding and Bin(m_low, p) noise per coordinate, m_low the share
-        of the noise if the whole planned cohort (randomizer.extra n) checks in: no second invitation carries less
-        unless more users check in than planned (randomize_prepared then refuses it). A COUNTS round of one
-        invitation: the same draws with its own m (m_low = m), which the node makes as it answers, so that noise
-        drawn ahead serves it too. None: nothing to do (BITS, a second invitation, a cohort below the threshold).
-        blocks: their vectors, consecutive rows at a time (only their counts are held at once, not their floats).
-        predrawn: Bin(m, p) drawn ahead by the node (NoisePlan.draw), used, one row per user in order, only if its
-        plan is this round's (m = m_low, the same p and d); users beyond its rows get fresh draws."""
+        """Check-in rounds in COUNTS (mechanisms/check_in.py): what the users who just checked in can compute before
+        the second invitation tells them their m: their rounding (xhat). None: nothing to do (BITS, one invitation,
+        a second invitation). blocks: their vectors, consecutive rows at a time (only their xhat are held at once,
+        not their floats)."""
         ci = spec.check_in
-        if spec.transport != pb.COUNTS or ci.checked_in:
+        if spec.transport != pb.COUNTS or not ci.noise_trials or ci.checked_in:
             return None
-        params = low = pvec_params_from_spec(spec)  # a round of one invitation: its m is final
-        if ci.noise_trials:
-            try:
-                _, m_low = check_in.share(int(ci.noise_trials), ci.report_fraction, spec.min_contributors, params.n)
-            except ValueError:
-                return None  # a planned cohort below the threshold: the second invitation draws everything
-            low = replace(params, m=min(m_low, params.m))
-        plan = NoisePlan(low.m, low.p, low.d)
-        ahead = predrawn.counts if predrawn is not None and predrawn.plan == plan else None
-        parts, used = [], 0
-        for G in blocks:
-            noise = None
-            if ahead is not None and used + G.shape[0] <= ahead.shape[0]:
-                noise, used = ahead[used : used + G.shape[0]], used + G.shape[0]
-            parts.append(_encode_wire(G, low, rng, noise))
-        if not parts:
-            return None
-        counts = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return PreparedCounts(_first_form(spec), counts, plan, used)
+        params = pvec_params_from_spec(spec)
+        return PreparedCounts(_first_form(spec), _round_wire(blocks, params, rng))
 
     def randomize_prepared(
         self,
@@ -578,28 +536,14 @@ class PvecRound(AnalyzerHooks):
         rng: np.random.Generator,
         out: pb.Contribution,
     ) -> bool:
-        """randomize for a check-in's second invitation, or a round of one invitation, from prepare's draws (rows:
-        each user's row in them), adding Bin(m - m_low, p) (nothing for one invitation): independent binomials of one
-        p add up to the binomial of the summed trials, so each count is xhat + Bin(m, p) exactly as randomize draws
-        it (Alg 1 of paper 000). False, with nothing drawn or written, when the draws do not fit this spec: another
-        round, model or parameters, or m < m_low."""
+        """randomize for a check-in's second invitation from prepare's rounding (rows: each user's row in it): the
+        users' sums with the noise of this spec's m, exactly as randomize makes them. False, with nothing drawn or
+        written, when the rounding does not fit this spec: another round, model or parameters."""
         ci = spec.check_in
-        if spec.transport != pb.COUNTS or (ci.noise_trials and not ci.checked_in) or spec.randomizer.m < prepared.m_low:
+        if spec.transport != pb.COUNTS or not ci.checked_in or _first_form(spec) != prepared.first:
             return False
-        if _first_form(spec) != prepared.first:
-            return False
-        params = pvec_params_from_spec(spec)
-        dtype = pvec.count_wire_dtype(params.g + params.m)
-        if prepared.counts.dtype == dtype and np.array_equal(rows, np.arange(prepared.counts.shape[0])):
-            wire = prepared.counts  # every user, in order: no copy (the node drops the draws once used)
-        else:
-            wire = prepared.counts[rows].astype(dtype)
-        extra = params.m - prepared.m_low
-        if extra:
-            step = max(1, pvec.ENCODE_BLOCK_VALUES // params.d)
-            for i in range(0, wire.shape[0], step):  # by blocks, as encode_counts: no whole-array temporary
-                wire[i : i + step] += rng.binomial(extra, params.p, size=wire[i : i + step].shape).astype(wire.dtype)
-        _put_columns(out, user_ids, nonces, wire)
+        xhat = prepared.xhat if np.array_equal(rows, np.arange(prepared.xhat.shape[0])) else prepared.xhat[rows]
+        _put_sums(out, user_ids, nonces, xhat, pvec_params_from_spec(spec), rng)
         return True
 
     def verify_epsilon(self, spec: pb.RoundSpec) -> float:

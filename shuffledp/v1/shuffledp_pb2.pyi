@@ -229,16 +229,20 @@ class Refusal(_message.Message):
     def __init__(self, user_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class UserColumns(_message.Message):
-    __slots__ = ("user_ids", "nonces", "nonce_bytes", "counts")
+    __slots__ = ("user_ids", "nonces", "nonce_bytes", "counts", "sums", "sum_users")
     USER_IDS_FIELD_NUMBER: _ClassVar[int]
     NONCES_FIELD_NUMBER: _ClassVar[int]
     NONCE_BYTES_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    SUM_USERS_FIELD_NUMBER: _ClassVar[int]
     user_ids: _containers.RepeatedScalarFieldContainer[str]
     nonces: bytes
     nonce_bytes: int
     counts: bytes
-    def __init__(self, user_ids: _Optional[_Iterable[str]] = ..., nonces: _Optional[bytes] = ..., nonce_bytes: _Optional[int] = ..., counts: _Optional[bytes] = ...) -> None: ...
+    sums: bytes
+    sum_users: int
+    def __init__(self, user_ids: _Optional[_Iterable[str]] = ..., nonces: _Optional[bytes] = ..., nonce_bytes: _Optional[int] = ..., counts: _Optional[bytes] = ..., sums: _Optional[bytes] = ..., sum_users: _Optional[int] = ...) -> None: ...
 
 class Contribution(_message.Message):
     __slots__ = ("run_id", "round", "node_id", "messages", "refusals", "columns")
