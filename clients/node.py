@@ -341,7 +341,8 @@ class NodeCore:
         with self._lock:
             checked, self._checked_in = self._checked_in, None
             self._prepared = None
-            if protocol is None or not hasattr(protocol, "prepare") or checked is None:
+            # a plug-in prepares only with both halves (base.py: prepare, randomize_prepared)
+            if not (hasattr(protocol, "prepare") and hasattr(protocol, "randomize_prepared")) or checked is None:
                 return
             run, round_, idx = checked
             if (run, round_) != (spec.run_id, spec.round) or not idx.size:
