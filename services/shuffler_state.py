@@ -102,7 +102,6 @@ _PAYLOAD_REASONS = frozenset(
         Reason.COUNT_OUT_OF_RANGE,
         Reason.WRONG_MESSAGE_COUNT,
         Reason.WRONG_CIPHERTEXT_LENGTH,
-        Reason.PARTIAL_SUM,
     }
 )
 
@@ -1368,14 +1367,14 @@ class ShufflerState:
         whole = good_in == sizes
         if not np.all(whole):
             self._reject(rnd, Reason.PARTIAL_SUM, rejected, int(good_in[~whole].sum()))
-        sums = np.frombuffer(cols.sums, dtype="<u8").reshape(groups, d)[whole]
+        sums, sizes = np.frombuffer(cols.sums, dtype="<u8").reshape(groups, d)[whole], sizes[whole]
         if not len(sums):
             return 0
         # no overflow: a whole group's users are distinct admitted users, and _validate bounds users * (g+m) < 2^64
-        in_range = sums.max(axis=1) <= sizes[whole].astype(np.uint64) * np.uint64(rnd.bound)
+        in_range = sums.max(axis=1) <= sizes.astype(np.uint64) * np.uint64(rnd.bound)
         if not np.all(in_range):
-            self._reject(rnd, Reason.COUNT_OUT_OF_RANGE, rejected, int(sizes[whole][~in_range].sum()))
-        added = int(sizes[whole][in_range].sum())
+            self._reject(rnd, Reason.COUNT_OUT_OF_RANGE, rejected, int(sizes[~in_range].sum()))
+        added = int(sizes[in_range].sum())
         rnd.totals += sums[in_range].sum(axis=0, dtype=np.uint64)
         rnd.contributors += added
         return added
