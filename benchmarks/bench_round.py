@@ -29,7 +29,8 @@ Two rounds in one process, each timed over the same R rounds, before and after t
                         does, minus the distribution.
 Both rounds in one process run with the services' allocator thresholds (serve.return_large_blocks, which every
 service sets at start): with glibc's own, fresh large blocks fault their pages in at every round, and the round at
-d = 100 took ~1.8x as long (measured 2026-11-27: 8.5-9.8 ms against 4.5-6.0).
+d = 100 took ~1.8x as long (measured 2026-11-27: 8.5-9.8 ms against 4.5-6.0), and with the services' one BLAS
+thread (serve.one_blas_thread; OPENBLAS_NUM_THREADS and the like, if set, are respected by both).
 Both with the check-in (privacy.pvec.check_in, the default for calibrated PVEC: the users are invited twice, once to
 check in, then to send) and without (one invitation, the same exchange as the in-process round's single pass).
 Printed: median round times over R rounds after one warm-up round, the end-to-end round's ratio to each of the two
@@ -69,7 +70,7 @@ from shuffledp.models import Model, make_model
 from shuffledp.optimizers.pgd import pgd
 from shuffledp.rng import make_rng
 from shuffledp.run import Cluster, drive_run, start_local_cluster
-from shuffledp.serve import return_large_blocks
+from shuffledp.serve import one_blas_thread, return_large_blocks
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -373,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     # the rounds in this process run with the services' allocator thresholds (each service sets them at start):
     # glibc's own cost the in-process round at d = 100 ~1.8x its time in page faults of fresh blocks
     print(f"allocator thresholds of the services in this process: {'set' if return_large_blocks() else 'not glibc'}")
+    print(f"BLAS threads in this process, as in every service: {one_blas_thread()}")
     started = time.monotonic()
     for dim in args.dim:
         bench_dim(dim, args)

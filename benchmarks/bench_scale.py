@@ -43,7 +43,7 @@ from shuffledp.config import parse_config  # noqa: E402
 from shuffledp.data import load_dataset  # noqa: E402
 from shuffledp.mechanisms.pvec import PvecParams  # noqa: E402
 from shuffledp.models import make_model  # noqa: E402
-from shuffledp.serve import return_large_blocks  # noqa: E402
+from shuffledp.serve import one_blas_thread, return_large_blocks  # noqa: E402
 
 DIM = 10
 
@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{max(args.users)} users need --nodes >= {need}: the shuffler admits at most 2^20 users per node")
     check_in = {"default": None, "on": True, "off": False}[args.check_in]
     return_large_blocks()  # the in-process round runs with the services' allocator thresholds (bench_round)
+    one_blas_thread()  # and their BLAS threads
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:

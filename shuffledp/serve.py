@@ -47,6 +47,29 @@ def return_large_blocks() -> bool:
         return False
 
 
+# Every BLAS library numpy and scipy load reads one of these at load; a service respects any the operator set.
+BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def one_blas_thread() -> int | None:
+    """Use one BLAS thread in this process unless the operator set a BLAS_THREAD_VARS; returns the BLAS pools' largest
+    thread count after it (None: no BLAS loaded). Why: several services share a machine, and OpenBLAS's threads
+    spin-wait between calls; with its default (one thread per core) a client node at d = 10^4 spent 143 ms of CPU
+    per round instead of 49, and the round took 151 ms instead of 58 (bench_round, 2 nodes on 2 cores, 2026-11-27).
+    A service parallelises across processes (nodes, users' rounds), not inside one matrix product."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    ours = not any(v in os.environ for v in BLAS_THREAD_VARS)
+    if ours:
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"  # for a BLAS loaded later (scipy's own OpenBLAS)
+    import numpy  # noqa: F401  (loads numpy's BLAS now, every service uses it: the count below includes it)
+
+    if ours:
+        threadpool_limits(limits=1, user_api="blas")  # a BLAS loaded before the variable was set
+    counts = [pool["num_threads"] for pool in threadpool_info() if pool.get("user_api") == "blas"]
+    return max(counts) if counts else None
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="run one service (analyzer, shuffler or client node)")
     parser.add_argument("service", choices=["analyzer", "shuffler", "client"])
@@ -225,6 +248,7 @@ def _registry(maker: str, target: object):
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return_large_blocks()
+    log.info("BLAS threads: %s", one_blas_thread())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

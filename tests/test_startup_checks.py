@@ -18,12 +18,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from _procs import serve, stop
+from _procs import log_text, serve, stop
 from shuffledp.clients.node import UserShard, start_node_with_shard
 from shuffledp.services.analyzer import start_analyzer
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp import grpc_options, health, pki
+from shuffledp.serve import BLAS_THREAD_VARS
 
 QUICK_S = 10.0  # a PKI mistake used to take ~34 s and end in "shuffler exited during start-up"
 
@@ -192,3 +193,18 @@ def test_a_client_node_without_its_certificate_says_which_and_how_many_exist(tmp
     with pytest.raises(FileNotFoundError, match=r"client-4/cert.pem not found: .* 2 client node\(s\), 5 or more"):
         pki.load_party(tmp_path / "pki", pki.ROLE_CLIENT_NODE, "client-4")
     pki.check_local_run(tmp_path / "pki", 2)  # a complete PKI passes
+
+
+@pytest.mark.parametrize("operator_set", [None, "2"])
+def test_a_service_uses_one_blas_thread_unless_its_operator_sets_one(operator_set, tmp_path, monkeypatch):
+    # OpenBLAS's default (a spin-waiting thread per core) in every service cost a client node at d = 10^4 ~3x the
+    # CPU of its round and the round ~2.6x its time (serve.one_blas_thread). The log states what threadpoolctl reads
+    # back from the loaded BLAS, not what was asked for.
+    for var in BLAS_THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if operator_set:
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", operator_set)
+    proc, _port = serve(tmp_path, "shuffler", ["shuffler", "--insecure", "--state-dir", str(tmp_path / "s")])
+    stop(proc)
+    lines = [line for line in log_text(tmp_path, "shuffler").splitlines() if "BLAS threads:" in line]
+    assert len(lines) == 1 and lines[0].endswith(f"BLAS threads: {operator_set or 1}"), lines
