@@ -949,7 +949,9 @@ def test_a_rounds_tables_hold_the_admitted_key_objects():
     assert {id(k) for k in rnd.invited} == admitted - {id(state._admitted["other\no1"])}
     state.submit(Submission("run", 0, "node", columns=UserColumns(users[:4], secrets.token_bytes(64), 16)))
     state.submit(Submission("run", 0, "node", columns=UserColumns(users[4:5], bytes(16), 16)))  # the slow path
-    assert len(rnd.checked_in) == 5 and {id(k) for k in rnd.checked_in} <= admitted
+    checked_in = [k for keys in rnd.checked_in.values() for k in keys]
+    assert list(rnd.checked_in) == ["node"] and rnd.n_checked_in == len(checked_in) == 5
+    assert {id(k) for k in checked_in} <= admitted
     assert {id(k) for k in rnd.answered} <= admitted
     t.join()
     assert out[0].checked_in == 5
@@ -1193,3 +1195,50 @@ def test_a_contribution_of_sums_is_split_at_group_boundaries():
     assert sum(state.submit(_submission(p, "node")).accepted for p in parts) == 50
     t.join()
     assert out[0].label_totals.tolist() == counts.sum(axis=0).tolist()
+
+
+def test_a_fully_interactive_runs_cohort_is_kept_between_rounds_and_rebuilt_when_its_users_change():
+    """The invitees of a fully interactive run (the same users every round) are listed, put in a set and grouped by
+    node once, not per round (a Python step per user each); the second invitation of a check-in round that every
+    invitee checked in to reuses them. A user who registers later is not invited (the run's population is fixed),
+    a user who falls silent is left out from then on: each rebuilds the cohort, as does the run's population once it
+    is fixed (after its first round)."""
+    from shuffledp.services.shuffler_state import Submission, UserColumns
+
+    users = [f"u{i}" for i in range(6)]
+    state, t, out, sub = _open_counts_round(users, 2, 2, check_in=True, deadline=5.0)
+    rnd = next(iter(state._open.values()))
+    first = rnd.invited
+    state.submit(Submission("run", 0, "node", columns=UserColumns(users, secrets.token_bytes(96), 16)))
+    assert sub.get(5.0).user_ids == users  # the second invitation: every invitee checked in
+    assert rnd.second_invitation and rnd.invited is first  # the same set, not a new one
+    state.submit(Submission("run", 0, "node", refusals=[(u, "policy") for u in users]))
+    t.join()
+    assert out[0].refused == 6
+
+    def round_(i: int, answer: list[str]) -> tuple[frozenset, list[str]]:
+        req = RoundRequest(
+            "run", i, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=2, g=1, m=2, min_contributors=1,
+            deadline_seconds=0.4, check_in_trials=2, check_in_fraction=1.0,
+        )  # fmt: skip
+        done: list = []
+        th = threading.Thread(target=lambda: done.append(state.execute_round(req)))
+        th.start()
+        invite = sub.get(5.0)
+        invited = next(iter(state._open.values())).invited
+        state.submit(
+            Submission("run", i, "node", columns=UserColumns(answer, secrets.token_bytes(16 * len(answer)), 16))
+        )
+        if len(answer) == len(users):
+            state.submit(Submission("run", i, "node", refusals=[(u, "policy") for u in sub.get(5.0).user_ids]))
+        th.join()
+        return invited, list(invite.user_ids)
+
+    fixed, listed = round_(1, users)  # built again once: the run's population is fixed from round 1 on
+    assert fixed == first and listed == users
+    again, listed = round_(2, users)
+    assert again is fixed and listed == users  # round 2: the cohort of round 1
+    state.register_users("node", ["u9"])  # joins after the run's first round: not in its population
+    rebuilt, listed = round_(3, users[:5])  # u5 checks in, then sends nothing: silent from round 4 on
+    assert rebuilt is not fixed and rebuilt == first and listed == users
+    assert round_(4, users[:5])[1] == users[:5]
