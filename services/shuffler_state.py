@@ -984,6 +984,8 @@ class ShufflerState:
             cohort = self._cohorts.get(req.run_id)
             if cohort is None or cohort.key != version:
                 invited = eligible if fixed is None else [u for u in eligible if u in fixed]
+                if len(invited) == len(eligible):
+                    invited = eligible  # the same users (the usual case): no second list of them
                 excluded = 0
                 if silent:
                     kept = [u for u in invited if u not in silent]
