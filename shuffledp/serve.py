@@ -248,7 +248,7 @@ def _registry(maker: str, target: object):
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return_large_blocks()
-    log.info("BLAS threads: %s", one_blas_thread())
+    blas_threads = one_blas_thread()  # before the service's own imports and data
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -277,6 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
         tmp.write_text(str(port))
         tmp.replace(args.port_file)  # atomic: readers never see a partial file
     log.info("%s serving on port %d", args.service, port)
+    log.info("BLAS threads: %s", blas_threads)  # logged once started: a refused start prints one line only
     stop.wait()
     log.info("%s stopping", args.service)
     if metrics_server is not None:
