@@ -521,7 +521,8 @@ class SqliteParticipationStore:
     ) -> None:
         with self._lock:
             sequential_users = list(sequential_users)
-            population = list(population)
+            # a frozenset is kept as it is (below): the shuffler then holds one set of a run's users, not two
+            population = population if isinstance(population, frozenset) else list(population)
             used = self._used_locked(run_id)
             try:
                 with transaction(self._db) as db:
@@ -991,7 +992,10 @@ class ShufflerState:
                 if silent:
                     kept = [u for u in invited if u not in silent]
                     invited, excluded = kept, len(invited) - len(kept)
-                cohort = _Cohort(version, invited, frozenset(invited), _by_node(invited), excluded)
+                # all of the run's population: the set the store keeps of it is this set (invited is a part of it)
+                whole = isinstance(fixed, frozenset) and len(invited) == len(fixed)
+                invited_set = fixed if whole else frozenset(invited)
+                cohort = _Cohort(version, invited, invited_set, _by_node(invited), excluded)
                 self._cohorts[req.run_id] = cohort
                 while len(self._cohorts) > COHORT_RUNS:
                     self._cohorts.popitem(last=False)
@@ -1011,9 +1015,10 @@ class ShufflerState:
                     + ("" if fixed is None else " of the run's population")
                 )
             not_in_run = len(eligible) - len(invited) - excluded
-            return _Selection(
-                invited, [], eligible if fixed is None else [], not_in_run, excluded_silent=excluded, cohort=cohort
-            )
+            # the first round fixes the population: as the cohort's set, which the store then keeps (frozenset of a
+            # frozenset is the same object), so the shuffler holds one set of the run's users, not two
+            population = [] if fixed is not None else cohort.invited_set if invited is eligible else eligible
+            return _Selection(invited, [], population, not_in_run, excluded_silent=excluded, cohort=cohort)
         if req.schedule == Schedule.SUBSAMPLED and len(eligible) < req.population:
             # the accountant's rate k/n (issue 24 item 3): drawing from fewer users would sample each at a higher
             # rate than the round is charged at; refused before anyone is invited

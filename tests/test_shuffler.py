@@ -32,6 +32,7 @@ from shuffledp.services.shuffler_state import (
     SqliteParticipationStore,
     Transport,
     TreeLimits,
+    user_key,
 )
 
 from shuffledp.mechanisms import pvec
@@ -1229,16 +1230,31 @@ def test_a_fully_interactive_runs_cohort_is_kept_between_rounds_and_rebuilt_when
         state.submit(
             Submission("run", i, "node", columns=UserColumns(answer, secrets.token_bytes(16 * len(answer)), 16))
         )
+        second = sub.get(5.0)  # at once when every invitee checked in, else when half the window has passed
         if len(answer) == len(users):
-            state.submit(Submission("run", i, "node", refusals=[(u, "policy") for u in sub.get(5.0).user_ids]))
+            state.submit(Submission("run", i, "node", refusals=[(u, "policy") for u in second.user_ids]))
         th.join()
+        assert sub.get(0.0) is None  # nothing left over for the next round
         return invited, list(invite.user_ids)
 
-    fixed, listed = round_(1, users)  # built again once: the run's population is fixed from round 1 on
-    assert fixed == first and listed == users
+    # the store keeps the run's population as the very set of round 0 (one set of the run's users, not two)
+    assert state._store.run_population("run") is first
+    fixed, listed = round_(1, users)  # the cohort is built again once (the population is fixed), around that set
+    assert fixed is first and listed == users
     again, listed = round_(2, users)
-    assert again is fixed and listed == users  # round 2: the cohort of round 1
+    assert again is first and listed == users  # round 2: the cohort of round 1
     state.register_users("node", ["u9"])  # joins after the run's first round: not in its population
-    rebuilt, listed = round_(3, users[:5])  # u5 checks in, then sends nothing: silent from round 4 on
-    assert rebuilt is not fixed and rebuilt == first and listed == users
-    assert round_(4, users[:5])[1] == users[:5]
+    rebuilt, listed = round_(3, users[:5])  # u0..u4 check in, then send nothing: silent from round 4 on
+    assert rebuilt is first and listed == users  # still all of the population: its set
+    left, listed = round_(4, users[5:])
+    assert listed == ["u5"] and left == {"node\nu5"}  # a set of its own: not all of the population
+
+
+def test_the_durable_store_keeps_the_population_it_was_given_as_its_set(tmp_path):
+    # what lets the shuffler hold one set of a fully interactive run's users (ShufflerState._select): the store
+    # keeps the first round's frozenset itself, not a copy, and gives it back until the population changes
+    store = SqliteParticipationStore(tmp_path / "p.sqlite")
+    users = frozenset(user_key("node", f"u{i}") for i in range(5))
+    store.record_round("r", 0, int(Schedule.FULLY_INTERACTIVE), [], users)
+    assert store.run_population("r") is users
+    store.close()
