@@ -607,10 +607,9 @@ class _OpenRound:
     excluded_silent: int = 0
     checking_in: bool = False  # check-in rounds: the first invitation's answers are being collected
     second_invitation: bool = False  # check-in rounds: the checked-in users were invited to report
-    # check-in rounds: per node, its users' keys that checked in, in the order they did; and how many in all
+    # check-in rounds: per node, its users' keys that checked in, in the order they did
     checked_in: dict[str, list[str]] = field(default_factory=dict)
-    n_checked_in: int = 0
-    by_node: dict[str, list[str]] | None = None  # the first invitation's users per node (_invite)
+    by_node: dict[str, list[str]] = field(default_factory=dict)  # the first invitation's users per node
     answered: set[str] = field(default_factory=set)  # user keys (user_key)
     nonces: NonceSet = field(default_factory=lambda: NonceSet())  # replay protection; dropped with the round (5.3)
     totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
@@ -621,6 +620,10 @@ class _OpenRound:
     rejected: Counter = field(default_factory=Counter)
     closed: bool = False
     is_active: Callable[[], bool] = lambda: True  # whether the analyzer still waits for the round (execute_round)
+
+    @property
+    def n_checked_in(self) -> int:
+        return sum(map(len, self.checked_in.values()))
 
 
 FRESH_MASK_RUNS = 8  # runs whose mask of fresh users ShufflerState keeps (one byte per eligible user each)
@@ -1116,7 +1119,8 @@ class ShufflerState:
             rnd.checking_in = req.check_in_trials > 0
             rnd.is_active = is_active
             self._open[key] = rnd
-            self._invite(rnd, req.relay, sel.cohort.by_node if sel.cohort is not None else _by_node(invited))
+            rnd.by_node = sel.cohort.by_node if sel.cohort is not None else _by_node(invited)
+            self._invite(rnd, req.relay, rnd.by_node)
             t1 = self._clock()
             try:
                 # check-in: the first half of the window for the check-ins, the rest for the messages. The last
@@ -1153,8 +1157,6 @@ class ShufflerState:
         if rnd.req.schedule == Schedule.SUBSAMPLED:  # the eligible users are those of the live nodes
             by_node.update((node, []) for node in self._subs if self._node_users.get(node))
         by_node.update(invited)
-        if rnd.by_node is None:
-            rnd.by_node = invited
         for node, keys in by_node.items():
             users = NodeUserIds(node, keys)  # the node's own ids of the users
             sub = self._subs.get(node)
@@ -1187,7 +1189,7 @@ class ShufflerState:
         per_user, ct_len, bound = self._validate(second)  # cannot fail: m <= req.m (see _validate)
         rnd.req, rnd.bound, rnd.expected_messages, rnd.expected_ct_len = second, bound, per_user, ct_len
         rnd.wire_dtype = count_wire_dtype(bound) if req.transport == Transport.COUNTS else None
-        if c == len(rnd.invited) and rnd.by_node is not None:
+        if c == len(rnd.invited):
             # every invitee checked in (each at most once, each an invitee): the same users, per node too. A node
             # lists them in its invitation's order, so its rows of the check-in line up with the same list
             invited = rnd.by_node
@@ -1277,7 +1279,6 @@ class ShufflerState:
                 rnd.answered.add(ukey)  # a valid answer, or a payload the range check may still reject
                 if checked is _CHECK_IN:
                     rnd.checked_in.setdefault(sub.node_id, []).append(ukey)
-                    rnd.n_checked_in += 1
                     accepted += 1
                 elif checked is not None:
                     rows.append(checked)
@@ -1392,7 +1393,6 @@ class ShufflerState:
                 self._reject(rnd, Reason.WRONG_PAYLOAD, rejected, len(good))
                 return 0, []
             rnd.checked_in.setdefault(node_id, []).extend(keys[i] for i in good)
-            rnd.n_checked_in += len(good)
             return len(good), []
         # exactly one COUNTS form: both set would leave open which one is the users' answer
         if rnd.req.transport != Transport.COUNTS or bool(cols.counts) == bool(cols.sums):
