@@ -217,7 +217,8 @@ def _submission(c: pb.Contribution, node_id: str) -> Submission:
     cols = None
     if c.HasField("columns"):
         k = c.columns
-        cols = UserColumns(list(k.user_ids), k.nonces, k.nonce_bytes, k.counts, k.sums, k.sum_users)
+        # the ids as the message holds them (a str is made per id when read, not a list of them all)
+        cols = UserColumns(k.user_ids, k.nonces, k.nonce_bytes, k.counts, k.sums, k.sum_users)
     return Submission(
         run_id=c.run_id,
         round=c.round,

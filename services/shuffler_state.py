@@ -152,6 +152,12 @@ def user_key(node_id: str, user_id: str) -> str:
     return f"{node_id}\n{user_id}"
 
 
+def user_keys(node_id: str, user_ids: Iterable[str]) -> Iterable[str]:
+    """user_key of each id, lazily and without a Python step per id (a key can be dropped as soon as it was looked
+    up: a batch of 10^6 ids need not hold 10^6 new strings at once)."""
+    return map(user_key(node_id, "").__add__, user_ids)
+
+
 def split_user_key(key: str) -> tuple[str, str]:
     """(node_id, user_id) of a user_key."""
     node_id, user_id = key.split("\n", 1)
@@ -1358,24 +1364,29 @@ class ShufflerState:
         a Python step per user (issue 15: the per-message checks were the shuffler's hot loop). Caller holds the
         lock."""
         n, width = len(cols.user_ids), int(cols.nonce_bytes)
-        keys = [user_key(node_id, u) for u in cols.user_ids]
-        keys = list(map(self._admitted.get, keys, keys))  # the admitted key objects (unknown ones stay as they are)
+        # the admitted key objects, None for an id never admitted; no set of the batch's keys is built (issue 30
+        # item 3: at 10^6 users per node the batch's own key strings and their set were ~100 MiB of the peak)
+        keys = list(map(self._admitted.get, user_keys(node_id, cols.user_ids)))
         if not NONCE_MIN_BYTES <= width <= NONCE_MAX_BYTES or len(cols.nonces) != n * width:
             self._reject(rnd, Reason.BAD_NONCE, rejected, n)  # every nonce has a bad length, or none is defined
             return 0, []
-        fresh = set(keys)
-        # invitees are admitted users (nothing is ever un-admitted): being invited implies being admitted
-        honest = (
-            len(fresh) == n
-            and fresh <= rnd.invited
-            and rnd.answered.isdisjoint(fresh)
-            and rnd.nonces.add_batch(cols.nonces, width, n)  # last: adds them when they are new and distinct
-        )
-        # each answer is used up once its sender checks pass, whether or not its payload passes below
+        answered = rnd.answered
+        # invitees are admitted users (nothing is ever un-admitted): being invited implies being admitted (None is
+        # not invited)
+        honest = rnd.invited.issuperset(keys) and (not answered or answered.isdisjoint(keys))
         if honest:
-            rnd.answered.update(fresh)
+            # each answer is used up once its sender checks pass, whether or not its payload passes below
+            before = len(answered)
+            answered.update(keys)
+            # n new answers iff the n users are distinct (none had answered); the nonces last: add_batch adds them
+            # only when they are new and distinct
+            honest = len(answered) - before == n and rnd.nonces.add_batch(cols.nonces, width, n)
+            if not honest:
+                answered.difference_update(keys)  # exactly the keys just added: none had answered before
+        if honest:
             good: list[int] | range = range(n)
         else:  # somebody fails: the per-user checks in order give each message its reason
+            keys = [k if k is not None else user_key(node_id, u) for k, u in zip(keys, cols.user_ids, strict=True)]
             nonces = [cols.nonces[i : i + width] for i in range(0, n * width, width)]
             good = []
             for i, (ukey, nonce) in enumerate(zip(keys, nonces, strict=True)):
@@ -1392,7 +1403,7 @@ class ShufflerState:
             if cols.counts or cols.sums:
                 self._reject(rnd, Reason.WRONG_PAYLOAD, rejected, len(good))
                 return 0, []
-            rnd.checked_in.setdefault(node_id, []).extend(keys[i] for i in good)
+            rnd.checked_in.setdefault(node_id, []).extend(keys if isinstance(good, range) else (keys[i] for i in good))
             return len(good), []
         # exactly one COUNTS form: both set would leave open which one is the users' answer
         if rnd.req.transport != Transport.COUNTS or bool(cols.counts) == bool(cols.sums):

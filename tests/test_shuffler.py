@@ -801,6 +801,49 @@ def test_user_columns_are_checked_exactly_as_one_message_per_user(seed):
         assert results[0][:3] == (40, {}, 40) and results[0][3] == counts.sum(axis=0).tolist()
 
 
+def test_a_batch_failing_its_checks_as_a_whole_leaves_the_earlier_answers_as_they_were():
+    """The columns' fast path marks a batch's users answered before its nonces are checked, and takes them back if
+    the batch fails (issue 30): what it takes back must be exactly that batch's users. Several batches in a row, each
+    compared with the same users' one-message-per-user submissions."""
+    from shuffledp.services.shuffler_state import Submission, UserColumns, UserMessage
+
+    users = list("abcdefg")
+    nonce = {u: bytes([i + 1]) * 16 for i, u in enumerate(users)}
+    batches = [
+        [("a", nonce["a"]), ("b", nonce["b"])],  # honest
+        [("c", nonce["c"]), ("d", nonce["d"]), ("e", nonce["a"])],  # e replays a's nonce: c, d still count
+        [("e", nonce["e"])],  # e's answer was not used up by its replayed nonce
+        [("a", bytes([99]) * 16)],  # a answered in the first batch: still answered after the second's failure
+        [("f", nonce["f"]), ("f", bytes([98]) * 16)],  # f twice in one batch: the second is a duplicate
+        [("g", nonce["g"]), ("zz", bytes([97]) * 16)],  # an unknown user beside an honest one
+    ]
+    row = np.array([1, 0], dtype=np.uint8)
+    outcomes = []
+    for as_columns in (True, False):
+        state, t, out, _ = _open_counts_round(users, 2, 1, deadline=2.0)
+        acks = []
+        for batch in batches:
+            if as_columns:
+                ids, nonces = [u for u, _ in batch], b"".join(n for _, n in batch)
+                sub = Submission("run", 0, "node", columns=UserColumns(ids, nonces, 16, row.tobytes() * len(batch)))
+            else:
+                sub = Submission("run", 0, "node", [UserMessage(u, n, counts_packed=row.tobytes()) for u, n in batch])
+            ack = state.submit(sub)
+            acks.append((ack.accepted, ack.rejected))
+        t.join()
+        outcomes.append((acks, out[0].contributors, out[0].label_totals.tolist()))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == [
+        (2, {}),
+        (2, {"replayed_nonce": 1}),
+        (1, {}),
+        (0, {"duplicate_user": 1}),
+        (1, {"duplicate_user": 1}),
+        (1, {"unknown_user": 1}),
+    ]
+    assert outcomes[0][1:] == (7, [7, 0])
+
+
 @pytest.mark.parametrize(
     "case, reason",
     [("short_counts", "wrong_count_length"), ("no_counts", "wrong_payload"), ("nonce_width", "bad_nonce")],
