@@ -20,6 +20,7 @@ Layering: NodeCore is the transport-independent logic (spec -> Contribution); No
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -219,7 +220,8 @@ class NodeCore:
         spec = inv.spec
         out = pb.Contribution(run_id=spec.run_id, round=spec.round, node_id=self.node_id)
         # the invited users hosted here, as indices (no string kept per invited user: memory per hosted user)
-        idx = np.fromiter((self._index.get(u, -1) for u in inv.user_ids), dtype=np.int64, count=len(inv.user_ids))
+        ids = inv.user_ids  # looked up in C (map), not by a Python step per invited user
+        idx = np.fromiter(map(self._index.get, ids, itertools.repeat(-1)), dtype=np.int64, count=len(ids))
         idx = idx[idx >= 0]
         if idx.size and np.bincount(idx).max() > 1:
             # a user named twice would send two messages for one charge: each user answers once (the first)
@@ -278,7 +280,7 @@ class NodeCore:
 
     def _names(self, idx: np.ndarray) -> list[str]:
         """The node's own ids of the users at node indices idx."""
-        return [self.shard.user_ids[i] for i in idx.tolist()]
+        return list(map(self.shard.user_ids.__getitem__, idx.tolist()))
 
     def _refuse(self, idx: np.ndarray, reasons: np.ndarray, join: np.ndarray, out: pb.Contribution) -> None:
         for i in np.flatnonzero(~join).tolist():  # only the refused: no per-user work when everyone joins

@@ -15,6 +15,7 @@ injected clock, participation records from an injected store (in-memory or SQLit
 from __future__ import annotations
 
 import math
+import operator
 import queue
 import sqlite3
 import threading
@@ -298,8 +299,7 @@ class NodeUserIds(Sequence[str]):
         return self._keys[i][self._skip :]
 
     def __iter__(self):
-        skip = self._skip
-        return (k[skip:] for k in self._keys)
+        return map(operator.itemgetter(slice(self._skip, None)), self._keys)  # k[skip:] of each, in C
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Sequence) and not isinstance(other, str | bytes):

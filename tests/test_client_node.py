@@ -306,11 +306,12 @@ def test_check_in_invitation_is_answered_without_payload_and_charges_nothing():
 @pytest.mark.parametrize("check_in", [False, True])
 def test_a_user_named_twice_in_an_invitation_sends_one_message_for_its_one_charge(check_in):
     """A shuffler that names a user twice in one invitation (or in a check-in) gets one message from that user, not
-    two independent randomizations of one gradient for one charge (the node charges a round once per user)."""
+    two independent randomizations of one gradient for one charge (the node charges a round once per user); ids
+    this node does not host (another node's, or none) are not answered."""
     shard = make_shard(n=6)
     core = NodeCore("node", shard, NO_VERIFY, rng=make_rng(5))
     spec = make_spec(round_=2, min_contributors=1)
-    twice = ["u1", "u1", "u2", "u3", "u2", "u1"]
+    twice = ["u1", "u9", "u1", "u2", "", "u3", "u2", "u1", "node\nu0"]
     if check_in:
         spec.check_in.noise_trials, spec.check_in.report_fraction = 40, 0.99
         con = core.handle(pb.Invitation(spec=spec, user_ids=twice))
