@@ -130,8 +130,10 @@ class NodeCore:
         eps, delta, history, runs = self._spend.load_all(shard.user_ids)  # one read of the store's log
         policies = policy if policy is not None else UserPolicy()
         self.policy = PolicyTable(policies, len(shard.user_ids), spent=(eps, delta), history=history, **kw)
-        for run, (counts, paid_eps, paid_delta) in runs.items():
-            self.policy.runs[run] = RunTable(counts, paid_eps, paid_delta)
+        for run, (counts, paid_eps, paid_delta, last_round) in runs.items():
+            # a round at or before the last one charged is not counted eligible again (as before the restart)
+            counted = int(last_round.max()) if last_round.size else -1
+            self.policy.runs[run] = RunTable(counts, paid_eps, paid_delta, last_round=last_round, counted_round=counted)
         self._rng = rng if rng is not None else make_rng()
         self._lock = threading.Lock()
         self.rounds_joined = 0
@@ -313,7 +315,8 @@ class NodeCore:
         if charge.users.size:
             charged = self._names(charge.users)
             # if the store fails, the exception leaves handle() and nothing of the round is sent
-            self._spend.record(charged, charge.eps, charge.delta, [None] * len(charged), charge.run, charge.steps)
+            n = len(charged)
+            self._spend.record(charged, charge.eps, charge.delta, [None] * n, charge.run, charge.steps, charge.round)
             self.spend_records += len(charged)
         self.policy.apply_run(charge)
         if np.any(join):

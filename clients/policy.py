@@ -84,6 +84,9 @@ class Refusal:
     # the round's model (RoundSpec.model_name / model_digest) is not the one installed on the node: its definition or
     # parameter layout differs, so the node would compute gradients of another function (issue 26 item 3)
     MODEL_DIFFERS = "model_digest_differs"
+    # a round of a run the user was charged in already (a repeated invitation): a run's rounds compose per round, so
+    # a second answer would release the user's data once more than its counts show
+    ROUND_ANSWERED = "round_already_answered"
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,8 @@ class RunTable:
     paid_eps: np.ndarray
     paid_delta: np.ndarray
     withdrawn: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    # per user, the last round of the run it was charged in (joined, or counted eligible), -1 for none
+    last_round: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     counted_round: int = -1  # the last round whose eligibility was counted (each round once)
     parameters: tuple | None = None  # the run's public parameters, fixed by the first round this process saw
 
@@ -392,6 +397,8 @@ class PolicyTable:
             table = self.runs[run] = RunTable({}, np.zeros(n), np.zeros(n))
         if table.withdrawn.size != self.verify.size:
             table.withdrawn = np.zeros(self.verify.size, dtype=bool)
+        if table.last_round.size != self.verify.size:
+            table.last_round = np.full(self.verify.size, -1, dtype=np.int64)
         return table
 
     def decide_in_run(
@@ -442,6 +449,11 @@ class PolicyTable:
             if table.withdrawn[u]:
                 reasons[u] = Refusal.TOTAL_EPS  # withdrew when one more round could not fit
                 continue
+            if u in invited and table.last_round[u] >= int(spec.round):
+                # one answer per user and round, whatever the shuffler sends (its eligibility, if counted, was
+                # counted then too: counted_round >= last_round)
+                reasons[u] = Refusal.ROUND_ANSWERED
+                continue
             c = table.counts.get(u, Counter())
             full = c + Counter([account.join] + ([account.eligible] if counting else []))
             why = "" if account.allows(tuple(sorted(full.items()))) else Refusal.PARTICIPATION
@@ -484,6 +496,7 @@ class PolicyTable:
             if e > 0.0 or d > 0.0:
                 self.history[u] = None
         ix = charge.users
+        table.last_round[ix] = np.maximum(table.last_round[ix], charge.round)
         table.paid_eps[ix] = sum_up(table.paid_eps[ix], charge.eps)
         table.paid_delta[ix] = sum_up(table.paid_delta[ix], charge.delta)
         self.eps_spent[ix] = sum_up(self.eps_spent[ix], charge.eps)

@@ -22,7 +22,9 @@ history, absolute per-user values) the totals the log starts from.
 Rounds of a protocol whose cost composes per run (protocols.base.UserAccount: sampled central DP-SGD, DP-FTRL) log
 the run and what the round added to each user's counts in it ("eligible", "joined", a tree's leaf); replaying them
 gives each user's counts per run and what it has paid for the run, from which the node charges the next round
-(clients/policy.py, issue 24 items 1-2).
+(clients/policy.py, issue 24 items 1-2). Such a row also logs its round: a user answers a round of a run once, and a
+shuffler that repeats an invitation after the node restarted must find it refused as before (a run's rounds compose
+per round: a second answer to one round would be a second release of the user's data that its counts do not show).
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ from shuffledp.durable import open_durable, transaction
 
 __all__ = ["SpendStore", "MemorySpendStore", "SqliteSpendStore", "History"]
 
-# (user ids, eps each, delta each, noise key or None, run or None, what the round added to the users' run counts)
-Charge = tuple[list[str], float, float, tuple | None, str | None, str | None]
-RunCounts = dict[str, tuple[dict[int, Counter], np.ndarray, np.ndarray]]  # run -> (counts by user, paid eps, delta)
+# (user ids, eps each, delta each, noise key or None, run or None, what the round added to the users' run counts,
+# the run's round or None)
+Charge = tuple[list[str], float, float, tuple | None, str | None, str | None, int | None]
+# run -> (counts by user, paid eps, paid delta, the last round of the run each user was charged in: -1 for none)
+RunCounts = dict[str, tuple[dict[int, Counter], np.ndarray, np.ndarray, np.ndarray]]
 
 
 class SpendStore(Protocol):
@@ -68,10 +72,11 @@ class SpendStore(Protocol):
         keys: Sequence[tuple | None],
         run: str | None = None,
         steps: Sequence[str] | None = None,
+        run_round: int | None = None,
     ) -> None:
         """Add one round's charge: eps[i] and delta (or delta[i]) to user_ids[i]'s totals, one round of keys[i]
-        (None: not RDP-accountable) to its history, and, for a run's charge, steps[i] (comma-separated count names)
-        to its counts in `run`; durable when it returns."""
+        (None: not RDP-accountable) to its history, and, for a run's charge of its round run_round, steps[i]
+        (comma-separated count names) to its counts in `run`; durable when it returns."""
         ...
 
 
@@ -82,6 +87,7 @@ def charges(
     keys: Sequence[tuple | None],
     run: str | None = None,
     steps: Sequence[str] | None = None,
+    run_round: int | None = None,
 ) -> list[Charge]:
     """One round's charge as log entries: the users grouped by (eps, delta, key, step), in first-appearance order."""
     n = len(user_ids)
@@ -89,12 +95,12 @@ def charges(
     steps = steps or [None] * n
     if n and all(x.min() == x.max() for x in (eps_, delta_)) and all(s.count(s[0]) == n for s in (keys, steps)):
         # one group, as a fully interactive round's charge is: no step per user
-        return [(list(user_ids), float(eps_.flat[0]), float(delta_.flat[0]), keys[0], run, steps[0])]
+        return [(list(user_ids), float(eps_.flat[0]), float(delta_.flat[0]), keys[0], run, steps[0], run_round)]
     deltas = np.broadcast_to(delta_, (n,)).tolist()
     groups: dict[tuple, list[str]] = {}
     for u, e, d, k, st in zip(user_ids, np.broadcast_to(eps_, (n,)).tolist(), deltas, keys, steps, strict=True):
         groups.setdefault((e, d, k, st), []).append(u)
-    return [(users, e, d, k, run, st) for (e, d, k, st), users in groups.items()]
+    return [(users, e, d, k, run, st, run_round) for (e, d, k, st), users in groups.items()]
 
 
 def replay(
@@ -114,7 +120,7 @@ def replay(
             eps[i], delta[i], history[i] = e, d, h
     runs: RunCounts = {}
     last: tuple[list[str], np.ndarray] | None = None  # rows naming the same set share its id list: mapped once
-    for users, e, d, key, run, step in log:
+    for users, e, d, key, run, step, run_round in log:
         if last is not None and last[0] is users:
             ix = last[1]
         else:
@@ -124,10 +130,13 @@ def replay(
         delta[ix] = sum_up(delta[ix], d)
         if run is not None:
             if run not in runs:
-                runs[run] = ({}, np.zeros(len(user_ids)), np.zeros(len(user_ids)))
-            counts, paid_eps, paid_delta = runs[run]
+                n = len(user_ids)
+                runs[run] = ({}, np.zeros(n), np.zeros(n), np.full(n, -1, dtype=np.int64))
+            counts, paid_eps, paid_delta, last_round = runs[run]
             paid_eps[ix] = sum_up(paid_eps[ix], e)
             paid_delta[ix] = sum_up(paid_delta[ix], d)
+            if run_round is not None:  # None: a row of an earlier version, which did not log its round
+                last_round[ix] = np.maximum(last_round[ix], run_round)
             for i in ix.tolist():
                 counts.setdefault(i, Counter()).update(step.split(",") if step else ())
             if e == 0.0 and d == 0.0:
@@ -160,8 +169,9 @@ class MemorySpendStore:
         keys: Sequence[tuple | None],
         run: str | None = None,
         steps: Sequence[str] | None = None,
+        run_round: int | None = None,
     ) -> None:
-        self._log.extend(charges(user_ids, eps, delta, keys, run, steps))
+        self._log.extend(charges(user_ids, eps, delta, keys, run, steps, run_round))
 
 
 # user sets a load keeps decoded at once (a fully interactive run names one; a sequential run one per round, once each)
@@ -169,8 +179,8 @@ SETS_DECODED = 4
 
 
 class SqliteSpendStore:
-    """Table charges(seq, users, eps, delta, noise_key, run, step, users_set): the log, its users in user_sets (an
-    earlier version's rows hold them in users); spend / history: an older version's totals."""
+    """Table charges(seq, users, eps, delta, noise_key, run, step, users_set, run_round): the log, its users in
+    user_sets (an earlier version's rows hold them in users); spend / history: an older version's totals."""
 
     def __init__(self, path: str | Path) -> None:
         self._db = open_durable(path)  # a charge must survive a crash before the message leaves
@@ -178,10 +188,12 @@ class SqliteSpendStore:
         with self._lock:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS charges (seq INTEGER PRIMARY KEY AUTOINCREMENT, users BLOB NOT NULL, "
-                "eps REAL NOT NULL, delta REAL NOT NULL, noise_key TEXT, run TEXT, step TEXT, users_set INTEGER)"
+                "eps REAL NOT NULL, delta REAL NOT NULL, noise_key TEXT, run TEXT, step TEXT, users_set INTEGER, "
+                "run_round INTEGER)"
             )
             columns = {row[1] for row in self._db.execute("PRAGMA table_info(charges)")}
-            for col, kind in (("run", "TEXT"), ("step", "TEXT"), ("users_set", "INTEGER")):  # older stores
+            older = (("run", "TEXT"), ("step", "TEXT"), ("users_set", "INTEGER"), ("run_round", "INTEGER"))
+            for col, kind in older:  # older stores
                 if col not in columns:
                     self._db.execute(f"ALTER TABLE charges ADD COLUMN {col} {kind}")
             self._db.execute(
@@ -209,8 +221,10 @@ class SqliteSpendStore:
         """The log in order, row by row (caller holds the lock until it is consumed); the rows of one set yield one
         list of its ids while it stays among the last SETS_DECODED sets decoded."""
         decoded: OrderedDict[int, list[str]] = OrderedDict()
-        rows = self._db.execute("SELECT users, users_set, eps, delta, noise_key, run, step FROM charges ORDER BY seq")
-        for blob, set_id, e, d, k, run, step in rows:
+        rows = self._db.execute(
+            "SELECT users, users_set, eps, delta, noise_key, run, step, run_round FROM charges ORDER BY seq"
+        )
+        for blob, set_id, e, d, k, run, step, run_round in rows:
             if set_id is None:  # a row of an earlier version: its own ids
                 users = blob.decode().split("\n")
             elif (users := decoded.get(set_id)) is None:
@@ -220,7 +234,7 @@ class SqliteSpendStore:
                     decoded.popitem(last=False)
             else:
                 decoded.move_to_end(set_id)
-            yield users, e, d, None if k is None else tuple(json.loads(k)), run, step
+            yield users, e, d, None if k is None else tuple(json.loads(k)), run, step, run_round
 
     def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories]:
         return self.load_all(user_ids)[:3]
@@ -240,11 +254,12 @@ class SqliteSpendStore:
         keys: Sequence[tuple | None],
         run: str | None = None,
         steps: Sequence[str] | None = None,
+        run_round: int | None = None,
     ) -> None:
         # ids hold no newline (the shuffler's user_key relies on that too): "\n" separates them
         rows = [
-            ("\n".join(users).encode(), e, d, None if k is None else json.dumps(list(k)), r, st)
-            for users, e, d, k, r, st in charges(user_ids, eps, delta, keys, run, steps)
+            ("\n".join(users).encode(), e, d, None if k is None else json.dumps(list(k)), r, st, rr)
+            for users, e, d, k, r, st, rr in charges(user_ids, eps, delta, keys, run, steps, run_round)
         ]
         with self._lock:
             added: dict[bytes, int] = {}
@@ -257,8 +272,8 @@ class SqliteSpendStore:
                             "INSERT INTO user_sets (digest, users) VALUES (?, ?)", (digest, blob)
                         ).lastrowid
                     db.execute(
-                        "INSERT INTO charges (users, eps, delta, noise_key, run, step, users_set) "
-                        "VALUES (x'', ?, ?, ?, ?, ?, ?)",
+                        "INSERT INTO charges (users, eps, delta, noise_key, run, step, run_round, users_set) "
+                        "VALUES (x'', ?, ?, ?, ?, ?, ?, ?)",
                         (*rest, set_id),
                     )
             self._sets.update(added)  # only once committed: a rolled-back set is written again next time

@@ -343,8 +343,8 @@ def test_a_rounds_charge_is_grouped_by_eps_delta_key_and_step_in_first_appearanc
         deltas = np.broadcast_to(delta, (50,))
         for i, u in enumerate(ids):
             want.setdefault((float(eps[i]), float(deltas[i]), keys[i], steps[i] if steps else None), []).append(u)
-        got = charges(ids, eps, delta, keys, "run", steps)
-        assert got == [(users, e, d, k, "run", st) for (e, d, k, st), users in want.items()]
+        got = charges(ids, eps, delta, keys, "run", steps, case)
+        assert got == [(users, e, d, k, "run", st, case) for (e, d, k, st), users in want.items()]
         assert (len(got) == 1) == (not mixed)
 
 

@@ -288,3 +288,72 @@ def test_a_node_refuses_a_run_whose_public_parameters_change():
     assert core.spent("u0") == spent and core.policy.runs["r"].counts[1]["eligible"] == 1  # round 1 not counted
     again = core.handle(pb.Invitation(spec=_gaussian_spec("r", 2, 100), user_ids=["u1"], eligible=100))
     assert len(again.messages) == 1  # the run's own parameters are still accepted
+
+
+def _in_run_spec(protocol: str, r: int) -> tuple[pb.RoundSpec, int]:
+    """A round r of a run whose cost composes per run (design 6): (spec, features of its leastsq/logreg model)."""
+    from types import SimpleNamespace
+
+    from shuffledp import sealing
+
+    if protocol == "gaussian":
+        return _gaussian_spec("run", r, 100), 3
+    if protocol == "mf":
+        from test_mf_round import _plan
+
+        from shuffledp.protocols.mf_round import MfRound
+
+        plan = _plan(max_participations=3, min_separation=2, bands=3)
+        fields = MfRound().spec_fields(plan, plan["params"], None, sealing.generate_keypair()[1])
+        spec = pb.RoundSpec(run_id="run", round=r, schedule=pb.SUBSAMPLED, task="leastsq", **fields)
+        d = int(plan["params"]["d"])
+    else:
+        from shuffledp.protocols.base import PlanRequest
+        from shuffledp.protocols.tree_round import TreeRound, TreeSettings
+
+        settings = TreeSettings(max_participations=2, min_separation=1)
+        req = PlanRequest(
+            "subsampled", 1.0, 1e-5, 16, 4, 4, 4, 1.0, "sealed", admitted=64, rounds_requested=16, settings=settings
+        )
+        p = TreeRound().plan(req).params
+        event = SimpleNamespace(params={**p, "round": r})
+        fields = TreeRound().spec_fields({}, p, event, sealing.generate_keypair()[1])
+        spec = pb.RoundSpec(run_id="run", round=r, schedule=pb.SUBSAMPLED, task="leastsq", **fields)
+        d = int(p["d"])
+    spec.model.shape.append(d)
+    spec.model.f64 = np.zeros(d).tobytes()
+    return spec, d - 1
+
+
+@pytest.mark.parametrize("protocol", ["gaussian", "mf", "tree"])
+def test_a_repeated_invitation_to_a_round_of_a_run_is_refused_also_after_a_restart(tmp_path, protocol):
+    """A shuffler that sends one round's invitation twice must not get a second release of a user's data: these
+    runs compose per round (a tree's leaf, a matrix-factorization round, a sampled round), so a second answer would
+    cost nothing in the user's counts (found by probing: the node answered again and charged nothing). The node
+    refuses it from its own durable record, after a restart too, and later rounds of the run are answered."""
+    spec, features = _in_run_spec(protocol, 3)
+    shard = UserShard(["u0", "u1"], np.ones((2, 1, features)), np.zeros((2, 1), dtype=np.int64))
+    policy = UserPolicy(max_total_eps=1e9, max_total_delta=1.0)
+    store = SqliteSpendStore(tmp_path / "spend.sqlite")
+    core = NodeCore("node", shard, policy, spend_store=store)
+    inv = pb.Invitation(spec=spec, user_ids=["u0"], eligible=100)
+
+    def answered(c: pb.Contribution) -> list[str]:
+        return [m.user_id for m in c.messages] + list(c.columns.user_ids)
+
+    first = core.handle(inv)
+    spent = core.spent("u0")
+    assert answered(first) == ["u0"] and spent[0] > 0
+    again = core.handle(inv)
+    assert not answered(again) and [x.reason for x in again.refusals] == [Refusal.ROUND_ANSWERED]
+    assert core.spent("u0") == spent
+    store.close()
+    store = SqliteSpendStore(tmp_path / "spend.sqlite")
+    restarted = NodeCore("node", shard, policy, spend_store=store)
+    assert restarted.spent("u0") == spent
+    after = restarted.handle(inv)
+    assert not answered(after) and [x.reason for x in after.refusals] == [Refusal.ROUND_ANSWERED]
+    later, _ = _in_run_spec(protocol, 6)  # far enough for the tree's and the factorization's separation
+    assert answered(restarted.handle(pb.Invitation(spec=later, user_ids=["u0"], eligible=100))) == ["u0"]
+    assert restarted.spent("u0")[0] >= spent[0]
+    store.close()
