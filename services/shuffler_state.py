@@ -653,6 +653,10 @@ class NonceSet:
 
     def __init__(self) -> None:
         self._single: set[bytes] = set()
+        # width -> the first 8 bytes (little-endian) of the single nonces of that width: a batch is compared with
+        # them in time of its own size, not of theirs (a node that sent 10^5 single messages made every later batch
+        # of every node scan them all, under the state's lock)
+        self._single_prefixes: dict[int, set[int]] = {}
         # width -> runs of (first 8 bytes as sorted uint64, the rows in that order); a run is merged into the one
         # before it once that one is at most twice its size (O(log n) runs, each row copied O(log n) times)
         self._runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -679,6 +683,8 @@ class NonceSet:
 
     def add(self, nonce: bytes) -> None:
         self._single.add(nonce)
+        if len(nonce) >= 8:
+            self._single_prefixes.setdefault(len(nonce), set()).add(int.from_bytes(nonce[:8], "little"))
 
     def add_batch(self, blob: bytes, width: int, n: int) -> bool:
         """Add the n nonces of `width` bytes in `blob` and return True if no two of them, and none of them and a
@@ -693,9 +699,13 @@ class NonceSet:
             at = np.minimum(np.searchsorted(old, pre), old.size - 1)
             if bool((old[at] == pre).any()):
                 return False
-        if self._single:
-            seen = [x for x in self._single if len(x) == width]
-            if seen and bool(np.isin(self._prefixes(b"".join(seen), width, len(seen)), pre).any()):
+        seen = self._single_prefixes.get(width)
+        if seen:
+            if len(seen) <= n:  # O(n) either way: the smaller side is looked up in the larger
+                hit = bool(np.isin(np.fromiter(seen, dtype=np.uint64, count=len(seen)), pre).any())
+            else:
+                hit = not seen.isdisjoint(pre.tolist())
+            if hit:
                 return False
         runs = self._runs.setdefault(width, [])
         runs.append((pre, np.frombuffer(blob, dtype=f"V{width}")[order]))
@@ -1433,8 +1443,9 @@ class ShufflerState:
         ok[np.asarray(good, dtype=np.int64)] = 1
         good_in = np.add.reduceat(ok, starts)  # users of each group that passed the sender checks
         whole = good_in == sizes
-        if not np.all(whole):
-            self._reject(rnd, Reason.PARTIAL_SUM, rejected, int(good_in[~whole].sum()))
+        partial = int(good_in[~whole].sum())  # a group none of whose users passed has no one left to reject
+        if partial:
+            self._reject(rnd, Reason.PARTIAL_SUM, rejected, partial)
         sums, sizes = np.frombuffer(cols.sums, dtype="<u8").reshape(groups, d)[whole], sizes[whole]
         if not len(sums):
             return 0
