@@ -1083,8 +1083,13 @@ class ShufflerState:
 
     def _check_batch_size(self, req: RoundRequest, invited: int, per_user: int, ct_len: int) -> None:
         """A released SEALED / BITS batch holds up to invited * per_user ciphertexts: it must fit one gRPC message
-        the analyzer can receive (grpc_options.BATCH_MESSAGE_BYTES), or it could never be delivered."""
+        the analyzer can receive (grpc_options.BATCH_MESSAGE_BYTES), or it could never be delivered. COUNTS: the
+        invitees' totals must fit uint64 (_validate checked it for the users admitted then, outside the lock; users
+        admitted since could make a cohort larger). Caller holds the lock."""
         if req.transport == Transport.COUNTS:
+            bound = int(req.g) + int(req.m)
+            if invited * bound >= _U64:
+                raise ValueError(f"g+m = {bound} is too large: the totals of {invited} users would overflow uint64")
             return
         worst = invited * per_user * (ct_len + _PROTO_BYTES_OVERHEAD)
         if worst > self._max_batch_bytes:

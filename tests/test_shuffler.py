@@ -1328,3 +1328,31 @@ def test_the_durable_store_keeps_the_population_it_was_given_as_its_set(tmp_path
     store.record_round("r", 0, int(Schedule.FULLY_INTERACTIVE), [], users)
     assert store.run_population("r") is users
     store.close()
+
+
+def test_users_admitted_while_a_round_is_validated_cannot_overflow_its_totals(monkeypatch):
+    """Found by reading as a dishonest node: the uint64 bound on a COUNTS round's totals (cohort x (g + m)) was
+    checked against the users admitted when the request was validated, outside the lock; users registered before
+    the cohort was selected could make the totals wrap. It is checked again on the actual cohort, under the lock,
+    before anyone is recorded or invited."""
+    state = ShufflerState(rng=make_rng(8), poll_seconds=0.001)
+    state.register_users("node", ["a"])
+    sub = state.subscribe("node")
+    select = state._select
+
+    def late_registration(req):
+        state.register_users("node", ["b"])  # between the validation and the selection (the lock is re-entrant)
+        return select(req)
+
+    monkeypatch.setattr(state, "_select", late_registration)
+    g_plus_m = 2**63  # one user's totals fit uint64, two users' do not
+    req = RoundRequest(
+        "run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=1, g=1, m=g_plus_m - 1, deadline_seconds=0.5
+    )
+    with pytest.raises(ValueError, match="overflow uint64"):
+        state.execute_round(req)
+    assert sub.get(0.05) is None  # nobody was invited
+    monkeypatch.setattr(state, "_select", select)
+    state.register_users("node", ["c"])  # the refused round left no trace: a valid round 0 can run
+    ok = RoundRequest("run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=1, g=1, m=1, deadline_seconds=0.2)
+    assert state.execute_round(ok).invited == 3
