@@ -131,9 +131,9 @@ class NodeCore:
         policies = policy if policy is not None else UserPolicy()
         self.policy = PolicyTable(policies, len(shard.user_ids), spent=(eps, delta), history=history, **kw)
         for run, (counts, paid_eps, paid_delta, last_round) in runs.items():
-            # a round at or before the last one charged is not counted eligible again (as before the restart)
-            counted = int(last_round.max()) if last_round.size else -1
-            self.policy.runs[run] = RunTable(counts, paid_eps, paid_delta, last_round=last_round, counted_round=counted)
+            # counted_round starts over (-1): a round seen before the restart may be counted eligible again, never
+            # less (the run's last round charged may be another protocol's, under the same run id)
+            self.policy.runs[run] = RunTable(counts, paid_eps, paid_delta, last_round=last_round)
         self._rng = rng if rng is not None else make_rng()
         self._lock = threading.Lock()
         self.rounds_joined = 0

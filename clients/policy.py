@@ -58,6 +58,7 @@ __all__ = [
 
 TRUST_NAMES = {pb.SHUFFLE: "shuffle", pb.LOCAL: "local", pb.CENTRAL: "central"}
 TRANSPORT_NAMES = {pb.COUNTS: "counts", pb.BITS: "bits", pb.SEALED: "sealed"}
+MAX_RUN_ROUND = 2**63  # rounds of a per-run protocol the node answers lie below it (the spend log stores int64)
 
 
 class Refusal:
@@ -84,8 +85,9 @@ class Refusal:
     # the round's model (RoundSpec.model_name / model_digest) is not the one installed on the node: its definition or
     # parameter layout differs, so the node would compute gradients of another function (issue 26 item 3)
     MODEL_DIFFERS = "model_digest_differs"
-    # a round of a run the user was charged in already (a repeated invitation): a run's rounds compose per round, so
-    # a second answer would release the user's data once more than its counts show
+    # a round of a run the node has taken already (a repeated invitation, or one after that round's eligibility was
+    # counted): a run's rounds compose per round, so a second answer would release the user's data once more than
+    # its counts show, and a join whose round was not counted eligible would escape the amplified accountant's count
     ROUND_ANSWERED = "round_already_answered"
 
 
@@ -415,10 +417,12 @@ class PolicyTable:
         idx = np.asarray(idx, dtype=np.int64)
         table = self.run_table(account.run)
         parameters = (tuple(sorted(spec.randomizer.extra.items())), spec.sampling_rate, spec.population)
-        if table.parameters not in (None, parameters):
+        changed = table.parameters not in (None, parameters)
+        if changed or not 0 <= int(spec.round) < MAX_RUN_ROUND:
             nothing = np.array([], dtype=np.int64)
             empty = RunCharge(account.run, int(spec.round), False, table.parameters, nothing, [], *[nothing] * 3)
-            return np.full(idx.size, Refusal.RUN_CHANGED, dtype=object), empty
+            why = Refusal.RUN_CHANGED if changed else Refusal.INVALID_SPEC  # the spend log's rounds are int64
+            return np.full(idx.size, why, dtype=object), empty
         counting = account.eligible is not None and int(spec.round) > table.counted_round
         candidates = np.arange(self.verify.size) if counting else idx
         static, _, _ = self._static(spec, candidates, supported)
@@ -449,9 +453,10 @@ class PolicyTable:
             if table.withdrawn[u]:
                 reasons[u] = Refusal.TOTAL_EPS  # withdrew when one more round could not fit
                 continue
-            if u in invited and table.last_round[u] >= int(spec.round):
-                # one answer per user and round, whatever the shuffler sends (its eligibility, if counted, was
-                # counted then too: counted_round >= last_round)
+            if u in invited and (table.last_round[u] >= int(spec.round) or (account.eligible and not counting)):
+                # one answer per user and round, whatever the shuffler sends; and where eligibility is counted, a
+                # join only with this round's eligibility in the same charge (a round counted before, by a notice
+                # this user refused, must not let it join uncounted: it would pay nothing)
                 reasons[u] = Refusal.ROUND_ANSWERED
                 continue
             c = table.counts.get(u, Counter())
@@ -496,14 +501,15 @@ class PolicyTable:
             if e > 0.0 or d > 0.0:
                 self.history[u] = None
         ix = charge.users
-        table.last_round[ix] = np.maximum(table.last_round[ix], charge.round)
+        if ix.size:  # (a refused round's empty charge may carry a round no int64 holds)
+            table.last_round[ix] = np.maximum(table.last_round[ix], charge.round)
         table.paid_eps[ix] = sum_up(table.paid_eps[ix], charge.eps)
         table.paid_delta[ix] = sum_up(table.paid_delta[ix], charge.delta)
         self.eps_spent[ix] = sum_up(self.eps_spent[ix], charge.eps)
         self.delta_spent[ix] = sum_up(self.delta_spent[ix], charge.delta)
         table.withdrawn[charge.withdraw] = True
         table.parameters = charge.parameters
-        if charge.counted:
+        if charge.counted and charge.users.size:  # a round that counted no user is not counted
             table.counted_round = max(table.counted_round, charge.round)
 
     def _tight_ok(self, users: np.ndarray, key: NoiseKey) -> np.ndarray:

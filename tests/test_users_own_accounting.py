@@ -357,3 +357,62 @@ def test_a_repeated_invitation_to_a_round_of_a_run_is_refused_also_after_a_resta
     assert answered(restarted.handle(pb.Invitation(spec=later, user_ids=["u0"], eligible=100))) == ["u0"]
     assert restarted.spent("u0")[0] >= spent[0]
     store.close()
+
+
+def test_a_sampled_dp_sgd_join_always_comes_with_its_rounds_eligibility():
+    """Found by probing as a dishonest shuffler: a notice of round r that every user refuses (here an unknown trust
+    model) marked r counted, so the genuine invitation to r then let a user join without being counted eligible:
+    ten such rounds cost it 0 instead of 17.5. A round that counted nobody is not counted, and a join only comes in
+    the charge that counts its round; rounds seen before are refused."""
+
+    def shard() -> UserShard:
+        return UserShard(["u0", "u1"], np.zeros((2, 1, 3)), np.zeros((2, 1), dtype=np.int64))
+
+    policy = UserPolicy(max_total_eps=1e9, max_total_delta=1.0)
+    poisoned, honest = NodeCore("node", shard(), policy), NodeCore("node", shard(), policy)
+    for r in range(10):
+        notice = _gaussian_spec("run", r, 100)
+        notice.trust_model = 99  # no user allows it: nobody is counted
+        assert not poisoned.handle(pb.Invitation(spec=notice, user_ids=[], eligible=100)).refusals
+        for core in (poisoned, honest):
+            out = core.handle(pb.Invitation(spec=_gaussian_spec("run", r, 100), user_ids=["u0"], eligible=100))
+            assert [m.user_id for m in out.messages] == ["u0"]
+    assert poisoned.spent("u0") == honest.spent("u0") and poisoned.spent("u0")[0] > 10
+    assert poisoned.policy.runs["run"].counts[0] == Counter({"eligible": 10, "joined": 10})
+    # a notice every user accepts counts round 10: its invitation after it is not answered (u0 would join uncounted
+    # by that invitation's charge, and was counted by the notice's), round 11 is
+    core = honest
+    assert not core.handle(pb.Invitation(spec=_gaussian_spec("run", 10, 100), user_ids=[], eligible=100)).messages
+    late = core.handle(pb.Invitation(spec=_gaussian_spec("run", 10, 100), user_ids=["u0"], eligible=100))
+    assert not late.messages and [x.reason for x in late.refusals] == [Refusal.ROUND_ANSWERED]
+    nxt = core.handle(pb.Invitation(spec=_gaussian_spec("run", 11, 100), user_ids=["u0"], eligible=100))
+    assert [m.user_id for m in nxt.messages] == ["u0"]
+    assert core.policy.runs["run"].counts[0] == Counter({"eligible": 12, "joined": 11})
+    # a round number the spend log cannot hold is refused, not answered or charged
+    spent = core.spent("u1")
+    huge = core.handle(pb.Invitation(spec=_gaussian_spec("run", 2**63, 100), user_ids=["u1"], eligible=100))
+    assert not huge.messages and [x.reason for x in huge.refusals] == [Refusal.INVALID_SPEC]
+    assert core.spent("u1") == spent
+
+
+@pytest.mark.parametrize("protocol", ["mf", "tree"])
+def test_a_round_answered_before_the_spend_log_recorded_rounds_is_not_answered_again(tmp_path, protocol):
+    """A store written before the spend log kept each run charge's round (its rows have none): the per-round count
+    itself (an MF round, a tree's leaf) must not take a second answer of that round."""
+    from shuffledp.protocols.registry import known_protocol
+
+    spec, features = _in_run_spec(protocol, 3)
+    join = known_protocol(spec.randomizer.protocol).user_account(spec).join
+    store = SqliteSpendStore(tmp_path / "old.sqlite")
+    store.record(["u0"], np.array([0.5]), 1e-5, [None], "run", [join])  # no run_round: an earlier version's row
+    store.close()
+    shard = UserShard(["u0"], np.ones((1, 1, features)), np.zeros((1, 1), dtype=np.int64))
+    core = NodeCore(
+        "node",
+        shard,
+        UserPolicy(max_total_eps=1e9, max_total_delta=1.0),
+        spend_store=SqliteSpendStore(tmp_path / "old.sqlite"),
+    )
+    out = core.handle(pb.Invitation(spec=spec, user_ids=["u0"], eligible=100))
+    assert not out.messages and not out.columns.user_ids
+    assert [x.reason for x in out.refusals] == [Refusal.PARTICIPATION] and core.spent("u0") == (0.5, 1e-5)

@@ -371,6 +371,8 @@ class MfRound(CentralRound):
 
         def allows(counts: Counts) -> bool:
             rounds = joined(counts)
+            if any(c > 1 for _, c in counts):  # a round joined twice: its count holds one row of C, not two
+                return False
             return len(rounds) <= E and all(b - a - 1 >= xi for a, b in zip(rounds, rounds[1:], strict=False))
 
         return UserAccount(spec.run_id, str(int(spec.round)), None, cost, allows)

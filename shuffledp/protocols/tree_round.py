@@ -370,6 +370,8 @@ class TreeRound(CentralRound):
             return _trees_epsilon(z, per_tree, xi, completion, delta, leaves, noise), delta
 
         def allows(counts: Counts) -> bool:
+            if any(c > 1 for _, c in counts):  # a leaf joined twice: the cost counts leaves, not answers
+                return False
             leaves: dict[str, list[int]] = {}
             for key, _ in counts:
                 t, at = key.split(":")
