@@ -562,6 +562,12 @@ class Ledger:
         """The round's outcome is unknown (e.g. the shuffler call failed mid-round): charge it at its reservation."""
         self._close(run_id, round_index, "spent_unknown", None, None, reason)
 
+    def is_reserved(self, run_id: str, round_index: int) -> bool:
+        """Whether the round is reserved and not closed yet (committed, released or spent)."""
+        with self._lock:
+            state = self._book(run_id).rounds.get(round_index)
+            return state is not None and state[0] == "reserved"
+
     def recover(self) -> list[tuple[str, int]]:
         """At start-up: rounds left 'reserved' by a crash have an unknown outcome and count as spent."""
         with self._tx() as db:

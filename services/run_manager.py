@@ -744,7 +744,15 @@ class RunManager:
             )
             self.ledger.reserve(run_id, r, event)  # BudgetExceeded propagates: no spec leaves
             t0 = self._clock()
-            outcome, state = self._round(run_id, r, rd, state, event, live)
+            try:
+                outcome, state = self._round(run_id, r, rd, state, event, live)
+            except Exception as exc:
+                # whatever failed once the round was reserved (a batch the analyzer cannot use: data marked not
+                # released, another round's, totals out of range, ...) may have delivered data: the round is charged
+                # at its reservation, an upper bound of its cost, before the run stops (never left reserved)
+                if self.ledger.is_reserved(run_id, r):
+                    self.ledger.mark_spent(run_id, r, f"round failed ({exc}): counted as spent")
+                raise
             failures = 0 if outcome == "ok" else failures + 1
             applied += outcome == "ok"
             if outcome == "exhausted":
@@ -848,6 +856,10 @@ class RunManager:
             )
         if batch.run_id != run_id or batch.round != r:
             raise RuntimeError(f"batch for run {batch.run_id!r} round {batch.round} answered round {r}")
+        if sealing.repeated_encapsulation(batch.ciphertexts):
+            # every sealed message has an encapsulated key of its own (sealing.ENC_BYTES): copies of one message
+            # would count one user as several contributors, in the sum and in the amplification (design 5.3)
+            raise RuntimeError(f"the batch of round {r} holds copies of a message (equal encapsulated keys)")
         try:  # what the round ran with (as the shuffler's report says; the plug-in decides)
             params, n_min, ran = rd.protocol.released(plan, rd.params, rep)
         except BatchError as exc:  # released, so charged; the run stops

@@ -35,7 +35,7 @@ from shuffledp.grpc_options import BATCH_MESSAGE_BYTES
 from shuffledp.mechanisms import check_in
 from shuffledp.mechanisms.pvec import count_wire_dtype
 from shuffledp.rng import make_rng
-from shuffledp.sealing import BIT_MESSAGE_BYTES, PUBLIC_KEY_BYTES, sealed_length
+from shuffledp.sealing import BIT_MESSAGE_BYTES, ENC_BYTES, PUBLIC_KEY_BYTES, sealed_length
 
 __all__ = [
     "Schedule",
@@ -93,6 +93,9 @@ class Reason(StrEnum):
     COUNT_OUT_OF_RANGE = "count_out_of_range"  # COUNTS: a count outside [0, g+m]
     WRONG_MESSAGE_COUNT = "wrong_message_count"  # SEALED/BITS: not the round's number of messages per user
     WRONG_CIPHERTEXT_LENGTH = "wrong_ciphertext_length"  # SEALED/BITS: not the round's fixed length
+    # SEALED/BITS: a ciphertext whose encapsulated key another one of the round has (a copy: one message counted as
+    # several users' by the analyzer's amplification and sums)
+    REPLAYED_MESSAGE = "replayed_message"
     PARTIAL_SUM = "partial_sum"  # COUNTS sums: the user's group sum also holds a user refused by a check above
 
 
@@ -103,6 +106,7 @@ _PAYLOAD_REASONS = frozenset(
         Reason.COUNT_OUT_OF_RANGE,
         Reason.WRONG_MESSAGE_COUNT,
         Reason.WRONG_CIPHERTEXT_LENGTH,
+        Reason.REPLAYED_MESSAGE,
     }
 )
 
@@ -620,6 +624,7 @@ class _OpenRound:
     nonces: NonceSet = field(default_factory=lambda: NonceSet())  # replay protection; dropped with the round (5.3)
     totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
     ciphertexts: list[bytes] = field(default_factory=list)
+    encapsulations: set[bytes] = field(default_factory=set)  # SEALED/BITS: of the ciphertexts accepted (replays)
     contributors: int = 0
     refused: int = 0
     refused_reasons: Counter = field(default_factory=Counter)
@@ -1239,6 +1244,7 @@ class ShufflerState:
                 perm = self._rng.permutation(len(rnd.ciphertexts))  # CSPRNG shuffle (design 1, spec 000 7.5)
                 cts = [rnd.ciphertexts[i] for i in perm]
         rnd.ciphertexts = []
+        rnd.encapsulations = set()
         rnd.totals = None
         return BatchResult(
             run_id=req.run_id,
@@ -1305,6 +1311,7 @@ class ShufflerState:
                     rows.append(checked)
                 else:
                     rnd.ciphertexts.extend(bytes(c) for c in msg.ciphertexts)
+                    rnd.encapsulations.update(bytes(c[:ENC_BYTES]) for c in msg.ciphertexts)
                     rnd.contributors += 1
                     accepted += 1
             if sub.columns is not None and sub.columns.user_ids:
@@ -1493,4 +1500,7 @@ class ShufflerState:
             return Reason.WRONG_MESSAGE_COUNT
         if any(len(c) != rnd.expected_ct_len for c in msg.ciphertexts):
             return Reason.WRONG_CIPHERTEXT_LENGTH
+        encs = {bytes(c[:ENC_BYTES]) for c in msg.ciphertexts}
+        if len(encs) < len(msg.ciphertexts) or not rnd.encapsulations.isdisjoint(encs):
+            return Reason.REPLAYED_MESSAGE
         return None

@@ -23,6 +23,8 @@ from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 __all__ = [
     "SUITE_NAME",
     "PUBLIC_KEY_BYTES",
+    "ENC_BYTES",
+    "repeated_encapsulation",
     "SEAL_OVERHEAD",
     "BIT_MESSAGE_BYTES",
     "SealingError",
@@ -42,9 +44,11 @@ __all__ = [
 SUITE_NAME = "HPKE-base/DHKEM(X25519,HKDF-SHA256)/HKDF-SHA256/AES-128-GCM"
 _SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
 PUBLIC_KEY_BYTES = 32  # raw X25519 public key (RFC 7748)
-_ENC_BYTES = 32  # RFC 9180 sec 7.1: Nenc of DHKEM(X25519, HKDF-SHA256)
+# RFC 9180 sec 7.1: Nenc of DHKEM(X25519, HKDF-SHA256). A sealed message starts with its encapsulated key, drawn
+# afresh by the sender for every message: two messages with the same one are one message sent twice (a replay)
+ENC_BYTES = 32
 _TAG_BYTES = 16  # RFC 9180 sec 7.3: Nt of AES-128-GCM
-SEAL_OVERHEAD = _ENC_BYTES + _TAG_BYTES
+SEAL_OVERHEAD = ENC_BYTES + _TAG_BYTES
 BIT_MESSAGE_BYTES = 5  # uint32 label + 1 byte bit
 _MAX_LABEL = 2**32 - 1
 
@@ -90,6 +94,21 @@ def round_info(run_id: str, round_index: int) -> bytes:
     rid = run_id.encode("utf-8")
     # length-prefixed so that (run "a1", round 2) and (run "a", round 12) can never collide
     return b"shuffledp.v1/round/" + len(rid).to_bytes(4, "big") + rid + int(round_index).to_bytes(8, "big")
+
+
+def repeated_encapsulation(ciphertexts: Sequence[bytes]) -> bool:
+    """Whether two of the sealed messages share their encapsulated key (the first ENC_BYTES): one message sent twice.
+    Compared by the keys' first 8 bytes (8 bytes per message, not a set of them), exactly where two of those agree."""
+    n = len(ciphertexts)
+    if n < 2:
+        return False
+    prefixes = np.fromiter((int.from_bytes(c[:8], "little") for c in ciphertexts), dtype=np.uint64, count=n)
+    order = np.argsort(prefixes, kind="stable")
+    at = np.flatnonzero(prefixes[order][1:] == prefixes[order][:-1])
+    if not at.size:
+        return False
+    maybe = np.union1d(order[at], order[at + 1]).tolist()
+    return len({bytes(ciphertexts[i][:ENC_BYTES]) for i in maybe}) < len(maybe)
 
 
 def sealed_length(plaintext_bytes: int) -> int:

@@ -345,3 +345,79 @@ def test_a_round_whose_evaluation_fails_is_still_charged(services, data, monkeyp
     rows = Ledger(state_dir / LEDGER_FILE).rounds(run_id)
     assert [r["state"] for r in rows] == ["committed", "committed"], rows
     assert st.budget.rounds_committed == 2 and st.budget.eps_spent > 0
+
+
+class _Tamper(grpc.ServerInterceptor):
+    """A dishonest shuffler: the real one, whose ExecuteRound answers from round 1 on are rewritten by `change`."""
+
+    def __init__(self, change) -> None:
+        self.change = change
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.endswith("/ExecuteRound"):
+            return handler
+        inner = handler.unary_unary
+
+        def execute(spec, context):
+            batch = inner(spec, context)
+            if spec.round >= 1:
+                self.change(batch)
+            return batch
+
+        return grpc.unary_unary_rpc_method_handler(
+            execute, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+def _copies(batch: pb.ShuffledBatch) -> None:
+    """Every message replaced by a copy of the first (the shuffler picks one user and counts it as the cohort)."""
+    first = batch.ciphertexts[0]
+    del batch.ciphertexts[:]
+    batch.ciphertexts.extend([first] * batch.report.contributors)
+
+
+@pytest.mark.parametrize(
+    "kind, change",
+    [
+        ("data marked not released", lambda b: setattr(b, "released", False)),
+        ("another round's", lambda b: setattr(b, "round", b.round + 7)),
+        ("totals one short", lambda b: b.label_totals.pop()),
+        ("a total beyond any count", lambda b: b.label_totals.__setitem__(0, 2**64 - 1)),
+        ("copies of one sealed message", _copies),
+    ],
+)
+def test_a_batch_the_analyzer_cannot_use_is_charged_at_its_reservation(tmp_path, data, kind, change):
+    """Found by probing as a dishonest shuffler: such batches stopped the run but left their round reserved, so the
+    budget read less than the delivered data cost until the analyzer restarted (and copies of one sealed message
+    were opened as that many users'). The round is charged at its reservation, the run stops, nothing is used."""
+    shuffler, sport = start_shuffler("127.0.0.1:0", interceptors=[_Tamper(change)])
+    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
+    nodes = []
+    try:
+        sealed = kind.startswith("copies")
+        protocol = '[privacy]\nprotocol = "gaussian"\neps = 4.0\n' if sealed else "[privacy]\neps = 4.0\n"
+        schedule = '[schedule]\nkind = "subsampled"\ncohort_size = 60\n' if sealed else "[schedule]\n"
+        cfg_text = data + protocol + schedule + "rounds = 3\n" + ('[transport]\nmode = "sealed"\n' if sealed else "")
+        nodes += [start_node(f"n{i}", parse_config(cfg_text), i, 2, f"127.0.0.1:{sport}") for i in range(2)]
+        with grpc.insecure_channel(f"127.0.0.1:{aport}") as ch:
+            stub = pbg.AnalyzerStub(ch)
+            run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
+            stub.StartRun(pb.RunRef(run_id=run_id))
+            st = wait_for_run(stub, run_id)
+        ledger = Ledger(tmp_path / "state" / LEDGER_FILE)
+        rows = ledger.rounds(run_id)
+        assert st.state == pb.FAILED and [r["state"] for r in rows] == ["committed", "spent_unknown"], (
+            st.message,
+            rows,
+        )
+        assert ledger.recover() == []  # nothing left for a restart to charge: the budget read was the whole cost
+        totals = ledger.totals(run_id)
+        # the reserved total (spent plus outstanding) is all spent: the reading did not wait for a restart
+        assert totals.eps_spent == pytest.approx(totals.eps_reserved) == pytest.approx(st.budget.eps_spent)
+        assert sum(m.released for m in st.metrics) == 1  # round 0 only: nothing of round 1 was used
+    finally:
+        for n in nodes:
+            n.stop()
+        analyzer.stop(0)
+        shuffler.stop(0)

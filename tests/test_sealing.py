@@ -85,3 +85,18 @@ def test_labelled_bits_format_roundtrip():
     np.testing.assert_array_equal(bit2, bits)
     with pytest.raises(ValueError, match="bits must be 0 or 1"):
         pack_labelled_bits(np.array([1]), np.array([2]))
+
+
+def test_a_message_sent_twice_is_found_by_its_encapsulated_key():
+    """Found by probing as a dishonest shuffler: copies of one user's sealed message were opened as that many users'
+    (a sum holding the user 20 times, an LDP crowd of one). Every sealed message has its own encapsulated key."""
+    from shuffledp.sealing import ENC_BYTES, repeated_encapsulation
+
+    _, public = generate_keypair()
+    cts = seal_many(public, [bytes([i]) * 8 for i in range(50)], b"round")
+    assert not repeated_encapsulation(cts) and not repeated_encapsulation(cts[:1]) and not repeated_encapsulation([])
+    assert repeated_encapsulation([*cts, cts[17]])
+    tail = cts[3][:ENC_BYTES] + bytes(len(cts[3]) - ENC_BYTES)  # the same key with another ciphertext
+    assert repeated_encapsulation([*cts, tail])
+    near = cts[5][:8] + bytes(len(cts[5]) - 8)  # the first 8 bytes only: another key, not a copy
+    assert not repeated_encapsulation([*cts, near])

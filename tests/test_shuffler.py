@@ -1356,3 +1356,40 @@ def test_users_admitted_while_a_round_is_validated_cannot_overflow_its_totals(mo
     state.register_users("node", ["c"])  # the refused round left no trace: a valid round 0 can run
     ok = RoundRequest("run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=1, g=1, m=1, deadline_seconds=0.2)
     assert state.execute_round(ok).invited == 3
+
+
+def test_a_sealed_message_sent_again_under_another_user_is_rejected():
+    """Design 5.3 (found by probing): one ciphertext sent for two users (or twice by one user) would reach the
+    analyzer as two users' messages; the shuffler rejects a message whose encapsulated key the round has seen."""
+    from shuffledp.services.shuffler_state import Submission, UserMessage
+
+    from shuffledp.sealing import ENC_BYTES, generate_keypair, seal_many
+
+    _, pub = generate_keypair()
+    state = ShufflerState(rng=make_rng(9), poll_seconds=0.001)
+    state.register_users("node", ["a", "b", "c", "d", "e"])
+    state.subscribe("node")
+    req = RoundRequest(
+        "run", 0, Schedule.FULLY_INTERACTIVE, Transport.SEALED, messages_per_user=2, message_bytes=8,
+        analyzer_public_key=pub, min_contributors=1, deadline_seconds=0.5,
+    )  # fmt: skip
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(state.execute_round(req)))
+    t.start()
+    while not state._open:
+        time.sleep(0.001)
+    x, y, z, w, v = seal_many(pub, [bytes([i]) * 8 for i in range(5)], b"info")
+    same_key = x[:ENC_BYTES] + bytes(len(x) - ENC_BYTES)
+    msgs = [
+        UserMessage("a", b"1" * 16, ciphertexts=[x, y]),
+        UserMessage("b", b"2" * 16, ciphertexts=[z, x]),  # a's first message again
+        UserMessage("c", b"3" * 16, ciphertexts=[w, w]),  # one message twice
+        UserMessage("d", b"4" * 16, ciphertexts=[v, same_key]),  # another ciphertext under a's key
+        UserMessage("e", b"5" * 16, ciphertexts=[z, v]),  # b's and d's were rejected: their keys are not taken
+    ]
+    ack = state.submit(Submission("run", 0, "node", msgs))
+    assert (ack.accepted, ack.rejected) == (2, {"replayed_message": 3})
+    again = state.submit(Submission("run", 0, "node", [UserMessage("b", b"6" * 16, ciphertexts=[w, v])]))
+    assert again.rejected == {"duplicate_user": 1}  # b's one answer was used up by the copy
+    t.join()
+    assert out[0].contributors == 2 and sorted(out[0].ciphertexts) == sorted([x, y, z, v])
