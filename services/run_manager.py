@@ -848,8 +848,11 @@ class RunManager:
             return "below_threshold", state
         n = int(rep.contributors)
         if spec.population and rep.eligible < spec.population:
-            # drawn at a higher rate than the round is charged at (issue 24 item 3): charged as planned; the run stops
-            self.ledger.commit(run_id, r, max(n, 1))
+            # drawn at a higher rate than the round was reserved at (issue 24 item 3): the batch was delivered, so it
+            # is charged at the rate it was drawn at (the event's population n = the eligible users it came from,
+            # never below its contributors) and the run stops
+            drawn = {"n": max(int(rep.eligible), n, 1)} if "n" in event.params else None
+            self.ledger.commit(run_id, r, max(n, 1), drawn)
             raise RuntimeError(
                 f"the shuffler drew round {r} from {rep.eligible} eligible users, fewer than the {spec.population} "
                 "its accountant assumes"

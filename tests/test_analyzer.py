@@ -421,3 +421,40 @@ def test_a_batch_the_analyzer_cannot_use_is_charged_at_its_reservation(tmp_path,
             n.stop()
         analyzer.stop(0)
         shuffler.stop(0)
+
+
+def test_a_batch_drawn_from_fewer_eligible_users_is_charged_at_the_rate_it_was_drawn_at(tmp_path, data):
+    """Found by probing as a dishonest shuffler: a fixed-cohort round drawn from fewer eligible users than its spec's
+    population stopped the run but was charged at the planned population (a lower sampling rate than the batch was
+    drawn at). It is committed with the eligible users as its population: never less than its actual cost."""
+
+    def fewer(batch: pb.ShuffledBatch) -> None:
+        batch.report.eligible = 100  # of the 225 the round's accountant assumes
+
+    shuffler, sport = start_shuffler("127.0.0.1:0", interceptors=[_Tamper(fewer)])
+    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
+    nodes = []
+    try:
+        cfg_text = (
+            data + '[privacy]\nprotocol = "gaussian"\neps = 4.0\n[schedule]\nkind = "subsampled"\ncohort_size = 60\n'
+            'rounds = 3\n[transport]\nmode = "sealed"\n'
+        )
+        nodes += [start_node(f"n{i}", parse_config(cfg_text), i, 2, f"127.0.0.1:{sport}") for i in range(2)]
+        with grpc.insecure_channel(f"127.0.0.1:{aport}") as ch:
+            stub = pbg.AnalyzerStub(ch)
+            run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
+            stub.StartRun(pb.RunRef(run_id=run_id))
+            st = wait_for_run(stub, run_id)
+        ledger = Ledger(tmp_path / "state" / LEDGER_FILE)
+        rows = ledger.rounds(run_id)
+        assert st.state == pb.FAILED and "fewer than the 225" in st.message
+        assert [r["state"] for r in rows] == ["committed", "committed"]
+        assert rows[0]["event"]["params"]["n"] == 225 and rows[1]["event"]["params"]["n"] == 100
+        planned = ledger.event(run_id, 0)
+        drawn = ledger.event(run_id, 1)
+        assert drawn.params["k"] == planned.params["k"] and drawn.params["n"] < planned.params["n"]
+    finally:
+        for n in nodes:
+            n.stop()
+        analyzer.stop(0)
+        shuffler.stop(0)
