@@ -385,6 +385,8 @@ def _copies(batch: pb.ShuffledBatch) -> None:
         ("totals one short", lambda b: b.label_totals.pop()),
         ("a total beyond any count", lambda b: b.label_totals.__setitem__(0, 2**64 - 1)),
         ("copies of one sealed message", _copies),
+        ("more contributors than check-ins", lambda b: setattr(b.report, "checked_in", b.report.contributors - 1)),
+        ("no check-in", lambda b: setattr(b.report, "checked_in", 0)),
     ],
 )
 def test_a_batch_the_analyzer_cannot_use_is_charged_at_its_reservation(tmp_path, data, kind, change):
