@@ -377,6 +377,33 @@ def _copies(batch: pb.ShuffledBatch) -> None:
     batch.ciphertexts.extend([first] * batch.report.contributors)
 
 
+SEALED_GAUSSIAN = (
+    '[privacy]\nprotocol = "gaussian"\neps = 4.0\n[schedule]\nkind = "subsampled"\ncohort_size = 60\nrounds = 3\n'
+    '[transport]\nmode = "sealed"\n'
+)
+
+
+def _lying_run(tmp_path, change, cfg_text: str) -> tuple[pb.RunStatus, Ledger, str]:
+    """A run of cfg_text on 2 real nodes and the real analyzer, through a shuffler whose ExecuteRound answers from
+    round 1 on are rewritten by `change`: (its final status, its ledger, its run id)."""
+    shuffler, sport = start_shuffler("127.0.0.1:0", interceptors=[_Tamper(change)])
+    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
+    nodes = []
+    try:
+        nodes += [start_node(f"n{i}", parse_config(cfg_text), i, 2, f"127.0.0.1:{sport}") for i in range(2)]
+        with grpc.insecure_channel(f"127.0.0.1:{aport}") as ch:
+            stub = pbg.AnalyzerStub(ch)
+            run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
+            stub.StartRun(pb.RunRef(run_id=run_id))
+            st = wait_for_run(stub, run_id)
+    finally:
+        for n in nodes:
+            n.stop()
+        analyzer.stop(0)
+        shuffler.stop(0)
+    return st, Ledger(tmp_path / "state" / LEDGER_FILE), run_id
+
+
 @pytest.mark.parametrize(
     "kind, change",
     [
@@ -393,36 +420,15 @@ def test_a_batch_the_analyzer_cannot_use_is_charged_at_its_reservation(tmp_path,
     """Found by probing as a dishonest shuffler: such batches stopped the run but left their round reserved, so the
     budget read less than the delivered data cost until the analyzer restarted (and copies of one sealed message
     were opened as that many users'). The round is charged at its reservation, the run stops, nothing is used."""
-    shuffler, sport = start_shuffler("127.0.0.1:0", interceptors=[_Tamper(change)])
-    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
-    nodes = []
-    try:
-        sealed = kind.startswith("copies")
-        protocol = '[privacy]\nprotocol = "gaussian"\neps = 4.0\n' if sealed else "[privacy]\neps = 4.0\n"
-        schedule = '[schedule]\nkind = "subsampled"\ncohort_size = 60\n' if sealed else "[schedule]\n"
-        cfg_text = data + protocol + schedule + "rounds = 3\n" + ('[transport]\nmode = "sealed"\n' if sealed else "")
-        nodes += [start_node(f"n{i}", parse_config(cfg_text), i, 2, f"127.0.0.1:{sport}") for i in range(2)]
-        with grpc.insecure_channel(f"127.0.0.1:{aport}") as ch:
-            stub = pbg.AnalyzerStub(ch)
-            run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
-            stub.StartRun(pb.RunRef(run_id=run_id))
-            st = wait_for_run(stub, run_id)
-        ledger = Ledger(tmp_path / "state" / LEDGER_FILE)
-        rows = ledger.rounds(run_id)
-        assert st.state == pb.FAILED and [r["state"] for r in rows] == ["committed", "spent_unknown"], (
-            st.message,
-            rows,
-        )
-        assert ledger.recover() == []  # nothing left for a restart to charge: the budget read was the whole cost
-        totals = ledger.totals(run_id)
-        # the reserved total (spent plus outstanding) is all spent: the reading did not wait for a restart
-        assert totals.eps_spent == pytest.approx(totals.eps_reserved) == pytest.approx(st.budget.eps_spent)
-        assert sum(m.released for m in st.metrics) == 1  # round 0 only: nothing of round 1 was used
-    finally:
-        for n in nodes:
-            n.stop()
-        analyzer.stop(0)
-        shuffler.stop(0)
+    cfg = SEALED_GAUSSIAN if kind.startswith("copies") else "[privacy]\neps = 4.0\n[schedule]\nrounds = 3\n"
+    st, ledger, run_id = _lying_run(tmp_path, change, data + cfg)
+    rows = ledger.rounds(run_id)
+    assert st.state == pb.FAILED and [r["state"] for r in rows] == ["committed", "spent_unknown"], (st.message, rows)
+    assert ledger.recover() == []  # nothing left for a restart to charge: the budget read was the whole cost
+    totals = ledger.totals(run_id)
+    # the reserved total (spent plus outstanding) is all spent: the reading did not wait for a restart
+    assert totals.eps_spent == pytest.approx(totals.eps_reserved) == pytest.approx(st.budget.eps_spent)
+    assert sum(m.released for m in st.metrics) == 1  # round 0 only: nothing of round 1 was used
 
 
 def test_a_batch_drawn_from_fewer_eligible_users_is_charged_at_the_rate_it_was_drawn_at(tmp_path, data):
@@ -433,30 +439,10 @@ def test_a_batch_drawn_from_fewer_eligible_users_is_charged_at_the_rate_it_was_d
     def fewer(batch: pb.ShuffledBatch) -> None:
         batch.report.eligible = 100  # of the 225 the round's accountant assumes
 
-    shuffler, sport = start_shuffler("127.0.0.1:0", interceptors=[_Tamper(fewer)])
-    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
-    nodes = []
-    try:
-        cfg_text = (
-            data + '[privacy]\nprotocol = "gaussian"\neps = 4.0\n[schedule]\nkind = "subsampled"\ncohort_size = 60\n'
-            'rounds = 3\n[transport]\nmode = "sealed"\n'
-        )
-        nodes += [start_node(f"n{i}", parse_config(cfg_text), i, 2, f"127.0.0.1:{sport}") for i in range(2)]
-        with grpc.insecure_channel(f"127.0.0.1:{aport}") as ch:
-            stub = pbg.AnalyzerStub(ch)
-            run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=cfg_text)).run_id
-            stub.StartRun(pb.RunRef(run_id=run_id))
-            st = wait_for_run(stub, run_id)
-        ledger = Ledger(tmp_path / "state" / LEDGER_FILE)
-        rows = ledger.rounds(run_id)
-        assert st.state == pb.FAILED and "fewer than the 225" in st.message
-        assert [r["state"] for r in rows] == ["committed", "committed"]
-        assert rows[0]["event"]["params"]["n"] == 225 and rows[1]["event"]["params"]["n"] == 100
-        planned = ledger.event(run_id, 0)
-        drawn = ledger.event(run_id, 1)
-        assert drawn.params["k"] == planned.params["k"] and drawn.params["n"] < planned.params["n"]
-    finally:
-        for n in nodes:
-            n.stop()
-        analyzer.stop(0)
-        shuffler.stop(0)
+    st, ledger, run_id = _lying_run(tmp_path, fewer, data + SEALED_GAUSSIAN)
+    rows = ledger.rounds(run_id)
+    assert st.state == pb.FAILED and "fewer than the 225" in st.message
+    assert [r["state"] for r in rows] == ["committed", "committed"]
+    assert rows[0]["event"]["params"]["n"] == 225 and rows[1]["event"]["params"]["n"] == 100
+    planned, drawn = ledger.event(run_id, 0), ledger.event(run_id, 1)
+    assert drawn.params["k"] == planned.params["k"] and drawn.params["n"] < planned.params["n"]
