@@ -130,10 +130,13 @@ class NodeCore:
         eps, delta, history, runs = self._spend.load_all(shard.user_ids)  # one read of the store's log
         policies = policy if policy is not None else UserPolicy()
         self.policy = PolicyTable(policies, len(shard.user_ids), spent=(eps, delta), history=history, **kw)
+        parameters = self._spend.run_parameters()
         for run, (counts, paid_eps, paid_delta, last_round) in runs.items():
             # counted_round starts over (-1): a round seen before the restart may be counted eligible again, never
-            # less (the run's last round charged may be another protocol's, under the same run id)
-            self.policy.runs[run] = RunTable(counts, paid_eps, paid_delta, last_round=last_round)
+            # less; the run's parameters are those its charges were made at (another protocol or other parameters
+            # under the same run id are refused, as before the restart)
+            table = RunTable(counts, paid_eps, paid_delta, last_round=last_round, parameters=parameters.get(run))
+            self.policy.runs[run] = table
         self._rng = rng if rng is not None else make_rng()
         self._lock = threading.Lock()
         self.rounds_joined = 0
@@ -316,7 +319,9 @@ class NodeCore:
             charged = self._names(charge.users)
             # if the store fails, the exception leaves handle() and nothing of the round is sent
             n = len(charged)
-            self._spend.record(charged, charge.eps, charge.delta, [None] * n, charge.run, charge.steps, charge.round)
+            self._spend.record(
+                charged, charge.eps, charge.delta, [None] * n, charge.run, charge.steps, charge.round, charge.parameters
+            )
             self.spend_records += len(charged)
         self.policy.apply_run(charge)
         if np.any(join):

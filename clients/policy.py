@@ -27,6 +27,7 @@ round's totals (decide_in_run): one Python step per user, its cost memoised per 
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -245,6 +246,23 @@ class Histories:
         self._limit = 2 * len(self._table) + 64
 
 
+def run_parameters(spec: pb.RoundSpec) -> tuple:
+    """A per-run round's public parameters (RunTable.parameters): its randomizer's extra fields, sampling rate and
+    population; every round of a run must state the same (Refusal.RUN_CHANGED)."""
+    return tuple(sorted(spec.randomizer.extra.items())), spec.sampling_rate, spec.population
+
+
+def parameters_to_json(parameters: tuple) -> str:
+    extra, rate, population = parameters
+    return json.dumps([[[k, v] for k, v in extra], rate, population])
+
+
+def parameters_from_json(text: str) -> tuple:
+    """The tuple run_parameters made (floats round-trip exactly through JSON)."""
+    extra, rate, population = json.loads(text)
+    return tuple((str(k), float(v)) for k, v in extra), float(rate), int(population)
+
+
 @dataclass
 class RunTable:
     """A run's per-user counts (UserAccount), what each user has paid for the run, and who withdrew from it."""
@@ -256,7 +274,8 @@ class RunTable:
     # per user, the last round of the run it was charged in (joined, or counted eligible), -1 for none
     last_round: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     counted_round: int = -1  # the last round whose eligibility was counted (each round once)
-    parameters: tuple | None = None  # the run's public parameters, fixed by the first round this process saw
+    # the run's public parameters, fixed by its first round (kept in the node's spend store: also after a restart)
+    parameters: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -416,7 +435,7 @@ class PolicyTable:
         refuses this and every later round of the run), so that what it is charged never exceeds its limits."""
         idx = np.asarray(idx, dtype=np.int64)
         table = self.run_table(account.run)
-        parameters = (tuple(sorted(spec.randomizer.extra.items())), spec.sampling_rate, spec.population)
+        parameters = run_parameters(spec)
         changed = table.parameters not in (None, parameters)
         if changed or not 0 <= int(spec.round) < MAX_RUN_ROUND:
             nothing = np.array([], dtype=np.int64)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from shuffledp.clients.policy import Histories, History, sum_up
+from shuffledp.clients.policy import Histories, History, parameters_from_json, parameters_to_json, sum_up
 
 from shuffledp.durable import open_durable, transaction
 
@@ -64,6 +64,10 @@ class SpendStore(Protocol):
         """load and load_runs from one read of the log (a node's start)."""
         ...
 
+    def run_parameters(self) -> dict[str, tuple]:
+        """Per run: the public parameters of its first charged round (clients/policy.run_parameters)."""
+        ...
+
     def record(
         self,
         user_ids: Sequence[str],
@@ -73,10 +77,12 @@ class SpendStore(Protocol):
         run: str | None = None,
         steps: Sequence[str] | None = None,
         run_round: int | None = None,
+        run_parameters: tuple | None = None,
     ) -> None:
         """Add one round's charge: eps[i] and delta (or delta[i]) to user_ids[i]'s totals, one round of keys[i]
         (None: not RDP-accountable) to its history, and, for a run's charge of its round run_round, steps[i]
-        (comma-separated count names) to its counts in `run`; durable when it returns."""
+        (comma-separated count names) to its counts in `run` and, if the run has none yet, its public parameters
+        run_parameters; durable when it returns."""
         ...
 
 
@@ -151,6 +157,7 @@ def replay(
 class MemorySpendStore:
     def __init__(self) -> None:
         self._log: list[Charge] = []
+        self._parameters: dict[str, tuple] = {}
 
     def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories]:
         return self.load_all(user_ids)[:3]
@@ -161,6 +168,9 @@ class MemorySpendStore:
     def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories, RunCounts]:
         return replay(user_ids, self._log)
 
+    def run_parameters(self) -> dict[str, tuple]:
+        return dict(self._parameters)
+
     def record(
         self,
         user_ids: Sequence[str],
@@ -170,8 +180,11 @@ class MemorySpendStore:
         run: str | None = None,
         steps: Sequence[str] | None = None,
         run_round: int | None = None,
+        run_parameters: tuple | None = None,
     ) -> None:
         self._log.extend(charges(user_ids, eps, delta, keys, run, steps, run_round))
+        if run is not None and run_parameters is not None:
+            self._parameters.setdefault(run, run_parameters)
 
 
 # user sets a load keeps decoded at once (a fully interactive run names one; a sequential run one per round, once each)
@@ -199,6 +212,9 @@ class SqliteSpendStore:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS user_sets (id INTEGER PRIMARY KEY, digest BLOB NOT NULL UNIQUE, "
                 "users BLOB NOT NULL)"
+            )
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS run_parameters (run TEXT PRIMARY KEY, parameters TEXT NOT NULL)"
             )
             # digest -> id of every set written (32 bytes and an int per set, not per user)
             self._sets = dict(self._db.execute("SELECT digest, id FROM user_sets").fetchall())
@@ -246,6 +262,11 @@ class SqliteSpendStore:
         with self._lock:
             return replay(user_ids, self._log(), self._base())
 
+    def run_parameters(self) -> dict[str, tuple]:
+        with self._lock:
+            rows = self._db.execute("SELECT run, parameters FROM run_parameters").fetchall()
+        return {run: parameters_from_json(text) for run, text in rows}
+
     def record(
         self,
         user_ids: Sequence[str],
@@ -255,6 +276,7 @@ class SqliteSpendStore:
         run: str | None = None,
         steps: Sequence[str] | None = None,
         run_round: int | None = None,
+        run_parameters: tuple | None = None,
     ) -> None:
         # ids hold no newline (the shuffler's user_key relies on that too): "\n" separates them
         rows = [
@@ -275,6 +297,11 @@ class SqliteSpendStore:
                         "INSERT INTO charges (users, eps, delta, noise_key, run, step, run_round, users_set) "
                         "VALUES (x'', ?, ?, ?, ?, ?, ?, ?)",
                         (*rest, set_id),
+                    )
+                if run is not None and run_parameters is not None:  # the run's first: a later one is the same
+                    db.execute(
+                        "INSERT OR IGNORE INTO run_parameters (run, parameters) VALUES (?, ?)",
+                        (run, parameters_to_json(run_parameters)),
                     )
             self._sets.update(added)  # only once committed: a rolled-back set is written again next time
 

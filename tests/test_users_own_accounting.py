@@ -271,13 +271,14 @@ def test_the_shuffler_refuses_a_fixed_cohort_round_with_fewer_eligible_users_and
     assert _spec(ldp, params, bytes(PUBLIC_KEY_BYTES)).population == params["n"] > 0
 
 
-def test_a_node_refuses_a_run_whose_public_parameters_change():
+def test_a_node_refuses_a_run_whose_public_parameters_change(tmp_path):
     """A user's cost for a run is computed from all its rounds at the spec's parameters: an analyzer that claims a
     larger noise multiplier (or a larger population) in a later round would lower the cost of every earlier round.
     The node fixes the run's parameters at the first round it sees and refuses a round that differs, counting
-    nothing of it."""
+    nothing of it; its spend store keeps them, so a restart does not let other parameters in (session 20: they
+    were kept in memory only)."""
     shard = UserShard([f"u{i}" for i in range(4)], np.zeros((4, 1, 3)), np.zeros((4, 1), dtype=np.int64))
-    core = NodeCore("node", shard, UserPolicy(max_total_eps=100.0))
+    core = NodeCore("node", shard, UserPolicy(max_total_eps=100.0), spend_store=SqliteSpendStore(tmp_path / "s.db"))
     out = core.handle(pb.Invitation(spec=_gaussian_spec("r", 0, 100), user_ids=["u0"], eligible=100))
     assert len(out.messages) == 1
     spent = core.spent("u0")
@@ -288,6 +289,14 @@ def test_a_node_refuses_a_run_whose_public_parameters_change():
     assert core.spent("u0") == spent and core.policy.runs["r"].counts[1]["eligible"] == 1  # round 1 not counted
     again = core.handle(pb.Invitation(spec=_gaussian_spec("r", 2, 100), user_ids=["u1"], eligible=100))
     assert len(again.messages) == 1  # the run's own parameters are still accepted
+    restarted = NodeCore(
+        "node", shard, UserPolicy(max_total_eps=100.0), spend_store=SqliteSpendStore(tmp_path / "s.db")
+    )
+    louder.round = 3
+    out = restarted.handle(pb.Invitation(spec=louder, user_ids=["u2"], eligible=100))
+    assert [r.reason for r in out.refusals] == [Refusal.RUN_CHANGED] and not out.messages
+    out = restarted.handle(pb.Invitation(spec=_gaussian_spec("r", 4, 100), user_ids=["u2"], eligible=100))
+    assert len(out.messages) == 1
 
 
 def _in_run_spec(protocol: str, r: int) -> tuple[pb.RoundSpec, int]:
