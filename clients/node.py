@@ -322,7 +322,7 @@ class NodeCore:
             self._spend.record(
                 charged, charge.eps, charge.delta, [None] * n, charge.run, charge.steps, charge.round, charge.parameters
             )
-            self.spend_records += len(charged)
+            self.spend_records += n
         self.policy.apply_run(charge)
         if np.any(join):
             self.rounds_joined += 1

@@ -39,6 +39,7 @@ import numpy as np
 from shuffledp.accountants.calibrated_pvec import NoiseKey
 from shuffledp.accountants.pvec_pld import epsilon_of_rounds
 from shuffledp.config import PolicyConfig
+from shuffledp.durable import INTEGER_LIMIT
 from shuffledp.protocols.base import UserAccount
 from shuffledp.protocols.pvec_round import pvec_params_from_spec
 from shuffledp.protocols.registry import PROTOCOL_NAMES, known_protocol, round_protocol
@@ -59,7 +60,6 @@ __all__ = [
 
 TRUST_NAMES = {pb.SHUFFLE: "shuffle", pb.LOCAL: "local", pb.CENTRAL: "central"}
 TRANSPORT_NAMES = {pb.COUNTS: "counts", pb.BITS: "bits", pb.SEALED: "sealed"}
-MAX_RUN_ROUND = 2**63  # rounds of a per-run protocol the node answers lie below it (the spend log stores int64)
 
 
 class Refusal:
@@ -436,13 +436,13 @@ class PolicyTable:
         idx = np.asarray(idx, dtype=np.int64)
         table = self.run_table(account.run)
         parameters = run_parameters(spec)
-        changed = table.parameters not in (None, parameters)
-        if changed or not 0 <= int(spec.round) < MAX_RUN_ROUND:
+        changed, round_index = table.parameters not in (None, parameters), int(spec.round)
+        if changed or not 0 <= round_index < INTEGER_LIMIT:  # the spend log stores the round
             nothing = np.array([], dtype=np.int64)
-            empty = RunCharge(account.run, int(spec.round), False, table.parameters, nothing, [], *[nothing] * 3)
-            why = Refusal.RUN_CHANGED if changed else Refusal.INVALID_SPEC  # the spend log's rounds are int64
+            empty = RunCharge(account.run, round_index, False, table.parameters, nothing, [], *[nothing] * 3)
+            why = Refusal.RUN_CHANGED if changed else Refusal.INVALID_SPEC
             return np.full(idx.size, why, dtype=object), empty
-        counting = account.eligible is not None and int(spec.round) > table.counted_round
+        counting = account.eligible is not None and round_index > table.counted_round
         candidates = np.arange(self.verify.size) if counting else idx
         static, _, _ = self._static(spec, candidates, supported)
         reasons = dict(zip(candidates.tolist(), static.tolist(), strict=True))  # "" = passes the round's checks
@@ -472,7 +472,7 @@ class PolicyTable:
             if table.withdrawn[u]:
                 reasons[u] = Refusal.TOTAL_EPS  # withdrew when one more round could not fit
                 continue
-            if u in invited and (table.last_round[u] >= int(spec.round) or (account.eligible and not counting)):
+            if u in invited and (table.last_round[u] >= round_index or (account.eligible and not counting)):
                 # one answer per user and round, whatever the shuffler sends; and where eligibility is counted, a
                 # join only with this round's eligibility in the same charge (a round counted before, by a notice
                 # this user refused, must not let it join uncounted: it would pay nothing)
@@ -500,7 +500,7 @@ class PolicyTable:
         out = np.array([reasons[u] for u in idx.tolist()], dtype=object)
         charge = RunCharge(
             account.run,
-            int(spec.round),
+            round_index,
             counting,
             parameters,
             np.array(users, dtype=np.int64),

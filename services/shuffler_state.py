@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from shuffledp.durable import open_durable, transaction
+from shuffledp.durable import INTEGER_LIMIT, open_durable, transaction
 from shuffledp.grpc_options import BATCH_MESSAGE_BYTES
 from shuffledp.mechanisms import check_in
 from shuffledp.mechanisms.pvec import count_wire_dtype
@@ -144,7 +144,6 @@ MAX_REFUSAL_REASONS = 16  # distinct refusal reasons kept per round; further one
 MAX_REASON_CHARS = 64
 RECENT_CLOSED_ROUNDS = 4096  # closed rounds remembered in memory (late messages to them count as expired_round)
 _U64 = 2**64
-_I64 = 2**63  # round indices are stored as SQLite INTEGER (signed 64 bit)
 _PROTO_BYTES_OVERHEAD = 6  # tag + length varint of one ciphertext in ShuffledBatch.ciphertexts (<= 2^28 bytes)
 
 
@@ -907,7 +906,7 @@ class ShufflerState:
         """Check a round request completely, before any state changes; returns (messages per user, ciphertext
         length, g+m)."""
         _check_id("run_id", req.run_id)
-        if not 0 <= int(req.round) < _I64:
+        if not 0 <= int(req.round) < INTEGER_LIMIT:  # the participation record stores it
             raise ValueError(f"round must lie in [0, 2^63), got {req.round}")
         if req.schedule == Schedule.STREAM:
             raise NotImplementedError("schedule STREAM is not implemented by this shuffler yet")

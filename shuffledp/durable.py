@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["open_durable", "transaction"]
+__all__ = ["INTEGER_LIMIT", "open_durable", "transaction"]
+
+INTEGER_LIMIT = 2**63  # a SQLite INTEGER is signed 64-bit: a stored count or index lies in [0, INTEGER_LIMIT)
 
 
 def open_durable(path: str | Path) -> sqlite3.Connection:
