@@ -138,9 +138,10 @@ parse_run() {
   RUN_ARGS=("$@")
 }
 
-# parse_results RUN_ID [--out DIR]: sets RUN_ID and RUN_OUT (default results/RUN_ID)
+# parse_results RUN_ID [--out DIR]: sets RUN_ID, RUN_OUT (default results/RUN_ID) and RUN_FLAG (the CLI flag of $CMD)
 parse_results() {
-  RUN_ID="${1:?results needs a RUN_ID (printed by run)}"; shift
+  RUN_ID="${1:?$CMD needs a RUN_ID (printed by run)}"; shift
+  RUN_FLAG=--fetch; [[ $CMD != cancel ]] || RUN_FLAG=--cancel  # the operator CLI's flag for this command
   [[ $RUN_ID =~ ^[A-Za-z0-9_-]+$ ]] || die "RUN_ID '$RUN_ID' is not a run id"
   RUN_OUT="$ROOT/results/$RUN_ID"
   if [[ ${1:-} == --out ]]; then RUN_OUT="${2:?--out needs a directory}"; fi

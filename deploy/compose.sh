@@ -7,6 +7,8 @@
 #                          run an experiment on the deployment as the operator (mTLS, operator certificate);
 #                          progress per round, then a results directory (default results/<name>-<time>)
 #   results RUN_ID [--out DIR]   fetch a run's results again (RUN_ID: "run_id" in its results' ledger.json)
+#   cancel RUN_ID [--out DIR]    cancel a run (one whose `run` was lost) and fetch what it has; a run that ended
+#                          already is left as it is
 #   status                 containers and their health
 #   logs [SERVICE...]      follow the logs (all services by default)
 #   down [--volumes]       stop and remove the containers (--volumes: also the ledger and shuffler state)
@@ -168,12 +170,12 @@ case "$CMD" in
     operator_container "${PROJECT}_operator-net" "$(results_dir "$RUN_OUT" "$RUN_CONF")" "$RUN_CONF" \
       /etc/shuffledp/run.toml "${RUN_ARGS[@]}"
     ;;
-  results)
+  results | cancel)
     parse_results "$@"
     cli="$(host_cli)"
     # prints "run RUN_ID: STATE, k/T rounds, eps spent ...; results in DIR"; exit 2: unknown run, 3: no analyzer
-    [[ -z $cli ]] || exec "$cli" run --analyzer "127.0.0.1:$PORT" --pki "$PKI" --fetch "$RUN_ID" --out "$RUN_OUT"
-    operator_container "${PROJECT}_operator-net" "$(results_dir "$RUN_OUT")" "" --fetch "$RUN_ID"
+    [[ -z $cli ]] || exec "$cli" run --analyzer "127.0.0.1:$PORT" --pki "$PKI" "$RUN_FLAG" "$RUN_ID" --out "$RUN_OUT"
+    operator_container "${PROJECT}_operator-net" "$(results_dir "$RUN_OUT")" "" "$RUN_FLAG" "$RUN_ID"
     ;;
   status) compose ps ;;
   logs) compose logs -f --tail=100 "$@" ;;
@@ -185,5 +187,5 @@ case "$CMD" in
     compose_pki "$force"
     ;;
   compose) compose "$@" ;;
-  *) die "unknown command '$CMD' (up, run, results, status, logs, down, pki, compose)" ;;
+  *) die "unknown command '$CMD' (up, run, results, cancel, status, logs, down, pki, compose)" ;;
 esac

@@ -21,6 +21,8 @@
 #                          operator-net, with the operator certificate. Shows progress per round, then a results
 #                          directory (default results/<name>-<time>)
 #   results RUN_ID [--out DIR]   fetch a run's results again (RUN_ID: printed by run)
+#   cancel RUN_ID [--out DIR]    cancel a run (one whose `run` was lost) and fetch what it has; a run that ended
+#                          already is left as it is
 #   ship HOST...           copy the image (--image) from this engine to each HOST without a registry: docker save
 #                          once, docker load on every HOST in parallel, then check that each has the same image ID.
 #                          HOST: an ssh destination (user@host: Docker's own ssh transport, which needs the docker
@@ -396,7 +398,7 @@ cmd_run() {
 cmd_results() {
   parse_results "$@"
   service_exists analyzer || die "stack $STACK is not deployed (run: $0 --stack $STACK up)"
-  operator_container "${STACK}_operator-net" "$(results_dir "$RUN_OUT")" "" --fetch "$RUN_ID"
+  operator_container "${STACK}_operator-net" "$(results_dir "$RUN_OUT")" "" "$RUN_FLAG" "$RUN_ID"
 }
 
 cmd_ship() {
@@ -512,12 +514,12 @@ case "$CMD" in
   label) cmd_label "$@" ;;
   up) cmd_up "$@" ;;
   run) cmd_run "$@" ;;
-  results) cmd_results "$@" ;;
+  results | cancel) cmd_results "$@" ;;
   ship) cmd_ship "$@" ;;
   scale) cmd_scale "$@" ;;
   status) cmd_status ;;
   logs) cmd_logs "$@" ;;
   down) cmd_down "$@" ;;
   pki) cmd_pki "$@" ;;
-  *) die "unknown command '$CMD' (init, label, up, run, results, ship, scale, status, logs, down, pki)" ;;
+  *) die "unknown command '$CMD' (init, label, up, run, results, cancel, ship, scale, status, logs, down, pki)" ;;
 esac

@@ -7,10 +7,11 @@ Everything is stopped on success, failure and Ctrl-C; Ctrl-C (or SIGTERM/SIGHUP 
 and writes what the analyzer has. With no CONFIG the embedded default (digits, one example per user) runs.
 
 With --analyzer it drives an already running deployment instead; `--fetch RUN_ID` writes the results directory of an
-existing run. Operator calls survive a slow or briefly unreachable analyzer (bounded retries); when the CLI gives up
-it says so in one line. Exit status: 0 run COMPLETED (or results fetched), 1 the run ended otherwise, 2 bad usage,
-configuration or run id, 3 lost the analyzer (or a local service died), 4 the run ended without releasing any round
-(every round refused by the users' policy, below threshold or failed: the model is the initial one), 130 Ctrl-C.
+existing run, `--cancel RUN_ID` cancels a run first (one whose CLI was lost) and writes what it has. Operator calls
+survive a slow or briefly unreachable analyzer (bounded retries); when the CLI gives up it says so in one line. Exit
+status: 0 run COMPLETED (or results fetched), 1 the run ended otherwise, 2 bad usage, configuration or run id, 3 lost
+the analyzer (or a local service died), 4 the run ended without releasing any round (every round refused by the
+users' policy, below threshold or failed: the model is the initial one), 130 Ctrl-C.
 
 A local run checks what its configuration and data decide alone before it starts anything: the data loads (every
 label of data.classes occurs) and the analyzer's planner accepts the run for the data's users (check_before_start).
@@ -53,7 +54,7 @@ TERMINAL = {pb.COMPLETED, pb.FAILED, pb.CANCELLED, pb.BUDGET_EXHAUSTED}
 
 # Operator calls to the analyzer: an analyzer restarting or stalled under load must not end the CLI at once, but the
 # CLI must not hang for ever either.
-GIVE_UP_S = 120.0  # continuous failure (UNAVAILABLE / DEADLINE_EXCEEDED) after which the CLI gives up
+GIVE_UP_S = 120.0  # continuous failure (a TRANSIENT code) after which the CLI gives up
 CALL_TIMEOUT_S = 30.0  # per call (GetRunResult: twice this, it carries the model and the ledger)
 CREATE_TIMEOUT_S = 60.0  # CreateRun at least this: it loads the data, and a timed-out CreateRun is never repeated
 # ... and with a model plug-in ([model] module): CreateRun also imports its framework and builds it (JAX: ~20 s on
@@ -64,7 +65,10 @@ PLUGIN_CREATE_TIMEOUT_S = 600.0
 SYNTHETIC_CREATE_S_PER_MILLION = 60.0
 BACKOFF_FIRST_S = 0.5
 BACKOFF_CAP_S = 8.0
-TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# CANCELLED too: an analyzer stopping (its host going down in a Swarm) or a proxy on the way ends the calls in flight
+# with it, and every call repeated on it is one that may be repeated (CreateRun, the one that may not, retries
+# UNAVAILABLE only)
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 EXIT_LOST = 3  # exit status: lost the analyzer, or a service of a local run died
 EXIT_NOTHING_RELEASED = 4  # exit status: the run ended and no round released an update (untrained model)
 _JITTER = secrets.SystemRandom()  # jitter only; the project draws no randomness from `random`
@@ -113,6 +117,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--fetch",
         metavar="RUN_ID",
         help="with --analyzer: write the results directory of an existing run (default --out: results/RUN_ID)",
+    )
+    parser.add_argument(
+        "--cancel",
+        metavar="RUN_ID",
+        help="with --analyzer: cancel an existing run (e.g. one whose CLI was lost; one that ended already stays as "
+        "it is) and write its results as --fetch does",
     )
     parser.set_defaults(func=_run_command)
 
@@ -520,14 +530,26 @@ def fetch_result(
     *,
     give_up_s: float = GIVE_UP_S,
     call_timeout_s: float = CALL_TIMEOUT_S,
+    cancel: bool = False,
 ) -> pb.RunResult:
-    """GetRunResult of an existing run, with the retries of drive_run (AnalyzerLost when it gives up)."""
+    """GetRunResult of an existing run, with the retries of drive_run (AnalyzerLost when it gives up); with `cancel`,
+    CancelRun first (a run that ended already is left as it is, and says so)."""
+    ref = pb.RunRef(run_id=run_id)
     with operator_channel(analyzer, pki, server_name) as channel:
+        stub = pbg.AnalyzerStub(channel)
         rpc = _Retrying(analyzer, echo, give_up_s)
         try:
-            return rpc.call(pbg.AnalyzerStub(channel).GetRunResult, pb.RunRef(run_id=run_id), 2 * call_timeout_s)
+            if cancel:
+                try:
+                    rpc.call(stub.CancelRun, ref, call_timeout_s)
+                except grpc.RpcError as exc:
+                    # ended already (or by a first attempt that did arrive): nothing left to cancel
+                    if _code(exc) != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    echo(f"not cancelled: {_first_line(exc)}")
+            return rpc.call(stub.GetRunResult, ref, 2 * call_timeout_s)
         except AnalyzerLost as lost:
-            lost.run_id, lost.during = run_id, f"while fetching run {run_id}"
+            lost.run_id, lost.during = run_id, f"while {'cancelling' if cancel else 'fetching'} run {run_id}"
             raise
 
 
@@ -990,14 +1012,18 @@ def _nothing_released(status: pb.RunStatus) -> list[str]:
 
 
 def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: float) -> int:
-    run_id = args.fetch.strip()
+    """--fetch RUN_ID, or --cancel RUN_ID (cancel, then fetch)."""
+    flag, run_id = ("--cancel", args.cancel) if args.cancel is not None else ("--fetch", args.fetch)
+    run_id = run_id.strip()
     usage = None
-    if not args.analyzer:
-        usage = "--fetch RUN_ID needs --analyzer HOST:PORT (the analyzer that holds the run)"
+    if args.cancel is not None and args.fetch is not None:
+        usage = "--cancel RUN_ID fetches the run's results too: give it without --fetch"
+    elif not args.analyzer:
+        usage = f"{flag} RUN_ID needs --analyzer HOST:PORT (the analyzer that holds the run)"
     elif args.config is not None:
-        usage = "--fetch takes no CONFIG (the run's own configuration is fetched with its results)"
+        usage = f"{flag} takes no CONFIG (the run's own configuration is fetched with its results)"
     elif not run_id:
-        usage = "--fetch needs a RUN_ID (printed by `shuffledp run` as 'run id: ...')"
+        usage = f"{flag} needs a RUN_ID (printed by `shuffledp run` as 'run id: ...')"
     out = args.out or Path("results") / run_id
     usage = usage or _plain_text_refused(args) or _out_refused(out, args.reuse_out, False, run_id)
     usage = usage or _tracking_refused(args)
@@ -1006,7 +1032,13 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
         return 2
     try:
         result = fetch_result(
-            args.analyzer, run_id, args.pki, args.server_name, give_up_s=give_up_s, call_timeout_s=call_timeout_s
+            args.analyzer,
+            run_id,
+            args.pki,
+            args.server_name,
+            give_up_s=give_up_s,
+            call_timeout_s=call_timeout_s,
+            cancel=args.cancel is not None,
         )
     except AnalyzerLost as lost:
         print(f"shuffledp run: {lost.what()}; try again later", file=sys.stderr)
@@ -1015,7 +1047,8 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
         if _code(exc) == grpc.StatusCode.NOT_FOUND:
             print(f"shuffledp run: the analyzer at {args.analyzer} has no run {run_id!r}", file=sys.stderr)
             return 2
-        return _rpc_failed(exc, args.analyzer, f"GetRunResult of run {run_id}")
+        call = "CancelRun" if args.cancel is not None else "GetRunResult"
+        return _rpc_failed(exc, args.analyzer, f"{call} of run {run_id}")
     failed = _make_out(out)  # only now: a failed fetch leaves no empty directory behind
     if failed:
         print(f"shuffledp run: {failed}", file=sys.stderr)
@@ -1083,7 +1116,7 @@ def _run_command(
             print(f"shuffledp run: --protocol: {exc}", file=sys.stderr)
             return 2
         return 0
-    if args.fetch is not None:
+    if args.fetch is not None or args.cancel is not None:
         return _fetch_command(args, give_up_s, call_timeout_s)
     try:
         config_toml = read_config_text(args.config) if args.config else DEFAULT_TOML

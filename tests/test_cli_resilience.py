@@ -27,10 +27,14 @@ import grpc
 import pytest
 from _procs import GhostNode
 from _runs import digits_pgd, wait_for_run
+from shuffledp.clients.node import start_node
+from shuffledp.services.analyzer import start_analyzer
+from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.cli import build_parser
 from shuffledp.cli import main as cli_main
-from shuffledp.run import _run_command, start_local_cluster
+from shuffledp.config import parse_config
+from shuffledp.run import _run_command, drive_run, start_local_cluster
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -231,11 +235,15 @@ def test_fetch_usage_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert cli_main(["run", "--fetch", "abc"]) == 2
     assert cli_main(["run", str(tmp_path / "x.toml"), "--analyzer", "127.0.0.1:1", "--fetch", "abc"]) == 2
     assert cli_main(["run", "--analyzer", "127.0.0.1:1", "--fetch", " "]) == 2
+    assert cli_main(["run", "--cancel", "abc"]) == 2
+    assert cli_main(["run", "--analyzer", "127.0.0.1:1", "--cancel", "abc", "--fetch", "abc"]) == 2
     out, err = capsys.readouterr()
     assert _errors(err) == [
         "shuffledp run: --fetch RUN_ID needs --analyzer HOST:PORT (the analyzer that holds the run)",
         "shuffledp run: --fetch takes no CONFIG (the run's own configuration is fetched with its results)",
         "shuffledp run: --fetch needs a RUN_ID (printed by `shuffledp run` as 'run id: ...')",
+        "shuffledp run: --cancel RUN_ID needs --analyzer HOST:PORT (the analyzer that holds the run)",
+        "shuffledp run: --cancel RUN_ID fetches the run's results too: give it without --fetch",
     ]
     assert out == "" and not (tmp_path / "results").exists()
 
@@ -285,3 +293,71 @@ def test_create_run_waits_longer_for_a_large_synthetic_data_set():
     assert _create_timeout("") == CREATE_TIMEOUT_S
     assert _create_timeout('[data]\ndataset = "synthetic"\nn = 10000000\n') == CREATE_TIMEOUT_S + 600
     assert _create_timeout('[data]\ndataset = "digits"\n') == CREATE_TIMEOUT_S
+
+
+def test_a_run_whose_cli_was_lost_is_cancelled_by_run_id_and_its_results_written(deployment, tmp_path, capsys):
+    """`--cancel RUN_ID` (deploy/compose.sh and swarm.sh: `cancel RUN_ID`): the run stops and its results so far are
+    written; a run that ended already is left as it is, and the command says so."""
+    _, _, analyzer, config, _ = deployment
+    with grpc.insecure_channel(analyzer) as channel:
+        stub = pbg.AnalyzerStub(channel)
+        run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=config.read_text()), timeout=60).run_id
+        stub.StartRun(pb.RunRef(run_id=run_id), timeout=30)
+        out = tmp_path / "cancelled"
+        assert cli_main(["run", "--analyzer", analyzer, "--cancel", run_id, "--out", str(out)]) == 0
+        assert stub.GetRunStatus(pb.RunRef(run_id=run_id), timeout=10).state == pb.CANCELLED
+    printed, err = capsys.readouterr()
+    assert err == "" and f"run {run_id}: CANCELLED, " in printed, printed + err
+    assert run_id in (out / "ledger.json").read_text() and (out / "metrics.json").exists()
+    # again, on the ended run: nothing to cancel, its results fetched again
+    assert cli_main(["run", "--analyzer", analyzer, "--cancel", run_id, "--out", str(out)]) == 0
+    printed, _ = capsys.readouterr()
+    assert printed.splitlines()[0] == f"not cancelled: run {run_id} already ended (CANCELLED)", printed
+    assert f"run {run_id}: CANCELLED, " in printed
+
+
+class _Cancels(grpc.ServerInterceptor):
+    """The real analyzer, whose first calls of some methods end CANCELLED before they reach it: what an analyzer
+    whose host is stopping (or a proxy on the way) does to the calls in flight, seen in the multi-host Swarm test."""
+
+    def __init__(self, **first: int) -> None:
+        self.left, self.lock = dict(first), threading.Lock()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        method = details.method.rsplit("/", 1)[-1]
+        if handler is None or method not in self.left:
+            return handler
+        inner = handler.unary_unary
+
+        def call(request, context):
+            with self.lock:
+                cancel = self.left[method] > 0
+                self.left[method] -= cancel
+            if cancel:
+                context.abort(grpc.StatusCode.CANCELLED, "cancelled on the way")
+            return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            call, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+def test_operator_calls_ended_cancelled_are_repeated_and_the_run_completes(tmp_path):
+    """The operator's StartRun, status polls and GetRunResult ending CANCELLED are repeated within the retry window
+    (the CLI ended with "refused the run (CANCELLED)" while the run went on without it)."""
+    config = digits_pgd(3)
+    cancels = _Cancels(StartRun=1, GetRunStatus=2, GetRunResult=1)
+    shuffler, sport = start_shuffler("127.0.0.1:0")
+    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state", interceptors=[cancels])
+    node = start_node("n0", parse_config(config), 0, 1, f"127.0.0.1:{sport}")
+    said: list[str] = []
+    try:
+        result = drive_run(f"127.0.0.1:{aport}", config, echo=said.append, give_up_s=60.0, call_timeout_s=10.0)
+    finally:
+        node.stop()
+        analyzer.stop(0)
+        shuffler.stop(0)
+    assert result.status.state == pb.COMPLETED and result.status.rounds_done == 3, said
+    assert cancels.left == {"StartRun": 0, "GetRunStatus": 0, "GetRunResult": 0}
+    assert said.count("analyzer unreachable (CANCELLED), retrying for up to 60 s...") == 3, said
