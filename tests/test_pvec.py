@@ -536,3 +536,90 @@ def test_count_wire_dtype_is_the_narrowest_width_that_holds_g_plus_m():
     for bad in (-1, 2**64, 1.5):
         with pytest.raises(ValueError):
             pvec.count_wire_dtype(bad)
+
+
+def _kernel_rows(seed: int, k: int, d: int, delta2: float) -> np.ndarray:
+    """Rows of every kind the rounding meets: inside and far outside the ball, zero, on its boundary, one entry
+    only, tiny, and finite rows whose squares overflow."""
+    rng = np.random.default_rng(seed)  # inputs only; the rounding's uniforms come from make_rng
+    X = rng.normal(size=(k, d)) * np.exp(rng.normal(size=(k, 1)) * 3)
+    X[0] = 0.0
+    X[1] = delta2 / math.sqrt(d)  # on the boundary (up to rounding)
+    X[2] = 0.0
+    X[2, -1] = -5 * delta2
+    X[3] *= 1e-300
+    X[4, :2] = [1e300, -1e300][: min(2, d)]
+    return X
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("d", [1, 7, 8, 9, 37])
+@pytest.mark.parametrize("g, width", [(200, 1), (1632, 2), (70_000, 4), (2**40, 8)])
+def test_rounding_kernel_is_the_numpy_reference_exactly(d, g, width, portable) -> None:
+    """_ldp_kernels.round_rows (round_counts' one pass per row) gives exactly clip_rows + shift_to_units +
+    _round_units on the same uniforms, in every wire width and both builds (baseline and AVX2), for every kind of
+    row; its values lie in {0..g} (what PVEC's privacy rests on)."""
+    from shuffledp.mechanisms import _ldp_kernels
+
+    delta2 = 0.7
+    X = _kernel_rows(d + width, 600, d, delta2)
+    params = PvecParams(d=d, n=10, delta2=delta2, g=g, m=50, p=0.5, eps=1.0, delta=1e-6, method="calibrated")
+    ref = pvec._round_units(shift_to_units(X, params), g, make_rng(3))
+    uniforms = make_rng(3).random(X.shape)
+    out = np.zeros(X.shape, dtype=f"<u{width}")
+    assert _ldp_kernels.round_rows(X, uniforms, out, d, delta2, float(g), width, portable) == -1
+    assert np.array_equal(out.astype(np.int64), ref)
+    assert out.max() <= g
+    got = pvec.round_counts(X, params, make_rng(3), out.dtype)
+    assert got.dtype == out.dtype and np.array_equal(got, out)
+    assert np.array_equal(pvec.round_counts(X, params, make_rng(3)), ref)  # int64 by default
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_rounding_kernel_stops_at_the_first_row_that_is_not_finite(portable) -> None:
+    from shuffledp.mechanisms import _ldp_kernels
+
+    X = np.ones((5, 9))
+    U = np.zeros_like(X)
+    for bad in (np.nan, np.inf, -np.inf):
+        X[3, 8] = bad  # in the tail after the 8-wide lanes, then inside them
+        out = np.zeros(X.shape, dtype=np.uint16)
+        assert _ldp_kernels.round_rows(X, U, out, 9, 1.0, 100.0, 2, portable) == 3
+        X[3, 8], X[3, 2] = 1.0, bad
+        assert _ldp_kernels.round_rows(X, U, out, 9, 1.0, 100.0, 2, portable) == 3
+        X[3, 2] = 1.0
+    params = PvecParams(d=9, n=10, delta2=1.0, g=100, m=50, p=0.5, eps=1.0, delta=1e-6, method="calibrated")
+    X[4, 0] = np.nan
+    with pytest.raises(ValueError, match="finite"):
+        pvec.round_counts(X, params, make_rng(1))
+
+
+def test_rounding_kernel_checks_its_buffers_and_parameters() -> None:
+    """Memory safety does not rest on the caller: every length and parameter is checked in the kernel."""
+    from shuffledp.mechanisms import _ldp_kernels
+
+    X, U, out = np.zeros((4, 3)), np.zeros((4, 3)), np.zeros((4, 3), dtype=np.uint16)
+    bad_calls = [
+        (X, U, out[:3], 3, 1.0, 100.0, 2),  # out short
+        (X[:3], U, out, 3, 1.0, 100.0, 2),  # X short
+        (X, U, out, 0, 1.0, 100.0, 2),  # d
+        (X, U, out, 3, 0.0, 100.0, 2),  # delta2
+        (X, U, out, 3, np.inf, 100.0, 2),
+        (X, U, out, 3, 1.0, 100.5, 2),  # g not an integer
+        (X, U, out, 3, 1.0, 0.0, 2),
+        (X, U, out, 3, 1.0, 65536.0, 2),  # g does not fit the width
+        (X, U, out, 3, 1.0, 2.0**53, 8),
+        (X, U, out, 3, 1.0, 100.0, 3),  # width
+    ]
+    for args in bad_calls:
+        with pytest.raises(ValueError):
+            _ldp_kernels.round_rows(*args)
+    with pytest.raises(ValueError, match="dtype"):
+        pvec.round_counts(X, PvecParams(3, 10, 1.0, 100, 50, 0.5, 1.0, 1e-6, "calibrated"), make_rng(1), np.int32)
+
+
+def test_clipping_keeps_the_direction_of_a_row_whose_squares_overflow() -> None:
+    """[1e300, -1e300] has a finite norm; clip_rows scaled it by delta2 / inf = 0 (a zero gradient, u = 1/2)."""
+    got = clip_rows(np.array([[1e300, -1e300, 0.0], [3.0, 4.0, 0.0]]), 2.0)
+    assert np.allclose(got[0], [math.sqrt(2), -math.sqrt(2), 0.0], rtol=1e-15)
+    assert np.allclose(got[1], [1.2, 1.6, 0.0], rtol=1e-15)

@@ -1,10 +1,12 @@
-/* Fused row loops for the eps0-LDP randomizers R_1 and R_inf (spec 001 section 3).
+/* Fused row loops for the eps0-LDP randomizers R_1 and R_inf (spec 001 section 3), and for PVEC's rounding (spec 000
+ * Alg 1 lines 3-5 after the clip and shift of Alg 2 line 4: round_rows).
  *
  * numpy needs 4-5 passes over the (k, d) batch X for what these loops do in one read: the benchmark target
  * (benchmarks/bench_ldp.py, encode <= 3x the cost of its random draws, issue 2) is out of numpy's reach for R_1.
  * No randomness and no privacy decision here: the kernels return dot products, l_1 norms and "entry above the bound"
  * flags; the Python callers raise on bad rows and draw the coins (R_1's privacy does not even rest on its norm check:
- * z is clamped to [-1, 1]). Memory safety does not depend on the caller: every buffer length is checked here.
+ * z is clamped to [-1, 1]). round_rows takes its uniforms from the caller (the CSPRNG) too; what PVEC's privacy rests
+ * on there, xhat in {0..g}, holds for any finite input by the clamp to [0, 1] before the rounding. Memory safety does not depend on the caller: every buffer length is checked here.
  *
  * Each kernel exists twice: baseline x86-64/any-CPU code, and (x86-64 with GCC or clang) the same source compiled
  * for AVX2, chosen at run time when the CPU has it. `portable=True` forces the baseline so tests cover both.
@@ -14,6 +16,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -107,6 +110,86 @@ static inline void rows_over_body(const double *X, Py_ssize_t k, Py_ssize_t d, d
     }
 }
 
+/* PVEC's rounding of k rows (spec 000 Alg 1 lines 3-5 on Alg 2 line 4's shift), the same arithmetic as numpy's
+ * clip_rows + shift_to_units + _round_units (mechanisms/pvec.py) in one read of each row instead of ~12 passes:
+ *   x' = x scaled to l2 norm <= delta2 (x * (delta2 / ||x||), and once more by 1 - 4 eps if that overshoots),
+ *   u = clamp((x' + delta2) / (2 delta2), 0, 1), v = u g, xhat = floor(v) + (U < v - floor(v)),
+ * U[i, j] the caller's uniforms in [0, 1). xhat is written as unsigned integers of `width` bytes (1, 2, 4 or 8).
+ * Returns the first row with a NaN or inf (nothing written from it on), or -1. The norm's sum runs in 4 lanes, so it
+ * may differ from numpy's by an ulp: the clip decision then differs only for a row within an ulp of delta2. A row of
+ * finite values whose squares overflow is scaled by its largest entry first (numpy's clip_rows zeroes it). */
+#define ROUND_ROW(T)                                                                                                 \
+    do {                                                                                                             \
+        T *o = (T *)out + i * d;                                                                                     \
+        for (Py_ssize_t j = 0; j < d; j++) {                                                                         \
+            double y = x[j];                                                                                         \
+            if (scaled) {                                                                                            \
+                y *= scale;                                                                                          \
+                if (shrink) y *= 1.0 - 4.0 * DBL_EPSILON;                                                            \
+            }                                                                                                        \
+            double v = (y + delta2) / two;                                                                           \
+            v = v < 0.0 ? 0.0 : (v > 1.0 ? 1.0 : v);                                                                 \
+            v *= g;                                                                                                  \
+            const int64_t low = (int64_t)v; /* v in [0, g], g < 2^53: truncation is floor, exactly */              \
+            o[j] = (T)(low + (u[j] < v - (double)low));                                                              \
+        }                                                                                                            \
+    } while (0)
+
+static inline Py_ssize_t round_rows_body(const double *X, const double *U, void *out, Py_ssize_t k, Py_ssize_t d,
+                                         double delta2, double g, int width) {
+    int64_t tmax;
+    const double dmax = DBL_MAX;
+    memcpy(&tmax, &dmax, sizeof tmax);
+    const v4i t = {tmax, tmax, tmax, tmax}, mask = {INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX};
+    const double two = 2.0 * delta2;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        const double *x = X + i * d, *u = U + i * d;
+        v4 s0 = {0}, s1 = {0};
+        v4i o0 = {0}, o1 = {0}; /* negative lane: an entry above DBL_MAX in magnitude, i.e. inf or NaN */
+        Py_ssize_t j = 0;
+        for (; j + 8 <= d; j += 8) {
+            const v4 x0 = load4(x + j), x1 = load4(x + j + 4);
+            s0 += x0 * x0;
+            s1 += x1 * x1;
+            o0 |= t - ((v4i)x0 & mask);
+            o1 |= t - ((v4i)x1 & mask);
+        }
+        o0 |= o1;
+        int64_t bad = o0[0] | o0[1] | o0[2] | o0[3];
+        double ss = hsum(s0 + s1);
+        for (; j < d; j++) {
+            int64_t b;
+            memcpy(&b, x + j, sizeof b);
+            bad |= tmax - (b & INT64_MAX);
+            ss += x[j] * x[j];
+        }
+        if (bad < 0) return i;
+        double norm = sqrt(ss);
+        if (isinf(ss)) { /* finite entries whose squares overflow: the norm of x / max|x|, times max|x| */
+            double top = 0.0, s = 0.0;
+            for (j = 0; j < d; j++) top = fabs(x[j]) > top ? fabs(x[j]) : top;
+            for (j = 0; j < d; j++) s += (x[j] / top) * (x[j] / top);
+            norm = top * sqrt(s);
+        }
+        int scaled = 0, shrink = 0;
+        double scale = 1.0;
+        if (norm > delta2) {
+            scaled = 1;
+            scale = delta2 / norm;
+            double s = 0.0;
+            for (j = 0; j < d; j++) s += (x[j] * scale) * (x[j] * scale);
+            shrink = sqrt(s) > delta2; /* float rounding left it an ulp above delta2 */
+        }
+        switch (width) {
+            case 1: ROUND_ROW(uint8_t); break;
+            case 2: ROUND_ROW(uint16_t); break;
+            case 4: ROUND_ROW(uint32_t); break;
+            default: ROUND_ROW(uint64_t); break;
+        }
+    }
+    return -1;
+}
+
 static void dots_l1_base(const double *X, const int64_t *rows, Py_ssize_t k, Py_ssize_t d, int b,
                          const double *table, double *dots, double *l1) {
     dots_l1_body(X, rows, k, d, b, table, dots, l1);
@@ -114,6 +197,11 @@ static void dots_l1_base(const double *X, const int64_t *rows, Py_ssize_t k, Py_
 
 static void rows_over_base(const double *X, Py_ssize_t k, Py_ssize_t d, double bound, uint8_t *out) {
     rows_over_body(X, k, d, bound, out);
+}
+
+static Py_ssize_t round_rows_base(const double *X, const double *U, void *out, Py_ssize_t k, Py_ssize_t d,
+                                  double delta2, double g, int width) {
+    return round_rows_body(X, U, out, k, d, delta2, g, width);
 }
 
 #ifdef HAVE_AVX2_VARIANT
@@ -126,6 +214,12 @@ __attribute__((target("avx2"))) static void dots_l1_avx2(const double *X, const 
 __attribute__((target("avx2"))) static void rows_over_avx2(const double *X, Py_ssize_t k, Py_ssize_t d, double bound,
                                                            uint8_t *out) {
     rows_over_body(X, k, d, bound, out);
+}
+
+__attribute__((target("avx2"))) static Py_ssize_t round_rows_avx2(const double *X, const double *U, void *out,
+                                                                 Py_ssize_t k, Py_ssize_t d, double delta2, double g,
+                                                                 int width) {
+    return round_rows_body(X, U, out, k, d, delta2, g, width);
 }
 
 static int use_avx2(int portable) { return !portable && __builtin_cpu_supports("avx2"); }
@@ -208,6 +302,44 @@ static PyObject *rows_over(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *round_rows(PyObject *self, PyObject *args) {
+    Py_buffer X, U, out;
+    Py_ssize_t d;
+    double delta2, g;
+    int width, portable = 0;
+    if (!PyArg_ParseTuple(args, "y*y*w*nddi|p:round_rows", &X, &U, &out, &d, &delta2, &g, &width, &portable))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t k = d >= 1 ? U.len / (Py_ssize_t)sizeof(double) / d : 0;
+    /* g < 2^53: every count up to g is an exact double and v's truncation is its floor */
+    if (d < 1 || !(delta2 > 0.0 && isfinite(delta2)) || !(g >= 1.0 && g < 9007199254740992.0 && g == floor(g)) ||
+        !(width == 1 || width == 2 || width == 4 || width == 8) || (width < 8 && g >= ldexp(1.0, 8 * width))) {
+        PyErr_Format(PyExc_ValueError,
+                     "need d >= 1, a finite delta2 > 0, an integer 1 <= g < 2^53 that fits width in {1, 2, 4, 8} "
+                     "bytes, got d=%zd, delta2=%R, g=%R, width=%d",
+                     d, PyTuple_GET_ITEM(args, 4), PyTuple_GET_ITEM(args, 5), width);
+    } else if (check_len(&U, k * d, "U") && check_matrix(&X, k, d)) {
+        if (out.len != k * d * width) {
+            PyErr_Format(PyExc_ValueError, "out has %zd bytes, expected %zd", out.len, k * d * width);
+        } else {
+            Py_ssize_t bad;
+            Py_BEGIN_ALLOW_THREADS
+#ifdef HAVE_AVX2_VARIANT
+            if (use_avx2(portable))
+                bad = round_rows_avx2(X.buf, U.buf, out.buf, k, d, delta2, g, width);
+            else
+#endif
+                bad = round_rows_base(X.buf, U.buf, out.buf, k, d, delta2, g, width);
+            Py_END_ALLOW_THREADS
+            result = PyLong_FromSsize_t(bad);
+        }
+    }
+    PyBuffer_Release(&X);
+    PyBuffer_Release(&U);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"hadamard_dots_l1", hadamard_dots_l1, METH_VARARGS,
      "hadamard_dots_l1(X, rows, table, dots, l1, d, b, portable=False): for the k = len(rows) rows of the C-order "
@@ -215,10 +347,15 @@ static PyMethodDef methods[] = {
     {"rows_over", rows_over, METH_VARARGS,
      "rows_over(X, out, d, bound, portable=False): out[i] = 1 if some |X[i, j]| > bound or is NaN, else 0, for the "
      "k = len(out) rows of the C-order float64 X (k, d); out is a writable buffer of k bytes (numpy bool)."},
+    {"round_rows", round_rows, METH_VARARGS,
+     "round_rows(X, U, out, d, delta2, g, width, portable=False): PVEC's rounding of the k = len(U) / d rows of the "
+     "C-order float64 X (k, d) with the uniforms U (k, d): each row clipped to l2 norm <= delta2, shifted to "
+     "u = (x + delta2) / (2 delta2) in [0, 1], and xhat = floor(u g) + (U < frac(u g)) written to out as unsigned "
+     "integers of width bytes. Returns the first row holding a NaN or inf (rows from it on unwritten), or -1."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ldp_kernels", "Fused row loops for R_1 and R_inf.", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ldp_kernels", "Fused row loops for R_1, R_inf and PVEC's rounding.", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__ldp_kernels(void) {

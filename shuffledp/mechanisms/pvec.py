@@ -21,11 +21,12 @@ totals and n'); *bit mode* sends the literal d (g + m) labelled bits of Alg 2 fo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
+
+from shuffledp.mechanisms import _ldp_kernels
 
 __all__ = [
     "count_wire_dtype",
@@ -378,6 +379,12 @@ def clip_rows(X: np.ndarray, delta2: float) -> np.ndarray:
         raise ValueError("X must contain only finite values (found NaN or inf)")
     rows = X.reshape(1, -1) if X.ndim == 1 else X
     norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))
+    if np.any(big := np.isinf(norms)):
+        # finite entries whose squares overflow: the norm of the row over its largest entry, times that entry (as
+        # _ldp_kernels.round_rows does; scaling by delta2 / inf would zero the row, losing its direction)
+        top = np.max(np.abs(rows[big]), axis=1)
+        scaled = rows[big] / top[:, None]
+        norms[big] = top * np.sqrt(np.einsum("ij,ij->i", scaled, scaled))
     over = norms > delta2
     if np.any(over):
         rows[over] *= (delta2 / norms[over])[:, None]
@@ -409,27 +416,43 @@ def encode_counts(X: np.ndarray, params: PvecParams, rng: np.random.Generator) -
 
     Inputs are clipped to ||x||_2 <= delta2 here (whatever the caller did) before the shift. A 1-D x is one user.
     """
-    return _by_blocks(X, params, lambda u: _encode_units(u, params.g, params.m, params.p, rng))
+    return _rounded(X, params, rng, np.dtype(np.int64), noise=True)
 
 
-def round_counts(X: np.ndarray, params: PvecParams, rng: np.random.Generator) -> np.ndarray:
-    """encode_counts without the noise: xhat_ij in {0..g} (Alg 1 lines 3-5 of paper 000), int64 of shape (k, d).
-    A client node adds its users' noise to their sum instead (summed_noise)."""
-    return _by_blocks(X, params, lambda u: _round_units(u, params.g, rng))
+def round_counts(
+    X: np.ndarray, params: PvecParams, rng: np.random.Generator, dtype: np.dtype | type = np.int64
+) -> np.ndarray:
+    """encode_counts without the noise: xhat_ij in {0..g} (Alg 1 lines 3-5 of paper 000, on the rows clipped to
+    ||x||_2 <= delta2 and shifted as in Alg 2 line 4), of shape (k, d) in `dtype`: int64, or an unsigned width that
+    holds g (the wire's, count_wire_dtype). A client node adds its users' noise to their sum instead (summed_noise)."""
+    dtype = np.dtype(dtype)
+    if not (dtype == np.int64 or dtype.kind == "u"):
+        raise ValueError(f"dtype must be int64 or an unsigned integer type, got {dtype}")
+    return _rounded(X, params, rng, dtype, noise=False)
 
 
-def _by_blocks(X: np.ndarray, params: PvecParams, encode: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+def _rounded(X: np.ndarray, params: PvecParams, rng: np.random.Generator, dtype: np.dtype, noise: bool) -> np.ndarray:
+    """xhat (plus each value's Bin(m, p) with noise) of the rows of X. One C pass per row (_ldp_kernels.round_rows)
+    does what clip_rows, shift_to_units and _round_units (the reference, kept for P1D and the tests) do in ~12 numpy
+    passes, with the same arithmetic and the same uniforms (rng.random, block by block in row order; with noise, each
+    block's binomials after its uniforms, as before): those passes cost ~4x the uniforms (5.0 ms against 1.2 for 500
+    users at d = 650)."""
     X = np.asarray(X)
     one = X.ndim == 1
     rows = X.reshape(1, -1) if one else X
     if rows.ndim != 2 or rows.shape[1] != params.d:
         raise ValueError(f"X must have shape (k, d={params.d}), got {X.shape}")
-    # block by block: at k d ~ 10^7 (mnist5k: 1875 users x 7850) the ~8 whole-array temporaries of clipping,
-    # shifting, rounding and the binomials cost more in page faults than the draws; a block's are reused in cache
+    rows = np.ascontiguousarray(rows, dtype=np.float64)
+    counts = np.empty(rows.shape, dtype=dtype)
+    # block by block: a block's uniforms (1 MiB) stay in cache, and no k x d float temporary is made
     step = max(1, ENCODE_BLOCK_VALUES // params.d)
-    counts = np.empty(rows.shape, dtype=np.int64)
     for i in range(0, rows.shape[0], step):
-        counts[i : i + step] = encode(shift_to_units(rows[i : i + step], params))
+        block, out = rows[i : i + step], counts[i : i + step]
+        uniforms = rng.random(block.shape)
+        if _ldp_kernels.round_rows(block, uniforms, out, params.d, params.delta2, params.g, dtype.itemsize) >= 0:
+            raise ValueError("X must contain only finite values (found NaN or inf)")
+        if noise:
+            out += rng.binomial(params.m, params.p, size=out.shape)
     return counts[0] if one else counts
 
 
