@@ -554,7 +554,7 @@ def _kernel_rows(seed: int, k: int, d: int, delta2: float) -> np.ndarray:
 
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("d", [1, 7, 8, 9, 37])
-@pytest.mark.parametrize("g, width", [(200, 1), (1632, 2), (70_000, 4), (2**40, 8)])
+@pytest.mark.parametrize("g, width", [(200, 1), (1632, 2), (70_000, 4), (2**31 + 5, 4), (2**40, 8)])
 def test_rounding_kernel_is_the_numpy_reference_exactly(d, g, width, portable) -> None:
     """_ldp_kernels.round_rows (round_counts' one pass per row) gives exactly clip_rows + shift_to_units +
     _round_units on the same uniforms, in every wire width and both builds (baseline and AVX2), for every kind of

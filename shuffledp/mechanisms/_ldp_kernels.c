@@ -6,7 +6,8 @@
  * No randomness and no privacy decision here: the kernels return dot products, l_1 norms and "entry above the bound"
  * flags; the Python callers raise on bad rows and draw the coins (R_1's privacy does not even rest on its norm check:
  * z is clamped to [-1, 1]). round_rows takes its uniforms from the caller (the CSPRNG) too; what PVEC's privacy rests
- * on there, xhat in {0..g}, holds for any finite input by the clamp to [0, 1] before the rounding. Memory safety does not depend on the caller: every buffer length is checked here.
+ * on there, xhat in {0..g}, holds for any finite input by the clamp to [0, 1] before the rounding. Memory safety
+ * does not depend on the caller: every buffer length is checked here.
  *
  * Each kernel exists twice: baseline x86-64/any-CPU code, and (x86-64 with GCC or clang) the same source compiled
  * for AVX2, chosen at run time when the CPU has it. `portable=True` forces the baseline so tests cover both.
@@ -117,26 +118,79 @@ static inline void rows_over_body(const double *X, Py_ssize_t k, Py_ssize_t d, d
  * U[i, j] the caller's uniforms in [0, 1). xhat is written as unsigned integers of `width` bytes (1, 2, 4 or 8).
  * Returns the first row with a NaN or inf (nothing written from it on), or -1. The norm's sum runs in 4 lanes, so it
  * may differ from numpy's by an ulp: the clip decision then differs only for a row within an ulp of delta2. A row of
- * finite values whose squares overflow is scaled by its largest entry first (numpy's clip_rows zeroes it). */
-#define ROUND_ROW(T)                                                                                                 \
+ * finite values whose squares overflow is scaled by its largest entry first (as clip_rows does). */
+typedef int32_t v4i32 __attribute__((vector_size(16)));
+typedef uint16_t v4u16 __attribute__((vector_size(8)));
+typedef uint8_t v4u8 __attribute__((vector_size(4)));
+
+/* One row's output loop for output type T, truncating through the signed type I, y = X's value as clipped (Y: x,
+ * x * scale, or x * scale * (1 - 4 eps), unswitched so that the loop has no branch). Scalar: the tail of the
+ * 4-lane loop below, and every value where g >= 2^31. */
+#define ROUND_LOOP(T, I, Y)                                                                                          \
+    for (; j < d; j++) {                                                                                             \
+        const double y = (Y);                                                                                        \
+        double v = (y + delta2) / two;                                                                               \
+        v = v < 0.0 ? 0.0 : (v > 1.0 ? 1.0 : v);                                                                     \
+        v *= g;                                                                                                      \
+        const I low = (I)v; /* v in [0, g]: truncation is floor, exactly */                                         \
+        o[j] = (T)(low + (I)(u[j] < v - (double)low));                                                               \
+    }
+
+/* The same arithmetic on 4 values at a time where g < 2^31 (int32 lanes): the clamp as bit masks (the scalar
+ * ternaries are control flow to the vectorizer), truncation by cvttpd2dq. STORE writes the 4 int32 results r. */
+#define ROUND_LOOP4(Y, STORE)                                                                                        \
+    for (; j + 4 <= d; j += 4) {                                                                                     \
+        const v4 y = (Y);                                                                                            \
+        v4 v = (y + d2v) / twov;                                                                                     \
+        v = (v4)((v4i)v & ~(v < zerov));                                                                             \
+        const v4i over = v > onev;                                                                                   \
+        v = (v4)(((v4i)v & ~over) | ((v4i)onev & over));                                                             \
+        v *= gv;                                                                                                     \
+        const v4i32 low = __builtin_convertvector(v, v4i32);                                                         \
+        const v4i take = load4(u + j) < v - __builtin_convertvector(low, v4);                                        \
+        const v4i32 r = low - __builtin_convertvector(take, v4i32); /* take: -1 where the coin says up */           \
+        STORE;                                                                                                       \
+    }
+
+/* VEC: 1 for the 4-lane loop first (g < 2^31), 0 for the scalar loop alone */
+#define ROUND_ROW(T, I, STORE, VEC)                                                                                  \
     do {                                                                                                             \
         T *o = (T *)out + i * d;                                                                                     \
-        for (Py_ssize_t j = 0; j < d; j++) {                                                                         \
-            double y = x[j];                                                                                         \
-            if (scaled) {                                                                                            \
-                y *= scale;                                                                                          \
-                if (shrink) y *= 1.0 - 4.0 * DBL_EPSILON;                                                            \
-            }                                                                                                        \
-            double v = (y + delta2) / two;                                                                           \
-            v = v < 0.0 ? 0.0 : (v > 1.0 ? 1.0 : v);                                                                 \
-            v *= g;                                                                                                  \
-            const int64_t low = (int64_t)v; /* v in [0, g], g < 2^53: truncation is floor, exactly */              \
-            o[j] = (T)(low + (u[j] < v - (double)low));                                                              \
+        Py_ssize_t j = 0;                                                                                            \
+        if (!scaled) {                                                                                               \
+            if (VEC) ROUND_LOOP4(load4(x + j), STORE)                                                                \
+            ROUND_LOOP(T, I, x[j])                                                                                   \
+        } else if (!shrink) {                                                                                        \
+            if (VEC) ROUND_LOOP4(load4(x + j) * scalev, STORE)                                                       \
+            ROUND_LOOP(T, I, x[j] * scale)                                                                           \
+        } else {                                                                                                     \
+            if (VEC) ROUND_LOOP4(load4(x + j) * scalev * shrinkv, STORE)                                             \
+            ROUND_LOOP(T, I, x[j] * scale * (1.0 - 4.0 * DBL_EPSILON))                                               \
         }                                                                                                            \
     } while (0)
 
-static inline Py_ssize_t round_rows_body(const double *X, const double *U, void *out, Py_ssize_t k, Py_ssize_t d,
-                                         double delta2, double g, int width) {
+#define STORE_U8                                                                                                     \
+    do {                                                                                                             \
+        const v4u8 n = __builtin_convertvector(r, v4u8);                                                             \
+        memcpy(o + j, &n, sizeof n);                                                                                 \
+    } while (0)
+#define STORE_U16                                                                                                    \
+    do {                                                                                                             \
+        const v4u16 n = __builtin_convertvector(r, v4u16);                                                           \
+        memcpy(o + j, &n, sizeof n);                                                                                 \
+    } while (0)
+#define STORE_U32 memcpy(o + j, &r, sizeof r) /* 0 <= r <= g < 2^31: the same bits as uint32 */
+#define STORE_U64                                                                                                    \
+    do {                                                                                                             \
+        const v4i n = __builtin_convertvector(r, v4i);                                                               \
+        memcpy(o + j, &n, sizeof n);                                                                                 \
+    } while (0)
+#define STORE_NONE (void)r
+
+/* always_inline: the AVX2 variant below must get its own copy of this body (GCC called the baseline one) */
+static inline __attribute__((always_inline)) Py_ssize_t round_rows_body(const double *X, const double *U, void *out,
+                                                                        Py_ssize_t k, Py_ssize_t d, double delta2,
+                                                                        double g, int width) {
     int64_t tmax;
     const double dmax = DBL_MAX;
     memcpy(&tmax, &dmax, sizeof tmax);
@@ -180,12 +234,22 @@ static inline Py_ssize_t round_rows_body(const double *X, const double *U, void 
             for (j = 0; j < d; j++) s += (x[j] * scale) * (x[j] * scale);
             shrink = sqrt(s) > delta2; /* float rounding left it an ulp above delta2 */
         }
-        switch (width) {
-            case 1: ROUND_ROW(uint8_t); break;
-            case 2: ROUND_ROW(uint16_t); break;
-            case 4: ROUND_ROW(uint32_t); break;
-            default: ROUND_ROW(uint64_t); break;
-        }
+        const v4 d2v = {delta2, delta2, delta2, delta2}, twov = {two, two, two, two}, gv = {g, g, g, g};
+        const v4 zerov = {0}, onev = {1.0, 1.0, 1.0, 1.0}, scalev = {scale, scale, scale, scale};
+        const double sh = 1.0 - 4.0 * DBL_EPSILON;
+        const v4 shrinkv = {sh, sh, sh, sh};
+        if (width == 1)
+            ROUND_ROW(uint8_t, int32_t, STORE_U8, 1);
+        else if (width == 2)
+            ROUND_ROW(uint16_t, int32_t, STORE_U16, 1);
+        else if (g < 2147483648.0 && width == 4)
+            ROUND_ROW(uint32_t, int32_t, STORE_U32, 1);
+        else if (width == 4)
+            ROUND_ROW(uint32_t, int64_t, STORE_NONE, 0);
+        else if (g < 2147483648.0) /* int64 output (round_counts' default) of a g that int32 lanes hold */
+            ROUND_ROW(uint64_t, int32_t, STORE_U64, 1);
+        else
+            ROUND_ROW(uint64_t, int64_t, STORE_NONE, 0);
     }
     return -1;
 }
@@ -355,8 +419,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ldp_kernels", "Fused row loops for R_1, R_inf and PVEC's rounding.", -1,
-                                    methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ldp_kernels",
+                                    "Fused row loops for R_1, R_inf and PVEC's rounding.", -1, methods};
 
 PyMODINIT_FUNC PyInit__ldp_kernels(void) {
 #ifdef HAVE_AVX2_VARIANT
