@@ -201,13 +201,46 @@ def model_factory(fn: Any) -> Any:
     return fn
 
 
-def _design(X: np.ndarray, num_features: int, bias: bool = True) -> np.ndarray:
+def _design(X: np.ndarray, num_features: int, bias: bool = True) -> np.ndarray | _Biased:
     X = np.asarray(X, dtype=np.float64)
     if X.ndim != 2 or X.shape[1] != num_features:
         raise ValueError(f"X must have shape (k, num_features={num_features}), got {X.shape}")
-    if not bias:
-        return X
-    return np.concatenate([X, np.ones((X.shape[0], 1))], axis=1)
+    return _Biased(X) if bias else X
+
+
+class _Biased:
+    """The inputs with the bias coordinate, Z = [X, 1], without building it: what the models do with Z, read from X.
+    At d = 10^4 a copy of a round's (or the test set's) inputs, 80 MB per 1000 examples in a fresh block, cost ~4x
+    the product that reads it (its page faults): a node's gradients and the analyzer's every evaluation made one."""
+
+    __slots__ = ("X", "shape")
+
+    def __init__(self, X: np.ndarray) -> None:
+        self.X = X
+        self.shape = (X.shape[0], X.shape[1] + 1)
+
+    def __matmul__(self, W: np.ndarray) -> np.ndarray:
+        """Z @ W for W of shape (f + 1,) or (f + 1, c)."""
+        return self.X @ W[:-1] + W[-1]
+
+    def scale_rows(self, r: np.ndarray) -> np.ndarray:
+        """r[:, None] * Z, shape (k, f + 1)."""
+        out = np.empty(self.shape)
+        np.multiply(r[:, None], self.X, out=out[:, :-1])
+        out[:, -1] = r
+        return out
+
+    def outer(self, P: np.ndarray) -> np.ndarray:
+        """(P[:, :, None] * Z[:, None, :]).reshape(k, c (f + 1)) for P of shape (k, c): each row's outer product."""
+        k, c = P.shape
+        out = np.empty((k, c, self.shape[1]))
+        np.multiply(P[:, :, None], self.X[:, None, :], out=out[:, :, :-1])
+        out[:, :, -1] = P
+        return out.reshape(k, c * self.shape[1])
+
+    def squared_norms(self) -> np.ndarray:
+        """||z||^2 of each row (>= 1: the bias coordinate)."""
+        return np.einsum("ij,ij->i", self.X, self.X) + 1.0
 
 
 @dataclass(frozen=True)
@@ -326,7 +359,7 @@ class Model(ModelPlugin):
             raise ValueError(f"params must have shape ({self.dim},), got {params.shape}")
         return params
 
-    def _inputs(self, X: np.ndarray) -> np.ndarray:
+    def _inputs(self, X: np.ndarray) -> np.ndarray | _Biased:
         return _design(X, self.num_features, bias=self.task != "distance")
 
     def _labels(self, y: np.ndarray, k: int) -> np.ndarray:
@@ -351,14 +384,14 @@ class Model(ModelPlugin):
             return np.zeros(k)  # labels ignored
         return y.astype(np.float64)
 
-    def _softmax(self, params: np.ndarray, Z: np.ndarray) -> np.ndarray:
+    def _softmax(self, params: np.ndarray, Z: _Biased) -> np.ndarray:
         W = params.reshape(self.num_classes, self.num_features + 1)
         s = Z @ W.T
         s -= s.max(axis=1, keepdims=True)  # stable softmax
         e = np.exp(s)
         return e / e.sum(axis=1, keepdims=True)
 
-    def _mlp_forward(self, params: np.ndarray, Z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _mlp_forward(self, params: np.ndarray, Z: _Biased) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(W2, [h; 1], scores) of the mlp at params for the inputs Z = [x; 1]: h = tanh(W1 z), scores W2 [h; 1]."""
         H, n1 = self.hidden, self.hidden * (self.num_features + 1)
         W1 = params[:n1].reshape(H, self.num_features + 1)
@@ -394,18 +427,18 @@ class Model(ModelPlugin):
             # d/dW of cross-entropy = (softmax(Wz) - onehot(y)) z^T, flattened row-major like W
             P = self._softmax(params, Z)
             P[np.arange(Z.shape[0]), y] -= 1.0
-            G = (P[:, :, None] * Z[:, None, :]).reshape(Z.shape[0], self.dim)
+            G = Z.outer(P)
         elif self.task == "mlp":
             G = self._mlp_gradients(params, Z, y)
         elif self.task == "leastsq":
-            G = (Z @ params - y)[:, None] * Z
+            G = Z.scale_rows(Z @ params - y)
         elif self.smoothing > 0:
             G = self._moreau(params, Z, y)[0]
         elif self.task == "hinge":
             active = y * (Z @ params) < 1.0  # subgradient -s z where the margin is violated, 0 elsewhere
-            G = -(active * y)[:, None] * Z
+            G = Z.scale_rows(-(active * y))
         elif self.task == "absolute":
-            G = np.sign(Z @ params - y)[:, None] * Z  # sign(0) = 0 is a valid subgradient
+            G = Z.scale_rows(np.sign(Z @ params - y))  # sign(0) = 0 is a valid subgradient
         else:  # distance: (theta - x) / ||theta - x||, 0 at theta = x
             D = params[None, :] - Z
             r = np.linalg.norm(D, axis=1)
@@ -414,7 +447,7 @@ class Model(ModelPlugin):
             G = G + self.l2 * params[None, :]
         return G
 
-    def _mlp_gradients(self, params: np.ndarray, Z: np.ndarray, y: np.ndarray) -> np.ndarray:
+    def _mlp_gradients(self, params: np.ndarray, Z: _Biased, y: np.ndarray) -> np.ndarray:
         """Exact backpropagation for every example at once, shape (k, dim) in the layout [W1; W2].
 
         delta2 = softmax(s) - onehot(y) (k, K): dL/dW2 = delta2 [h; 1]^T. delta1 = (1 - h^2) * (W2[:, :H]^T delta2)
@@ -427,11 +460,11 @@ class Model(ModelPlugin):
         P /= P.sum(axis=1, keepdims=True)
         P[np.arange(k), y] -= 1.0  # delta2
         D1 = (P @ W2[:, :H]) * (1.0 - Ht[:, :H] ** 2)
-        G1 = (D1[:, :, None] * Z[:, None, :]).reshape(k, H * Z.shape[1])
+        G1 = Z.outer(D1)
         G2 = (P[:, :, None] * Ht[:, None, :]).reshape(k, self.num_classes * (H + 1))
         return np.concatenate([G1, G2], axis=1)
 
-    def _moreau(self, params: np.ndarray, Z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _moreau(self, params: np.ndarray, Z: np.ndarray | _Biased, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(gradients, envelope values) of each example's Moreau envelope f_beta(th) = min_u f(u) + beta/2 ||th - u||^2.
 
         grad f_beta(th) = beta (th - prox_{f/beta}(th)) (spec 000 Def 4.5 / Lem 4.6; Beck, First-Order Methods in
@@ -448,18 +481,18 @@ class Model(ModelPlugin):
             G = D * np.minimum(beta, 1.0 / np.where(r > 0, r, 1.0))[:, None]
             value = np.where(beta * r >= 1.0, r - 0.5 / beta, 0.5 * beta * r * r)
             return G, value
-        zz = np.einsum("ij,ij->i", Z, Z)  # ||z||^2 >= 1 (bias coordinate), no division by 0
+        zz = Z.squared_norms()  # >= 1 (bias coordinate), no division by 0
         u = Z @ params
         if self.task == "hinge":
             # prox moves th along s z by t: t = 1/beta (still violated), (1 - s th.z)/||z||^2 (onto the hinge) or 0
             t = np.clip((1.0 - y * u) / zz, 0.0, 1.0 / beta)
-            G = -(beta * t * y)[:, None] * Z
+            G = Z.scale_rows(-(beta * t * y))
             value = np.maximum(0.0, 1.0 - y * u - t * zz) + 0.5 * beta * t * t * zz
             return G, value
         # absolute: prox moves th along -z by c = clip(r/||z||^2, -1/beta, 1/beta), r = th.z - y
         r = u - y
         c = np.clip(r / zz, -1.0 / beta, 1.0 / beta)
-        G = (beta * c)[:, None] * Z
+        G = Z.scale_rows(beta * c)
         value = np.abs(r - c * zz) + 0.5 * beta * c * c * zz
         return G, value
 
