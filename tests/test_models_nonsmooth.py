@@ -241,3 +241,20 @@ def test_gradients_respect_the_stated_constants(task):
         ratio = np.max(np.linalg.norm(ga - gb, axis=1)) / np.linalg.norm(a - b)
         worst_ratio = max(worst_ratio, ratio)
     assert worst_ratio <= beta * (1 + 1e-9)
+
+
+def test_the_inputs_with_their_bias_coordinate_act_as_the_concatenated_matrix():
+    """models._Biased (Z = [X, 1] read from X, no copy: issue 30) gives what the explicit matrix gives, to rounding."""
+    from shuffledp.models import _Biased
+
+    rng = make_rng(12)
+    X = rng.normal(size=(50, 7))
+    Z = np.concatenate([X, np.ones((50, 1))], axis=1)
+    B = _Biased(X)
+    w, W, r, P = rng.normal(size=8), rng.normal(size=(8, 3)), rng.normal(size=50), rng.normal(size=(50, 3))
+    assert B.shape == Z.shape
+    assert np.allclose(B @ w, Z @ w, rtol=1e-13, atol=1e-13)
+    assert np.allclose(B @ W, Z @ W, rtol=1e-13, atol=1e-13)
+    assert np.array_equal(B.scale_rows(r), r[:, None] * Z)
+    assert np.array_equal(B.outer(P), (P[:, :, None] * Z[:, None, :]).reshape(50, 24))
+    assert np.allclose(B.squared_norms(), np.einsum("ij,ij->i", Z, Z), rtol=1e-14)
