@@ -265,14 +265,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(autouse=True)
 def _no_run_outlives_its_test(cluster: Cluster):
     """A run that a failed test leaves going (its CLI ended, or was stopped by the failure) would go on charging its
-    users into the next test's audit: each run of the test is cancelled by its run id (`swarm.sh cancel`, which
-    leaves a run that ended as it is)."""
+    users into the next test's audit: each run of the test whose CLI did not exit 0 (COMPLETED) is cancelled by its
+    run id (`swarm.sh cancel`, which leaves a run that ended as it is)."""
     before = set(cluster.progress)
     yield
     for name in sorted(set(cluster.progress) - before):
         run = cluster.progress[name]
         if run.proc.poll() is None:
             common.end_runs([run.proc], timeout=30)  # SIGTERM: the CLI cancels its run itself
+        if run.proc.returncode == 0:
+            continue  # completed: nothing left to cancel
         ids = [m.group(1) for line in run.lines if (m := re.match(r"run id: (\w+)", line))]
         for run_id in ids:
             cancelled = cluster.sh("cancel", run_id, "--out", str(cluster.workdir / f"{name}-end"), check=False)

@@ -505,8 +505,7 @@ def encode_bits(
             f"bit mode would send d*(g+m) = {params.messages_per_user} messages per user (> max_messages="
             f"{max_messages}); use count mode"
         )
-    u = shift_to_units(x.reshape(1, -1), params)[0]
-    xhat = _round_units(u, g, rng)
+    xhat = round_counts(x, params, rng)
     value_bits = np.arange(g)[None, :] < xhat[:, None]  # (d, g), exactly xhat_j ones in row j
     noise_bits = rng.random((d, m)) < params.p  # (d, m) iid Bernoulli(p)
     bits = np.concatenate([value_bits, noise_bits], axis=1).astype(np.uint8).ravel()
