@@ -529,6 +529,8 @@ class ClientNodeHandle:
         self._backoff = backoff
         self._call = None
         self._stream: _Stream | None = None
+        # set once the stream is opened from this side: the shuffler may not have registered it yet (a caller that
+        # needs the node in a cohort asks the shuffler's population)
         self.connected = threading.Event()
         options = grpc_options.node_channel_options()
         if channel_credentials is None:
