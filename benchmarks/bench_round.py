@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
+import queue
 import sqlite3
 import statistics
 import sys
@@ -191,6 +193,51 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ transport floor
+def _echo_server(port_out: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    """A gRPC server in its own process that echoes raw bytes: a unary method and a bidirectional stream."""
+    from concurrent import futures
+
+    echo = {
+        "U": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
+        "S": grpc.stream_stream_rpc_method_handler(lambda reqs, ctx: (m for m in reqs)),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("echo", echo),))
+    port_out.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    stop.wait()
+    server.stop(0)
+
+
+def transport_floor(repeats: int = 200) -> tuple[float, float]:
+    """Median round trips (seconds) of an empty message between this process and another on loopback, unary (the
+    analyzer's ExecuteRound) and on a bidirectional stream (the shuffler's invitations to a node and its answers).
+    A check-in round takes at least one of the first and two of the second on its path, whatever its work."""
+    ctx = multiprocessing.get_context("spawn")
+    port_q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_echo_server, args=(port_q, stop), daemon=True)
+    proc.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port_q.get(timeout=60)}") as ch:
+            unary = ch.unary_unary("/echo/U")
+            unary(b"x", timeout=30, wait_for_ready=True)
+            t_unary = timed(lambda: unary(b"x", timeout=30), repeats)
+            out: queue.Queue = queue.Queue()
+            replies = ch.stream_stream("/echo/S")(iter(out.get, None))
+
+            def ping() -> None:
+                out.put(b"x")
+                next(replies)
+
+            t_stream = timed(ping, repeats)
+            out.put(None)
+        return statistics.median(t_unary), statistics.median(t_stream)
+    finally:
+        stop.set()
+        proc.join(timeout=10)
 
 
 # ------------------------------------------------------------------------------------------------ analyzer
@@ -434,6 +481,15 @@ def bench_dim(dim: int, args: argparse.Namespace) -> None:
                 services.print_parts(model, make_rng())
         # the in-process round is the same for both settings (one pass over the users: it never invites anyone)
         print(f"\nin one process (d={dim})  {fmt_ms(t_local)}")
+        unary, stream = transport_floor()
+        floor = {True: unary + 2 * stream, False: unary + stream}  # check-in: two invitations, each answered
+        for check_in in settings:
+            label = "check-in: two invitations" if check_in else "one invitation"
+            print(
+                f"transport floor [{label}]: {floor[check_in] * 1e3:.2f} ms (empty messages between two processes: "
+                f"a unary round trip {unary * 1e3:.2f} ms + {1 + check_in} on a stream at {stream * 1e3:.2f} ms) = "
+                f"{floor[check_in] / statistics.median(t_local):.2f} x the in-process round"
+            )
         for (label, mode), secs in results.items():
             for base_name, base in (("in-process", t_local), ("services in one process", t_services[label])):
                 ratio = statistics.median(secs) / statistics.median(base)
