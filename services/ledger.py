@@ -206,6 +206,7 @@ def _views_items(items: Items, ordered: Callable[[], list[PrivacyEvent]], limit:
 
 
 _SPENT = ("committed", "spent_unknown")
+COMPOSED_KEPT = 8  # a round needs ~4 multisets (spent and counted, before and after it): two rounds' worth
 
 
 class _Book:
@@ -224,6 +225,9 @@ class _Book:
         self.closed = 0  # rounds no longer reserved
         self.with_metrics = 0  # rounds with a checkpoint (metrics), the initial model's (round -1) not counted
         self.memo: dict[str, Any] = {}  # figures of the current rounds (totals), emptied by every change
+        # compose_counts totals by (multiset of event keys, honest fraction): a pure function of them, so kept across
+        # writes; a round's reservation composes what its totals after it and after its commit read again
+        self.composed: dict[tuple[frozenset[tuple[str, int]], float], tuple[float, float]] = {}
 
     @classmethod
     def load(cls, db: sqlite3.Connection, run_id: str) -> _Book:
@@ -269,6 +273,27 @@ class _Book:
 
     def items(self, counts: Counter[str]) -> Items:
         return [(self.events[k], c) for k, c in counts.items() if c > 0]
+
+    def compose(
+        self,
+        counts: Counter[str],
+        ordered: Callable[[], list[PrivacyEvent]],
+        honest_fraction: float = 1.0,
+        extra: PrivacyEvent | None = None,
+    ) -> tuple[float, float]:
+        """``_compose_items`` of the rounds in ``counts`` (event key -> rounds; ``extra``: the event of a key not
+        in the book yet) under the book's limit. A plug-in that composes by multiset (``compose_counts``) is
+        composed once per distinct multiset (``composed``, the latest COMPOSED_KEPT); any other every time."""
+        items = [(self.events[k] if k in self.events else extra, c) for k, c in counts.items() if c > 0]
+        if not items or getattr(_protocol([e for e, _ in items]), "compose_counts", None) is None:
+            return _compose_items(items, ordered, self.limit, honest_fraction)
+        key = (frozenset((k, c) for k, c in counts.items() if c > 0), honest_fraction)
+        total = self.composed.get(key)
+        if total is None:
+            total = self.composed[key] = _compose_items(items, ordered, self.limit, honest_fraction)
+            if len(self.composed) > COMPOSED_KEPT:
+                del self.composed[next(iter(self.composed))]  # the oldest: insertion order
+        return total
 
     def ordered(self, states: Sequence[str], extra: PrivacyEvent | None = None) -> Callable[[], list[PrivacyEvent]]:
         """The rounds in ``states`` in round order (and ``extra`` last), built only if a plug-in asks for them."""
@@ -495,10 +520,9 @@ class Ledger:
             key = event.to_json()
             with_it = book.counted.copy()
             with_it[key] += 1
-            items = [(book.events.get(k, event), c) for k, c in with_it.items() if c > 0]
-            projected = _compose_items(items, book.ordered(_COUNTED, event), limit)
+            projected = book.compose(with_it, book.ordered(_COUNTED, event), extra=event)
             if projected[0] > limit.eps or projected[1] > limit.delta:
-                spent = _compose_items(book.items(book.counted), book.ordered(_COUNTED), limit)
+                spent = book.compose(book.counted, book.ordered(_COUNTED))
                 raise BudgetExceeded(spent, projected, (limit.eps, limit.delta))
             eps_r, delta_r = round_cost(event)
             db.execute(
@@ -615,13 +639,12 @@ class Ledger:
             if cached is not None:
                 return replace(cached, views=dict(cached.views))  # the caller's copy: the memo stays as composed
             limit, h = book.limit, book.honest_fraction
-            spent_items, all_items = book.items(book.spent), book.items(book.counted)
-            spent = _compose_items(spent_items, book.ordered(_SPENT), limit)
-            reserved = _compose_items(all_items, book.ordered(_COUNTED), limit)
+            spent = book.compose(book.spent, book.ordered(_SPENT))
+            reserved = book.compose(book.counted, book.ordered(_COUNTED))
             first = book.first_counted()
             name = accountant_name(first, limit.composition) if first is not None else limit.composition
-            robust = _compose_items(spent_items, book.ordered(_SPENT), limit, h)[0] if h < 1.0 else spent[0]
-            views = _views_items(spent_items, book.ordered(_SPENT), limit)
+            robust = book.compose(book.spent, book.ordered(_SPENT), h)[0] if h < 1.0 else spent[0]
+            views = _views_items(book.items(book.spent), book.ordered(_SPENT), limit)
             trust = first.trust_model if first is not None else "shuffle"
             totals = BudgetTotals(
                 spent[0],

@@ -139,6 +139,37 @@ def test_distinct_events_stay_few_in_a_check_in_run(tmp_path):
     _check(led, "r", limit, 1.0)
 
 
+def test_a_round_composes_only_the_multisets_it_makes_new(tmp_path, monkeypatch):
+    """A round's reservation composes the run with it; its totals after the reservation (the operator's status) and
+    after its commit (the round's metrics) read that multiset again: one composition per new multiset (two per
+    round with a robust figure: honest fraction < 1), not one per call (five per round before). The figures are
+    checked against a recomposition every round."""
+    from shuffledp.protocols.pvec_round import PvecRound as PvecPlugin
+
+    limit, event, n_min, _ = _kinds()["rdp"]
+    calls = []
+    compose_counts = PvecPlugin.compose_counts
+
+    def counted(self, items, limit, honest_fraction=1.0):
+        calls.append(honest_fraction)
+        return compose_counts(self, items, limit, honest_fraction)
+
+    monkeypatch.setattr(PvecPlugin, "compose_counts", counted)
+    led = Ledger(tmp_path / "l.sqlite")
+    led.create_run("r", "# toml")
+    led.set_budget("r", limit, {"honest_fraction": HONEST})
+    ledger_calls = []
+    for r in range(20):
+        calls.clear()
+        led.reserve("r", r, event)
+        led.totals("r")
+        led.commit("r", r, n_min)
+        led.totals("r")
+        ledger_calls += calls
+        _check(led, "r", limit, HONEST)  # its recomposition calls compose_counts too: not counted
+    assert len(ledger_calls) <= 2 * 20 + 1 and ledger_calls.count(HONEST) <= 20 + 1
+
+
 def test_a_write_by_another_connection_is_seen(tmp_path):
     """Two ledgers on one file (an auditor's and the analyzer's): the rounds in memory are read again when the other
     connection has written (PRAGMA data_version), never stale."""

@@ -10,8 +10,13 @@ import os
 # module -> the functions (Class.method) traced in it: every process imports all three parties' modules here, and
 # only the functions its own party calls leave lines in its log
 TRACED = {
-    "shuffledp.services.ledger": ["Ledger.reserve"],
-    "shuffledp.services.run_manager": ["RunManager._round", "RunManager._metrics"],
+    "shuffledp.services.ledger": ["Ledger.reserve", "Ledger.save_checkpoint", "Ledger.totals", "Ledger.commit"],
+    "shuffledp.services.run_manager": [
+        "RunManager._round",
+        "RunManager._metrics",
+        "RunManager._evaluate",
+        "RunManager._await_shuffler",
+    ],
     "shuffledp.services.shuffler": ["ShufflerServicer._result"],
     "shuffledp.services.shuffler_state": [
         "ShufflerState.execute_round",
@@ -27,6 +32,8 @@ TRACED = {
         "_Stream.resolve",
     ],
     "shuffledp.clients.policy": ["PolicyTable.decide"],
+    "shuffledp.protocols.pvec_round": ["PvecRound.decode", "PvecRound.released"],
+    "shuffledp.services.analyzer": ["AnalyzerServicer.GetRunStatus"],
     "shuffledp.clients.spend_store": ["SqliteSpendStore.record"],
 }
 
