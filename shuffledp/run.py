@@ -212,7 +212,9 @@ def start_local_cluster(
 ) -> tuple[Cluster, str, str | None]:
     """Start shuffler, analyzer (unless with_analyzer=False: the caller plays it) and client nodes as processes;
     returns (cluster, shuffler address, analyzer address or None) once they serve (with wait_nodes=False, once the
-    shuffler and analyzer do: the nodes may still be starting, and Cluster.check_alive reports one that fails). With
+    shuffler and analyzer do: the nodes may still be starting, and Cluster.check_alive reports one that fails). A
+    node that serves may not be connected at the shuffler yet: a caller that needs its users in a round waits for
+    the shuffler's own count (GetPopulation), as the analyzer does before planning. With
     `pki` (a `shuffledp pki init` directory) every hop is mTLS with role checks, as in a deployment; without it,
     plain text on loopback."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)

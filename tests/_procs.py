@@ -64,6 +64,16 @@ def write_blobs(path: Path, n: int = 300, seed: int = 2024) -> str:
     return f'[data]\ndataset = "path"\npath = "{path}"\n'
 
 
+def wait_connected(shuffler: str, nodes: int, timeout: float = 60.0) -> None:
+    """Until the shuffler itself counts `nodes` connected nodes (each registered its users before connecting): a
+    node's own view that it is connected, or a ghost's open stream, is not yet the shuffler's."""
+    with grpc.insecure_channel(shuffler) as channel:
+        stub, end = pbg.ShufflerStub(channel), time.monotonic() + timeout
+        while (pop := stub.GetPopulation(pb.PopulationRequest(), timeout=10)).connected_nodes < nodes:
+            assert time.monotonic() < end, f"the shuffler counts {pop.connected_nodes} of {nodes} nodes connected"
+            time.sleep(0.05)
+
+
 class GhostNode:
     """A node that registers users and subscribes but never answers: rounds then last until their deadline."""
 

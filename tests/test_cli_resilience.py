@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _procs import GhostNode
+from _procs import GhostNode, wait_connected
 from _runs import digits_pgd, wait_for_run
 from shuffledp.clients.node import start_node
 from shuffledp.services.analyzer import start_analyzer
@@ -98,6 +98,7 @@ def deployment(tmp_path: Path):
     cluster, shuffler, analyzer = start_local_cluster(config, work, client_nodes=1)
     ghost = GhostNode(shuffler, users=5)
     try:
+        wait_connected(shuffler, 2)  # the node and the ghost: every run of the test has both in its population
         yield cluster, shuffler, analyzer, config, work
     finally:
         ghost.close()

@@ -210,8 +210,11 @@ def test_node_service_status_health_and_registration():
             assert st.node_id == f"node-{i}" and st.users == 15
             hs = health_pb2_grpc.HealthStub(nch)
             for service in ("", "shuffledp.v1.ClientNode"):
-                resp = hs.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+                serving, end = health_pb2.HealthCheckResponse.SERVING, time.monotonic() + 10
+                # set by the node once its stream is open: not ordered with the shuffler's count above
+                while (resp := hs.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status != serving:
+                    assert time.monotonic() < end, resp
+                    time.sleep(0.02)
             nch.close()
         assert handles[0].core.shard.user_ids[:2] == ["n0-u0", "n0-u2"]
         ch.close()

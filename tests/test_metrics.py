@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from _procs import GhostNode, log_text, serve, stop
+from _procs import GhostNode, log_text, serve, stop, wait_connected
 from prometheus_client.parser import text_string_to_metric_families
 
 from shuffledp.metrics import RUN_STATES, safe_reason
@@ -104,6 +104,7 @@ def services(tmp_path: Path):
             procs.append(serve(tmp_path, f"client-{i}", argv)[0])
         ghost = GhostNode(f"127.0.0.1:{sport}", users=3)
         try:
+            wait_connected(f"127.0.0.1:{sport}", NODES + 1)  # every run of the test has all three in its population
             yield config, f"127.0.0.1:{aport}", ports
         finally:
             ghost.close()

@@ -679,7 +679,8 @@ def test_a_run_whose_every_user_went_silent_says_so(shuffler):
     a = FakeNode(shuffler.stub, "a", [f"a{i}" for i in range(5)])
     try:
         shuffler.wait_nodes(1, users=5)
-        call = shuffler.stub.ExecuteRound.future(_check_in_spec(1, 0.8, deadline_seconds=2.0), timeout=30)
+        # its check-in window (half the deadline) long enough for the check-ins on a loaded machine
+        call = shuffler.stub.ExecuteRound.future(_check_in_spec(1, 0.8, deadline_seconds=4.0), timeout=30)
         inv = a.q.get(timeout=20)
         c = pb.Contribution(run_id="r", round=1, node_id="a")
         for u in inv.user_ids:
@@ -712,7 +713,7 @@ def test_check_in_specs_are_validated_before_anyone_is_invited(shuffler, nodes):
 
 
 def test_a_check_in_with_a_payload_is_rejected():
-    state = ShufflerState(rng=make_rng(5), poll_seconds=0.001)
+    state, clock = _state_with_test_clock(5)
     state.register_users("node", ["a", "b"])
     sub = state.subscribe("node")
     req = RoundRequest(
@@ -720,7 +721,7 @@ def test_a_check_in_with_a_payload_is_rejected():
         deadline_seconds=0.5, check_in_trials=2, check_in_fraction=1.0,
     )  # fmt: skip
     out: list = []
-    t = threading.Thread(target=lambda: out.append(state.execute_round(req)))
+    t = _RoundThread(clock, target=lambda: out.append(state.execute_round(req)))
     t.start()
     assert sub.get(5.0) is not None
     from shuffledp.services.shuffler_state import Submission, UserMessage
@@ -733,12 +734,46 @@ def test_a_check_in_with_a_payload_is_rejected():
     assert not out[0].released and out[0].checked_in == 0  # b never answered, a's answer was used up
 
 
+class _TestClock:
+    """The shuffler's clock in a test that sends into an open round: stopped until the test has sent all it sends
+    (nothing arrives late on a loaded machine, whatever the round's deadline), then past every deadline and running
+    again (a later round of the same state has its own)."""
+
+    def __init__(self) -> None:
+        self.stopped: float | None = time.monotonic()
+        self.shift = 0.0
+
+    def __call__(self) -> float:
+        return self.stopped if self.stopped is not None else time.monotonic() + self.shift
+
+    def expire(self) -> None:
+        self.stopped, self.shift = None, 1e6
+
+
+class _RoundThread(threading.Thread):
+    """A round's thread whose join() first lets the round's deadline pass (_TestClock.expire)."""
+
+    def __init__(self, clock: _TestClock, target) -> None:
+        super().__init__(target=target)
+        self.clock = clock
+
+    def join(self, timeout: float | None = None) -> None:
+        self.clock.expire()
+        super().join(timeout)
+
+
+def _state_with_test_clock(seed: int, poll: float = 0.001) -> tuple[ShufflerState, _TestClock]:
+    clock = _TestClock()
+    return ShufflerState(rng=make_rng(seed), poll_seconds=poll, clock=clock), clock
+
+
 def _open_counts_round(
     users: list[str], dim: int, bound_m: int, check_in: bool = False, deadline: float = 0.4, poll: float = 0.001
 ):
     """An in-process shuffler with `users` registered under "node" and one COUNTS round (g = 1) open for all, its
-    (first) invitation taken: (state, the round's thread, its result list, the node's subscription)."""
-    state = ShufflerState(rng=make_rng(11), poll_seconds=poll)
+    (first) invitation taken: (state, the round's thread, its result list, the node's subscription). The round ends
+    when every invitee answered or when the test joins its thread (_TestClock)."""
+    state, clock = _state_with_test_clock(11, poll)
     state.register_users("node", users)
     state.register_users("other", ["o1"])
     sub = state.subscribe("node")
@@ -748,7 +783,7 @@ def _open_counts_round(
         min_contributors=1, deadline_seconds=deadline, **extra,
     )  # fmt: skip
     out: list = []
-    t = threading.Thread(target=lambda: out.append(state.execute_round(req)))
+    t = _RoundThread(clock, target=lambda: out.append(state.execute_round(req)))
     t.start()
     assert sub.get(5.0) is not None
     return state, t, out, sub
@@ -1366,7 +1401,7 @@ def test_a_sealed_message_sent_again_under_another_user_is_rejected():
     from shuffledp.sealing import ENC_BYTES, generate_keypair, seal_many
 
     _, pub = generate_keypair()
-    state = ShufflerState(rng=make_rng(9), poll_seconds=0.001)
+    state, clock = _state_with_test_clock(9)
     state.register_users("node", ["a", "b", "c", "d", "e"])
     state.subscribe("node")
     req = RoundRequest(
@@ -1374,7 +1409,7 @@ def test_a_sealed_message_sent_again_under_another_user_is_rejected():
         analyzer_public_key=pub, min_contributors=1, deadline_seconds=0.5,
     )  # fmt: skip
     out: list = []
-    t = threading.Thread(target=lambda: out.append(state.execute_round(req)))
+    t = _RoundThread(clock, target=lambda: out.append(state.execute_round(req)))
     t.start()
     while not state._open:
         time.sleep(0.001)

@@ -132,7 +132,7 @@ def _script(node_id: str) -> list[pb.Contribution]:
 def _run(shuffler: Shuffler, node) -> tuple[list[tuple], pb.ShuffledBatch]:
     pool = futures.ThreadPoolExecutor(1)
     try:
-        fut = pool.submit(shuffler.stub.ExecuteRound, spec(1, deadline_seconds=3.0), timeout=30)
+        fut = pool.submit(shuffler.stub.ExecuteRound, spec(1, deadline_seconds=20.0), timeout=30)
         assert sorted(node.invitations.get(timeout=10).user_ids) == USERS
         outcomes = []
         for c in _script(node.node_id):

@@ -131,7 +131,8 @@ def test_1_a_node_certificate_speaks_only_for_its_own_node(tmp_path: Path, pki_d
         sub0 = s0.Subscribe(pb.SubscribeRequest(node_id="client-0"))
         sub1 = s1.Subscribe(pb.SubscribeRequest())
         _wait_population(sa, nodes=2, users=11)
-        fut = sa.ExecuteRound.future(_counts_spec("run", 0), timeout=30)
+        # every invitee answers (the round ends then): a deadline that four mTLS calls meet on a loaded machine
+        fut = sa.ExecuteRound.future(_counts_spec("run", 0, deadline_seconds=20), timeout=30)
         inv0, inv1 = next(sub0), next(sub1)
         assert sorted(inv0.user_ids) == sorted(ids) and sorted(inv1.user_ids) == sorted([*ids, "c1-only"])
         # client-0 answers for client-1's user: not its user at all
@@ -269,6 +270,7 @@ def test_5_a_batch_above_4_mib_is_received_and_used(tmp_path: Path) -> None:
     toml = (
         f'[data]\ndataset = "path"\npath = "{tmp_path / "line.npz"}"\n[model]\ntask = "leastsq"\n'
         '[privacy]\neps = 8.0\n[schedule]\nrounds = 2\n[transport]\nmode = "bits"\n'
+        "[deployment]\nclient_nodes = 1\n"  # the one node started below: the analyzer waits for no other (60 s)
     )
     cfg = tmp_path / "bits.toml"
     cfg.write_text(toml)
@@ -428,8 +430,10 @@ def test_7_a_shuffler_outage_costs_no_budget_and_the_run_resumes(tmp_path: Path)
                 time.sleep(0.05)
             shuffler.send_signal(signal.SIGKILL)
             shuffler.wait()
-            time.sleep(2.0)
-            during = stub.GetRunStatus(ref, timeout=RPC_S)
+            end = time.monotonic() + 60  # the round in flight has ended (its metrics written) once the run waits
+            while "shuffler unreachable" not in (during := stub.GetRunStatus(ref, timeout=RPC_S)).message:
+                assert time.monotonic() < end, during.message
+                time.sleep(0.05)
             time.sleep(4.0)
             later = stub.GetRunStatus(ref, timeout=RPC_S)
             # waiting, not failing; and nothing reserved or spent while nobody listens
@@ -470,7 +474,10 @@ def test_8_subscribe_streams_cannot_starve_the_analyzer(tmp_path: Path, pki_dir:
                 call = stub.Subscribe(pb.SubscribeRequest(node_id=f"x{i}"))
                 calls.append(call)
                 threading.Thread(target=hold, args=(call,), daemon=True).start()
-        time.sleep(2.0)
+        end = time.monotonic() + 30  # every stream answered or held: polled, not a fixed sleep (a loaded machine)
+        while len(codes) < 80 or p.GetPopulation(pb.PopulationRequest(), timeout=3).connected_nodes < 48:
+            assert time.monotonic() < end, f"streams not settled: {len(codes)} refused"
+            time.sleep(0.05)
         an = _secure(pki_dir, pki.ROLE_ANALYZER, "analyzer", saddr, "shuffler")
         assert pbg.ShufflerStub(an).GetPopulation(pb.PopulationRequest(), timeout=3).connected_nodes == 0
         assert p.GetPopulation(pb.PopulationRequest(), timeout=3).connected_nodes == 48  # 64 - RESERVED_WORKERS
