@@ -728,7 +728,12 @@ class RunManager:
         # released, or lost to a crash before its checkpoint, is run again (and a lost one charged again)
         redo = bool(plan.get("hidden_iterates"))
         applied = sum(1 for m in self.ledger.metrics(run_id) if m.get("round", -1) >= 0 and m.get("released"))
+        pace, started = cfg.deployment.min_round_seconds, None
         while (applied if redo else r) < plan["rounds"]:
+            if started is not None and pace > 0:
+                # pace steering (Bonawitz et al. 2019, sec 2.3): a run's length set in seconds, not by how fast
+                # this machine is; a cancel ends the wait at once
+                live.cancel.wait(max(0.0, started + pace - self._clock()))
             # no round is reserved while the shuffler cannot be reached: an outage costs no budget (issue 10 item 7)
             need = plan["cohort"] if plan["kind"] != "sequential" else 0  # fully interactive: every user
             wait = cfg.deployment.population_wait_seconds
@@ -743,7 +748,7 @@ class RunManager:
                 pb.TrustModel.Name(protocol.trust_model).lower(),
             )
             self.ledger.reserve(run_id, r, event)  # BudgetExceeded propagates: no spec leaves
-            t0 = self._clock()
+            t0 = started = self._clock()
             try:
                 outcome, state = self._round(run_id, r, rd, state, event, live)
             except Exception as exc:

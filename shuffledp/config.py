@@ -145,6 +145,7 @@ client_nodes = 2
 round_deadline_seconds = 60.0
 population_wait_seconds = 60.0  # how long a run waits for its nodes at the start, and for users to reconnect after
                             # an outage (fully interactive) before a round goes on without them
+min_round_seconds = 0.0     # pace: a round starts at least this long after the previous one started (0 = at once)
 insecure = true             # plain text on loopback (shuffledp run); false = mTLS from pki_dir
 # pki_dir = "pki"           # insecure = false: the directory `shuffledp pki init` wrote (CA and role certificates)
 
@@ -444,6 +445,9 @@ def _deployment(t: dict[str, Any]) -> DeploymentConfig:
             0.0,
             86_400.0,
             lo_open=True,
+        ),
+        min_round_seconds=_float(
+            "deployment.min_round_seconds", t.get("min_round_seconds", d.min_round_seconds), 0.0, 86_400.0
         ),
         insecure=_bool("deployment.insecure", t.get("insecure", d.insecure)),
         pki_dir=_str("deployment.pki_dir", t.get("pki_dir", d.pki_dir)),

@@ -267,6 +267,7 @@ class DeploymentConfig:
     client_nodes: int = 2
     round_deadline_seconds: float = 60.0
     population_wait_seconds: float = 60.0
+    min_round_seconds: float = 0.0  # pace: a round starts at least this long after the previous one started
     insecure: bool = True
     pki_dir: str = ""
 

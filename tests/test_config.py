@@ -128,6 +128,9 @@ pki_dir = "/tmp/pki"
         ("[deployment]\nclient_nodes = 0", "deployment.client_nodes"),
         ("[deployment]\npopulation_wait_seconds = 0", "deployment.population_wait_seconds"),
         ('[deployment]\npopulation_wait_seconds = "60"', "deployment.population_wait_seconds"),
+        ("[deployment]\nmin_round_seconds = -0.1", "deployment.min_round_seconds"),
+        ("[deployment]\nmin_round_seconds = nan", "deployment.min_round_seconds"),
+        ("[deployment]\nmin_round_seconds = 1e9", "deployment.min_round_seconds"),
         ("privacy = 3", "privacy"),
     ],
 )

@@ -1,0 +1,80 @@
+"""Pace steering ([deployment] min_round_seconds): a round starts at least that long after the previous one started,
+so a run lasts a set time whatever the machine's speed (the multi-engine fault tests need runs that outlast a host's
+loss and return); a cancel ends the wait at once. Real services over loopback sockets, the ledger read from its
+SQLite file."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import grpc
+from _runs import digits_pgd, wait_for_run
+from shuffledp.clients.node import start_node
+from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
+from shuffledp.services.shuffler import start_shuffler
+
+from shuffledp.config import parse_config
+from shuffledp.rng import make_rng
+from shuffledp.v1 import shuffledp_pb2 as pb
+from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+USERS = 40
+
+
+class _Services:
+    def __init__(self, tmp_path, toml: str):
+        cfg = parse_config(toml)
+        self.state = tmp_path / "state"
+        self.shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(1))
+        self.analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", self.state)
+        self.node = start_node("n0", cfg, 0, 1, f"127.0.0.1:{sport}", rng=make_rng(2))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{aport}")
+        self.stub = pbg.AnalyzerStub(self.channel)
+        self.run_id = self.stub.CreateRun(pb.CreateRunRequest(config_toml=toml)).run_id
+        self.stub.StartRun(pb.RunRef(run_id=self.run_id))
+
+    def reserved_at(self) -> list[float]:
+        with sqlite3.connect(self.state / LEDGER_FILE) as db:
+            rows = db.execute("SELECT reserved_at FROM rounds WHERE run_id=? ORDER BY round", (self.run_id,))
+            return [r[0] for r in rows]
+
+    def close(self) -> None:
+        self.channel.close()
+        self.node.stop()
+        self.analyzer.stop(0)
+        self.shuffler.stop(0)
+
+
+def test_rounds_start_at_least_min_round_seconds_apart(tmp_path):
+    pace = 0.5
+    s = _Services(tmp_path, digits_pgd(4, USERS, f"min_round_seconds = {pace}"))
+    try:
+        st = wait_for_run(s.stub, s.run_id, timeout=60)
+        assert st.state == pb.COMPLETED, st.message
+        starts = s.reserved_at()
+        assert len(starts) == 4
+        # a round of 40 users takes ~0.02 s here: without the pace they start ~0.02 s apart; the 0.02 s below the
+        # pace is the time between the ledger's timestamp and the loop's clock reading of the same reservation
+        gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        assert min(gaps) >= pace - 0.02, gaps
+    finally:
+        s.close()
+
+
+def test_a_cancel_ends_the_pace_wait_at_once(tmp_path):
+    s = _Services(tmp_path, digits_pgd(4, USERS, "min_round_seconds = 600"))
+    try:
+        deadline = time.monotonic() + 60
+        while not s.reserved_at():
+            assert time.monotonic() < deadline, "no round in 60 s"
+            time.sleep(0.05)
+        time.sleep(0.3)  # the first round ends; the loop waits for the second's start
+        t0 = time.monotonic()
+        s.stub.CancelRun(pb.RunRef(run_id=s.run_id))
+        st = wait_for_run(s.stub, s.run_id, timeout=30)
+        # bounded by the round in flight (its deadline) if the cancel came before it ended, never by the 600 s pace
+        assert st.state == pb.CANCELLED and time.monotonic() - t0 < 30, (st.state, st.message)
+        assert len(s.reserved_at()) == 1
+    finally:
+        s.close()
