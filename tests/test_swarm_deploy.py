@@ -456,8 +456,10 @@ def test_psgd_experiment_runs_to_completion_and_results_are_fetched(stack: Stack
     assert json.loads((again / "ledger.json").read_text()) == ledger
 
 
-def _fully_interactive(rounds: int) -> str:
-    text = _config_text(kind='"fully_interactive"', cohort_size="0")
+def _fully_interactive(rounds: int, pace: float = 0.0) -> str:
+    """pace: [deployment] min_round_seconds, for a run that must outlast what the test does meanwhile (its rounds
+    alone take 0.01-0.03 s)."""
+    text = _config_text(kind='"fully_interactive"', cohort_size="0", min_round_seconds=str(pace))
     return text.replace("cohort_size = 0", f"rounds = {rounds}")
 
 
@@ -466,7 +468,7 @@ def test_analyzer_task_killed_is_restarted_and_the_run_resumes(stack: Stack):
     """SIGKILL the analyzer's container mid-run: Swarm starts a new task on the labelled host, which resumes the run
     from the ledger. The round in flight is charged (spent, outcome unknown), none before it is lost, none twice."""
     cfg = stack.workdir / "fi-kill.toml"
-    cfg.write_text(_fully_interactive(rounds=100))
+    cfg.write_text(_fully_interactive(rounds=100, pace=0.2))  # >= 20 s: most rounds after the kill
     out = stack.workdir / "fi-kill"
     old = stack.cid("analyzer")
     t0 = time.monotonic()
@@ -516,7 +518,7 @@ def test_scale_to_five_during_a_fully_interactive_run(stack: Stack):
     assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert f"certificates and data shards for 1..{MAX_CLIENTS} client nodes" in proc.stderr
     cfg = stack.workdir / "fi-scale.toml"
-    cfg.write_text(_fully_interactive(rounds=250))
+    cfg.write_text(_fully_interactive(rounds=250, pace=0.2))  # >= 50 s: the new replicas (~16 s) join during it
     out = stack.workdir / "fi-scale"
     t0 = time.monotonic()
     run = Progress(stack, cfg, out)

@@ -54,7 +54,8 @@ ENGINES_SH = common.DEPLOY / "engines.sh"
 SWARM_SH = common.DEPLOY / "swarm.sh"
 ENGINES = 4
 ROLES = {1: "clients", 2: "analyzer", 3: "shuffler", 4: "clients"}
-USERS = 600  # [data] max_users: 300 per client node, rounds of ~0.1 s
+USERS = 600  # [data] max_users: 300 per client node, rounds of 0.01-0.1 s
+PACE_S = 0.5  # [deployment] min_round_seconds of the fault runs: their length in seconds, whatever the rounds take
 UP_TIMEOUT_S = 180
 TEST_TIMEOUT_S = 600
 SILENT = "users not invited: they checked in and then sent nothing"  # the progress line's note (excluded_silent)
@@ -199,8 +200,10 @@ def _config(path: Path, **replace: str) -> Path:
     return path
 
 
-def _fully_interactive(cl: Cluster, name: str, rounds: int) -> Path:
-    path = _config(cl.workdir / f"{name}.toml", kind='"fully_interactive"', cohort_size="0")
+def _fully_interactive(cl: Cluster, name: str, rounds: int, pace: float = 0.0) -> Path:
+    path = _config(
+        cl.workdir / f"{name}.toml", kind='"fully_interactive"', cohort_size="0", min_round_seconds=str(pace)
+    )
     path.write_text(path.read_text().replace("cohort_size = 0", f"rounds = {rounds}"))
     return path
 
@@ -368,14 +371,25 @@ def _slot_on(cl: Cluster, svc: str, engine: int) -> int:
     return slot
 
 
-def _fault_run(cl: Cluster, name: str) -> tuple[int, int, Path, common.Progress, dict]:
-    """A fully interactive run going (3 rounds shown) before a fault on engine 4: (the client slot there, its users,
-    the results directory, the run, where the nodes' spend logs stood before it)."""
+def _both_client_replicas_up(cl: Cluster, timeout: float = 120) -> None:
+    """Until a client replica runs on engine 1 and on engine 4: a run starts with every user (an earlier test that
+    failed may have left engine 4's replica starting)."""
+    deadline = time.monotonic() + timeout
+    while sorted(cl.running("clients").values()) != [cl.engine(1), cl.engine(4)]:
+        assert time.monotonic() < deadline, f"client replicas not up on engines 1 and 4: {cl.tasks('clients')}"
+        time.sleep(1)
+
+
+def _fault_run(cl: Cluster, name: str, seconds: float) -> tuple[int, int, Path, common.Progress, dict]:
+    """A fully interactive run of at least `seconds` going (3 rounds shown) before a fault on engine 4: (the client
+    slot there, its users, the results directory, the run, where the nodes' spend logs stood before it)."""
+    _both_client_replicas_up(cl)
     slot = _slot_on(cl, "clients", 4)
     marks = _spend_marks(cl)
     out = cl.workdir / name
-    # long enough to span the fault and the return (rounds take ~0.05 s): the test waits, the run must not end first
-    run = cl.run(_fully_interactive(cl, name, rounds=1000), out)
+    # paced to span the fault and the return: the test waits, the run must not end first (its rounds alone, ~0.01 s
+    # each with 300 users, ran 1000 of them before a stopped host was back)
+    run = cl.run(_fully_interactive(cl, name, rounds=round(seconds / PACE_S), pace=PACE_S), out)
     run.wait_rounds(3)
     return slot, len(range(slot - 1, USERS, 2)), out, run, marks
 
@@ -401,7 +415,8 @@ def test_stack_spans_the_engines_and_a_run_completes(cluster: Cluster):
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_client_host_stops_the_run_goes_on_and_its_users_return(cluster: Cluster):
     cl = cluster
-    lost_slot, lost, out, run, marks = _fault_run(cl, "client-host")
+    # the stop, ~13 s to a round without them, ~12 s to be marked down, 7-10 s from the start to their return
+    lost_slot, lost, out, run, marks = _fault_run(cl, "client-host", seconds=150)
     t0 = time.monotonic()
     try:
         cl.engines("stop", "4")
@@ -458,8 +473,10 @@ def _next_run_has_everyone(cl: Cluster, name: str) -> None:
 def test_analyzer_host_stops_the_run_pauses_and_resumes_on_it(cluster: Cluster):
     cl = cluster
     out = cl.workdir / "analyzer-host"
+    _both_client_replicas_up(cl)
     marks = _spend_marks(cl)
-    run = cl.run(_fully_interactive(cl, "analyzer-host", rounds=100), out)
+    # paced so that the stop comes while most rounds are still to run
+    run = cl.run(_fully_interactive(cl, "analyzer-host", rounds=60, pace=PACE_S), out)
     run.wait_rounds(5)
     t0 = time.monotonic()
     try:
@@ -492,7 +509,8 @@ def test_analyzer_host_stops_the_run_pauses_and_resumes_on_it(cluster: Cluster):
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_partition_between_shuffler_and_a_client_host_heals(cluster: Cluster):
     cl = cluster
-    cut_slot, cut, out, run, marks = _fault_run(cl, "partition")
+    # 2-5 s to a round without them, up to ~9 s after the heal to one with everyone
+    cut_slot, cut, out, run, marks = _fault_run(cl, "partition", seconds=60)
     rules = [["INPUT", "-s", cl.ip(3)], ["OUTPUT", "-d", cl.ip(3)]]
     engine4 = ["docker", "exec", cl.engine(4), "iptables"]
     t0 = time.monotonic()
