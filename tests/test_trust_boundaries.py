@@ -407,7 +407,9 @@ def _free_port() -> int:
 
 def test_7_a_shuffler_outage_costs_no_budget_and_the_run_resumes(tmp_path: Path) -> None:
     data = write_blobs(tmp_path / "blobs.npz")
+    # paced (>= 2.75 s): the kill after round 2 finds the run going (12 rounds alone take ~0.2 s)
     toml = data + "[privacy]\neps = 4.0\n[schedule]\nrounds = 12\n[deployment]\nround_deadline_seconds = 5\n"
+    toml += "min_round_seconds = 0.25\n"
     cfg = tmp_path / "run.toml"
     cfg.write_text(toml)
     port = _free_port()

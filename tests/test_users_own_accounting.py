@@ -173,6 +173,7 @@ def test_a_fixed_cohort_is_never_drawn_from_fewer_users_than_it_is_charged_for(t
         '[model]\ntask = "logreg"\n[privacy]\neps = 6.0\ndelta = 1e-5\nprotocol = "gaussian"\n'
         '[schedule]\nkind = "subsampled"\ncohort_size = 30\nrounds = 30\nlearning_rate = 0.5\n'
         '[transport]\nmode = "sealed"\n[deployment]\nround_deadline_seconds = 5\n'
+        "min_round_seconds = 0.1\n"  # >= 3 s: the node stops while most rounds are still to run
     )
     c = Cluster(tmp_path, toml)
     try:
