@@ -730,10 +730,13 @@ class RunManager:
         applied = sum(1 for m in self.ledger.metrics(run_id) if m.get("round", -1) >= 0 and m.get("released"))
         pace, started = cfg.deployment.min_round_seconds, None
         while (applied if redo else r) < plan["rounds"]:
-            if started is not None and pace > 0:
+            left = started + pace - self._clock() if started is not None else 0.0
+            if left > 0:
                 # pace steering (Bonawitz et al. 2019, sec 2.3): a run's length set in seconds, not by how fast
-                # this machine is; a cancel ends the wait at once
-                live.cancel.wait(max(0.0, started + pace - self._clock()))
+                # this machine is; a cancel ends the wait at once. The population asked after the last round is
+                # older than the wait (users may have left during it): the check below asks afresh
+                live.cancel.wait(left)
+                live.probe = None
             # no round is reserved while the shuffler cannot be reached: an outage costs no budget (issue 10 item 7)
             need = plan["cohort"] if plan["kind"] != "sequential" else 0  # fully interactive: every user
             wait = cfg.deployment.population_wait_seconds
