@@ -6,7 +6,12 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
 
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
@@ -56,3 +61,51 @@ learning_rate = 8.0
 [deployment]
 client_nodes = 1
 {deployment}"""
+
+
+def digits_pgd_two_nodes(rounds: int, max_users: int, deployment: str = "") -> str:
+    """digits_pgd served by two client nodes, whose rounds release with one node's users (noise sized for 40 %)."""
+    return (
+        digits_pgd(rounds, max_users, deployment)
+        .replace("client_nodes = 1", "client_nodes = 2")
+        .replace("eps = 8.0", "eps = 8.0\nmin_contributors_fraction = 0.4")
+    )
+
+
+@dataclass
+class LocalRun:
+    """A run over a shuffler, an analyzer and client nodes in this process (real sockets on loopback)."""
+
+    stub: pbg.AnalyzerStub
+    run_id: str
+    nodes: list  # the client nodes (clients.node.start_node), which a test may stop and replace
+    shuffler_address: str
+
+
+@contextmanager
+def local_run(tmp_path: Path, toml: str, num_nodes: int) -> Iterator[LocalRun]:
+    """Start the services and the run of `toml` (its nodes' seeds fixed); stop everything afterwards."""
+    from shuffledp.clients.node import start_node
+    from shuffledp.services.analyzer import start_analyzer
+    from shuffledp.services.shuffler import start_shuffler
+
+    from shuffledp.config import parse_config
+    from shuffledp.rng import make_rng
+
+    cfg = parse_config(toml)
+    shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(3))
+    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
+    address = f"127.0.0.1:{sport}"
+    nodes = [start_node(f"n{i}", cfg, i, num_nodes, address, rng=make_rng(10 + i)) for i in range(num_nodes)]
+    channel = grpc.insecure_channel(f"127.0.0.1:{aport}")
+    try:
+        stub = pbg.AnalyzerStub(channel)
+        run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=toml)).run_id
+        stub.StartRun(pb.RunRef(run_id=run_id))
+        yield LocalRun(stub, run_id, nodes, address)
+    finally:
+        channel.close()
+        for node in nodes:
+            node.stop()
+        analyzer.stop(0)
+        shuffler.stop(0)

@@ -9,7 +9,7 @@ import sqlite3
 import time
 
 import grpc
-from _runs import digits_pgd, wait_for_run
+from _runs import digits_pgd, digits_pgd_two_nodes, local_run, wait_for_run
 from shuffledp.clients.node import start_node
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
 from shuffledp.services.shuffler import start_shuffler
@@ -86,42 +86,25 @@ def test_users_who_leave_during_the_pace_wait_are_waited_for(tmp_path):
     within population_wait_seconds has its users in the next round (before, that round ran at the end of the wait
     on the old answer, without them)."""
     pace = 3.0
-    toml = digits_pgd(3, USERS, f"min_round_seconds = {pace}\npopulation_wait_seconds = 60")
-    toml = toml.replace("client_nodes = 1", "client_nodes = 2").replace(
-        "eps = 8.0",
-        "eps = 8.0\nmin_contributors_fraction = 0.4",  # a round of one node's users still releases
-    )
-    cfg = parse_config(toml)
-    shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(3))
-    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
-    nodes = [start_node(f"n{i}", cfg, i, 2, f"127.0.0.1:{sport}", rng=make_rng(10 + i)) for i in range(2)]
-    channel = grpc.insecure_channel(f"127.0.0.1:{aport}")
-    shuffler_channel = grpc.insecure_channel(f"127.0.0.1:{sport}")
-    try:
-        stub = pbg.AnalyzerStub(channel)
-        run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=toml)).run_id
-        stub.StartRun(pb.RunRef(run_id=run_id))
+    toml = digits_pgd_two_nodes(3, USERS, f"min_round_seconds = {pace}\npopulation_wait_seconds = 60")
+    with local_run(tmp_path, toml, 2) as run:
+        stub, run_id = run.stub, run.run_id
         deadline = time.monotonic() + 60
         while not stub.GetRunStatus(pb.RunRef(run_id=run_id)).metrics:
             assert time.monotonic() < deadline, "no round in 60 s"
             time.sleep(0.01)
         t_round0 = time.monotonic()  # round 0 ended: the analyzer waits for the pace (3 s from round 0's start)
-        nodes[1].stop()
-        population = pbg.ShufflerStub(shuffler_channel).GetPopulation
-        while population(pb.PopulationRequest(run_id=run_id)).admitted_users > USERS // 2:
-            assert time.monotonic() < deadline, "the shuffler still counts the stopped node's users"
-            time.sleep(0.01)
+        run.nodes[1].stop()
+        with grpc.insecure_channel(run.shuffler_address) as shuffler_channel:
+            population = pbg.ShufflerStub(shuffler_channel).GetPopulation
+            while population(pb.PopulationRequest(run_id=run_id)).admitted_users > USERS // 2:
+                assert time.monotonic() < deadline, "the shuffler still counts the stopped node's users"
+                time.sleep(0.01)
         assert time.monotonic() - t_round0 < pace / 2, "the node stopped too late for this test"
         time.sleep(max(0.0, t_round0 + pace + 0.5 - time.monotonic()))  # past the pace: round 1 is due
-        nodes[1] = start_node("n1", cfg, 1, 2, f"127.0.0.1:{sport}", rng=make_rng(21))
+        cfg = parse_config(toml)
+        run.nodes[1] = start_node("n1", cfg, 1, 2, run.shuffler_address, rng=make_rng(21))
         st = wait_for_run(stub, run_id, timeout=120)
         assert st.state == pb.COMPLETED, st.message
         contributors = [m.contributors for m in st.metrics if m.round >= 0]
         assert contributors == [USERS, USERS, USERS], contributors
-    finally:
-        channel.close()
-        shuffler_channel.close()
-        for node in nodes:
-            node.stop()
-        analyzer.stop(0)
-        shuffler.stop(0)

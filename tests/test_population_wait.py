@@ -12,12 +12,9 @@ from __future__ import annotations
 import time
 
 import grpc
-from _runs import digits_pgd, wait_for_run
-from shuffledp.clients.node import start_node
-from shuffledp.services.analyzer import start_analyzer
+from _runs import digits_pgd_two_nodes, local_run, wait_for_run
 from shuffledp.services.shuffler import start_shuffler
 
-from shuffledp.config import parse_config
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
@@ -30,25 +27,14 @@ USERS = 60
 
 def test_a_lost_node_costs_one_wait_and_the_run_goes_on_without_its_users(tmp_path):
     # a round in flight when the node stops waits for its users until the round's deadline (documented), once
-    toml = digits_pgd(ROUNDS, USERS, f"population_wait_seconds = {WAIT_S}\nround_deadline_seconds = {DEADLINE_S}")
-    # two nodes; rounds with half the users still release (their noise is sized for at least 40 % of them)
-    toml = toml.replace("client_nodes = 1", "client_nodes = 2").replace(
-        "eps = 8.0", "eps = 8.0\nmin_contributors_fraction = 0.4"
-    )
-    cfg = parse_config(toml)
-    shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(3))
-    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
-    nodes = [start_node(f"n{i}", cfg, i, 2, f"127.0.0.1:{sport}", rng=make_rng(10 + i)) for i in range(2)]
-    channel = grpc.insecure_channel(f"127.0.0.1:{aport}")
-    try:
-        stub = pbg.AnalyzerStub(channel)
-        run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=toml)).run_id
-        stub.StartRun(pb.RunRef(run_id=run_id))
+    deployment = f"population_wait_seconds = {WAIT_S}\nround_deadline_seconds = {DEADLINE_S}"
+    with local_run(tmp_path, digits_pgd_two_nodes(ROUNDS, USERS, deployment), 2) as run:
+        stub, run_id = run.stub, run.run_id
         deadline = time.monotonic() + 60
         while len(stub.GetRunStatus(pb.RunRef(run_id=run_id)).metrics) < 3:
             assert time.monotonic() < deadline, "no 3 rounds in 60 s"
             time.sleep(0.01)
-        nodes[1].stop()
+        run.nodes[1].stop()
         t0 = time.monotonic()
         st = wait_for_run(stub, run_id, timeout=ROUNDS * WAIT_S + 60)
         after_loss = time.monotonic() - t0
@@ -63,11 +49,6 @@ def test_a_lost_node_costs_one_wait_and_the_run_goes_on_without_its_users(tmp_pa
             after_loss,
             [(m.round, m.contributors, round(m.seconds, 2)) for m in rounds],
         )
-    finally:
-        channel.close()
-        nodes[0].stop()
-        analyzer.stop(0)
-        shuffler.stop(0)
 
 
 def test_the_probe_asked_after_a_round_is_the_next_rounds_check_and_a_failed_one_is_asked_again(tmp_path):
