@@ -1,4 +1,5 @@
-"""Shared helpers of the analyzer tests: wait for a run to end through the real operator API; `shuffledp run`."""
+"""Shared helpers of the analyzer tests: wait for a run to end through the real operator API; `shuffledp run`; a run
+over services started in this process (local_run)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from shuffledp.clients.node import start_node
+from shuffledp.services.analyzer import start_analyzer
+from shuffledp.services.shuffler import start_shuffler
 
+from shuffledp.config import parse_config
+from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -85,13 +91,6 @@ class LocalRun:
 @contextmanager
 def local_run(tmp_path: Path, toml: str, num_nodes: int) -> Iterator[LocalRun]:
     """Start the services and the run of `toml` (its nodes' seeds fixed); stop everything afterwards."""
-    from shuffledp.clients.node import start_node
-    from shuffledp.services.analyzer import start_analyzer
-    from shuffledp.services.shuffler import start_shuffler
-
-    from shuffledp.config import parse_config
-    from shuffledp.rng import make_rng
-
     cfg = parse_config(toml)
     shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(3))
     analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")

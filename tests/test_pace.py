@@ -11,8 +11,7 @@ import time
 import grpc
 from _runs import digits_pgd, digits_pgd_two_nodes, local_run, wait_for_run
 from shuffledp.clients.node import start_node
-from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
-from shuffledp.services.shuffler import start_shuffler
+from shuffledp.services.analyzer import LEDGER_FILE
 
 from shuffledp.config import parse_config
 from shuffledp.rng import make_rng
@@ -22,62 +21,39 @@ from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 USERS = 40
 
 
-class _Services:
-    def __init__(self, tmp_path, toml: str):
-        cfg = parse_config(toml)
-        self.state = tmp_path / "state"
-        self.shuffler, sport = start_shuffler("127.0.0.1:0", rng=make_rng(1))
-        self.analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", self.state)
-        self.node = start_node("n0", cfg, 0, 1, f"127.0.0.1:{sport}", rng=make_rng(2))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{aport}")
-        self.stub = pbg.AnalyzerStub(self.channel)
-        self.run_id = self.stub.CreateRun(pb.CreateRunRequest(config_toml=toml)).run_id
-        self.stub.StartRun(pb.RunRef(run_id=self.run_id))
-
-    def reserved_at(self) -> list[float]:
-        with sqlite3.connect(self.state / LEDGER_FILE) as db:
-            rows = db.execute("SELECT reserved_at FROM rounds WHERE run_id=? ORDER BY round", (self.run_id,))
-            return [r[0] for r in rows]
-
-    def close(self) -> None:
-        self.channel.close()
-        self.node.stop()
-        self.analyzer.stop(0)
-        self.shuffler.stop(0)
+def _reserved_at(tmp_path, run_id: str) -> list[float]:
+    """The rounds' reservation times, from the analyzer's ledger file (local_run's state directory)."""
+    with sqlite3.connect(tmp_path / "state" / LEDGER_FILE) as db:
+        rows = db.execute("SELECT reserved_at FROM rounds WHERE run_id=? ORDER BY round", (run_id,))
+        return [r[0] for r in rows]
 
 
 def test_rounds_start_at_least_min_round_seconds_apart(tmp_path):
     pace = 0.5
-    s = _Services(tmp_path, digits_pgd(4, USERS, f"min_round_seconds = {pace}"))
-    try:
-        st = wait_for_run(s.stub, s.run_id, timeout=60)
+    with local_run(tmp_path, digits_pgd(4, USERS, f"min_round_seconds = {pace}"), 1) as run:
+        st = wait_for_run(run.stub, run.run_id, timeout=60)
         assert st.state == pb.COMPLETED, st.message
-        starts = s.reserved_at()
+        starts = _reserved_at(tmp_path, run.run_id)
         assert len(starts) == 4
         # a round of 40 users takes ~0.02 s here: without the pace they start ~0.02 s apart; the 0.02 s below the
         # pace is the time between the ledger's timestamp and the loop's clock reading of the same reservation
         gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
         assert min(gaps) >= pace - 0.02, gaps
-    finally:
-        s.close()
 
 
 def test_a_cancel_ends_the_pace_wait_at_once(tmp_path):
-    s = _Services(tmp_path, digits_pgd(4, USERS, "min_round_seconds = 600"))
-    try:
+    with local_run(tmp_path, digits_pgd(4, USERS, "min_round_seconds = 600"), 1) as run:
         deadline = time.monotonic() + 60
-        while not s.reserved_at():
+        while not _reserved_at(tmp_path, run.run_id):
             assert time.monotonic() < deadline, "no round in 60 s"
             time.sleep(0.05)
         time.sleep(0.3)  # the first round ends; the loop waits for the second's start
         t0 = time.monotonic()
-        s.stub.CancelRun(pb.RunRef(run_id=s.run_id))
-        st = wait_for_run(s.stub, s.run_id, timeout=30)
+        run.stub.CancelRun(pb.RunRef(run_id=run.run_id))
+        st = wait_for_run(run.stub, run.run_id, timeout=30)
         # bounded by the round in flight (its deadline) if the cancel came before it ended, never by the 600 s pace
         assert st.state == pb.CANCELLED and time.monotonic() - t0 < 30, (st.state, st.message)
-        assert len(s.reserved_at()) == 1
-    finally:
-        s.close()
+        assert len(_reserved_at(tmp_path, run.run_id)) == 1
 
 
 def test_users_who_leave_during_the_pace_wait_are_waited_for(tmp_path):
