@@ -57,11 +57,14 @@ __all__ = [
     "compose_events",
     "round_cost",
     "COMPOSITIONS",
+    "TERMINAL_STATES",
 ]
 
 # parallel: disjoint cohorts (max); rdp: RDP composition of calibrated PVEC rounds; advanced: Dwork-Roth 3.20
 COMPOSITIONS = ("parallel", "rdp", "advanced")
 ROUND_STATES = ("reserved", "committed", "released", "spent_unknown")
+# a run in one of these has ended: set_state leaves it there
+TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "BUDGET_EXHAUSTED")
 _COUNTED = ("reserved", "committed", "spent_unknown")
 
 
@@ -477,13 +480,18 @@ class Ledger:
             )
             self._books.pop(run_id, None)
 
-    def set_state(self, run_id: str, state: str, message: str = "") -> None:
+    def set_state(self, run_id: str, state: str, message: str = "") -> bool:
+        """Set the run's state and status message; False, and nothing written, once the run has ended: its first
+        terminal state stays (the run's thread, still planning or polling when an operator cancels, must not report
+        the cancelled run RUNNING again, nor FAILED for a population wait the cancel cut short)."""
         with self._tx() as db:
             self._run_row(db, run_id)
-            db.execute(
-                "UPDATE runs SET state=?, message=?, updated_at=? WHERE run_id=?",
-                (state, message, self._clock(), run_id),
+            ended = ",".join("?" * len(TERMINAL_STATES))
+            cur = db.execute(
+                f"UPDATE runs SET state=?, message=?, updated_at=? WHERE run_id=? AND state NOT IN ({ended})",
+                (state, message, self._clock(), run_id, *TERMINAL_STATES),
             )
+            return cur.rowcount == 1
 
     def run(self, run_id: str) -> dict[str, Any]:
         with self._lock:

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import grpc
 import numpy as np
 from shuffledp.services.ledger import (
+    TERMINAL_STATES,
     BudgetExceeded,
     BudgetLimit,
     BudgetTotals,
@@ -83,7 +84,6 @@ __all__ = [
     "MALFORMED_PLAINTEXT",
 ]
 
-TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "BUDGET_EXHAUSTED")
 # gRPC codes with which the shuffler refuses a spec before collecting anything, marked as such by the shuffler's
 # trailing metadata (grpc_options.ROUND_REFUSED_METADATA_KEY): no batch exists, so the reservation is released.
 # The same codes can come from gRPC itself after a batch was collected (RESOURCE_EXHAUSTED: an answer above the
@@ -125,6 +125,13 @@ class RunStateError(RuntimeError):
 
 class PlanError(ValueError):
     """The run cannot be planned (too few users, parameters out of the protocol's range)."""
+
+
+class _Cancelled(Exception):
+    """The operator cancelled the run (seen by its thread between rounds, or while it waits for the population)."""
+
+
+_CANCELLED = "cancelled by the operator"
 
 
 # ------------------------------------------------------------------------------------------------- planning
@@ -529,8 +536,7 @@ class RunManager:
         if live is not None and live.thread is not None and live.thread.is_alive():
             live.cancel.set()  # the thread stops before reserving its next round
             live.thread.join(timeout=0.1)
-        if self._run(run_id)["state"] not in TERMINAL_STATES:
-            self.ledger.set_state(run_id, "CANCELLED", "cancelled by the operator")
+        self.ledger.set_state(run_id, "CANCELLED", _CANCELLED)  # unless the thread ended it first
 
     def resume(self) -> list[str]:
         """At start-up: charge in-flight rounds of a crashed process and resume RUNNING runs."""
@@ -631,7 +637,9 @@ class RunManager:
                 if exc.code() not in _UNREACHABLE:
                     raise
                 why = f"shuffler unreachable ({exc.code().name})"
-                if self._clock() > deadline or cancel.is_set():
+                if cancel.is_set():
+                    raise _Cancelled from exc
+                if self._clock() > deadline:
                     raise PlanError(f"{why} for {wait:.0f} s") from exc
                 self.ledger.set_state(run_id, "RUNNING", f"waiting for the population: {why}")
                 cancel.wait(1.0)
@@ -643,7 +651,9 @@ class RunManager:
                 # progress while a large population registers (the operator's CLI prints each change)
                 what = f"{pop.admitted_users} users admitted, {pop.connected_nodes} of {want_nodes} nodes connected"
                 self.ledger.set_state(run_id, "RUNNING", f"waiting for the population: {what}")
-            if self._clock() > deadline or cancel.is_set():
+            if cancel.is_set():
+                raise _Cancelled
+            if self._clock() > deadline:
                 if pop.admitted_users > 0:
                     return pop
                 raise PlanError(f"no users admitted at the shuffler after {wait:.0f} s")
@@ -700,6 +710,8 @@ class RunManager:
     def _thread_main(self, run_id: str, live: _Live) -> None:
         try:
             self._execute(run_id, live)
+        except _Cancelled:
+            self.ledger.set_state(run_id, "CANCELLED", _CANCELLED)
         except BudgetExceeded as exc:
             self.ledger.set_state(run_id, "BUDGET_EXHAUSTED", str(exc))
         except (PlanError, ConfigError) as exc:
@@ -741,8 +753,7 @@ class RunManager:
             need = plan["cohort"] if plan["kind"] != "sequential" else 0  # fully interactive: every user
             wait = cfg.deployment.population_wait_seconds
             if live.cancel.is_set() or not self._await_shuffler(run_id, live, need, wait):
-                self.ledger.set_state(run_id, "CANCELLED", "cancelled by the operator")
-                return
+                raise _Cancelled
             event = PrivacyEvent(
                 protocol.name,
                 protocol.event_params(plan, r),

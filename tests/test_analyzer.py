@@ -82,6 +82,25 @@ def test_operator_api_errors_and_cancel(services, data):
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_a_run_cancelled_while_it_waits_for_the_population_ends_cancelled(services, data, tmp_path):
+    """The cancel cut the population wait short and the run's thread reported that as a planning failure ("no users
+    admitted ... after 60 s") over the operator's CANCELLED, or before it (CancelRun answered FAILED)."""
+    _, shuffler, _, _ = services  # no node: the run waits for the population
+    channel = grpc.insecure_channel(shuffler)
+    manager = RunManager(Ledger(tmp_path / "own.sqlite"), pbg.ShufflerStub(channel))
+    run_id = manager.create_run(data + "[deployment]\npopulation_wait_seconds = 60\n")
+    manager.start_run(run_id)
+    deadline = time.monotonic() + 30
+    while "0 users admitted" not in manager.view(run_id).message and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "0 users admitted" in manager.view(run_id).message  # in the wait
+    manager.cancel_run(run_id)
+    manager.wait(run_id, timeout=30)
+    view = manager.view(run_id)
+    channel.close()
+    assert (view.state, view.message) == ("CANCELLED", "cancelled by the operator")
+
+
 def test_status_long_poll_answers_at_the_first_change_or_after_its_wait(services, data):
     stub, _, _, _ = services
     st = stub.CreateRun(pb.CreateRunRequest(config_toml=data))

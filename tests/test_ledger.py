@@ -61,6 +61,20 @@ def test_wal_mode_and_lifecycle(tmp_path):
     assert led.next_round("r1") == 2
 
 
+def test_an_ended_run_keeps_its_first_terminal_state(tmp_path):
+    """A run's thread still planning when the operator cancels wrote RUNNING (and then FAILED, for the population
+    wait the cancel cut short) over CANCELLED: a later cancel then found the run going and cancelled it again."""
+    led = _ledger(tmp_path, BudgetLimit(1.0, 1e-6, "parallel"))
+    assert led.set_state("r1", "RUNNING", "waiting for the population")
+    assert led.set_state("r1", "CANCELLED", "cancelled by the operator")
+    for state in ("RUNNING", "FAILED", "COMPLETED", "CANCELLED"):
+        assert not led.set_state("r1", state, "late")
+    row = led.run("r1")
+    assert (row["state"], row["message"]) == ("CANCELLED", "cancelled by the operator")
+    with pytest.raises(LedgerError, match="unknown run"):
+        led.set_state("nope", "RUNNING")
+
+
 def test_sequential_rounds_compose_in_parallel(tmp_path):
     led = _ledger(tmp_path, BudgetLimit(1.0, 1e-6, "parallel"))
     for r in range(5):  # five disjoint cohorts at (1, 1e-6) each: the run is (1, 1e-6), not (5, 5e-6)
