@@ -480,16 +480,18 @@ class Ledger:
             )
             self._books.pop(run_id, None)
 
-    def set_state(self, run_id: str, state: str, message: str = "") -> bool:
+    def set_state(self, run_id: str, state: str, message: str = "", *, only_from: str | None = None) -> bool:
         """Set the run's state and status message; False, and nothing written, once the run has ended: its first
         terminal state stays (the run's thread, still planning or polling when an operator cancels, must not report
-        the cancelled run RUNNING again, nor FAILED for a population wait the cancel cut short)."""
+        the cancelled run RUNNING again, nor FAILED for a population wait the cancel cut short). With `only_from`,
+        only a run in that state moves (one write: of two concurrent StartRun calls one starts the run)."""
         with self._tx() as db:
             self._run_row(db, run_id)
             ended = ",".join("?" * len(TERMINAL_STATES))
             cur = db.execute(
-                f"UPDATE runs SET state=?, message=?, updated_at=? WHERE run_id=? AND state NOT IN ({ended})",
-                (state, message, self._clock(), run_id, *TERMINAL_STATES),
+                f"UPDATE runs SET state=?, message=?, updated_at=? WHERE run_id=? AND state NOT IN ({ended})"
+                + (" AND state=?" if only_from is not None else ""),
+                (state, message, self._clock(), run_id, *TERMINAL_STATES, *([only_from] if only_from else [])),
             )
             return cur.rowcount == 1
 

@@ -522,9 +522,12 @@ class RunManager:
 
     def start_run(self, run_id: str) -> None:
         run = self._run(run_id)
-        if run["state"] != "CREATED":
-            raise RunStateError(f"run {run_id} is {run['state']}; only a CREATED run can be started")
-        self.ledger.set_state(run_id, "RUNNING", "waiting for the population")
+        if run["state"] != "CREATED" or not self.ledger.set_state(
+            run_id, "RUNNING", "waiting for the population", only_from="CREATED"
+        ):
+            # the second of two concurrent calls reads CREATED too: the write decides, so one thread runs the run
+            state = self._run(run_id)["state"]
+            raise RunStateError(f"run {run_id} is {state}; only a CREATED run can be started")
         self._spawn(run_id)
 
     def cancel_run(self, run_id: str) -> None:

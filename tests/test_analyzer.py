@@ -15,7 +15,14 @@ from shuffledp.clients.node import start_node
 from shuffledp.clients.policy import PolicyTable, UserPolicy
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
 from shuffledp.services.ledger import Ledger, PrivacyEvent
-from shuffledp.services.run_manager import PlanError, RunManager, _decode_state, plan_run, round_spec
+from shuffledp.services.run_manager import (
+    PlanError,
+    RunManager,
+    RunStateError,
+    _decode_state,
+    plan_run,
+    round_spec,
+)
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.config import DEFAULT_ROUNDS, parse_config
@@ -99,6 +106,47 @@ def test_a_run_cancelled_while_it_waits_for_the_population_ends_cancelled(servic
     view = manager.view(run_id)
     channel.close()
     assert (view.state, view.message) == ("CANCELLED", "cancelled by the operator")
+
+
+def test_of_two_concurrent_start_calls_one_starts_the_run(services, data, tmp_path):
+    """Both calls read CREATED before either wrote RUNNING (made certain by a barrier in the ledger's read), and both
+    spawned a thread for the run: two planners of one run, the loser ending it FAILED ("already has a budget")."""
+    _, shuffler, _, _ = services
+    channel = grpc.insecure_channel(shuffler)
+    ledger = Ledger(tmp_path / "own.sqlite")
+    manager = RunManager(ledger, pbg.ShufflerStub(channel))
+    run_id = manager.create_run(data + "[deployment]\npopulation_wait_seconds = 60\n")
+    both_read, read = threading.Barrier(2, timeout=10), ledger.run
+
+    def read_together(rid):
+        row, me = read(rid), threading.current_thread()
+        if me.name.startswith("start") and not getattr(me, "has_read", False):
+            me.has_read = True
+            both_read.wait()  # each caller's first read
+        return row
+
+    ledger.run = read_together
+    outcomes = []
+
+    def start():
+        try:
+            manager.start_run(run_id)
+            outcomes.append("started")
+        except RunStateError as exc:
+            outcomes.append(str(exc))
+
+    callers = [threading.Thread(target=start, name=f"start-{i}") for i in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(30)
+    ledger.run = read
+    manager.cancel_run(run_id)
+    manager.wait(run_id, timeout=30)
+    channel.close()
+    assert sorted(outcomes) == sorted(["started", f"run {run_id} is RUNNING; only a CREATED run can be started"])
+    assert [t for t in threading.enumerate() if t.name == f"run-{run_id}"] == []
+    assert ledger.run(run_id)["state"] == "CANCELLED"
 
 
 def test_status_long_poll_answers_at_the_first_change_or_after_its_wait(services, data):

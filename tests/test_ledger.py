@@ -65,7 +65,9 @@ def test_an_ended_run_keeps_its_first_terminal_state(tmp_path):
     """A run's thread still planning when the operator cancels wrote RUNNING (and then FAILED, for the population
     wait the cancel cut short) over CANCELLED: a later cancel then found the run going and cancelled it again."""
     led = _ledger(tmp_path, BudgetLimit(1.0, 1e-6, "parallel"))
-    assert led.set_state("r1", "RUNNING", "waiting for the population")
+    assert led.set_state("r1", "RUNNING", "waiting for the population", only_from="CREATED")
+    assert not led.set_state("r1", "RUNNING", "started twice", only_from="CREATED")
+    assert led.run("r1")["message"] == "waiting for the population"
     assert led.set_state("r1", "CANCELLED", "cancelled by the operator")
     for state in ("RUNNING", "FAILED", "COMPLETED", "CANCELLED"):
         assert not led.set_state("r1", state, "late")
