@@ -50,6 +50,7 @@ from shuffledp.mechanisms.pvec import PvecParams
 __all__ = [
     "BudgetExceeded",
     "LedgerError",
+    "RunEnded",
     "PrivacyEvent",
     "BudgetLimit",
     "BudgetTotals",
@@ -70,6 +71,10 @@ _COUNTED = ("reserved", "committed", "spent_unknown")
 
 class LedgerError(RuntimeError):
     """A ledger operation that violates the round life cycle (unknown run/round, wrong state, duplicate)."""
+
+
+class RunEnded(LedgerError):
+    """A round reserved for a run that has ended (cancelled meanwhile): refused, nothing stored."""
 
 
 class BudgetExceeded(Exception):
@@ -523,6 +528,9 @@ class Ledger:
         Raises BudgetExceeded (nothing stored) if the projected total exceeds the limit in eps or delta.
         """
         with self._tx() as db:
+            state = self._run_row(db, run_id)[0]
+            if state in TERMINAL_STATES:  # whatever still runs it, an ended run starts no round
+                raise RunEnded(f"run {run_id!r} has ended ({state}): no round {round_index}")
             limit = self._limit(db, run_id)
             if db.execute("SELECT 1 FROM rounds WHERE run_id=? AND round=?", (run_id, round_index)).fetchone():
                 raise LedgerError(f"round {round_index} of run {run_id!r} was already reserved")

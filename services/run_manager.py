@@ -47,6 +47,7 @@ from shuffledp.services.ledger import (
     Ledger,
     LedgerError,
     PrivacyEvent,
+    RunEnded,
 )
 
 from shuffledp import grpc_options, sealing
@@ -521,14 +522,16 @@ class RunManager:
             raise RunNotFound(f"unknown run {run_id!r}") from exc
 
     def start_run(self, run_id: str) -> None:
-        run = self._run(run_id)
-        if run["state"] != "CREATED" or not self.ledger.set_state(
-            run_id, "RUNNING", "waiting for the population", only_from="CREATED"
-        ):
-            # the second of two concurrent calls reads CREATED too: the write decides, so one thread runs the run
-            state = self._run(run_id)["state"]
-            raise RunStateError(f"run {run_id} is {state}; only a CREATED run can be started")
-        self._spawn(run_id)
+        self._run(run_id)  # RunNotFound
+        # under the lock with cancel_run's look-up: a cancel finds the run either not started or with its _Live
+        with self._lock:
+            # the write decides, not a read before it: of two concurrent calls one starts the run
+            started = self.ledger.set_state(run_id, "RUNNING", "waiting for the population", only_from="CREATED")
+            if started:
+                live = self._live[run_id] = _Live()
+        if not started:
+            raise RunStateError(f"run {run_id} is {self._run(run_id)['state']}; only a CREATED run can be started")
+        self._spawn(run_id, live)
 
     def cancel_run(self, run_id: str) -> None:
         run = self._run(run_id)
@@ -536,8 +539,11 @@ class RunManager:
             raise RunStateError(f"run {run_id} already ended ({run['state']})")
         with self._lock:
             live = self._live.get(run_id)
-        if live is not None and live.thread is not None and live.thread.is_alive():
+            if live is None:  # not started (or not resumed yet): nothing runs it, and start_run now finds it ended
+                self.ledger.set_state(run_id, "CANCELLED", _CANCELLED)
+                return
             live.cancel.set()  # the thread stops before reserving its next round
+        if live.thread is not None:
             live.thread.join(timeout=0.1)
         self.ledger.set_state(run_id, "CANCELLED", _CANCELLED)  # unless the thread ended it first
 
@@ -557,10 +563,11 @@ class RunManager:
         if live is not None and live.thread is not None:
             live.thread.join(timeout)
 
-    def _spawn(self, run_id: str) -> None:
-        live = _Live()
-        with self._lock:
-            self._live[run_id] = live
+    def _spawn(self, run_id: str, live: _Live | None = None) -> None:
+        if live is None:
+            live = _Live()
+            with self._lock:
+                self._live[run_id] = live
         live.thread = threading.Thread(target=self._thread_main, args=(run_id, live), name=f"run-{run_id}", daemon=True)
         live.thread.start()
 
@@ -634,14 +641,14 @@ class RunManager:
         deadline = self._clock() + wait
         last = None
         while True:
+            if cancel.is_set():
+                raise _Cancelled
             try:
                 pop = self.shuffler.GetPopulation(pb.PopulationRequest(run_id=run_id), timeout=_PROBE_SECONDS)
             except grpc.RpcError as exc:
                 if exc.code() not in _UNREACHABLE:
                     raise
                 why = f"shuffler unreachable ({exc.code().name})"
-                if cancel.is_set():
-                    raise _Cancelled from exc
                 if self._clock() > deadline:
                     raise PlanError(f"{why} for {wait:.0f} s") from exc
                 self.ledger.set_state(run_id, "RUNNING", f"waiting for the population: {why}")
@@ -654,14 +661,12 @@ class RunManager:
                 # progress while a large population registers (the operator's CLI prints each change)
                 what = f"{pop.admitted_users} users admitted, {pop.connected_nodes} of {want_nodes} nodes connected"
                 self.ledger.set_state(run_id, "RUNNING", f"waiting for the population: {what}")
-            if cancel.is_set():
-                raise _Cancelled
             if self._clock() > deadline:
                 if pop.admitted_users > 0:
                     return pop
                 raise PlanError(f"no users admitted at the shuffler after {wait:.0f} s")
             last = pop
-            time.sleep(0.05)  # a node registers its users in one call: two equal readings this far apart suffice
+            cancel.wait(0.05)  # a node registers its users in one call: two equal readings this far apart suffice
 
     def _plan(self, run_id: str, cfg: RunConfig, live: _Live) -> dict[str, Any]:
         run = self._run(run_id)
@@ -715,6 +720,8 @@ class RunManager:
             self._execute(run_id, live)
         except _Cancelled:
             self.ledger.set_state(run_id, "CANCELLED", _CANCELLED)
+        except RunEnded:
+            pass  # ended by another call (a cancel): its state is final
         except BudgetExceeded as exc:
             self.ledger.set_state(run_id, "BUDGET_EXHAUSTED", str(exc))
         except (PlanError, ConfigError) as exc:

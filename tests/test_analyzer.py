@@ -149,6 +149,34 @@ def test_of_two_concurrent_start_calls_one_starts_the_run(services, data, tmp_pa
     assert ledger.run(run_id)["state"] == "CANCELLED"
 
 
+def test_a_cancel_between_the_start_and_the_runs_thread_stops_the_run(services, data, tmp_path):
+    """A cancel that looked for the run's thread after StartRun wrote RUNNING, before the thread was registered,
+    found none, wrote CANCELLED and returned: the thread then planned and ran the rounds of the cancelled run."""
+    _, shuffler, nodes, _ = services
+    cfg_text = data + "[schedule]\nrounds = 3\n"
+    cfg = parse_config(cfg_text)
+    nodes += [start_node(f"c{i}", cfg, i, 2, shuffler) for i in range(2)]
+    channel = grpc.insecure_channel(shuffler)
+    ledger = Ledger(tmp_path / "own.sqlite")
+    manager = RunManager(ledger, pbg.ShufflerStub(channel))
+    run_id = manager.create_run(cfg_text)
+    spawn = manager._spawn
+
+    def cancelled_meanwhile(rid, *args):
+        cancel = threading.Thread(target=manager.cancel_run, args=(rid,))
+        cancel.start()
+        cancel.join(5)
+        spawn(rid, *args)
+
+    manager._spawn = cancelled_meanwhile
+    manager.start_run(run_id)
+    manager.wait(run_id, timeout=60)
+    channel.close()
+    row = ledger.run(run_id)
+    assert (row["state"], row["message"]) == ("CANCELLED", "cancelled by the operator")
+    assert row["plan"] is None and ledger.rounds(run_id) == []  # never planned, no round reserved
+
+
 def test_status_long_poll_answers_at_the_first_change_or_after_its_wait(services, data):
     stub, _, _, _ = services
     st = stub.CreateRun(pb.CreateRunRequest(config_toml=data))
@@ -349,7 +377,11 @@ def test_a_result_is_one_snapshot_of_the_ledger(services, data):
     ledger = Ledger(state_dir / LEDGER_FILE)
     channel = grpc.insecure_channel(shuffler)
     manager = RunManager(ledger, pbg.ShufflerStub(channel))
-    ledger.reserve(run_id, 2, ledger.event(run_id, 1))  # a round in flight
+    # a round in flight: reserved while the run was going, then the operator cancels (an ended run reserves none)
+    with sqlite3.connect(state_dir / LEDGER_FILE) as db:
+        db.execute("UPDATE runs SET state='RUNNING' WHERE run_id=?", (run_id,))
+    ledger.reserve(run_id, 2, ledger.event(run_id, 1))
+    ledger.set_state(run_id, "CANCELLED", "cancelled by the operator")
     evaluate = manager._evaluation_data
 
     def settled_meanwhile(run_cfg):

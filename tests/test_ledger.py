@@ -14,6 +14,7 @@ from shuffledp.services.ledger import (
     Ledger,
     LedgerError,
     PrivacyEvent,
+    RunEnded,
     compose_events,
     round_cost,
 )
@@ -73,6 +74,9 @@ def test_an_ended_run_keeps_its_first_terminal_state(tmp_path):
         assert not led.set_state("r1", state, "late")
     row = led.run("r1")
     assert (row["state"], row["message"]) == ("CANCELLED", "cancelled by the operator")
+    with pytest.raises(RunEnded, match="has ended"):  # whatever still runs it: no round of an ended run
+        led.reserve("r1", 0, _event())
+    assert led.rounds("r1") == [] and led.totals("r1").eps_reserved == 0.0
     with pytest.raises(LedgerError, match="unknown run"):
         led.set_state("nope", "RUNNING")
 
