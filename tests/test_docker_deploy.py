@@ -196,17 +196,28 @@ class Operator:
         return self.call("GetRunResult", pb.RunRef(run_id=run_id), timeout=60)
 
 
-def _wait_in_flight(op: Operator, run_id: str, min_done: int, timeout: float = 120):
-    """Wait until at least `min_done` rounds are done and the next one is reserved (its cost counted, not closed):
-    the ledger's own word that a round is in flight, not a guess from how long no round has ended."""
+_RESERVED_ROUNDS = """
+import json, sqlite3, sys
+db = sqlite3.connect("/var/lib/shuffledp/state/ledger.sqlite")
+print(json.dumps(db.execute("SELECT round, state FROM rounds WHERE run_id=?", (sys.argv[1],)).fetchall()))
+"""
+
+
+def _wait_in_flight(dep: Deployment, op: Operator, run_id: str, min_done: int, timeout: float = 120) -> int:
+    """Wait until rounds 0..k-1 (k >= min_done) are closed and round k is reserved (its cost counted, not closed);
+    returns k. The analyzer's ledger's own word, read in its container: not the status' eps_reserved > eps_spent,
+    which a reserved round need not make true (parallel composition: a round reserved at the cost round 0
+    committed with leaves the max as it is; the stop CI's failure), nor a guess from how long no round has ended."""
     from shuffledp.v1 import shuffledp_pb2 as pb
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         st = op.status(run_id)
         assert st.state in (pb.CREATED, pb.RUNNING), f"run ended early: {pb.RunState.Name(st.state)} {st.message}"
-        if st.rounds_done >= min_done and st.budget.eps_reserved > st.budget.eps_spent:
-            return st
+        rounds = dict(json.loads(dep.exec_python("analyzer", _RESERVED_ROUNDS, run_id)))
+        reserved = [r for r, state in rounds.items() if state == "reserved"]
+        if reserved and reserved[0] >= min_done and all(rounds[r] != "reserved" for r in range(reserved[0])):
+            return reserved[0]
         time.sleep(0.1)
     raise AssertionError(f"run {run_id}: no round in flight after {min_done} done")
 
@@ -400,7 +411,7 @@ def test_analyzer_restart_resumes_the_run(deployment: Deployment):
     run_cmd(["docker", "pause", client1])
     try:
         run_id = op.start(common.config_text(min_contributors_fraction="0.3"))
-        before = _wait_in_flight(op, run_id, min_done=1)
+        in_flight = _wait_in_flight(dep, op, run_id, min_done=1)
         run_cmd(["docker", "kill", dep.cid("analyzer")])  # a crash: SIGKILL with round 1 in flight (~4 s long)
     finally:
         run_cmd(["docker", "unpause", client1], check=False)
@@ -410,8 +421,7 @@ def test_analyzer_restart_resumes_the_run(deployment: Deployment):
     assert final.state == pb.COMPLETED, f"{pb.RunState.Name(final.state)} {final.message}\n{dep.logs('analyzer')}"
     ledger = _check_ledger_consistent(result.ledger_json, final)
     states = {r["round"]: r["state"] for r in ledger["rounds"]}
-    in_flight = before.rounds_done  # rounds 0..rounds_done-1 were finished before the kill
-    assert in_flight >= 1
+    assert in_flight >= 1  # rounds 0..in_flight-1 were closed before the kill
     assert states[in_flight] == "spent_unknown", states  # charged at its reserved cost, never released
     assert all(states[r] == "committed" for r in range(in_flight)), states  # kept across the crash
     after = [r for r in states if r > in_flight]
