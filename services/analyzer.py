@@ -10,6 +10,7 @@ starting on an existing state_dir resumes RUNNING runs (in-flight rounds are cha
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent import futures
@@ -31,6 +32,10 @@ __all__ = ["AnalyzerServicer", "start_analyzer", "LEDGER_FILE"]
 
 LEDGER_FILE = "ledger.sqlite"
 MAX_STATUS_WAIT_MS = 10_000  # a GetRunStatus long poll holds a server thread for at most this long
+_WORKERS = 8
+# long polls holding a thread at once; one more is answered at once (what a poll with no wait gets): pollers
+# cannot take every thread from the health checks and the operator's other calls
+MAX_LONG_POLLS = _WORKERS // 2
 
 # domain exception -> status code (one table; the first matching class wins)
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -117,6 +122,7 @@ class AnalyzerServicer(pbg.AnalyzerServicer):
 
     def __init__(self, manager: RunManager):
         self.manager = manager
+        self._long_polls = threading.BoundedSemaphore(MAX_LONG_POLLS)
 
     def _view(self, run_id: str, with_result: bool = False, metrics_from: int = 0) -> tuple[RunView, str]:
         v = self.manager.view(run_id, with_result, metrics_from)
@@ -141,8 +147,9 @@ class AnalyzerServicer(pbg.AnalyzerServicer):
         # with wait_ms, a long poll: the status is answered once it differs from what the caller has seen, so an
         # operator sees each round as it ends without polling (answers are a complete status, but for the first
         # metrics_from rounds' metrics, which the caller asked to leave out: what it already holds)
+        polling = request.wait_ms > 0 and self._long_polls.acquire(blocking=False)
         try:
-            deadline = time.monotonic() + min(request.wait_ms, MAX_STATUS_WAIT_MS) / 1000.0
+            deadline = time.monotonic() + (min(request.wait_ms, MAX_STATUS_WAIT_MS) / 1000.0 if polling else 0.0)
             ledger = self.manager.ledger
             seen = (request.seen_rounds, request.seen_state, request.seen_message)
             while True:
@@ -154,6 +161,9 @@ class AnalyzerServicer(pbg.AnalyzerServicer):
                 ledger.wait_change(version, min(left, 1.0))
         except Exception as exc:
             _abort(context, exc)
+        finally:
+            if polling:
+                self._long_polls.release()
 
     def GetRunResult(self, request: pb.RunRef, context: grpc.ServicerContext) -> pb.RunResult:
         try:
@@ -208,8 +218,9 @@ def start_analyzer(
     else:
         channel = grpc.secure_channel(shuffler_address, channel_credentials, options=options)
     manager = RunManager(Ledger(state_dir / LEDGER_FILE), pbg.ShufflerStub(channel))
+    manager.recover()  # before any call can start a run: a round reserved by this process is never taken as lost
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8),
+        futures.ThreadPoolExecutor(max_workers=_WORKERS),
         interceptors=list(interceptors),
         options=grpc_options.server_options(max_receive=grpc_options.CLIENT_MESSAGE_BYTES),
     )
@@ -218,6 +229,6 @@ def start_analyzer(
     port, _ = start_with_health(server, listen, server_credentials, "shuffledp.v1.Analyzer")
     server.manager = manager  # type: ignore[attr-defined]  (tests and serve.py may inspect it)
     server.shuffler_channel = channel  # type: ignore[attr-defined]
-    manager.resume()
+    manager.resume()  # once the port is bound: a process that cannot serve runs no round
     log.info("analyzer listening on port %d, shuffler at %s", port, shuffler_address)
     return server, port

@@ -534,27 +534,34 @@ class RunManager:
         self._spawn(run_id, live)
 
     def cancel_run(self, run_id: str) -> None:
-        run = self._run(run_id)
-        if run["state"] in TERMINAL_STATES:
-            raise RunStateError(f"run {run_id} already ended ({run['state']})")
+        self._run(run_id)  # RunNotFound
+        # under the lock start_run and resume register a run's thread with: a cancel finds either the run not
+        # started (start_run's compare-and-set then fails) or its _Live
         with self._lock:
+            # the ledger first: from this write on no round of the run can be reserved (Ledger.reserve), also
+            # not by a thread past its last look at the event (in its pre-round check of the shuffler)
+            if not self.ledger.set_state(run_id, "CANCELLED", _CANCELLED):
+                raise RunStateError(f"run {run_id} already ended ({self._run(run_id)['state']})")
             live = self._live.get(run_id)
-            if live is None:  # not started (or not resumed yet): nothing runs it, and start_run now finds it ended
-                self.ledger.set_state(run_id, "CANCELLED", _CANCELLED)
-                return
-            live.cancel.set()  # the thread stops before reserving its next round
-        if live.thread is not None:
+            if live is not None:
+                live.cancel.set()  # ends its waits at once
+        if live is not None and live.thread is not None:
             live.thread.join(timeout=0.1)
-        self.ledger.set_state(run_id, "CANCELLED", _CANCELLED)  # unless the thread ended it first
+
+    def recover(self) -> None:
+        """At start-up, before the operator API takes calls: the rounds a crashed process left reserved are charged
+        as spent (never a round this process reserves)."""
+        for run_id, r in self.ledger.recover():
+            log.warning("run %s round %d had an unknown outcome: counted as spent", run_id, r)
 
     def resume(self) -> list[str]:
-        """At start-up: charge in-flight rounds of a crashed process and resume RUNNING runs."""
-        lost = self.ledger.recover()
-        for run_id, r in lost:
-            log.warning("run %s round %d had an unknown outcome: counted as spent", run_id, r)
-        running = self.ledger.runs_in_state("RUNNING")
-        for run_id in running:
-            self._spawn(run_id)
+        """Resume the RUNNING runs (after recover()), each once: under the lock start_run and cancel_run take, so a
+        run started meanwhile is not started twice and a run cancelled meanwhile is not resumed or sees its cancel."""
+        with self._lock:
+            running = [run_id for run_id in self.ledger.runs_in_state("RUNNING") if run_id not in self._live]
+            lives = {run_id: self._live.setdefault(run_id, _Live()) for run_id in running}
+        for run_id, live in lives.items():
+            self._spawn(run_id, live)
         return running
 
     def wait(self, run_id: str, timeout: float | None = None) -> None:
@@ -563,11 +570,7 @@ class RunManager:
         if live is not None and live.thread is not None:
             live.thread.join(timeout)
 
-    def _spawn(self, run_id: str, live: _Live | None = None) -> None:
-        if live is None:
-            live = _Live()
-            with self._lock:
-                self._live[run_id] = live
+    def _spawn(self, run_id: str, live: _Live) -> None:
         live.thread = threading.Thread(target=self._thread_main, args=(run_id, live), name=f"run-{run_id}", daemon=True)
         live.thread.start()
 
@@ -671,6 +674,9 @@ class RunManager:
     def _plan(self, run_id: str, cfg: RunConfig, live: _Live) -> dict[str, Any]:
         run = self._run(run_id)
         if run["plan"]:
+            if self.ledger.last_checkpoint(run_id) is None:
+                # planned by a version that wrote the plan and theta_0 apart, and stopped between them
+                self.ledger.save_checkpoint(run_id, -1, *self._initial_state(cfg, run["plan"]))
             return run["plan"]
         model, _, _, bound, _ = self._evaluation_data(cfg)
         pop = self._population(run_id, cfg.deployment.client_nodes, cfg.deployment.population_wait_seconds, live.cancel)
@@ -686,14 +692,19 @@ class RunManager:
             seconds,
         )
         limit = BudgetLimit(plan["eps"], plan["delta"], plan["composition"], plan["advanced_slack"])
-        self.ledger.set_budget(run_id, limit, plan)
-        opt = _optimizer(plan)
-        state = opt.init(model.init_params())
-        noise = _protocol(plan).noise_state(plan)
-        self.ledger.save_checkpoint(
-            run_id, -1, _encode_state(_RunState(state, noise)), self._evaluate(cfg, opt, state, -1)
-        )
+        initial = self._initial_state(cfg, plan)
+        # one transaction: a stop between a plan and its theta_0 left a run that no restart could execute
+        with self.ledger.atomic():
+            self.ledger.set_budget(run_id, limit, plan)
+            self.ledger.save_checkpoint(run_id, -1, *initial)
         return plan
+
+    def _initial_state(self, cfg: RunConfig, plan: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        """The checkpoint of round -1: the optimizer's and the protocol's initial state, and theta_0's metrics."""
+        opt = _optimizer(plan)
+        state = opt.init(self._evaluation_data(cfg).model.init_params())
+        noise = _protocol(plan).noise_state(plan)
+        return _encode_state(_RunState(state, noise)), self._evaluate(cfg, opt, state, -1)
 
     def _evaluate(self, cfg: RunConfig, opt: Optimizer, state: Any, r: int) -> dict[str, Any]:
         """Held-out loss/accuracy of the model after round r (r = -1: the initial model theta_0).

@@ -15,14 +15,7 @@ from shuffledp.clients.node import start_node
 from shuffledp.clients.policy import PolicyTable, UserPolicy
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
 from shuffledp.services.ledger import Ledger, PrivacyEvent
-from shuffledp.services.run_manager import (
-    PlanError,
-    RunManager,
-    RunStateError,
-    _decode_state,
-    plan_run,
-    round_spec,
-)
+from shuffledp.services.run_manager import PlanError, RunManager, _decode_state, plan_run, round_spec
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.config import DEFAULT_ROUNDS, parse_config
@@ -87,94 +80,6 @@ def test_operator_api_errors_and_cancel(services, data):
         with pytest.raises(grpc.RpcError) as err:
             call(pb.RunRef(run_id=st.run_id))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-
-
-def test_a_run_cancelled_while_it_waits_for_the_population_ends_cancelled(services, data, tmp_path):
-    """The cancel cut the population wait short and the run's thread reported that as a planning failure ("no users
-    admitted ... after 60 s") over the operator's CANCELLED, or before it (CancelRun answered FAILED)."""
-    _, shuffler, _, _ = services  # no node: the run waits for the population
-    channel = grpc.insecure_channel(shuffler)
-    manager = RunManager(Ledger(tmp_path / "own.sqlite"), pbg.ShufflerStub(channel))
-    run_id = manager.create_run(data + "[deployment]\npopulation_wait_seconds = 60\n")
-    manager.start_run(run_id)
-    deadline = time.monotonic() + 30
-    while "0 users admitted" not in manager.view(run_id).message and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert "0 users admitted" in manager.view(run_id).message  # in the wait
-    manager.cancel_run(run_id)
-    manager.wait(run_id, timeout=30)
-    view = manager.view(run_id)
-    channel.close()
-    assert (view.state, view.message) == ("CANCELLED", "cancelled by the operator")
-
-
-def test_of_two_concurrent_start_calls_one_starts_the_run(services, data, tmp_path):
-    """Both calls read CREATED before either wrote RUNNING (made certain by a barrier in the ledger's read), and both
-    spawned a thread for the run: two planners of one run, the loser ending it FAILED ("already has a budget")."""
-    _, shuffler, _, _ = services
-    channel = grpc.insecure_channel(shuffler)
-    ledger = Ledger(tmp_path / "own.sqlite")
-    manager = RunManager(ledger, pbg.ShufflerStub(channel))
-    run_id = manager.create_run(data + "[deployment]\npopulation_wait_seconds = 60\n")
-    both_read, read = threading.Barrier(2, timeout=10), ledger.run
-
-    def read_together(rid):
-        row, me = read(rid), threading.current_thread()
-        if me.name.startswith("start") and not getattr(me, "has_read", False):
-            me.has_read = True
-            both_read.wait()  # each caller's first read
-        return row
-
-    ledger.run = read_together
-    outcomes = []
-
-    def start():
-        try:
-            manager.start_run(run_id)
-            outcomes.append("started")
-        except RunStateError as exc:
-            outcomes.append(str(exc))
-
-    callers = [threading.Thread(target=start, name=f"start-{i}") for i in range(2)]
-    for t in callers:
-        t.start()
-    for t in callers:
-        t.join(30)
-    ledger.run = read
-    manager.cancel_run(run_id)
-    manager.wait(run_id, timeout=30)
-    channel.close()
-    assert sorted(outcomes) == sorted(["started", f"run {run_id} is RUNNING; only a CREATED run can be started"])
-    assert [t for t in threading.enumerate() if t.name == f"run-{run_id}"] == []
-    assert ledger.run(run_id)["state"] == "CANCELLED"
-
-
-def test_a_cancel_between_the_start_and_the_runs_thread_stops_the_run(services, data, tmp_path):
-    """A cancel that looked for the run's thread after StartRun wrote RUNNING, before the thread was registered,
-    found none, wrote CANCELLED and returned: the thread then planned and ran the rounds of the cancelled run."""
-    _, shuffler, nodes, _ = services
-    cfg_text = data + "[schedule]\nrounds = 3\n"
-    cfg = parse_config(cfg_text)
-    nodes += [start_node(f"c{i}", cfg, i, 2, shuffler) for i in range(2)]
-    channel = grpc.insecure_channel(shuffler)
-    ledger = Ledger(tmp_path / "own.sqlite")
-    manager = RunManager(ledger, pbg.ShufflerStub(channel))
-    run_id = manager.create_run(cfg_text)
-    spawn = manager._spawn
-
-    def cancelled_meanwhile(rid, *args):
-        cancel = threading.Thread(target=manager.cancel_run, args=(rid,))
-        cancel.start()
-        cancel.join(5)
-        spawn(rid, *args)
-
-    manager._spawn = cancelled_meanwhile
-    manager.start_run(run_id)
-    manager.wait(run_id, timeout=60)
-    channel.close()
-    row = ledger.run(run_id)
-    assert (row["state"], row["message"]) == ("CANCELLED", "cancelled by the operator")
-    assert row["plan"] is None and ledger.rounds(run_id) == []  # never planned, no round reserved
 
 
 def test_status_long_poll_answers_at_the_first_change_or_after_its_wait(services, data):
