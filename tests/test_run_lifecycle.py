@@ -62,6 +62,19 @@ def _ended(manager: RunManager, run_id: str) -> dict:
     return manager.ledger.run(run_id)
 
 
+def _cancel_before_the_thread_starts(manager: RunManager) -> None:
+    """A cancel, from another thread, in the run's _spawn: after its registration and before its thread starts."""
+    spawn = manager._spawn
+
+    def cancelled_meanwhile(rid, *args):
+        cancel = threading.Thread(target=manager.cancel_run, args=(rid,))
+        cancel.start()
+        cancel.join(5)
+        spawn(rid, *args)
+
+    manager._spawn = cancelled_meanwhile
+
+
 def test_a_run_cancelled_while_it_waits_for_the_population_ends_cancelled(env, blobs_data):
     """The cancel cut the population wait short and the run's thread reported that as a planning failure ("no users
     admitted ... after 60 s") over the operator's CANCELLED, or before it (CancelRun answered FAILED)."""
@@ -121,15 +134,7 @@ def test_a_cancel_between_the_start_and_the_runs_thread_stops_the_run(env, blobs
     env.add_nodes(toml)
     manager = env.manager()
     run_id = manager.create_run(toml)
-    spawn = manager._spawn
-
-    def cancelled_meanwhile(rid, *args):
-        cancel = threading.Thread(target=manager.cancel_run, args=(rid,))
-        cancel.start()
-        cancel.join(5)
-        spawn(rid, *args)
-
-    manager._spawn = cancelled_meanwhile
+    _cancel_before_the_thread_starts(manager)
     manager.start_run(run_id)
     row = _ended(manager, run_id)
     assert (row["state"], row["message"]) == ("CANCELLED", "cancelled by the operator")
@@ -188,25 +193,24 @@ def test_a_cancel_while_resume_starts_the_run_reaches_its_thread(env, blobs_data
     run_id = first.create_run(blobs_data + WAITING)
     first.ledger.set_state(run_id, "RUNNING", "waiting for the population")  # left so by a stopped analyzer
     manager = env.manager()
-    spawn = manager._spawn
-
-    def cancelled_meanwhile(rid, *args):
-        cancel = threading.Thread(target=manager.cancel_run, args=(rid,))
-        cancel.start()
-        cancel.join(5)
-        spawn(rid, *args)
-
-    manager._spawn = cancelled_meanwhile
+    _cancel_before_the_thread_starts(manager)
     manager.recover()
     assert manager.resume() == [run_id]
     manager.wait(run_id, timeout=10)  # the old code's thread waits its 60 s for the population
     assert _threads(run_id) == [] and manager.ledger.run(run_id)["state"] == "CANCELLED"
 
 
-def _crashed(ledger_path, run_id: str) -> None:
-    """What a stopped analyzer leaves: the run RUNNING (its thread never wrote an end)."""
-    with sqlite3.connect(ledger_path) as db:
+def _restarted(env: _Env, run_id: str) -> RunManager:
+    """The analyzer stopped (the run left RUNNING: its thread never wrote an end) and started again on its ledger;
+    returns the new manager once the resumed run has COMPLETED."""
+    with sqlite3.connect(env.path) as db:
         db.execute("UPDATE runs SET state='RUNNING', message='' WHERE run_id=?", (run_id,))
+    manager = env.manager()
+    manager.recover()
+    assert manager.resume() == [run_id]
+    row = _ended(manager, run_id)
+    assert row["state"] == "COMPLETED", row["message"]
+    return manager
 
 
 def test_a_stop_while_a_run_is_planned_leaves_it_resumable(env, blobs_data):
@@ -227,16 +231,13 @@ def test_a_stop_while_a_run_is_planned_leaves_it_resumable(env, blobs_data):
     manager.ledger.save_checkpoint = stopped
     manager.start_run(run_id)
     assert _ended(manager, run_id)["plan"] is None  # the plan went with the checkpoint that was not written
-    _crashed(env.path, run_id)
-    again = env.manager()
-    again.recover()
-    assert again.resume() == [run_id]
-    row = _ended(again, run_id)
-    assert row["state"] == "COMPLETED", row["message"]
+    again = _restarted(env, run_id)
     assert [r["state"] for r in again.ledger.rounds(run_id)] == ["committed"] * 3
 
 
 def test_a_run_planned_without_its_initial_checkpoint_by_an_older_version_is_resumed(env, blobs_data):
+    """A ledger an older version left with a plan and no checkpoint (stopped between the two): the resumed run
+    writes theta_0's checkpoint from the stored plan and completes."""
     toml = blobs_data + "[schedule]\nrounds = 3\n"
     env.add_nodes(toml)
     first = env.manager()
@@ -247,13 +248,7 @@ def test_a_run_planned_without_its_initial_checkpoint_by_an_older_version_is_res
     first.ledger.set_budget(
         run_id, BudgetLimit(plan["eps"], plan["delta"], plan["composition"], plan["advanced_slack"]), plan
     )
-    _crashed(env.path, run_id)
-    manager = env.manager()
-    manager.recover()
-    assert manager.resume() == [run_id]
-    row = _ended(manager, run_id)
-    assert row["state"] == "COMPLETED", row["message"]
-    assert manager.ledger.last_checkpoint(run_id)[0] == 2
+    assert _restarted(env, run_id).ledger.last_checkpoint(run_id)[0] == 2
 
 
 def test_long_polls_leave_threads_for_the_other_calls(env, blobs_data, tmp_path):
