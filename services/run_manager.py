@@ -783,6 +783,9 @@ class RunManager:
                 pb.TrustModel.Name(protocol.trust_model).lower(),
             )
             self.ledger.reserve(run_id, r, event)  # BudgetExceeded propagates: no spec leaves
+            if live.cancel.is_set():  # cancelled as it was reserved: nothing was sent, nothing is charged
+                self.ledger.release(run_id, r, "cancelled before it was sent")
+                raise _Cancelled
             t0 = started = self._clock()
             try:
                 outcome, state = self._round(run_id, r, rd, state, event, live)

@@ -174,6 +174,30 @@ def test_a_cancel_during_the_pre_round_check_reserves_no_round(env, blobs_data):
     assert (row["state"], manager.ledger.rounds(run_id)) == ("CANCELLED", [])
 
 
+def test_a_round_reserved_as_the_cancel_came_is_not_sent(env, blobs_data):
+    """A cancel that returned between round 0's reservation and its ExecuteRound: the round still went to the
+    shuffler after CancelRun had answered (and was charged). The cancel is injected right after the reservation."""
+    toml = blobs_data + "[schedule]\nrounds = 3\n"
+    env.add_nodes(toml)
+    manager = env.manager()
+    run_id = manager.create_run(toml)
+    reserve = manager.ledger.reserve
+
+    def cancelled_once_reserved(rid, r, event):
+        projected = reserve(rid, r, event)
+        cancel = threading.Thread(target=manager.cancel_run, args=(rid,))
+        cancel.start()
+        cancel.join(10)
+        return projected
+
+    manager.ledger.reserve = cancelled_once_reserved
+    manager.start_run(run_id)
+    assert _ended(manager, run_id)["state"] == "CANCELLED"
+    rounds = manager.ledger.rounds(run_id)
+    assert [(x["round"], x["state"], x["reason"]) for x in rounds] == [(0, "released", "cancelled before it was sent")]
+    assert manager.ledger.totals(run_id).eps_spent == 0.0
+
+
 def test_a_run_started_before_resume_is_not_started_again(env, blobs_data):
     """The analyzer accepted calls before it resumed the ledger's RUNNING runs: a run started in between was started
     again by resume (two threads, the second ending it FAILED "already has a budget")."""
