@@ -771,9 +771,12 @@ class RunManager:
                 live.cancel.wait(left)
                 live.probe = None
             # no round is reserved while the shuffler cannot be reached: an outage costs no budget (issue 10 item 7)
-            need = plan["cohort"] if plan["kind"] != "sequential" else 0  # fully interactive: every user
+            # a round's cohort connected: a sequential round's of users not used yet in the run (the shuffler knows
+            # only connected users: after a node's or the shuffler's restart, "too few fresh users" is no exhaustion
+            # until the missing nodes had their wait); fully interactive: every user
+            need, fresh = plan["cohort"], plan["kind"] == "sequential"
             wait = cfg.deployment.population_wait_seconds
-            if live.cancel.is_set() or not self._await_shuffler(run_id, live, need, wait):
+            if live.cancel.is_set() or not self._await_shuffler(run_id, live, need, wait, fresh):
                 raise _Cancelled
             event = PrivacyEvent(
                 protocol.name,
@@ -808,11 +811,13 @@ class RunManager:
             r += 1
         self.ledger.set_state(run_id, "COMPLETED", "")
 
-    def _await_shuffler(self, run_id: str, live: _Live, need_users: int = 0, wait: float = 0.0) -> bool:
+    def _await_shuffler(
+        self, run_id: str, live: _Live, need_users: int = 0, wait: float = 0.0, fresh: bool = False
+    ) -> bool:
         """Return once the shuffler answers GetPopulation, retrying with exponential backoff while it is unreachable
-        (the run's status message says so meanwhile), and once need_users users are connected again (after an
-        outage nodes reconnect with a backoff of their own; waited for up to `wait` s, then the round
-        is tried anyway). False if the run is cancelled while waiting."""
+        (the run's status message says so meanwhile), and once need_users users are connected again (`fresh`: users
+        the run has not used yet; after an outage nodes reconnect with a backoff of their own; waited for up to
+        `wait` s, then the round is tried anyway). False if the run is cancelled while waiting."""
         delay, since, waited_users = 0.5, None, None
         asked, live.probe = live.probe, None
         while not live.cancel.is_set():
@@ -836,17 +841,19 @@ class RunManager:
             if since is not None:
                 self.ledger.set_state(run_id, "RUNNING", f"shuffler reachable again (unreachable since {since})")
                 since, delay = None, 0.5
-            if pop.admitted_users >= need_users:
+            have = pop.unused_users if fresh else pop.admitted_users
+            if have >= need_users:
                 live.settled_users = None
-            elif live.settled_users is None or pop.admitted_users < live.settled_users:
+            elif live.settled_users is None or have < live.settled_users:
                 # a new loss: wait once for these users, not at every later round (a node gone for good)
                 waited_users = self._clock() if waited_users is None else waited_users
                 if self._clock() - waited_users < wait:
-                    why = f"waiting for users to reconnect: {pop.admitted_users} of {need_users} connected"
+                    what = "fresh users" if fresh else "users"
+                    why = f"waiting for users to reconnect: {have} of {need_users} {what} connected"
                     self.ledger.set_state(run_id, "RUNNING", why)
                     live.cancel.wait(0.2)
                     continue
-                live.settled_users = pop.admitted_users
+                live.settled_users = have
             if waited_users is not None:
                 self.ledger.set_state(run_id, "RUNNING", "")
             return True

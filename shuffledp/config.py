@@ -144,7 +144,7 @@ mode = "counts"             # pvec: "counts" (trusted shuffler adds) or "bits" (
 client_nodes = 2
 round_deadline_seconds = 60.0
 population_wait_seconds = 60.0  # how long a run waits for its nodes at the start, and for users to reconnect after
-                            # an outage (fully interactive) before a round goes on without them
+                            # an outage before a round goes on without them (sequential: for a fresh cohort)
 min_round_seconds = 0.0     # pace: a round starts at least this long after the previous one started (0 = at once)
 insecure = true             # plain text on loopback (shuffledp run); false = mTLS from pki_dir
 # pki_dir = "pki"           # insecure = false: the directory `shuffledp pki init` wrote (CA and role certificates)

@@ -442,7 +442,9 @@ def test_client_stopped_mid_round_ends_round_at_deadline(deployment: Deployment)
     op = Operator(dep)
     deadline_s = float(re.search(r"^round_deadline_seconds\s*=\s*([0-9.]+)", common.EXAMPLE.read_text(), re.M).group(1))
     # threshold 30% of the cohort: the half of round 0 that client-0 holds is enough to release
-    text = common.config_text(min_contributors_fraction="0.3")
+    # client-1 is gone for good: once client-0's fresh users are fewer than a cohort, the run waits once for the
+    # lost node's (population_wait_seconds: 10 s here, not the example's 60), then completes
+    text = common.config_text(min_contributors_fraction="0.3", population_wait_seconds="10.0")
     client1 = dep.cid("client-1")
     # frozen first so that the stop lands inside round 0 (client-1's invitees have not answered yet), then
     # stopped hard, as a crashed or unplugged node

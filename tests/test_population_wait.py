@@ -13,8 +13,10 @@ import time
 
 import grpc
 from _runs import digits_pgd_two_nodes, local_run, wait_for_run
+from shuffledp.clients.node import start_node
 from shuffledp.services.shuffler import start_shuffler
 
+from shuffledp.config import parse_config
 from shuffledp.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
@@ -84,3 +86,28 @@ def test_the_probe_asked_after_a_round_is_the_next_rounds_check_and_a_failed_one
         live_channel.close()
         dead_channel.close()
         shuffler.stop(0)
+
+
+def test_a_sequential_round_waits_for_fresh_users_of_a_node_that_went_away(tmp_path):
+    """The shuffler knows connected users only: with a node away (restarting, or every node after a shuffler
+    restart) a sequential round found too few fresh users, was refused RESOURCE_EXHAUSTED and the run ended
+    COMPLETED "no fresh cohort left" with the node's fresh users unused. Now the round waits for a cohort of fresh
+    users (up to population_wait_seconds, once, as fully interactive rounds wait for theirs). 40 users, cohorts of
+    20: after round 0 the node left holds ~10 fresh users."""
+    pace, users = 3.0, 40
+    toml = digits_pgd_two_nodes(2, users, f"min_round_seconds = {pace}\npopulation_wait_seconds = 60")
+    toml = toml.replace('kind = "fully_interactive"\nrounds = 2', 'kind = "sequential"\ncohort_size = 20')
+    with local_run(tmp_path, toml, 2) as run:
+        stub, run_id = run.stub, run.run_id
+        deadline = time.monotonic() + 60
+        while not stub.GetRunStatus(pb.RunRef(run_id=run_id)).metrics:
+            assert time.monotonic() < deadline, "no round in 60 s"
+            time.sleep(0.01)
+        t_round0 = time.monotonic()  # round 0 ended: the analyzer waits for the pace (3 s from round 0's start)
+        run.nodes[1].stop()
+        time.sleep(max(0.0, t_round0 + pace + 1.0 - time.monotonic()))  # round 1 is due, its check has found 10
+        assert "fresh users connected" in stub.GetRunStatus(pb.RunRef(run_id=run_id)).message
+        run.nodes[1] = start_node("n1", parse_config(toml), 1, 2, run.shuffler_address, rng=make_rng(21))
+        st = wait_for_run(stub, run_id, timeout=120)
+        assert st.state == pb.COMPLETED and st.message == "", st.message
+        assert [(m.released, m.contributors) for m in st.metrics if m.round >= 0] == [(True, 20), (True, 20)]
