@@ -88,6 +88,15 @@ class LocalRun:
     shuffler_address: str
 
 
+def wait_first_round(run: LocalRun, timeout: float = 60) -> float:
+    """Block until the run's round 0 has ended (its metrics are in the status); returns then's time.monotonic()."""
+    deadline = time.monotonic() + timeout
+    while not run.stub.GetRunStatus(pb.RunRef(run_id=run.run_id)).metrics:
+        assert time.monotonic() < deadline, f"no round in {timeout} s"
+        time.sleep(0.01)
+    return time.monotonic()
+
+
 @contextmanager
 def local_run(tmp_path: Path, toml: str, num_nodes: int) -> Iterator[LocalRun]:
     """Start the services and the run of `toml` (its nodes' seeds fixed); stop everything afterwards."""

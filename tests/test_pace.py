@@ -9,7 +9,7 @@ import sqlite3
 import time
 
 import grpc
-from _runs import digits_pgd, digits_pgd_two_nodes, local_run, wait_for_run
+from _runs import digits_pgd, digits_pgd_two_nodes, local_run, wait_first_round, wait_for_run
 from shuffledp.clients.node import start_node
 from shuffledp.services.analyzer import LEDGER_FILE
 
@@ -65,11 +65,8 @@ def test_users_who_leave_during_the_pace_wait_are_waited_for(tmp_path):
     toml = digits_pgd_two_nodes(3, USERS, f"min_round_seconds = {pace}\npopulation_wait_seconds = 60")
     with local_run(tmp_path, toml, 2) as run:
         stub, run_id = run.stub, run.run_id
-        deadline = time.monotonic() + 60
-        while not stub.GetRunStatus(pb.RunRef(run_id=run_id)).metrics:
-            assert time.monotonic() < deadline, "no round in 60 s"
-            time.sleep(0.01)
-        t_round0 = time.monotonic()  # round 0 ended: the analyzer waits for the pace (3 s from round 0's start)
+        t_round0 = wait_first_round(run)  # the analyzer waits for the pace now (3 s from round 0's start)
+        deadline = t_round0 + 60
         run.nodes[1].stop()
         with grpc.insecure_channel(run.shuffler_address) as shuffler_channel:
             population = pbg.ShufflerStub(shuffler_channel).GetPopulation
