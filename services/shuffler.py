@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 from shuffledp.services.shuffler_state import (
     BatchResult,
+    CallerGone,
     CohortUnavailable,
     Invite,
     QuotaExceeded,
@@ -114,6 +115,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (RoundExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (CohortUnavailable, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (CallerGone, grpc.StatusCode.CANCELLED),
     (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -272,7 +274,7 @@ class ShufflerServicer(pbg.ShufflerServicer):
     def ExecuteRound(self, request: pb.RoundSpec, context: grpc.ServicerContext) -> pb.ShuffledBatch:
         try:
             return _batch(self.state.execute_round(_request(request), is_active=context.is_active))
-        except (ValueError, NotImplementedError, RoundExistsError, CohortUnavailable) as exc:
+        except (ValueError, NotImplementedError, RoundExistsError, CohortUnavailable, CallerGone) as exc:
             # raised before anyone was selected or invited (ShufflerState.execute_round): no batch exists
             _abort(context, exc, round_refused=True)
 

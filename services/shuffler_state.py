@@ -45,6 +45,7 @@ __all__ = [
     "RoundRejected",
     "RoundExistsError",
     "CohortUnavailable",
+    "CallerGone",
     "QuotaExceeded",
     "RoundRequest",
     "TreeLimits",
@@ -129,6 +130,10 @@ class RoundExistsError(ShufflerError):
 
 class CohortUnavailable(ShufflerError):
     """Not enough eligible users for the requested cohort (e.g. sequential users exhausted)."""
+
+
+class CallerGone(ShufflerError):
+    """The analyzer's call ended (deadline, cancel) while the round waited for the state: nobody is selected."""
 
 
 class QuotaExceeded(ShufflerError):
@@ -1113,6 +1118,10 @@ class ShufflerState:
         with self._lock:
             if key in self._open or key in self._closed or self._store.round_exists(*key):
                 raise RoundExistsError(f"round {req.round} of run {req.run_id!r} was already executed")
+            if not is_active():
+                # nobody would receive the batch: selecting a cohort would spend its users' once-per-run slot (and
+                # their nodes' budget) for a round the analyzer charges without any use
+                raise CallerGone(f"the call for round {req.round} of run {req.run_id!r} ended before its selection")
             sel = self._select(req)
             invited = sel.invited
             self._check_batch_size(req, len(invited), per_user, ct_len)

@@ -23,6 +23,7 @@ from shuffledp.clients.node import UserShard, start_node_with_shard
 from shuffledp.clients.policy import UserPolicy
 from shuffledp.services.shuffler import serve_shuffler
 from shuffledp.services.shuffler_state import (
+    CallerGone,
     CohortUnavailable,
     RoundExistsError,
     RoundRejected,
@@ -538,6 +539,20 @@ def test_a_count_round_whose_totals_could_not_be_sent_is_refused_before_anything
     with pytest.raises(ValueError, match="batch message limit"):
         state.execute_round(req)
     assert not state._store.round_exists("run", 0)  # refused before any state changed
+
+
+def test_a_round_whose_caller_is_gone_before_the_selection_selects_nobody():
+    """Found by a probe: an ExecuteRound whose caller's deadline passed while it waited for the state lock still
+    selected, recorded and invited a cohort (the analyzer charges such a round as spent without any use): those
+    users' once-per-run slot in a sequential run, and their nodes' budget, were spent for nothing."""
+    state = ShufflerState(rng=make_rng(4), poll_seconds=0.001)
+    state.register_users("node", [f"u{i}" for i in range(10)])
+    sub = state.subscribe("node")
+    req = RoundRequest("run", 0, Schedule.SEQUENTIAL, Transport.COUNTS, cohort_size=3, dim=2, g=1, m=1)
+    with pytest.raises(CallerGone, match="ended before its selection"):
+        state.execute_round(req, is_active=lambda: False)
+    assert not state._store.round_exists("run", 0) and state.population("run").unused_users == 10
+    assert sub.get(timeout=0.05) is None  # nobody invited
 
 
 def _check_in_spec(round_, fraction, **kw) -> pb.RoundSpec:
