@@ -493,11 +493,12 @@ class Ledger:
         with self._tx() as db:
             self._run_row(db, run_id)
             ended = ",".join("?" * len(TERMINAL_STATES))
-            cur = db.execute(
-                f"UPDATE runs SET state=?, message=?, updated_at=? WHERE run_id=? AND state NOT IN ({ended})"
-                + (" AND state=?" if only_from is not None else ""),
-                (state, message, self._clock(), run_id, *TERMINAL_STATES, *([only_from] if only_from else [])),
-            )
+            sql = f"UPDATE runs SET state=?, message=?, updated_at=? WHERE run_id=? AND state NOT IN ({ended})"
+            args: list[Any] = [state, message, self._clock(), run_id, *TERMINAL_STATES]
+            if only_from is not None:
+                sql += " AND state=?"
+                args.append(only_from)
+            cur = db.execute(sql, args)
             return cur.rowcount == 1
 
     def run(self, run_id: str) -> dict[str, Any]:

@@ -674,9 +674,6 @@ class RunManager:
     def _plan(self, run_id: str, cfg: RunConfig, live: _Live) -> dict[str, Any]:
         run = self._run(run_id)
         if run["plan"]:
-            if self.ledger.last_checkpoint(run_id) is None:
-                # planned by a version that wrote the plan and theta_0 apart, and stopped between them
-                self.ledger.save_checkpoint(run_id, -1, *self._initial_state(cfg, run["plan"]))
             return run["plan"]
         model, _, _, bound, _ = self._evaluation_data(cfg)
         pop = self._population(run_id, cfg.deployment.client_nodes, cfg.deployment.population_wait_seconds, live.cancel)
@@ -748,7 +745,10 @@ class RunManager:
         opt = _optimizer(plan)
         rd = _Round(plan, protocol, protocol.params(plan), opt, cfg)
         ck = self.ledger.last_checkpoint(run_id)
-        assert ck is not None  # _plan always writes the initial checkpoint
+        if ck is None:  # planned by a version that wrote the plan and theta_0 apart, and stopped between them
+            blob, metrics = self._initial_state(cfg, plan)
+            self.ledger.save_checkpoint(run_id, -1, blob, metrics)
+            ck = (-1, blob)
         state = _decode_run_state(ck[1], opt, protocol, plan)
         live.rng = make_rng()
         if protocol.needs_keypair(plan):
