@@ -285,10 +285,13 @@ def test_long_polls_leave_threads_for_the_other_calls(env, blobs_data, tmp_path)
         run_id = stub.CreateRun(pb.CreateRunRequest(config_toml=blobs_data)).run_id
         seen = pb.RunRef(run_id=run_id, wait_ms=10_000, seen_state=pb.CREATED, seen_rounds=0, seen_message="")
         polls = [stub.GetRunStatus.future(seen, timeout=30) for _ in range(8)]
-        time.sleep(0.5)  # every poll has arrived
+        answered_at_once = 8 - MAX_LONG_POLLS
+        deadline = time.monotonic() + 5  # every poll has arrived (the waiting ones wait 10 s)
+        while sum(p.done() for p in polls) < answered_at_once and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert stub.GetBudget(pb.RunRef(run_id=run_id), timeout=3).eps_limit == 0.0
         done = [p for p in polls if p.done()]
-        assert len(done) == 8 - MAX_LONG_POLLS and all(p.result().state == pb.CREATED for p in done)
+        assert len(done) == answered_at_once and all(p.result().state == pb.CREATED for p in done)
         stub.CancelRun(pb.RunRef(run_id=run_id), timeout=3)  # a change: the waiting polls answer
         assert all(p.result(timeout=5).state == pb.CANCELLED for p in polls if p not in done)
     finally:
