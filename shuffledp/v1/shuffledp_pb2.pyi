@@ -113,7 +113,7 @@ class PrivacyCost(_message.Message):
     def __init__(self, eps: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in", "sampling_rate", "population", "model_name", "model_digest")
+    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in", "sampling_rate", "population", "model_name", "model_digest", "signed")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class RoundSpec(_message.Message):
     POPULATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     schedule: Schedule
@@ -162,7 +163,18 @@ class RoundSpec(_message.Message):
     population: int
     model_name: str
     model_digest: str
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ..., sampling_rate: _Optional[float] = ..., population: _Optional[int] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ...) -> None: ...
+    signed: SignedSpec
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ..., sampling_rate: _Optional[float] = ..., population: _Optional[int] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., signed: _Optional[_Union[SignedSpec, _Mapping]] = ...) -> None: ...
+
+class SignedSpec(_message.Message):
+    __slots__ = ("spec", "signature", "certificate")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    spec: bytes
+    signature: bytes
+    certificate: bytes
+    def __init__(self, spec: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., certificate: _Optional[bytes] = ...) -> None: ...
 
 class CheckIn(_message.Message):
     __slots__ = ("noise_trials", "report_fraction", "checked_in")
@@ -185,14 +197,18 @@ class ParticipationLimit(_message.Message):
     def __init__(self, max_per_tree: _Optional[int] = ..., min_separation: _Optional[int] = ..., rounds_per_tree: _Optional[int] = ...) -> None: ...
 
 class Invitation(_message.Message):
-    __slots__ = ("spec", "user_ids", "eligible")
+    __slots__ = ("spec", "user_ids", "eligible", "signed_spec", "checked_in")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     USER_IDS_FIELD_NUMBER: _ClassVar[int]
     ELIGIBLE_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_SPEC_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_IN_FIELD_NUMBER: _ClassVar[int]
     spec: RoundSpec
     user_ids: _containers.RepeatedScalarFieldContainer[str]
     eligible: int
-    def __init__(self, spec: _Optional[_Union[RoundSpec, _Mapping]] = ..., user_ids: _Optional[_Iterable[str]] = ..., eligible: _Optional[int] = ...) -> None: ...
+    signed_spec: SignedSpec
+    checked_in: int
+    def __init__(self, spec: _Optional[_Union[RoundSpec, _Mapping]] = ..., user_ids: _Optional[_Iterable[str]] = ..., eligible: _Optional[int] = ..., signed_spec: _Optional[_Union[SignedSpec, _Mapping]] = ..., checked_in: _Optional[int] = ...) -> None: ...
 
 class CountVector(_message.Message):
     __slots__ = ("counts", "packed")
