@@ -533,20 +533,30 @@ class RunManager:
             raise RunStateError(f"run {run_id} is {self._run(run_id)['state']}; only a CREATED run can be started")
         self._spawn(run_id, live)
 
-    def cancel_run(self, run_id: str) -> None:
+    def cancel_run(self, run_id: str, message: str = _CANCELLED) -> None:
         self._run(run_id)  # RunNotFound
         # under the lock start_run and resume register a run's thread with: a cancel finds either the run not
         # started (start_run's compare-and-set then fails) or its _Live
         with self._lock:
             # the ledger first: from this write on no round of the run can be reserved (Ledger.reserve), also
             # not by a thread past its last look at the event (in its pre-round check of the shuffler)
-            if not self.ledger.set_state(run_id, "CANCELLED", _CANCELLED):
+            if not self.ledger.set_state(run_id, "CANCELLED", message):
                 raise RunStateError(f"run {run_id} already ended ({self._run(run_id)['state']})")
             live = self._live.get(run_id)
             if live is not None:
                 live.cancel.set()  # ends its waits at once
         if live is not None and live.thread is not None:
             live.thread.join(timeout=0.1)
+
+    def cancel_running(self, message: str) -> list[str]:
+        """Cancel every RUNNING run: the analyzer of a local run whose CLI is gone (nobody drives its run any more,
+        and it must charge no further round). A round in flight stays charged, as at any cancel."""
+        cancelled = []
+        for run_id in self.ledger.runs_in_state("RUNNING"):
+            with contextlib.suppress(RunStateError):  # ended meanwhile
+                self.cancel_run(run_id, message)
+                cancelled.append(run_id)
+        return cancelled
 
     def recover(self) -> None:
         """At start-up, before the operator API takes calls: the rounds a crashed process left reserved are charged

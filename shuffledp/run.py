@@ -144,17 +144,24 @@ class Cluster:
     workdir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: list = field(default_factory=list)
+    # a pipe whose read end every service watches (serve --parent-fd) and whose write end only this process holds
+    # (os.pipe's are not inherited): it closes when this process ends in any way (kill -9, the OOM killer, a notebook
+    # kernel's restart), and the services then stop, the analyzer cancelling its run first; their process group of
+    # their own keeps every signal of the CLI from them
+    lifeline: tuple[int, ...] = field(default_factory=os.pipe)
 
     def spawn(self, name: str, argv: list[str]) -> Path:
         port_file = self.workdir / f"{name}.port"
         port_file.unlink(missing_ok=True)
         log = open(self.workdir / "logs" / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
         self.logs.append(log)
+        watch = self.lifeline[0]
         cmd = [sys.executable, "-m", "shuffledp.cli", "serve", *argv, "--port-file", str(port_file)]
+        cmd += ["--parent-fd", str(watch)]
         # a process group of its own: a terminal's Ctrl-C reaches only the CLI, which cancels the run, fetches
         # what exists from the analyzer and then stops the services (the same group would stop them first)
         self.procs[name] = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), process_group=0
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), process_group=0, pass_fds=(watch,)
         )
         return port_file
 
@@ -198,6 +205,9 @@ class Cluster:
                 proc.wait()
         for log in self.logs:
             log.close()
+        for fd in self.lifeline:
+            os.close(fd)
+        self.lifeline = ()  # a second stop() must not close numbers reused since
         for name in self.procs:
             (self.workdir / f"{name}.port").unlink(missing_ok=True)
 

@@ -30,6 +30,10 @@ MMAP_THRESHOLD_BYTES = 4 * 2**20
 # this much free space stays at each heap's top.
 TRIM_THRESHOLD_BYTES = 64 * 2**20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
+# --parent-fd: after the parent is gone, the process exits this long after at the latest (a stop that hangs, a start-up
+# still waiting for the shuffler's port file); an orderly stop takes up to the servers' 5 s grace
+PARENT_GONE_EXIT_S = 30.0
+PARENT_GONE = "cancelled: its CLI (shuffledp run) is gone"
 
 
 def return_large_blocks() -> bool:
@@ -108,6 +112,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "env SHUFFLEDP_METRICS_PORT). Scrapable by anyone who reaches that address: bind to loopback or a private "
         "network (README, Monitoring)",
     )
+    parser.add_argument(
+        "--parent-fd",
+        type=int,
+        metavar="FD",
+        help="stop once this inherited file descriptor (a pipe's read end) reaches end of file, i.e. once the process "
+        "holding the write end ended in any way; an analyzer first cancels its running runs. `shuffledp run` passes "
+        "one, so that its services end with it (also after kill -9)",
+    )
     parser.set_defaults(func=_serve)
 
 
@@ -185,10 +197,12 @@ def _party_name(args: argparse.Namespace, role: str) -> str:
     return args.name or (f"client-{args.node_index}" if role == "client-node" else role)
 
 
-def _start(args: argparse.Namespace, role: str) -> tuple[int, Callable[[], object], Callable[[], object]]:
-    """Start the service: (bound port, stop function, its metrics registry's maker). Checks first what needs nothing
-    started (the PKI files, the listen addresses), then waits for the shuffler's port file, then opens state and
-    binds."""
+def _start(
+    args: argparse.Namespace, role: str
+) -> tuple[int, Callable[[], object], Callable[[], object], Callable[[], object]]:
+    """Start the service: (bound port, stop function, its metrics registry's maker, what to do before stopping when
+    the --parent-fd parent is gone). Checks first what needs nothing started (the PKI files, the listen addresses),
+    then waits for the shuffler's port file, then opens state and binds."""
     if args.service == "client" and (args.num_nodes < 1 or not 0 <= args.node_index < args.num_nodes):
         raise SystemExit(
             f"--node-index must be in [0, --num-nodes) and --num-nodes >= 1, got {args.node_index} of {args.num_nodes}"
@@ -204,14 +218,19 @@ def _start(args: argparse.Namespace, role: str) -> tuple[int, Callable[[], objec
         server, port = start_analyzer(
             args.listen, args.shuffler, args.state_dir, server_creds, channel_creds, interceptors
         )
-        return port, lambda: server.stop(grace=5).wait(), lambda: _registry("analyzer_registry", server.manager)
+        return (
+            port,
+            lambda: server.stop(grace=5).wait(),
+            lambda: _registry("analyzer_registry", server.manager),
+            lambda: server.manager.cancel_running(PARENT_GONE),  # nobody drives them now: no further round
+        )
     if args.service == "shuffler":
         from shuffledp.services.shuffler import start_shuffler
 
         args.state_dir.mkdir(parents=True, exist_ok=True)
         server, port = start_shuffler(args.listen, args.state_dir / "shuffler.sqlite", server_creds, interceptors)
         state = server.shuffler_state
-        return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", state)
+        return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", state), _nothing
     from shuffledp.clients.node import start_node
     from shuffledp.config import ConfigError, load_config
 
@@ -236,7 +255,29 @@ def _start(args: argparse.Namespace, role: str) -> tuple[int, Callable[[], objec
         interceptors=interceptors,
         state_dir=args.state_dir,  # the users' spend (clients/spend_store.py)
     )
-    return handle.port, handle.stop, lambda: _registry("node_registry", handle)
+    return handle.port, handle.stop, lambda: _registry("node_registry", handle), _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+def _watch_parent(fd: int, gone: threading.Event, stop: threading.Event) -> None:
+    """Block until `fd` reaches end of file (every copy of the pipe's write end closed: the parent ended, also by
+    SIGKILL or the OOM killer, which no signal handler of the parent sees), then stop the service; exit at the latest
+    PARENT_GONE_EXIT_S later. A pipe, not prctl(PR_SET_PDEATHSIG): portable, and tied to the parent process, not to
+    the thread that started this one."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError as exc:
+        log.warning("--parent-fd %d: %s", fd, exc)
+    log.warning("the parent process is gone (--parent-fd %d closed): stopping", fd)
+    gone.set()
+    stop.set()
+    time.sleep(PARENT_GONE_EXIT_S)
+    log.error("not stopped %.0f s after the parent was gone: exiting", PARENT_GONE_EXIT_S)
+    os._exit(1)
 
 
 def _registry(maker: str, target: object):
@@ -254,8 +295,11 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
 
     role = {"analyzer": "analyzer", "shuffler": "shuffler", "client": "client-node"}[args.service]
+    gone = threading.Event()
+    if args.parent_fd is not None:  # watched from the start: a parent gone during start-up stops the service too
+        threading.Thread(target=_watch_parent, args=(args.parent_fd, gone, stop), daemon=True).start()
     try:
-        port, stopper, registry = _start(args, role)
+        port, stopper, registry, abandon = _start(args, role)
     except grpc_options.BindError as exc:
         # the address was taken between the check and the bind: gRPC refuses it too (no SO_REUSEPORT)
         raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
@@ -279,6 +323,8 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("%s serving on port %d", args.service, port)
     log.info("BLAS threads: %s", blas_threads)  # logged once started: a refused start prints one line only
     stop.wait()
+    if gone.is_set():
+        abandon()
     log.info("%s stopping", args.service)
     if metrics_server is not None:
         metrics_server.shutdown()

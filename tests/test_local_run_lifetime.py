@@ -1,0 +1,96 @@
+"""The services of a local run (`shuffledp run`, shuffledp.run.start_local_cluster) live no longer than its CLI
+(issue 43 item 10): a CLI killed with SIGKILL (or by the OOM killer, or with a notebook's kernel) runs no handler, and
+its services, in a process group of their own, used to finish the run, spending its whole budget, write no results
+and hold their ports. Now each watches a pipe from the CLI (serve --parent-fd) and stops when it closes, the analyzer
+cancelling the run first. Real processes, real signals, the analyzer's own SQLite ledger."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _runs import digits_pgd
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the CLI's services through /proc"),
+]
+
+GONE_WITHIN_S = 20.0  # the services' orderly stop takes up to their servers' 5 s grace
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, None when it does not exist."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1])
+
+
+def _children(pid: int) -> list[int]:
+    return [
+        int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and (_stat(int(e.name)) or ("", 0))[1] == pid
+    ]
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def _rows(db: Path, sql: str) -> list[tuple]:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            return con.execute(sql).fetchall()
+    except sqlite3.OperationalError:  # not created or not initialised yet
+        return []
+
+
+def test_kill_9_of_the_cli_stops_its_services_and_no_further_round_is_charged(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(digits_pgd(30, 60, "min_round_seconds = 1.0"))  # paced: 30 s, so the kill comes mid-run
+    out = tmp_path / "out"
+    db = out / "state" / "ledger.sqlite"
+    log = open(tmp_path / "cli.log", "wb")  # noqa: SIM115 (closed below)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "shuffledp.cli", "run", str(config), "--out", str(out), "--quiet"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    services: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not _rows(db, "SELECT round FROM rounds"):  # mid-run: a round was reserved
+            assert cli.poll() is None, (tmp_path / "cli.log").read_text()
+            assert time.monotonic() < deadline, "no round reserved in 90 s"
+            time.sleep(0.1)
+        services = _children(cli.pid)
+        assert len(services) == 3, services  # shuffler, analyzer, one client node
+        os.kill(cli.pid, signal.SIGKILL)
+        killed_at = time.time()
+        cli.wait()
+        end = time.monotonic() + GONE_WITHIN_S
+        while any(_alive(p) for p in services) and time.monotonic() < end:
+            time.sleep(0.1)
+        left = [p for p in services if _alive(p)]
+        assert not left, f"services still running {GONE_WITHIN_S:.0f} s after the CLI was killed: {left}"
+        # the ledger's clock is time.time(): no round reserved after the kill (a round in flight at the kill stays
+        # reserved or charged, never released), and the run cancelled, not left RUNNING for a restart to resume
+        assert _rows(db, f"SELECT round FROM rounds WHERE reserved_at > {killed_at}") == []
+        ((state, message),) = _rows(db, "SELECT state, message FROM runs")
+        assert (state, message) == ("CANCELLED", "cancelled: its CLI (shuffledp run) is gone")
+    finally:
+        log.close()
+        if cli.poll() is None:
+            cli.kill()
+        for pid in services:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
