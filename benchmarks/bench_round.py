@@ -62,7 +62,7 @@ from shuffledp.clients.node import NodeCore, UserShard
 from shuffledp.clients.spend_store import SqliteSpendStore
 from shuffledp.services.ledger import PrivacyEvent
 from shuffledp.services.run_manager import plan_run, round_spec
-from shuffledp.services.shuffler import _request, _submission
+from shuffledp.services.shuffler import _invitation, _request, _submission
 from shuffledp.services.shuffler_state import ShufflerState, SqliteParticipationStore
 
 from shuffledp.config import RunConfig, parse_config
@@ -356,7 +356,7 @@ class ServicesRound:
         for phase in phases:  # a check-in round invites twice (mechanisms/check_in.py)
             for core, sub in zip(self.cores, self.subs, strict=True):
                 invite = sub.get(timeout=10)
-                inv = pb.Invitation(spec=invite.relay, user_ids=invite.user_ids)
+                inv = _invitation(invite)
                 t0 = time.perf_counter()
                 contribution = core.handle(inv)
                 t1 = time.perf_counter()

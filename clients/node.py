@@ -48,6 +48,7 @@ from shuffledp.models import DEFAULT_HIDDEN, ModelPlugin, make_model, model_dige
 from shuffledp.protocols.base import Nonces
 from shuffledp.protocols.registry import known_protocol, round_protocol
 from shuffledp.rng import make_rng
+from shuffledp.spec_signing import SIGNATURE_INVALID, SpecSignatureInvalid, SpecVerifier, invited_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -117,8 +118,13 @@ class NodeCore:
         verifier=None,
         spend_store: SpendStore | None = None,
         model: tuple[ModelPlugin, ModelIdentity] | None = None,
+        spec_verifier: SpecVerifier | None = None,
     ) -> None:
         self.node_id = node_id
+        # with a PKI: the node acts only on specs the analyzer signed (shuffledp.spec_signing); None = insecure mode,
+        # where the relayed spec is taken as it comes
+        self.spec_verifier = spec_verifier
+        self._verified: tuple[tuple, pb.RoundSpec] | None = None  # the last invitation's spec: handle, then prepare
         # the model plug-in installed here and named by this node's own configuration (shuffledp.model_plugin);
         # None = the built-in tasks, built from the spec's task fields
         self.installed_model = model
@@ -220,14 +226,52 @@ class NodeCore:
         return model.per_user_gradients(params, X, y)  # the round's protocol clips them in its own norm
 
     # ----- one round -------------------------------------------------------------------------------------------
+    def spec_of(self, inv: pb.Invitation) -> pb.RoundSpec:
+        """The spec this node acts on for `inv` (spec_signing.invited_spec: with a PKI, only what the analyzer signed
+        and the checked-in count); the last one is kept, as handle and prepare ask for the same invitation's.
+        Raises SpecSignatureInvalid."""
+        if self.spec_verifier is None:
+            return inv.spec
+        s = inv.signed_spec
+        key = (
+            s.spec,
+            s.signature,
+            s.certificate,
+            inv.checked_in,
+            inv.SerializeToString() if inv.HasField("spec") else b"",
+        )
+        if self._verified is not None and self._verified[0] == key:
+            return self._verified[1]
+        spec = invited_spec(inv, self.spec_verifier)
+        self._verified = (key, spec)
+        return spec
+
+    def _refuse_unverified(self, inv: pb.Invitation, idx: np.ndarray, why: str) -> pb.Contribution:
+        """Every invited user of this node refuses a spec it cannot verify: nothing is computed, sealed or counted. The
+        run and round the refusals are addressed to are read unverified: at worst the shuffler misaddresses them."""
+        hint = inv.spec
+        if inv.HasField("signed_spec"):
+            try:
+                hint = pb.RoundSpec.FromString(inv.signed_spec.spec)
+            except Exception:  # DecodeError: addressed to the relayed spec's round
+                pass
+        log.warning("node %s: refusing round %d of %s: %s", self.node_id, hint.round, hint.run_id, why)
+        out = pb.Contribution(run_id=hint.run_id, round=hint.round, node_id=self.node_id)
+        with self._lock:
+            self._refuse(idx, np.full(idx.size, SIGNATURE_INVALID, dtype=object), np.zeros(idx.size, dtype=bool), out)
+        return out
+
     def handle(self, inv: pb.Invitation) -> pb.Contribution:
         """Decide, compute and randomize for the invited users of this node; returns the Contribution."""
-        spec = inv.spec
-        out = pb.Contribution(run_id=spec.run_id, round=spec.round, node_id=self.node_id)
         # the invited users hosted here, as indices (no string kept per invited user: memory per hosted user)
         ids = inv.user_ids  # looked up in C (map), not by a Python step per invited user
         idx = np.fromiter(map(self._index.get, ids, itertools.repeat(-1)), dtype=np.int64, count=len(ids))
         idx = idx[idx >= 0]
+        try:
+            spec = self.spec_of(inv)
+        except SpecSignatureInvalid as exc:
+            return self._refuse_unverified(inv, idx, str(exc))
+        out = pb.Contribution(run_id=spec.run_id, round=spec.round, node_id=self.node_id)
         if idx.size and np.bincount(idx).max() > 1:
             # a user named twice would send two messages for one charge: each user answers once (the first)
             log.warning("node %s: round %d names users more than once; each answers once", self.node_id, spec.round)
@@ -346,7 +390,10 @@ class NodeCore:
         checked in before the second invitation (Protocol.prepare, optional), kept for that invitation. Nothing is
         sent or charged here: the second invitation is decided, charged and verified as any other, and its spec
         must match this preparation."""
-        spec = inv.spec
+        try:
+            spec = self.spec_of(inv)
+        except SpecSignatureInvalid:
+            return  # handle() refused it
         protocol = known_protocol(spec.randomizer.protocol)
         with self._lock:
             checked, self._checked_in = self._checked_in, None
@@ -610,8 +657,14 @@ class ClientNodeHandle:
         try:
             contribution = self.core.handle(inv)
         except Exception:  # a bug for one round must not kill the node
-            log.exception("node %s: failed to compute round %d", self.core.node_id, inv.spec.round)
+            log.exception("node %s: failed to compute an invitation", self.core.node_id)
             return
+        round_index = contribution.round
+        try:
+            spec = self.core.spec_of(inv)  # as handle() verified it (kept)
+            checking_in = bool(spec.check_in.noise_trials and not spec.check_in.checked_in)
+        except SpecSignatureInvalid:
+            checking_in = False
         if not (contribution.messages or contribution.refusals or contribution.HasField("columns")):
             return  # a notice of a round none of this node's users was invited to: nothing to answer
         parts = split_contribution(contribution, self._chunk)
@@ -622,24 +675,24 @@ class ClientNodeHandle:
             part, parts[i] = parts[i], None
             sent.append(self._send(part))
         del part
-        if inv.spec.check_in.noise_trials and not inv.spec.check_in.checked_in:
+        if checking_in:
             # the second invitation is a round trip away: compute what can be computed meanwhile (the next
             # invitation waits for it, above)
             self._preparing = self._preparer.submit(self._prepare, inv)
         for part, result in sent:
-            code = self._deliver(part, result, inv.spec.round)
+            code = self._deliver(part, result, round_index)
             if code is not None and (senders := [m.user_id for m in part.messages] + list(part.columns.user_ids)):
                 # the operator sees why these users are missing: refusals with the cause (the users stay charged)
                 why = SUBMIT_FAILED_PREFIX + code.name.lower()
                 note = pb.Contribution(run_id=part.run_id, round=part.round, node_id=part.node_id)
                 note.refusals.extend(pb.Refusal(user_id=u, reason=why) for u in senders)
-                self._deliver(*self._send(note), inv.spec.round)
+                self._deliver(*self._send(note), round_index)
 
     def _prepare(self, inv: pb.Invitation) -> None:
         try:
             self.core.prepare(inv)
         except Exception:  # a failed preparation only costs its time: the second invitation starts over
-            log.exception("node %s: failed to prepare round %d", self.core.node_id, inv.spec.round)
+            log.exception("node %s: failed to prepare a check-in's round", self.core.node_id)
 
     def _send(self, contribution: pb.Contribution) -> tuple[pb.Contribution, futures.Future | None]:
         """On the current stream: (the contribution as sent, its result's future); the future is None when there is
@@ -718,15 +771,17 @@ def start_node_with_shard(
     state_dir: Path | None = None,
     submit_chunk_bytes: int = grpc_options.SUBMIT_CHUNK_BYTES,
     model: tuple[ModelPlugin, ModelIdentity] | None = None,
+    spec_verifier: SpecVerifier | None = None,
 ) -> ClientNodeHandle:
     """Start a node for an explicit shard (tests, benchmarks); start_node loads the shard from the config.
     With state_dir, the users' spend is kept in state_dir/<node_id>.spend.sqlite (else in memory); model is the
-    plug-in the node computes with (None: the built-in tasks)."""
+    plug-in the node computes with (None: the built-in tasks); spec_verifier, the check of the analyzer's signature
+    on every spec (with a PKI; None: insecure mode, specs taken as relayed)."""
     store = None
     if state_dir is not None:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         store = SqliteSpendStore(Path(state_dir) / f"{node_id}.spend.sqlite")
-    core = NodeCore(node_id, shard, policy, rng, verifier, spend_store=store, model=model)
+    core = NodeCore(node_id, shard, policy, rng, verifier, spend_store=store, model=model, spec_verifier=spec_verifier)
     return ClientNodeHandle(
         core,
         shuffler_address,
@@ -752,6 +807,7 @@ def start_node(
     rng: np.random.Generator | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     state_dir: Path | None = None,
+    spec_verifier: SpecVerifier | None = None,
 ) -> ClientNodeHandle:
     """The client-node entry point (issue 4 contract): users = shuffledp.data.user_shard of config.data; their
     policy is `policy` or else the configuration's [policy] section; their spend persists in state_dir. With
@@ -785,4 +841,5 @@ def start_node(
         interceptors=interceptors,
         state_dir=state_dir,
         model=model,
+        spec_verifier=spec_verifier,
     )

@@ -23,6 +23,7 @@ from shuffledp.services.run_manager import PlanError, RunManager, RunNotFound, R
 from shuffledp import grpc_options, tls
 from shuffledp.config import ConfigError
 from shuffledp.health import start_with_health
+from shuffledp.spec_signing import SpecSigner
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -203,11 +204,13 @@ def start_analyzer(
     server_credentials: grpc.ServerCredentials | None = None,
     channel_credentials: grpc.ChannelCredentials | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    signer: SpecSigner | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start the analyzer on `listen` (port 0 = any); returns (started server, bound port).
 
-    None credentials mean plain text (loopback only, the explicit insecure mode). Resumes RUNNING runs found in
-    state_dir's ledger.
+    None credentials mean plain text (loopback only, the explicit insecure mode). `signer` signs every round spec
+    with the analyzer's role key (give it with mTLS: nodes with a PKI act on signed specs only). Resumes RUNNING
+    runs found in state_dir's ledger.
     """
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +220,7 @@ def start_analyzer(
         channel = tls.plain_channel(shuffler_address, options)
     else:
         channel = grpc.secure_channel(shuffler_address, channel_credentials, options=options)
-    manager = RunManager(Ledger(state_dir / LEDGER_FILE), pbg.ShufflerStub(channel))
+    manager = RunManager(Ledger(state_dir / LEDGER_FILE), pbg.ShufflerStub(channel), signer=signer)
     manager.recover()  # before any call can start a run: a round reserved by this process is never taken as lost
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=_WORKERS),

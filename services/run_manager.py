@@ -67,6 +67,7 @@ from shuffledp.protocols.base import (  # noqa: F401 (the rejection reasons are 
 )
 from shuffledp.protocols.registry import planned_protocol, round_protocol
 from shuffledp.rng import make_rng
+from shuffledp.spec_signing import SIGNATURE_INVALID, SpecSigner
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -425,6 +426,8 @@ class _Live:
     # GetPopulation asked once a round was applied: answered while the analyzer evaluates and writes the round, it
     # is the next round's check that the shuffler is there (_await_shuffler), not a round trip after them
     probe: Any = None
+    # users whose node refused the last round's spec as not the one this analyzer signed (spec_signing)
+    forged: int = 0
 
 
 _NOISE_PREFIX = "noise."
@@ -495,9 +498,13 @@ class RunManager:
         shuffler: pbg.ShufflerStub,
         clock: Callable[[], float] = time.monotonic,
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex[:16],
+        signer: SpecSigner | None = None,
     ):
         self.ledger = ledger
         self.shuffler = shuffler
+        # with a PKI: every spec goes out signed with the analyzer's role key, and nodes act on nothing else
+        # (spec_signing); None = insecure mode
+        self.signer = signer
         self._clock = clock
         self._new_id = new_id
         self.on_planned: Callable[[str, float], None] = lambda run_id, seconds: None  # shuffledp/metrics.py
@@ -809,6 +816,14 @@ class RunManager:
                 if self.ledger.is_reserved(run_id, r):
                     self.ledger.mark_spent(run_id, r, f"round failed ({exc}): counted as spent")
                 raise
+            if live.forged:
+                self.ledger.set_state(
+                    run_id,
+                    "FAILED",
+                    f"round {r}: {live.forged} users' nodes refused the spec as not the one this analyzer signed "
+                    f"({SIGNATURE_INVALID}): the shuffler, which relays every spec, altered or replaced it",
+                )
+                return
             failures = 0 if outcome == "ok" else failures + 1
             applied += outcome == "ok"
             if outcome == "exhausted":
@@ -874,9 +889,10 @@ class RunManager:
         plan = rd.plan
         theta = rd.opt.query(state.opt)  # where the users take their gradients this round
         spec = round_spec(run_id, r, plan, rd.params, event, theta, live.public_key)
+        wire = spec if self.signer is None else pb.RoundSpec(signed=self.signer.sign(spec))
         t0 = self._clock()
         try:
-            batch = self.shuffler.ExecuteRound(spec, timeout=plan["deadline"] + _RPC_GRACE_SECONDS)
+            batch = self.shuffler.ExecuteRound(wire, timeout=plan["deadline"] + _RPC_GRACE_SECONDS)
         except grpc.RpcError as exc:
             code = exc.code()
             if _refused_before_collection(exc):
@@ -899,6 +915,9 @@ class RunManager:
             self._metrics(run_id, r, rd, state, False, 0, self._clock() - t0, failure=failure)
             return "error", state
         rep = batch.report
+        live.forged = int(
+            rep.refused_reasons.get(SIGNATURE_INVALID, 0)
+        )  # the round is booked first, then the run stops
         if not batch.released:
             if batch.label_totals or batch.ciphertexts:
                 raise RuntimeError("the shuffler sent data in a batch marked not released")

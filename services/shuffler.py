@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -44,6 +45,7 @@ from shuffledp.services.shuffler_state import (
 
 from shuffledp import grpc_options, pki, tls
 from shuffledp.health import start_with_health
+from shuffledp.spec_signing import second_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -53,60 +55,174 @@ __all__ = [
     "start_shuffler",
     "REASON_METADATA_KEY",
     "RESERVED_WORKERS",
-    "InFlightLimit",
+    "ANALYZER_WORKERS",
+    "CallLimits",
 ]
 
 log = logging.getLogger(__name__)
 
 REASON_METADATA_KEY = "shuffledp-reason"
-RESERVED_WORKERS = 16  # server threads never taken by Subscribe streams: rounds, submissions, GetPopulation
+# Every call holds a server thread from the moment it opens (gRPC's threaded server reads even a unary request in
+# the thread), so what one caller may hold is counted when its call opens, before its first message is read, and
+# a call whose first message does not come within FIRST_MESSAGE_SECONDS is cancelled (issue 43 item 3: one client
+# certificate held every thread with 70 Connect streams that never sent a message). CallLimits enforces it all.
+RESERVED_WORKERS = 16  # nodes' server threads never taken by streams: registrations, submissions, health checks
+ANALYZER_WORKERS = 16  # threads of the analyzer's calls (ExecuteRound, GetPopulation) alone: nodes never get them
+STREAMS_PER_NODE = 2  # a node's invitation stream, and the one that replaces it when the node reconnects
 # Requests a node may have in flight at once (RegisterUsers and Submit: a node sends its Submits one after another).
 # Each can be up to 64 MiB and ~10x that once decoded, so this, not the thread pool, bounds what one node identity
 # can make the shuffler hold (issue 10). Plain text (loopback) has no identities: the budget is per connection.
 NODE_REQUESTS_IN_FLIGHT = 2
-# Connect is not limited here: its stream's contributions are read and checked one after another (one in flight)
-_LIMITED_METHODS = ("/shuffledp.v1.Shuffler/RegisterUsers", "/shuffledp.v1.Shuffler/Submit")
+# From a call's opening to its first message received whole: a RegisterUsers of 2^20 ids (~30 MiB) needs 1 MB/s
+FIRST_MESSAGE_SECONDS = 30.0
+_ANALYZER_METHODS = frozenset(
+    m for m, roles in tls.DEFAULT_POLICY.items() if m.startswith("/shuffledp.v1.Shuffler/") and roles == {"analyzer"}
+)
 
 
-class InFlightLimit(grpc.ServerInterceptor):
-    """At most NODE_REQUESTS_IN_FLIGHT RegisterUsers/Submit per caller identity at once; more are refused with
-    RESOURCE_EXHAUSTED before their request is decoded. Install it first, ahead of the role check's interceptor."""
+class _FirstMessageDeadlines:
+    """Cancels each armed call that is still waiting for its first message `seconds` after it was armed. One thread
+    for all calls, running while any is armed (every call waits the same time, so arrival order is deadline order)."""
 
-    def __init__(self, limit: int = NODE_REQUESTS_IN_FLIGHT) -> None:
-        self._limit = int(limit)
+    def __init__(self, seconds: float, on_expired: Callable[[], None]) -> None:
+        self.seconds = float(seconds)
+        self._on_expired = on_expired
+        self._cv = threading.Condition()
+        self._due: deque[tuple[float, int]] = deque()
+        self._armed: dict[int, grpc.ServicerContext] = {}
+        self._tokens = itertools.count()
+        self._running = False
+
+    def arm(self, context: grpc.ServicerContext) -> int:
+        with self._cv:
+            token = next(self._tokens)
+            self._armed[token] = context
+            self._due.append((time.monotonic() + self.seconds, token))
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="shuffler-first-message", daemon=True).start()
+            return token
+
+    def disarm(self, token: int) -> None:
+        with self._cv:
+            self._armed.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if not self._due:
+                        self._running = False
+                        return
+                    due, token = self._due[0]
+                    if time.monotonic() < due:
+                        self._cv.wait(due - time.monotonic())
+                        continue
+                    self._due.popleft()
+                    context = self._armed.pop(token, None)
+                    if context is not None:
+                        break
+            # the caller sees CANCELLED: gRPC's threaded server offers no other status from outside the call's thread
+            context.cancel()
+            self._on_expired()
+
+
+class CallLimits(grpc.ServerInterceptor):
+    """What one caller can hold of the shuffler's threads, counted when its call opens, before its first message is
+    read (issue 43 item 3). Install it first: it turns every request-unary method into a request-streaming one, so
+    that gRPC calls it as soon as the call opens instead of after reading the request in a server thread.
+
+    - the analyzer's methods (ExecuteRound, GetPopulation) run on their own thread pool; a caller with a certificate
+      of another role is refused at once (PERMISSION_DENIED), so no node ever holds one of those threads;
+    - streams (Connect, Subscribe): at most `max_streams` open in all, and STREAMS_PER_NODE per certificate identity;
+    - other calls (RegisterUsers, Submit, health checks): NODE_REQUESTS_IN_FLIGHT per identity (per connection in
+      plain text);
+    - a call whose first message has not come whole within `first_message_seconds` is cancelled.
+    Refusals are RESOURCE_EXHAUSTED with the limit in their details, counted by reason (refusals()).
+
+    Plain text has no identities: a connection is not one (in one process, every node's channel shares one), so
+    streams are bounded only in all there, and one local process can hold all of them (for `first_message_seconds`
+    at a time if it sends nothing); the analyzer's threads, shared by every plain-text caller of its methods, and
+    the deadline still hold.
+    """
+
+    def __init__(
+        self,
+        max_streams: int,
+        analyzer_pool: futures.ThreadPoolExecutor | None = None,
+        first_message_seconds: float = FIRST_MESSAGE_SECONDS,
+    ) -> None:
+        self._max_streams = int(max_streams)
+        self._analyzer_pool = analyzer_pool
         self._lock = threading.Lock()
-        self._in_flight: Counter = Counter()
+        self._open: Counter = Counter()  # (kind, caller) -> open calls; (kind, None) -> all of that kind
+        self._refused: Counter = Counter()
+        self._deadlines = _FirstMessageDeadlines(first_message_seconds, lambda: self._count("first_message_deadline"))
 
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or details.method not in _LIMITED_METHODS or not handler.unary_unary:
-            return handler
-        inner = handler.unary_unary
+    def refusals(self) -> dict[str, int]:
+        """Calls refused or cancelled since start, by reason."""
+        with self._lock:
+            return dict(self._refused)
 
-        def limited(request, context):
-            ident = tls.peer_identity(context)
-            # plain text has no identities: each connection (one per node process) gets its own budget
-            who = ident.name if ident is not None else f"peer:{context.peer()}"
+    def _count(self, reason: str) -> None:
+        with self._lock:
+            self._refused[reason] += 1
+
+    def _refuse(self, context: grpc.ServicerContext, reason: str, code: grpc.StatusCode, details: str) -> None:
+        self._count(reason)
+        context.abort(code, details)
+
+    @contextmanager
+    def _slot(self, kind: str, method: str, context: grpc.ServicerContext) -> Iterator[None]:
+        """Hold one of the caller's calls of `kind` while the block runs; refuse the call if it has none left."""
+        ident = tls.peer_identity(context)
+        if kind == "analyzer":
+            if ident is not None and ident.role != pki.ROLE_ANALYZER:
+                self._refuse(
+                    context, "not_analyzer", grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method}: role {ident.role!r} ({ident.name}) may not call this method; allowed: analyzer",
+                )
+            yield
+            return
+        if ident is not None:
+            caller = ident.name
+        elif kind == "request":
+            caller = f"peer:{context.peer()}"  # plain text: each connection (one per node process) its own budget
+        else:
+            caller = None  # plain-text streams: bounded in all only (class docstring)
+        keys = [(kind, caller)] if caller is not None else []
+        if kind == "stream":
+            keys.append((kind, None))
+        with self._lock:
+            held = self._open[(kind, caller)] if caller is not None else 0
+            total = self._open[("stream", None)]
+        if kind == "request" and held >= NODE_REQUESTS_IN_FLIGHT:
+            self._refuse(
+                context, "node_requests", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{NODE_REQUESTS_IN_FLIGHT} requests of this node are in flight already; send one after another",
+            )
+        if kind == "stream" and caller is not None and held >= STREAMS_PER_NODE:
+            self._refuse(
+                context, "node_streams", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"node {caller!r} holds {held} streams already; at most {STREAMS_PER_NODE} per node identity (its "
+                "stream and one replacing it)",
+            )
+        if kind == "stream" and total >= self._max_streams:
+            self._refuse(
+                context, "streams", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{total} streams are open at the shuffler; at most {self._max_streams} (a server thread each)",
+            )
+        with self._lock:
+            for k in keys:
+                self._open[k] += 1
+        try:
+            yield
+        finally:
             with self._lock:
-                if self._in_flight[who] >= self._limit:
-                    context.abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{self._limit} requests of this node are in flight already; send one after another",
-                    )
-                self._in_flight[who] += 1
-            try:
-                return inner(request, context)
-            finally:
-                with self._lock:
-                    self._in_flight[who] -= 1
-                    if not self._in_flight[who]:
-                        del self._in_flight[who]
-
-        return grpc.unary_unary_rpc_method_handler(
-            limited,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+                for k in keys:
+                    self._open[k] -= 1
+                    if not self._open[k]:
+                        del self._open[k]
 
 
 # one table: domain exception -> status code (first match wins, subclasses first)
@@ -156,12 +272,39 @@ def _node_id(claimed: str, context: grpc.ServicerContext) -> str:
     return ident.name
 
 
-def _request(spec: pb.RoundSpec) -> RoundRequest:
+@dataclass(frozen=True)
+class _Relay:
+    """What the invited nodes get of a round's spec: the analyzer's signed bytes as they came (mTLS), else the spec
+    itself; and in a check-in's second invitation the number of users who checked in."""
+
+    spec: pb.RoundSpec | None
+    signed: pb.SignedSpec | None
+    checked_in: int = 0
+
+
+def _request(wire: pb.RoundSpec) -> RoundRequest:
+    """The round the analyzer asks for. A signed spec (RoundSpec.signed) is planned from its signed bytes, the very
+    spec the nodes will act on, and forwarded as it came (shuffledp.spec_signing)."""
+    signed = wire.signed if wire.HasField("signed") else None
+    spec = wire
+    if signed is not None:
+        try:
+            spec = pb.RoundSpec.FromString(signed.spec)
+        except Exception as exc:  # DecodeError
+            raise ValueError(f"the signed spec is not a RoundSpec: {exc}") from None
+        if spec.HasField("signed"):
+            raise ValueError("the signed spec carries another signed spec")
     r = spec.randomizer
     try:
         schedule, transport = Schedule(spec.schedule), Transport(spec.transport)
     except ValueError as exc:
         raise ValueError(f"unknown schedule/transport value: {exc}") from exc
+
+    def second(c: int, c_min: int, m: int) -> _Relay:
+        if signed is not None:  # each node derives c_min and m from c and the signed check-in itself
+            return _Relay(None, signed, c)
+        return _Relay(second_spec(spec, c), None, c)
+
     return RoundRequest(
         run_id=spec.run_id,
         round=spec.round,
@@ -181,21 +324,9 @@ def _request(spec: pb.RoundSpec) -> RoundRequest:
         check_in_fraction=spec.check_in.report_fraction,
         sampling_rate=spec.sampling_rate,
         population=spec.population,
-        relay=spec,
-        second_relay=lambda c, c_min, m: _second_spec(spec, c, c_min, m),
+        relay=_Relay(None if signed is not None else spec, signed),
+        second_relay=second,
     )
-
-
-def _second_spec(spec: pb.RoundSpec, checked_in: int, c_min: int, m: int) -> pb.RoundSpec:
-    """The check-in round's second invitation (CheckIn): the checked-in count, its threshold and trials per user."""
-    out = pb.RoundSpec()
-    out.CopyFrom(spec)
-    out.check_in.checked_in = checked_in
-    out.min_contributors = c_min
-    out.randomizer.m = m
-    if spec.transport == pb.BITS:  # d (g + m) labelled bits per user (Alg 2 of paper 000)
-        out.randomizer.messages_per_user = spec.randomizer.dim * (spec.randomizer.g + m)
-    return out
 
 
 def _limits(p: pb.ParticipationLimit) -> TreeLimits:
@@ -232,7 +363,14 @@ def _submission(c: pb.Contribution, node_id: str) -> Submission:
 
 
 def _invitation(invite: Invite) -> pb.Invitation:
-    return pb.Invitation(spec=invite.relay, user_ids=invite.user_ids, eligible=invite.eligible)
+    relay: _Relay = invite.relay
+    return pb.Invitation(
+        spec=relay.spec,
+        signed_spec=relay.signed,
+        checked_in=relay.checked_in,
+        user_ids=invite.user_ids,
+        eligible=invite.eligible,
+    )
 
 
 def _batch(b: BatchResult) -> pb.ShuffledBatch:

@@ -151,6 +151,15 @@ def _security(args: argparse.Namespace, role: str):
     return server_creds, channel_creds, (tls.RoleInterceptor(tls.DEFAULT_POLICY),)
 
 
+def _signer(args: argparse.Namespace, role: str):
+    """The analyzer's spec signer (its role certificate's key, checked by _security), None in insecure mode."""
+    if args.pki is None:
+        return None
+    from shuffledp.spec_signing import SpecSigner
+
+    return SpecSigner.from_pki(args.pki, _party_name(args, role))
+
+
 def _check_listen(args: argparse.Namespace, role: str) -> None:
     """Refuse an address in use before any state is opened (issue 24 item 6): a second instance of a running service
     must not touch its state files, let alone share its address."""
@@ -216,7 +225,7 @@ def _start(
         args.shuffler = _shuffler_address(args)
         args.state_dir.mkdir(parents=True, exist_ok=True)
         server, port = start_analyzer(
-            args.listen, args.shuffler, args.state_dir, server_creds, channel_creds, interceptors
+            args.listen, args.shuffler, args.state_dir, server_creds, channel_creds, interceptors, _signer(args, role)
         )
         return (
             port,
@@ -233,6 +242,7 @@ def _start(
         return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", state), _nothing
     from shuffledp.clients.node import start_node
     from shuffledp.config import ConfigError, load_config
+    from shuffledp.spec_signing import SpecVerifier
 
     config = load_config(args.config)
     if config.model.module:  # the node's own model plug-in, loaded from what is installed here, before any state
@@ -254,6 +264,7 @@ def _start(
         server_creds,
         interceptors=interceptors,
         state_dir=args.state_dir,  # the users' spend (clients/spend_store.py)
+        spec_verifier=None if args.pki is None else SpecVerifier.from_pki(args.pki),  # _security checked the CA
     )
     return handle.port, handle.stop, lambda: _registry("node_registry", handle), _nothing
 

@@ -12,10 +12,10 @@ import pytest
 from _intercept import user_messages
 from shuffledp.clients.node import NodeCore, UserShard
 from shuffledp.clients.policy import UserPolicy
-from shuffledp.services.shuffler import _second_spec
 
 from shuffledp.mechanisms import check_in
 from shuffledp.rng import make_rng
+from shuffledp.spec_signing import second_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 F = 3
@@ -53,8 +53,8 @@ def first_spec(planned: int, n_min: int, round_: int = 2) -> pb.RoundSpec:
 
 def second(first: pb.RoundSpec, c: int) -> tuple[pb.RoundSpec, int]:
     """The shuffler's second invitation after c check-ins (its own code), and its m."""
-    c_min, m = check_in.share(int(first.check_in.noise_trials), FRACTION, first.min_contributors, c)
-    return _second_spec(first, c, c_min, m), m
+    _, m = check_in.share(int(first.check_in.noise_trials), FRACTION, first.min_contributors, c)
+    return second_spec(first, c), m
 
 
 def check_in_and_prepare(core: NodeCore, spec: pb.RoundSpec, ids: list[str]) -> list[str]:
@@ -324,7 +324,8 @@ def test_a_second_invitation_is_certified_at_no_more_contributors_than_checked_i
     assert len(check_in_and_prepare(core, first, ids)) == planned
     c = 21
     _, m = check_in.share(int(first.check_in.noise_trials), FRACTION, n_min, c)
-    lying = _second_spec(first, c, planned, m)  # threshold 30 > the 21 who checked in
+    lying = second_spec(first, c)
+    lying.min_contributors, lying.randomizer.m = planned, m  # threshold 30 > the 21 who checked in
     con = core.handle(pb.Invitation(spec=lying, user_ids=ids[:c]))
     assert len(con.columns.user_ids) == c and not con.refusals
     at_c = pvec_round_epsilon(pvec_params_from_spec(lying), c, delta)
