@@ -6,28 +6,50 @@ network. A node loads the model named by its own configuration file, at start-up
 model's name and digest (shuffledp.models.model_digest), which the node compares with its own model's and refuses
 the round when they differ (clients/policy.py Refusal.MODEL_DIFFERS).
 
-Only a factory marked with shuffledp.models.model_factory, or a ModelPlugin subclass, may be named: a configuration
-(which the analyzer receives over its authenticated operator API) then cannot make a party call an arbitrary
-installed function such as os:system.
+Only a REGISTERED plug-in is imported (issue 43 item 5): importing runs a module's top level, and the analyzer receives
+its configuration over the network (CreateRun), so a configuration must not choose what it imports among everything
+installed (numpy.f2py.__main__ runs f2py on the analyzer's argv; no denylist is complete). A party registers plug-ins
+through its own installation and environment, never through a configuration it receives:
+- the entry point group "shuffledp.models" of an installed package (any name = "package.module:factory", the value
+  a configuration names; the project's own are in pyproject.toml), read from its metadata without importing it;
+- the environment variable SHUFFLEDP_MODEL_PLUGINS of the party's process: "package.module:factory" values,
+  separated by commas (a plug-in in a directory on PYTHONPATH; `shuffledp run` puts there the plug-in its own
+  configuration file names, which is the operator's own, so a local run's services load it).
+The rule holds for every party, a client node too: its configuration file is its own, but one rule is simpler than
+two (defence in depth). And the factory must be marked with shuffledp.models.model_factory, or be a ModelPlugin
+subclass, so that a registration cannot make a party call an arbitrary installed function such as os:system.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import re
-import sys
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from shuffledp.models import ModelPlugin, make_model, model_digest
 from shuffledp.settings import ConfigError, ModelConfig
 
-__all__ = ["ModelIdentity", "build_model", "model_identity", "check_module_name", "load_factory"]
+__all__ = [
+    "ModelIdentity",
+    "build_model",
+    "model_identity",
+    "check_module_name",
+    "load_factory",
+    "registered_plugins",
+    "register_plugin",
+    "ENTRY_POINT_GROUP",
+    "PLUGINS_ENV",
+]
 
 # dotted Python identifiers, a colon, one identifier: a name to import, never a path
 _NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+ENTRY_POINT_GROUP = "shuffledp.models"
+PLUGINS_ENV = "SHUFFLEDP_MODEL_PLUGINS"
 
 
 @dataclass(frozen=True)
@@ -48,13 +70,31 @@ def check_module_name(key: str, value: object) -> str:
     return value
 
 
+def registered_plugins() -> frozenset[str]:
+    """The "package.module:factory" plug-ins this party may import: its installed packages' entry points of the group
+    "shuffledp.models" (read from their metadata: nothing is imported) and the values in its SHUFFLEDP_MODEL_PLUGINS."""
+    installed = {f"{ep.module}:{ep.attr}" for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return frozenset(installed | {v.strip() for v in os.environ.get(PLUGINS_ENV, "").split(",") if v.strip()})
+
+
+def register_plugin(spec: str) -> None:
+    """Register "package.module:factory" in this process's SHUFFLEDP_MODEL_PLUGINS (and so in the processes it starts
+    from then on): for a configuration that is this party's own, such as `shuffledp run`'s configuration file."""
+    if spec not in registered_plugins():
+        os.environ[PLUGINS_ENV] = ",".join(filter(None, [os.environ.get(PLUGINS_ENV, ""), spec]))
+
+
 def load_factory(spec: str) -> tuple[Any, str]:
     """(the factory named by "package.module:factory", sha256 of its module's source file)."""
     module_name, attr = spec.split(":")
-    # importing runs the module's top level: never the standard library's (antigravity, this, ...), whose modules
-    # hold no factory; the operator's configuration names the module, the analyzer imports it
-    if module_name.split(".")[0] in sys.stdlib_module_names:
-        raise ConfigError(f"model.module = {spec!r}: {module_name!r} is in the standard library, not a model package")
+    # importing runs the module's top level: only what this party registered, checked before anything is imported
+    registered = registered_plugins()
+    if spec not in registered:
+        raise ConfigError(
+            f"model.module = {spec!r} is not a model plug-in registered here (entry point group "
+            f'"{ENTRY_POINT_GROUP}" of an installed package, or {PLUGINS_ENV}); registered: '
+            f"{', '.join(sorted(registered)) or 'none'}"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -1140,6 +1140,11 @@ def _run_command(
     except ConfigError as exc:
         print(f"shuffledp run: {args.config or 'default config'}: {exc}", file=sys.stderr)
         return 2
+    if config.model.module:  # this file is the operator's own: it registers its model plug-in in this process and
+        # the services it starts (a deployment's analyzer imports only what its own installation registers)
+        from shuffledp.model_plugin import register_plugin
+
+        register_plugin(config.model.module)
     if not args.analyzer and not config.deployment.insecure:  # before anything starts (issue 24 item 11)
         from shuffledp.pki import check_local_run
 

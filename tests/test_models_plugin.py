@@ -15,7 +15,7 @@ from shuffledp.clients.policy import Refusal
 
 from shuffledp.config import ConfigError, parse_config
 from shuffledp.mechanisms.pvec import clip_rows
-from shuffledp.model_plugin import build_model, model_identity
+from shuffledp.model_plugin import PLUGINS_ENV, build_model, model_identity, registered_plugins
 from shuffledp.models import Model, ModelPlugin, clip_l2, make_model, model_digest
 from shuffledp.rng import make_rng
 from shuffledp.run import write_results
@@ -92,26 +92,37 @@ def test_config_reads_module_and_args():
     "module, match",
     [
         ("numpy:zeros", "neither a ModelPlugin subclass nor a factory marked"),  # installed, but not a model factory
-        ("os:system", "in the standard library"),
+        ("os:system", "neither a ModelPlugin subclass nor a factory marked"),
         ("shuffledp_no_such_module:f", "cannot import"),
         ("shuffledp.models:no_such_factory", "has no 'no_such_factory'"),
     ],
 )
-def test_loader_imports_only_marked_factories(module, match):
+def test_loader_imports_only_marked_factories(module, match, monkeypatch):
+    monkeypatch.setenv(PLUGINS_ENV, module)  # registered by this party: still only a marked factory is called
     cfg = parse_config(f'[model]\nmodule = "{module}"\n[schedule]\nlearning_rate = 0.1\n')
     with pytest.raises(ConfigError, match=match):
         build_model(cfg.model, 3, 2)
 
 
-def test_loader_never_imports_a_standard_library_module():
-    """Importing runs a module's top level: `this` prints, `antigravity` opens a browser. Refused before import."""
+def test_loader_never_imports_an_unregistered_module(monkeypatch):
+    """Importing runs a module's top level: `this` prints, `antigravity` opens a browser, numpy.f2py.__main__ runs
+    f2py on the process's argv (issue 43 item 5). Whatever is installed, an unregistered module is refused before
+    it is imported; the project's own plug-ins are registered by its entry points, the environment adds others."""
     import sys
 
-    for name in ("this", "antigravity"):
+    monkeypatch.setenv(PLUGINS_ENV, " shuffledp_elsewhere:make ,")
+    for name in ("this", "antigravity", "numpy.f2py.__main__", "shuffledp.examples.flax_models"):
         cfg = parse_config(f'[model]\nmodule = "{name}:f"\n[schedule]\nlearning_rate = 0.1\n')
-        with pytest.raises(ConfigError, match="standard library"):
+        with pytest.raises(ConfigError, match=f"'{name}:f' is not a model plug-in registered here") as err:
             build_model(cfg.model, 3, 2)
+        assert "\n" not in str(err.value)
         assert name not in sys.modules
+    assert registered_plugins() == {
+        "shuffledp.models:builtin",
+        "shuffledp.examples.flax_models:cnn",
+        "shuffledp.examples.flax_models:mlp",
+        "shuffledp_elsewhere:make",
+    }
 
 
 def test_loader_reports_bad_arguments():
@@ -210,6 +221,50 @@ def test_node_refuses_a_round_whose_model_digest_differs(tmp_path):
         stop(*procs)
 
 
+@pytest.mark.timeout(180)
+def test_create_run_never_imports_an_unregistered_module(tmp_path, monkeypatch):
+    """Issue 43 item 5 acceptance: an analyzer (an OS process) whose sys.path holds two model modules, each writing a
+    file when it is imported; its environment registers one (SHUFFLEDP_MODEL_PLUGINS). A CreateRun naming the other
+    is refused with one line (INVALID_ARGUMENT) and that module's top level never ran; one naming the registered
+    module is created (and imported it)."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    for name in ("registered_model", "unregistered_model"):
+        (plugins / f"{name}.py").write_text(
+            f"from pathlib import Path\nPath({str(tmp_path / name)!r} + '.imported').write_text('ran')\n"
+            "from shuffledp.models import builtin as make\n"
+        )
+    monkeypatch.setenv("PYTHONPATH", str(plugins))
+    monkeypatch.setenv(PLUGINS_ENV, "registered_model:make")
+    data = write_blobs(tmp_path / "blobs.npz", n=60)
+    procs = []
+    try:
+        sh, sport = serve(tmp_path, "shuffler", ["shuffler", "--insecure", "--state-dir", str(tmp_path / "sh")])
+        procs.append(sh)
+        argv = ["analyzer", "--insecure", "--shuffler", f"127.0.0.1:{sport}", "--state-dir", str(tmp_path / "a")]
+        an, aport = serve(tmp_path, "analyzer", argv)
+        procs.append(an)
+        with grpc.insecure_channel(f"127.0.0.1:{aport}") as channel:
+            stub = pbg.AnalyzerStub(channel)
+
+            def create(module: str) -> pb.RunStatus:
+                toml = data + _plugin_toml(4).replace("shuffledp.models:builtin", module)
+                return stub.CreateRun(pb.CreateRunRequest(config_toml=toml), timeout=60)
+
+            with pytest.raises(grpc.RpcError) as err:
+                create("unregistered_model:make")
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = err.value.details()
+            assert "'unregistered_model:make' is not a model plug-in registered here" in details
+            assert "\n" not in details
+            assert not (tmp_path / "unregistered_model.imported").exists()
+            assert create("registered_model:make").run_id
+            assert (tmp_path / "registered_model.imported").exists()
+            assert not (tmp_path / "unregistered_model.imported").exists()
+    finally:
+        stop(*procs)
+
+
 def test_a_spec_never_makes_a_node_import_what_it_names():
     """A spec naming a plug-in the node does not have (or another built-in digest) is refused by every invited user
     with Refusal.MODEL_DIFFERS; the named module is not imported and nothing is charged."""
@@ -279,6 +334,7 @@ def test_a_plug_ins_failing_export_leaves_the_results_written(tmp_path, monkeypa
         "    return broken(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.init})\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(PLUGINS_ENV, "broken_export_model:make")
     toml = '[model]\nmodule = "broken_export_model:make"\n[schedule]\nlearning_rate = 0.1\n'
     plan = {"num_features": 3, "num_classes": 2, "model_name": "broken_export_model:make"}
     _export_plugin(tmp_path, toml, plan, np.zeros(8))
