@@ -12,14 +12,17 @@ Submit would have answered: the ack, or the status, details and reason Submit wo
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -76,7 +79,9 @@ NODE_REQUESTS_IN_FLIGHT = 2
 # From a call's opening to its first message received whole: a RegisterUsers of 2^20 ids (~30 MiB) needs 1 MB/s
 FIRST_MESSAGE_SECONDS = 30.0
 _ANALYZER_METHODS = frozenset(
-    m for m, roles in tls.DEFAULT_POLICY.items() if m.startswith("/shuffledp.v1.Shuffler/") and roles == {"analyzer"}
+    m
+    for m, roles in tls.DEFAULT_POLICY.items()
+    if m.startswith("/shuffledp.v1.Shuffler/") and roles == {pki.ROLE_ANALYZER}
 )
 
 
@@ -178,10 +183,8 @@ class CallLimits(grpc.ServerInterceptor):
         ident = tls.peer_identity(context)
         if kind == "analyzer":
             if ident is not None and ident.role != pki.ROLE_ANALYZER:
-                self._refuse(
-                    context, "not_analyzer", grpc.StatusCode.PERMISSION_DENIED,
-                    f"{method}: role {ident.role!r} ({ident.name}) may not call this method; allowed: analyzer",
-                )
+                details = f"{method}: role {ident.role!r} ({ident.name}) may not call this method; allowed: analyzer"
+                self._refuse(context, "not_analyzer", grpc.StatusCode.PERMISSION_DENIED, details)
             yield
             return
         if ident is not None:
@@ -190,31 +193,16 @@ class CallLimits(grpc.ServerInterceptor):
             caller = f"peer:{context.peer()}"  # plain text: each connection (one per node process) its own budget
         else:
             caller = None  # plain-text streams: bounded in all only (class docstring)
-        keys = [(kind, caller)] if caller is not None else []
+        keys = [] if caller is None else [(kind, caller)]
         if kind == "stream":
-            keys.append((kind, None))
+            keys.append(("stream", None))  # all streams
         with self._lock:
-            held = self._open[(kind, caller)] if caller is not None else 0
-            total = self._open[("stream", None)]
-        if kind == "request" and held >= NODE_REQUESTS_IN_FLIGHT:
-            self._refuse(
-                context, "node_requests", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{NODE_REQUESTS_IN_FLIGHT} requests of this node are in flight already; send one after another",
-            )
-        if kind == "stream" and caller is not None and held >= STREAMS_PER_NODE:
-            self._refuse(
-                context, "node_streams", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"node {caller!r} holds {held} streams already; at most {STREAMS_PER_NODE} per node identity (its "
-                "stream and one replacing it)",
-            )
-        if kind == "stream" and total >= self._max_streams:
-            self._refuse(
-                context, "streams", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{total} streams are open at the shuffler; at most {self._max_streams} (a server thread each)",
-            )
-        with self._lock:
-            for k in keys:
-                self._open[k] += 1
+            refusal = self._refusal(kind, caller)
+            if refusal is None:
+                for k in keys:
+                    self._open[k] += 1
+        if refusal is not None:
+            self._refuse(context, refusal[0], grpc.StatusCode.RESOURCE_EXHAUSTED, refusal[1])
         try:
             yield
         finally:
@@ -223,6 +211,73 @@ class CallLimits(grpc.ServerInterceptor):
                     self._open[k] -= 1
                     if not self._open[k]:
                         del self._open[k]
+
+    def _refusal(self, kind: str, caller: str | None) -> tuple[str, str] | None:
+        """(reason, details) if the caller may not open one more call of `kind` now, else None. Caller holds the
+        lock."""
+        held = self._open[(kind, caller)] if caller is not None else 0
+        if kind == "request" and held >= NODE_REQUESTS_IN_FLIGHT:
+            return "node_requests", (
+                f"{NODE_REQUESTS_IN_FLIGHT} requests of this node are in flight already; send one after another"
+            )
+        if kind != "stream":
+            return None
+        if held >= STREAMS_PER_NODE:
+            return "node_streams", (
+                f"node {caller!r} holds {held} streams already; at most {STREAMS_PER_NODE} per node identity (its "
+                "stream and one replacing it)"
+            )
+        if (total := self._open[("stream", None)]) >= self._max_streams:
+            return "streams", f"{total} streams are open at the shuffler; at most {self._max_streams} (a thread each)"
+        return None
+
+    def _first(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """The call's first message (None if the caller sent none), cancelling the call if it takes too long."""
+        token = self._deadlines.arm(context)
+        try:
+            return next(requests, None)
+        finally:
+            self._deadlines.disarm(token)
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        behaviour = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+        kind = "analyzer" if method in _ANALYZER_METHODS else "stream" if handler.response_streaming else "request"
+        unary = not handler.request_streaming
+
+        def call(requests: Iterator[Any], context: grpc.ServicerContext, rest: tuple) -> Any:
+            first = self._first(requests, context)
+            if not unary:
+                return behaviour(itertools.chain(() if first is None else (first,), requests), context, *rest)
+            if first is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the call carried no request message")
+            return behaviour(first, context, *rest)
+
+        # rest: the response callback gRPC passes to a non-blocking behaviour (health Watch), which returns at once
+        if handler.response_streaming and not getattr(behaviour, "experimental_non_blocking", False):
+
+            def limited(requests: Iterator[Any], context: grpc.ServicerContext, *rest: Any) -> Iterator[Any]:
+                with self._slot(kind, method, context):  # held while the stream runs: it holds its thread
+                    yield from call(requests, context, rest)
+
+        else:
+
+            def limited(requests: Iterator[Any], context: grpc.ServicerContext, *rest: Any) -> Any:
+                with self._slot(kind, method, context):
+                    return call(requests, context, rest)
+
+        for attr in ("experimental_non_blocking", "experimental_thread_pool"):
+            if hasattr(behaviour, attr):
+                setattr(limited, attr, getattr(behaviour, attr))
+        if kind == "analyzer" and self._analyzer_pool is not None:
+            limited.experimental_thread_pool = self._analyzer_pool  # gRPC runs the call on this pool
+        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(limited, **kw)
+        return grpc.stream_unary_rpc_method_handler(limited, **kw)
 
 
 # one table: domain exception -> status code (first match wins, subclasses first)
@@ -529,20 +584,25 @@ def serve_shuffler(
     server_credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     max_workers: int = 64,
+    first_message_seconds: float = FIRST_MESSAGE_SECONDS,
 ) -> tuple[grpc.Server, int]:
     """Start a Shuffler server over an existing state; returns (started server, bound port).
 
-    Every subscribed node holds one worker thread (its Subscribe stream): the state admits at most
-    max_workers - RESERVED_WORKERS streams (one per node identity), so rounds and submissions always find a thread.
+    Every open stream holds one of the nodes' max_workers threads: at most max_workers - RESERVED_WORKERS streams
+    are open (and as many nodes subscribed), so registrations and submissions always find a thread; the analyzer's
+    calls have ANALYZER_WORKERS threads of their own. CallLimits counts each call when it opens.
     """
     if max_workers <= RESERVED_WORKERS:
         raise ValueError(f"max_workers must exceed RESERVED_WORKERS={RESERVED_WORKERS}, got {max_workers}")
     state.set_max_streams(max_workers - RESERVED_WORKERS)
+    analyzer_pool = futures.ThreadPoolExecutor(max_workers=ANALYZER_WORKERS, thread_name_prefix="shuffler-analyzer")
+    limits = CallLimits(max_workers - RESERVED_WORKERS, analyzer_pool, first_message_seconds)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shuffler"),
-        interceptors=[InFlightLimit(), *interceptors],  # first: refuses before the request is decoded
+        interceptors=[limits, *interceptors],  # first: counts each call when it opens, before anything is read
         options=grpc_options.server_options(),
     )
+    server.call_limits = limits  # for in-process inspection (tests); not on the wire
     pbg.add_ShufflerServicer_to_server(ShufflerServicer(state), server)
     # with the standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it
     port, _ = start_with_health(server, listen, server_credentials, "shuffledp.v1.Shuffler")
