@@ -34,6 +34,15 @@ def test_bench_pvec_prints_count_mode_ratios():
     assert len(ratios) == 3 and all(r > 0 for r in ratios), out
 
 
+def test_bench_calibrated_pvec_quick_runs_to_the_variance_ratio():
+    # issue 43 item 8: the 10^4-round lines run at the full run's settings (they raised ValueError when their eps
+    # needed more trials than planning certifies); one grid cell, whose PLD ratio the issue 16 target bounds (1.05)
+    out = _run("bench_calibrated_pvec.py", "--quick", timeout=240)
+    assert re.search(r"^PLD route \(\w+\): m=\d+, certified eps=[0-9.]+", out, re.M), out
+    ratio = re.search(r"^max calibrated/Gaussian variance ratio: ([0-9.]+)$", out, re.M)
+    assert ratio and 1.0 <= float(ratio.group(1)) <= 1.05, out
+
+
 def test_excess_risk_benchmark_runs_over_the_services(tmp_path):
     # issue 11 item 7: a tiny grid (2 sizes, 2 optimizers) over real local clusters; the script prints one row per
     # run with a finite excess risk and one slope line per optimizer, and writes the CSV and the PNG
