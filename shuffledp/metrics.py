@@ -11,6 +11,11 @@ rejections: lower-case words), states and numbers. Never a user id, a node's use
 forwarded from nodes (free text at the shuffler, bounded) are mapped to the node policy's known reasons, anything
 else to "other".
 
+How many series a label makes is bounded whatever the other parties send (issue 43 item 6: 3000 RegisterUsers with
+made-up node ids made 3000 series): at most MAX_NODE_SERIES nodes (those holding a stream first), MAX_RUN_SERIES
+runs (the newest) and MAX_REASON_SERIES rejection reasons per run have a series of their own; the rest are summed
+under the label value OTHER ("other"), and a run's gauges (budget, plan) are shown for its own series only.
+
 Naming follows the Prometheus conventions: `shuffledp_<service>_` prefix, `_total` counters, base units
 (`_seconds`), and no unit for counts and privacy parameters (eps, delta are dimensionless).
 """
@@ -44,6 +49,10 @@ __all__ = [
     "safe_reason",
     "RUN_STATES",
     "ROUND_SECONDS_BUCKETS",
+    "MAX_NODE_SERIES",
+    "MAX_RUN_SERIES",
+    "MAX_REASON_SERIES",
+    "OTHER",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,6 +62,12 @@ RUN_STATES = ("CREATED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "BUDGET_
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 PLANNING_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (0, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000)
+# label cardinality (module docstring): per-node series above the shuffler's default 48 streams; runs and reasons a
+# scrape of a few hundred kB at most shows (about 12 series a run)
+MAX_NODE_SERIES = 100
+MAX_RUN_SERIES = 100
+MAX_REASON_SERIES = 32
+OTHER = "other"
 # the run manager's failure text of a round the shuffler refused before any batch existed (services/run_manager.py)
 _SHUFFLER_REFUSED = "shuffler refused the round"
 # every reason a node of this project gives (clients/policy.Refusal, clients/node.SUBMIT_FAILED_PREFIX + a status)
@@ -105,8 +120,21 @@ class _RoundStats:
             self.le[i] += s <= bound
         for why, n in (m.get("refused_reasons") or {}).items():
             self.refusals[safe_reason(why)] += int(n)
-        for why, n in (m.get("rejected") or {}).items():
-            self.rejected[safe_label(why)] += int(n)
+        for why, n in (m.get("rejected") or {}).items():  # the shuffler's reasons too: free words on the wire
+            self._reject(safe_label(why), int(n))
+
+    def _reject(self, label: str, n: int) -> None:
+        if label not in self.rejected and len(self.rejected) >= MAX_REASON_SERIES:
+            label = OTHER
+        self.rejected[label] += n
+
+    def absorb(self, other: _RoundStats) -> None:
+        """Add another run's figures (the sum over the runs without a series of their own)."""
+        self.rows, self.seconds_sum = self.rows + other.rows, self.seconds_sum + other.seconds_sum
+        self.le = [a + b for a, b in zip(self.le, other.le, strict=True)]
+        self.refusals.update(other.refusals)
+        for why, n in other.rejected.items():
+            self._reject(why, n)
 
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative histogram buckets (Prometheus: le = upper bound, the last +Inf = the count)."""
@@ -203,30 +231,42 @@ class _AnalyzerCollector(Collector):
             labels=["run_id", "reason"],
         )
         by_state: Counter = Counter()
+
+        def add(label: str, closed: Counter, stats: _RoundStats) -> None:
+            in_flight.add_metric([label], closed.get("reserved", 0))
+            for outcome in ("committed", "released", "refused", "spent_unknown"):
+                rounds.add_metric([label, outcome], closed.get(outcome, 0))
+            latency.add_metric([label], stats.buckets(), stats.seconds_sum)
+            for why, n in sorted(stats.refusals.items()):
+                refusals.add_metric([label, why], n)
+            for why, n in sorted(stats.rejected.items()):
+                rejected.add_metric([label, why], n)
+
+        older_rounds, older_stats = Counter(), _RoundStats()  # summed over the runs without a series of their own
         with self._lock:
             db = sqlite3.connect(Path(self.ledger.path).resolve().as_uri() + "?mode=ro", uri=True, timeout=5)
             try:
                 db.execute("BEGIN")  # one snapshot: a run's rows as they were together
                 q = "SELECT run_id, state, plan_json, limit_json FROM runs ORDER BY created_at"
-                for run_id, state, plan_json, limit_json in db.execute(q).fetchall():
+                rows = db.execute(q).fetchall()
+                for i, (run_id, state, plan_json, limit_json) in enumerate(rows):
                     by_state[state] += 1
-                    got = self._read(db, run_id, bool(limit_json))
+                    own = i >= len(rows) - MAX_RUN_SERIES  # the newest runs (runs are never deleted: "other" grows)
+                    got = self._read(db, run_id, own and bool(limit_json))
+                    if not own:
+                        older_rounds.update(got["rounds"])
+                        older_stats.absorb(got["stats"])
+                        continue
                     if plan_json:
                         planned.add_metric([run_id], float(json.loads(plan_json).get("rounds", 0)))
-                    in_flight.add_metric([run_id], got["rounds"].get("reserved", 0))
-                    for outcome in ("committed", "released", "refused", "spent_unknown"):
-                        rounds.add_metric([run_id, outcome], got["rounds"].get(outcome, 0))
                     if "budget" in got:
                         for family, value in zip(gauges.values(), got["budget"], strict=True):
                             family.add_metric([run_id], value)
-                    stats = got["stats"]
-                    latency.add_metric([run_id], stats.buckets(), stats.seconds_sum)
-                    for why, n in sorted(stats.refusals.items()):
-                        refusals.add_metric([run_id, why], n)
-                    for why, n in sorted(stats.rejected.items()):
-                        rejected.add_metric([run_id, why], n)
+                    add(run_id, got["rounds"], got["stats"])
             finally:
                 db.close()
+        if len(rows) > MAX_RUN_SERIES:  # counts only: the older runs' budgets and plans make no sum
+            add(OTHER, older_rounds, older_stats)
         for state in RUN_STATES:
             runs.add_metric([state], by_state.get(state, 0))
         yield from (runs, in_flight, rounds, planned, *gauges.values(), latency, refusals, rejected)
@@ -275,8 +315,13 @@ class _ShufflerCollector(Collector):
             "shuffledp_shuffler_admitted_users", "Users admitted at the shuffler, per node identity", labels=["node"]
         )
         nodes = self.state.node_summary()
-        for node, (n, _) in sorted(nodes.items()):
+        # the nodes holding a stream first (the live ones), then by name; a node named "other" is summed there too
+        ranked = sorted(nodes.items(), key=lambda kv: (not kv[1][1], kv[0]))
+        own = [(node, n) for node, (n, _) in ranked if node != OTHER][:MAX_NODE_SERIES]
+        for node, n in own:
             users.add_metric([node], n)
+        if len(own) < len(nodes):
+            users.add_metric([OTHER], sum(n for n, _ in nodes.values()) - sum(n for _, n in own))
         yield users
         yield GaugeMetricFamily(
             "shuffledp_shuffler_open_streams",

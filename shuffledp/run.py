@@ -64,6 +64,9 @@ PLUGIN_CREATE_TIMEOUT_S = 600.0
 # 60 s on 2 cores while the nodes drew theirs)
 SYNTHETIC_CREATE_S_PER_MILLION = 60.0
 BACKOFF_FIRST_S = 0.5
+# --analyzer: how long the CLI tries to reach it before it writes anything (a mistyped address or a deployment that is
+# down fails in seconds, not after GIVE_UP_S, and leaves --out as it was); a deployment starting up answers within it
+FIRST_CONTACT_S = 10.0
 BACKOFF_CAP_S = 8.0
 # CANCELLED too: an analyzer stopping (its host going down in a Swarm) or a proxy on the way ends the calls in flight
 # with it, and every call repeated on it is one that may be repeated (CreateRun, the one that may not, retries
@@ -533,6 +536,30 @@ def drive_run(
             raise
 
 
+def check_reachable(
+    analyzer: str,
+    pki: Path | None = None,
+    server_name: str = "analyzer",
+    echo: Callable[[str], object] = print,
+    *,
+    wait_s: float = FIRST_CONTACT_S,
+) -> None:
+    """Return once the analyzer answers (its gRPC health service, open to the operator's role); AnalyzerLost (no run
+    id) when nothing does within `wait_s`. Any answer counts, even a refusal: the run's own calls then say more."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from shuffledp import grpc_options, tls
+
+    # plain text: without the insecure mode's warning, which the run's own channel gives (_plain_text_refused has
+    # checked the address)
+    options = grpc_options.operator_channel_options()
+    plain = pki is None
+    with tls.plain_channel(analyzer, options) if plain else operator_channel(analyzer, pki, server_name) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        with contextlib.suppress(grpc.RpcError):  # an answer that is no transient failure
+            _Retrying(analyzer, echo, wait_s).call(stub.Check, health_pb2.HealthCheckRequest(), wait_s / 4)
+
+
 def fetch_result(
     analyzer: str,
     run_id: str,
@@ -947,6 +974,16 @@ def _out_refused(out: Path, reuse: bool, local: bool, run_id: str = "") -> str |
     )
 
 
+def _clear_out(out: Path, existed: bool, reused: bool) -> None:
+    """A run on a deployment that ended before any result was written (no run created, the analyzer lost): --out as
+    it was before (absent or empty), so that the next try is not refused as a used directory."""
+    if reused or {p.name for p in out.iterdir()} != {"config.toml"}:
+        return
+    (out / "config.toml").unlink()
+    if not existed:
+        out.rmdir()
+
+
 def _make_out(out: Path) -> str | None:
     """Create the results directory; why it cannot be created, or None."""
     try:
@@ -1043,6 +1080,7 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
         print(f"shuffledp run: {usage}", file=sys.stderr)
         return 2
     try:
+        check_reachable(args.analyzer, args.pki, args.server_name)
         result = fetch_result(
             args.analyzer,
             run_id,
@@ -1168,6 +1206,13 @@ def _run_command(
         except ConfigError as exc:
             print(f"shuffledp run: {args.config or 'default config'}: {exc}", file=sys.stderr)
             return 2
+    else:  # before anything is written: nothing answering there is one line within seconds
+        try:
+            check_reachable(args.analyzer, args.pki, args.server_name, (lambda *_: None) if args.quiet else print)
+        except AnalyzerLost as lost:
+            print(f"shuffledp run: {lost.what()}", file=sys.stderr)
+            return EXIT_LOST
+    existed = out.exists()
     reused = out.is_dir() and any(out.iterdir())
     failed = _make_out(out)
     if failed:
@@ -1213,6 +1258,9 @@ def _run_command(
             return EXIT_LOST
         except grpc.RpcError as exc:
             return _rpc_failed(exc, args.analyzer, "the run")
+        finally:
+            if result is None:
+                _clear_out(out, existed, reused)
     else:
         print(f"shuffledp run: {label}: {config.deployment.client_nodes} client node(s); results in {out}")
         # [deployment] insecure = false: the local processes talk mTLS from pki_dir too (and so does the operator)

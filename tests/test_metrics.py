@@ -18,6 +18,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 from _procs import GhostNode, log_text, serve, stop, wait_connected
 from prometheus_client.parser import text_string_to_metric_families
@@ -405,3 +406,74 @@ def test_the_analyzer_s_scrape_reads_each_round_once_and_agrees_with_a_fresh_rea
     assert got[refusals] == sum(r % 3 for r in range(1, n, 2))
     assert got[("shuffledp_analyzer_user_refusals_total", (("reason", "other"), ("run_id", "r1")))] == n // 2
     ledger.close()
+
+
+def test_made_up_node_ids_make_a_bounded_number_of_series(tmp_path):
+    """Issue 43 item 6: in insecure mode any caller names its node. 3000 RegisterUsers with distinct node ids to a real
+    shuffler (a process, loopback) made 3002 admitted_users series; now at most MAX_NODE_SERIES nodes have one (a
+    node holding a stream first, whatever its name) and the rest are summed under node="other"."""
+    from shuffledp.metrics import MAX_NODE_SERIES, OTHER
+    from shuffledp.v1 import shuffledp_pb2 as pb
+    from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+    mport = _free_port()
+    argv = ["shuffler", "--insecure", "--state-dir", str(tmp_path / "state"), "--metrics-port", str(mport)]
+    shuffler, sport = serve(tmp_path, "shuffler", argv)
+    calls = 3000
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{sport}") as channel:
+            stub = pbg.ShufflerStub(channel)
+            for i in range(calls):
+                stub.RegisterUsers(pb.RegisterUsersRequest(node_id=f"made-up-{i:04d}", user_ids=["u"]), timeout=10)
+        ghost = GhostNode(f"127.0.0.1:{sport}", users=3)  # "ghost" sorts after every made-up name
+        try:
+            wait_connected(f"127.0.0.1:{sport}", 1)
+            text, s = _scrape(mport)
+        finally:
+            ghost.close()
+    finally:
+        stop(shuffler)
+    series = {dict(lab)["node"]: v for (name, lab), v in s.items() if name == "shuffledp_shuffler_admitted_users"}
+    assert len(series) == MAX_NODE_SERIES + 1, len(series)
+    assert series["ghost"] == 3  # the node holding a stream has its own series
+    assert series[OTHER] == calls - (MAX_NODE_SERIES - 1)  # one user per made-up node without a series
+    assert sum(series.values()) == calls + 3
+    assert len(text) < 64_000, len(text)  # was 304 kB
+
+
+def test_the_analyzer_s_series_are_bounded_whatever_runs_and_reasons_there_are(tmp_path):
+    """Issue 43 item 6: each run had ~12 series of its own, and each rejection reason the shuffler named (free
+    lower-case words on the wire) one more per run. Only the newest MAX_RUN_SERIES runs have series of their own, the
+    older runs' counts are summed under run_id="other" (their budgets are not summed), and a run shows at most
+    MAX_REASON_SERIES reasons of its own, the rest under reason="other"."""
+    from shuffledp.services.ledger import BudgetLimit, Ledger
+
+    from shuffledp.metrics import MAX_REASON_SERIES, MAX_RUN_SERIES, OTHER, _AnalyzerCollector
+
+    ledger = Ledger(tmp_path / "ledger.db")
+    runs = [f"r{i:04d}" for i in range(MAX_RUN_SERIES + 30)]
+    for run_id in runs:
+        ledger.create_run(run_id, "")
+        ledger.set_budget(run_id, BudgetLimit(1.0, 1e-6, "parallel"), {"rounds": 1})
+        # lower-case words (safe_label), as a shuffler may name them
+        reasons = {f"made_up_{chr(97 + k // 26)}{chr(97 + k % 26)}": 1 for k in range(3 * MAX_REASON_SERIES)}
+        ledger.save_checkpoint(run_id, 0, b"", {"round": 0, "seconds": 0.2, "rejected": reasons})
+    got = _analyzer_samples(_AnalyzerCollector(ledger))
+    ledger.close()
+    run_ids = {dict(lab).get("run_id") for (_, lab) in got} - {None}
+    assert run_ids == set(runs[-MAX_RUN_SERIES:]) | {OTHER}
+    count = ("shuffledp_analyzer_round_duration_seconds_count", (("run_id", OTHER),))
+    assert got[count] == 30  # one round of each older run
+    for run_id in (runs[-1], OTHER):
+        reasons = {
+            dict(lab)["reason"]: v
+            for (n, lab), v in got.items()
+            if n.startswith("shuffledp_analyzer_messages_") and dict(lab)["run_id"] == run_id
+        }
+        assert len(reasons) == MAX_REASON_SERIES + 1 and reasons[OTHER] > 0
+        assert sum(reasons.values()) == 3 * MAX_REASON_SERIES * (1 if run_id != OTHER else 30)
+    assert got[("shuffledp_analyzer_epsilon_limit", (("run_id", runs[-1]),))] == 1.0
+    assert ("shuffledp_analyzer_epsilon_limit", (("run_id", OTHER),)) not in got
+    assert ("shuffledp_analyzer_rounds_planned", (("run_id", OTHER),)) not in got
+    # samples (histogram buckets included): about 26 a run plus its reasons; were 130 runs of 26 + 96
+    assert len(got) <= (MAX_RUN_SERIES + 1) * (30 + MAX_REASON_SERIES + 1) + len(RUN_STATES) + 10, len(got)
