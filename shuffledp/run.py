@@ -1262,7 +1262,10 @@ def _run_command(
             if result is None:
                 _clear_out(out, existed, reused)
     else:
-        print(f"shuffledp run: {label}: {config.deployment.client_nodes} client node(s); results in {out}")
+        # insecure mode has no certificates, so no signed specs: the README's trust table holds only with mTLS
+        trust = "; insecure mode: unsigned specs, nothing holds against a dishonest shuffler"
+        trust = trust if config.deployment.insecure else ""
+        print(f"shuffledp run: {label}: {config.deployment.client_nodes} client node(s); results in {out}{trust}")
         # [deployment] insecure = false: the local processes talk mTLS from pki_dir too (and so does the operator)
         pki = None if config.deployment.insecure else Path(config.deployment.pki_dir)
         try:
