@@ -304,16 +304,17 @@ def _init_hint(pki_dir: Path, client_nodes: int | None = None) -> str:
     return f"create it with `shuffledp pki init --out {pki_dir} --client-nodes {nodes}`"
 
 
-def _load_ca(pki_dir: Path) -> tuple[bytes, x509.Certificate]:
-    """The CA certificate of `pki_dir`, after checking the folder itself (the first mistakes users make)."""
+def _load_ca(pki_dir: Path, nodes: int | None = None) -> tuple[bytes, x509.Certificate]:
+    """The CA certificate of `pki_dir`, after checking the folder itself (the first mistakes users make); `nodes`:
+    the client nodes the caller needs, for the advice (None: not known)."""
     if not pki_dir.exists():
-        raise FileNotFoundError(f"PKI folder {pki_dir} does not exist: {_init_hint(pki_dir)}")
+        raise FileNotFoundError(f"PKI folder {pki_dir} does not exist: {_init_hint(pki_dir, nodes)}")
     if not pki_dir.is_dir():
         raise NotADirectoryError(f"PKI folder {pki_dir} is a file, not the folder `shuffledp pki init --out` writes")
     ca_path = pki_dir / CA_CERT_FILE
     if not ca_path.is_file():
         what = "is empty" if not any(pki_dir.iterdir()) else f"has no {CA_CERT_FILE}"
-        raise FileNotFoundError(f"PKI folder {pki_dir} {what}: {_init_hint(pki_dir)}")
+        raise FileNotFoundError(f"PKI folder {pki_dir} {what}: {_init_hint(pki_dir, nodes)}")
     pem, ca = _load_cert(ca_path)
     _check_dates(ca_path, ca)
     return pem, ca
@@ -343,11 +344,14 @@ def _client_nodes_in(pki_dir: Path) -> int:
     return n
 
 
-def _load_party(pki_dir: Path, ca_pem: bytes, ca: x509.Certificate, role: str, name: str) -> PartyMaterial:
+def _load_party(
+    pki_dir: Path, ca_pem: bytes, ca: x509.Certificate, role: str, name: str, nodes: int = 0
+) -> PartyMaterial:
+    """`nodes`: how many client nodes the caller needs in all (0: this one's index + 1), for the advice."""
     cert_path, key_path = party_paths(pki_dir, name)
     if not cert_path.is_file():
         if role == ROLE_CLIENT_NODE and name.startswith("client-") and name[len("client-") :].isdigit():
-            have, need = _client_nodes_in(pki_dir), int(name[len("client-") :]) + 1
+            have, need = _client_nodes_in(pki_dir), max(nodes, int(name[len("client-") :]) + 1)
             raise FileNotFoundError(
                 f"{cert_path} not found: {pki_dir} has certificates for {have} client node(s), {need} or more are "
                 f"needed; re-create it with `shuffledp pki init --out {pki_dir} --client-nodes {need} --force`"
@@ -396,9 +400,11 @@ def check_pki(pki_dir: str | os.PathLike[str], parties: Sequence[Identity]) -> N
     """load_party for every party, the CA read once: what `shuffledp run` calls before starting anything, so that a
     PKI mistake is one line in a second instead of a service failing at start-up (issue 24 item 11)."""
     pki_dir = Path(pki_dir)
-    ca_pem, ca = _load_ca(pki_dir)
+    # the advice names every client node the caller needs, not only the first one missing (issue 43 item 15)
+    nodes = sum(1 for party in parties if party.role == ROLE_CLIENT_NODE)
+    ca_pem, ca = _load_ca(pki_dir, nodes or None)
     for party in parties:
-        _load_party(pki_dir, ca_pem, ca, party.role, party.name)
+        _load_party(pki_dir, ca_pem, ca, party.role, party.name, nodes)
 
 
 def default_parties(client_nodes: int) -> list[Identity]:

@@ -195,6 +195,25 @@ def test_a_client_node_without_its_certificate_says_which_and_how_many_exist(tmp
     pki.check_local_run(tmp_path / "pki", 2)  # a complete PKI passes
 
 
+def test_the_pki_advice_of_a_local_run_names_every_node_it_needs_and_following_it_works(tmp_path):
+    """Issue 43 item 15: a run of 4 client nodes over a PKI of 2 was told `--client-nodes 3` (the first node missing),
+    and following that advice failed again. The advice names the run's 4, and running it makes the check pass."""
+    d = tmp_path / "pki"
+    with pytest.raises(
+        FileNotFoundError, match=f"does not exist: create it with `shuffledp pki init --out {d} --client-nodes 4`"
+    ):
+        pki.check_local_run(d, 4)
+    pki.init_pki(d, client_nodes=2)
+    with pytest.raises(FileNotFoundError) as caught:
+        pki.check_local_run(d, 4)
+    assert "2 client node(s), 4 or more are needed" in str(caught.value), caught.value
+    advice = str(caught.value).split("`")[1].split()  # shuffledp pki init --out DIR --client-nodes N --force
+    assert advice[:3] == ["shuffledp", "pki", "init"] and advice[advice.index("--client-nodes") + 1] == "4"
+    proc, _ = _cli(advice[1:], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    pki.check_local_run(d, 4)  # the advice followed: the run's PKI is complete
+
+
 @pytest.mark.parametrize("operator_set", [None, "2"])
 def test_a_service_uses_one_blas_thread_unless_its_operator_sets_one(operator_set, tmp_path, monkeypatch):
     # OpenBLAS's default (a spin-waiting thread per core) in every service cost a client node at d = 10^4 ~3x the
