@@ -202,12 +202,26 @@ def plan_run(
             B = optimizers.cohort_size(
                 name, n_pool, d, p.eps, delta, p.clip_norm, smoothness, 2 * cfg.model.radius, smoothing > 0
             )
-        B = min(B, n_pool)
-        if B < 1:
+        if n_pool < 1:
             raise PlanError(f"no unused users left for a sequential run (unused={unused})")
+        what = f"schedule.cohort_size = {B}" if s.cohort_size else f"Thm 4.1's cohort B = {B} (cohort_size unset)"
+        if s.cohort_size > n_pool:  # each round takes B fresh users: not one round fits (issue 43 item 11)
+            raise PlanError(
+                f"{what} exceeds the {n_pool} unused users: a sequential round takes {B} fresh users, so 0 rounds "
+                f"fit; set cohort_size <= {n_pool // 2} for 2 rounds or more"
+            )
+        B = min(B, n_pool)
         T = n_pool // B  # T = n / B fresh cohorts (spec 000 sec 4, Alg 3 / Alg 4)
         if s.rounds is not None:
             T = min(T, s.rounds)  # schedule.rounds set: at most that many of them (issue 10)
+        if T == 1 and name == "psgd" and s.output == "mean":
+            # Alg 3 releases mean(theta_0..theta_{T-1}) (spec 000 sec 4): one round releases theta_0, the initial
+            # model, for the whole round's budget (issue 43 item 11)
+            raise PlanError(
+                f"{what} with {n_pool} unused users plans 1 sequential round: PSGD releases the mean of "
+                f"theta_0..theta_(T-1) (Alg 3), with T = 1 the initial model theta_0; set cohort_size <= "
+                f'{n_pool // 2} (and schedule.rounds >= 2) for 2 rounds or more, or schedule.output = "last"'
+            )
     else:
         B, T = admitted, (s.rounds if s.rounds is not None else DEFAULT_ROUNDS)  # all n users for T rounds (Alg 5)
     # Poisson sampling: each of the n admitted users with q = k/n, so a round invites anywhere from 0 to n of them

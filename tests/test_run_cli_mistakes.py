@@ -148,6 +148,16 @@ mode = "sealed"
 client_nodes = 1
 """
 
+SEQUENTIAL = """
+[data]
+max_users = 100
+[schedule]
+kind = "sequential"
+cohort_size = {k}
+[deployment]
+client_nodes = 1
+"""
+
 
 @pytest.mark.parametrize(
     ("name", "text", "says"),
@@ -155,6 +165,19 @@ client_nodes = 1
         ("rr", SUBSAMPLED.format(protocol="rr", k=50), "rr randomizes one number per user"),
         ("cohort", SUBSAMPLED.format(protocol="gaussian", k=500), "cohort_size = 500 must lie in [1, admitted"),
         ("online", ONLINE.format(eps=2.0), "online PNSGD over up to 600 records: its newest record alone costs"),
+        # issue 43 item 11: a sequential cohort of at least the users was cut to one round that released theta_0
+        (
+            "seq_cohort_above_users",
+            SEQUENTIAL.format(k=150),
+            "schedule.cohort_size = 150 exceeds the 100 unused users: a sequential round takes 150 fresh users, so "
+            "0 rounds fit; set cohort_size <= 50",
+        ),
+        (
+            "seq_one_round",
+            SEQUENTIAL.format(k=100),
+            "schedule.cohort_size = 100 with 100 unused users plans 1 sequential round: PSGD releases the mean of "
+            "theta_0..theta_(T-1) (Alg 3), with T = 1 the initial model theta_0",
+        ),
     ],
 )
 def test_what_the_configuration_and_the_data_decide_is_refused_before_anything_starts(tmp_path, name, text, says):
