@@ -72,6 +72,7 @@ BACKOFF_CAP_S = 8.0
 # with it, and every call repeated on it is one that may be repeated (CreateRun, the one that may not, retries
 # UNAVAILABLE only)
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+METRICS_PORT_ENV = "SHUFFLEDP_METRICS_PORT"  # one `shuffledp serve`'s metrics port (serve.py); not a local run's
 EXIT_LOST = 3  # exit status: lost the analyzer, or a service of a local run died
 EXIT_NOTHING_RELEASED = 4  # exit status: the run ended and no round released an update (untrained model)
 _JITTER = secrets.SystemRandom()  # jitter only; the project draws no randomness from `random`
@@ -127,6 +128,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with --analyzer: cancel an existing run (e.g. one whose CLI was lost; one that ended already stays as "
         "it is) and write its results as --fetch does",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="BASE",
+        default=0,
+        help="a local run's services serve Prometheus metrics (plain HTTP on 127.0.0.1, /metrics) on ports BASE "
+        "(shuffler), BASE+1 (analyzer), BASE+2+i (client-i); printed at start. Default 0: off",
+    )
     parser.set_defaults(func=_run_command)
 
 
@@ -152,6 +161,10 @@ class Cluster:
     # kernel's restart), and the services then stop, the analyzer cancelling its run first; their process group of
     # their own keeps every signal of the CLI from them
     lifeline: tuple[int, ...] = field(default_factory=os.pipe)
+    # --metrics-port BASE: each service serves its metrics on the next port from BASE, in the order started (shuffler,
+    # analyzer, client-0, ...); 0 = off. metrics_ports: name -> port
+    metrics_port: int = 0
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     def spawn(self, name: str, argv: list[str]) -> Path:
         port_file = self.workdir / f"{name}.port"
@@ -161,10 +174,15 @@ class Cluster:
         watch = self.lifeline[0]
         cmd = [sys.executable, "-m", "shuffledp.cli", "serve", *argv, "--port-file", str(port_file)]
         cmd += ["--parent-fd", str(watch)]
+        if self.metrics_port:
+            self.metrics_ports[name] = self.metrics_port + len(self.procs)
+            cmd += ["--metrics-port", str(self.metrics_ports[name])]
+        # one port for one service: every service of the run would take it, and all but the first fail to start
+        env = {k: v for k, v in os.environ.items() if k != METRICS_PORT_ENV}
         # a process group of its own: a terminal's Ctrl-C reaches only the CLI, which cancels the run, fetches
         # what exists from the analyzer and then stops the services (the same group would stop them first)
         self.procs[name] = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), process_group=0, pass_fds=(watch,)
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0, pass_fds=(watch,)
         )
         return port_file
 
@@ -222,6 +240,7 @@ def start_local_cluster(
     with_analyzer: bool = True,
     pki: Path | None = None,
     wait_nodes: bool = True,
+    metrics_port: int = 0,
 ) -> tuple[Cluster, str, str | None]:
     """Start shuffler, analyzer (unless with_analyzer=False: the caller plays it) and client nodes as processes;
     returns (cluster, shuffler address, analyzer address or None) once they serve (with wait_nodes=False, once the
@@ -229,9 +248,10 @@ def start_local_cluster(
     node that serves may not be connected at the shuffler yet: a caller that needs its users in a round waits for
     the shuffler's own count (GetPopulation), as the analyzer does before planning. With
     `pki` (a `shuffledp pki init` directory) every hop is mTLS with role checks, as in a deployment; without it,
-    plain text on loopback."""
+    plain text on loopback. `metrics_port` BASE: the services serve their metrics on BASE, BASE + 1, ... (shuffler,
+    analyzer, client-0, ...: Cluster.metrics_ports)."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(workdir)
+    cluster = Cluster(workdir, metrics_port=metrics_port)
     analyzer = None
     try:
         sec = ["--insecure"] if pki is None else ["--pki", str(pki.resolve())]
@@ -974,6 +994,25 @@ def _out_refused(out: Path, reuse: bool, local: bool, run_id: str = "") -> str |
     )
 
 
+def _metrics_refused(args: argparse.Namespace, client_nodes: int) -> str | None:
+    """Why --metrics-port BASE cannot be used (None: it can, or it is not given)."""
+    if not args.metrics_port:
+        return None
+    if args.analyzer:
+        return "--metrics-port is for a local run: a deployment's services take their own (serve --metrics-port)"
+    last = args.metrics_port + client_nodes + 1  # shuffler, analyzer, the client nodes
+    if not 0 < args.metrics_port or last > 65535:
+        return f"--metrics-port BASE must leave BASE..BASE+{client_nodes + 1} in 1..65535, got {args.metrics_port}"
+    from shuffledp.grpc_options import BindError, check_address_free
+
+    try:
+        for port in range(args.metrics_port, last + 1):
+            check_address_free(f"127.0.0.1:{port}")
+    except BindError as exc:
+        return f"--metrics-port {args.metrics_port}: {exc}"
+    return None
+
+
 def _clear_out(out: Path, existed: bool, reused: bool) -> None:
     """A run on a deployment that ended before any result was written (no run created, the analyzer lost): --out as
     it was before (absent or empty), so that the next try is not refused as a used directory."""
@@ -1196,10 +1235,16 @@ def _run_command(
     # every mistake that the configuration, the data and the command line decide alone: one line, before the results
     # directory or any process exists
     usage = _plain_text_refused(args) or _out_refused(out, args.reuse_out, local=not args.analyzer)
-    usage = usage or _tracking_refused(args)
+    usage = usage or _tracking_refused(args) or _metrics_refused(args, config.deployment.client_nodes)
     if usage:
         print(f"shuffledp run: {usage}", file=sys.stderr)
         return 2
+    if not args.analyzer and os.environ.get(METRICS_PORT_ENV, "0") not in ("", "0"):
+        print(
+            f"shuffledp run: {METRICS_PORT_ENV} is one service's port (shuffledp serve): the local run's services do "
+            "not take it; --metrics-port BASE gives each its own",
+            file=sys.stderr,
+        )
     if not args.analyzer:  # a deployment's analyzer checks its own data when the run is created
         try:
             check_before_start(config)
@@ -1271,10 +1316,15 @@ def _run_command(
         try:
             # the run is created while the nodes still start: the analyzer plans once their population is known
             nodes = config.deployment.client_nodes
-            cluster, _, analyzer = start_local_cluster(config_path, out, nodes, pki=pki, wait_nodes=False)
+            cluster, _, analyzer = start_local_cluster(
+                config_path, out, nodes, pki=pki, wait_nodes=False, metrics_port=args.metrics_port
+            )
         except ServiceFailed as exc:  # start_local_cluster stopped the others already
             print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
             return EXIT_LOST
+        if cluster.metrics_ports:
+            at = ", ".join(f"{name} http://127.0.0.1:{port}/metrics" for name, port in cluster.metrics_ports.items())
+            print(f"shuffledp run: metrics (Prometheus): {at}")
         # the services have a process group of their own (Cluster.spawn): a hang-up or SIGTERM of the CLI must
         # stop them too, as Ctrl-C does
         if threading.current_thread() is threading.main_thread():

@@ -2,16 +2,21 @@
 (issue 43 item 10): a CLI killed with SIGKILL (or by the OOM killer, or with a notebook's kernel) runs no handler, and
 its services, in a process group of their own, used to finish the run, spending its whole budget, write no results
 and hold their ports. Now each watches a pipe from the CLI (serve --parent-fd) and stops when it closes, the analyzer
-cancelling the run first. Real processes, real signals, the analyzer's own SQLite ledger."""
+cancelling the run first. Real processes, real signals, the analyzer's own SQLite ledger.
+
+And their metrics ports (item 14): SHUFFLEDP_METRICS_PORT, one `shuffledp serve`'s port, gave every service of a local
+run the same one (the run ended with status 3); --metrics-port BASE gives each its own."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -94,3 +99,61 @@ def test_kill_9_of_the_cli_stops_its_services_and_no_further_round_is_charged(tm
         for pid in services:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _free_ports(k: int) -> int:
+    """A base port with k free ports from it."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + k > 65535:
+            continue
+        try:
+            for port in range(base, base + k):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free ports")
+
+
+def test_a_metrics_port_in_the_environment_does_not_end_a_local_run(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(digits_pgd(2, 60))
+    env = {**os.environ, "SHUFFLEDP_METRICS_PORT": str(_free_ports(1))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "shuffledp.cli", "run", str(config), "--out", str(tmp_path / "out"), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("shuffledp run:")] == [
+        "shuffledp run: SHUFFLEDP_METRICS_PORT is one service's port (shuffledp serve): the local run's services do "
+        "not take it; --metrics-port BASE gives each its own"
+    ]
+
+
+def test_metrics_port_base_gives_each_service_of_a_local_run_its_own_port(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(digits_pgd(4, 60, "min_round_seconds = 1.0"))  # about 4 s: scraped while it runs
+    base = _free_ports(3)
+    cmd = [sys.executable, "-m", "shuffledp.cli", "run", str(config), "--out", str(tmp_path / "out"), "--quiet"]
+    cli = subprocess.Popen([*cmd, "--metrics-port", str(base)], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [cli.stdout.readline(), cli.stdout.readline()]  # the start line, then the ports
+        want = {"shuffler": base, "analyzer": base + 1, "client-0": base + 2}
+        urls = ", ".join(f"{name} http://127.0.0.1:{port}/metrics" for name, port in want.items())
+        assert lines[1] == f"shuffledp run: metrics (Prometheus): {urls}\n", lines
+        prefix = {"shuffler": "shuffledp_shuffler_", "analyzer": "shuffledp_analyzer_", "client-0": "shuffledp_node_"}
+        for name, port in want.items():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+                assert prefix[name] in page.read().decode(), name
+        rest, _ = cli.communicate(timeout=150)
+        assert cli.returncode == 0, rest
+    finally:
+        if cli.poll() is None:
+            cli.kill()
