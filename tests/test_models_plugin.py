@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import grpc
 import numpy as np
@@ -219,6 +220,24 @@ def test_node_refuses_a_round_whose_model_digest_differs(tmp_path):
         assert "refusing round 0" in log and "node has 'shuffledp.models:builtin'" in log
     finally:
         stop(*procs)
+
+
+def test_a_party_registers_a_plug_in_for_itself_and_the_processes_it_starts(monkeypatch):
+    """`shuffledp run` registers the plug-in its own configuration names (register_plugin): in its environment, which
+    the services it starts inherit; once, however often it is registered."""
+    import subprocess
+    import sys
+
+    from shuffledp.model_plugin import register_plugin
+
+    monkeypatch.setenv(PLUGINS_ENV, "")  # restored after the test (delenv of an unset variable is not)
+    for _ in range(2):
+        register_plugin("mine_elsewhere:make")
+        register_plugin("shuffledp.models:builtin")  # registered by the entry point already
+    assert os.environ[PLUGINS_ENV] == "mine_elsewhere:make"
+    code = "from shuffledp.model_plugin import registered_plugins; print('mine_elsewhere:make' in registered_plugins())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "True", proc.stderr
 
 
 @pytest.mark.timeout(180)
