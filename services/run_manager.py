@@ -315,6 +315,54 @@ def plan_run(
     }
 
 
+def round_event(protocol: RoundProtocol, plan: dict[str, Any], r: int) -> PrivacyEvent:
+    """The privacy event the ledger charges for round r of a planned run."""
+    return PrivacyEvent(
+        protocol.name,
+        protocol.event_params(plan, r),
+        plan["min_contributors"],
+        plan["kind"],
+        pb.TrustModel.Name(protocol.trust_model).lower(),
+    )
+
+
+def policy_refusal(cfg: RunConfig, plan: dict[str, Any]) -> str | None:
+    """Why every user of a run whose nodes enforce cfg.policy (a local run's) would refuse the planned run: its first
+    round's claimed per-user cost (RoundSpec.per_user_cost, what clients/policy.py checks first) above the per-round
+    limits, or the run's own (eps, delta) above the users' totals (a user's recorded spend is never below the run's
+    guarantee, design 6). None when the plan fits them."""
+    protocol = round_protocol(plan["protocol"])
+    cost = protocol.spec_fields(plan, protocol.params(plan), round_event(protocol, plan, 0), b"")["per_user_cost"]
+    pol = cfg.policy
+    checks = [
+        ("a round costs each user eps", cost.eps, "max_eps_per_round", pol.max_eps_per_round),
+        ("a round costs each user delta", cost.delta, "max_delta_per_round", pol.max_delta_per_round),
+        ("the run spends eps", plan["eps"], "max_total_eps", pol.max_total_eps),
+        ("the run spends delta", plan["delta"], "max_total_delta", pol.max_total_delta),
+    ]
+    for what, value, key, limit in checks:
+        if value > limit:
+            return (
+                f"{what} = {value:.4g} (privacy.protocol {plan['protocol']!r}, privacy.eps = {plan['eps']:g}), above "
+                f"the users' [policy] {key} = {limit:g}: the run's nodes would refuse every round; raise policy.{key} "
+                "or lower privacy.eps"
+            )
+    return None
+
+
+def _deadline_failure(report: pb.BatchReport, deadline: float) -> str:
+    """Why a round below threshold released nothing when invited users neither answered nor refused: the shuffler
+    closed it at the deadline (a too short [deployment] round_deadline_seconds showed only as "0 contributors",
+    issue 43 item 17). "" when every invited user answered."""
+    silent = report.invited - report.contributors - report.refused - sum(report.rejected.values())
+    if silent <= 0:
+        return ""
+    return (
+        f"below threshold: {report.contributors} contributors; {silent} of {report.invited} invited users sent "
+        f"nothing before the round deadline ({deadline:g} s: [deployment] round_deadline_seconds)"
+    )
+
+
 def _smoothing(cfg: RunConfig, model: ModelPlugin, kind: str, n: int, d: int, delta: float) -> float:
     """beta of the Moreau envelope the users differentiate (0: none). model.smoothing = "paper": Thm 4.7's beta
     for sequential runs, Thm 4.9's for fully interactive ones (spec 000 sec 4)."""
@@ -809,13 +857,7 @@ class RunManager:
             wait = cfg.deployment.population_wait_seconds
             if live.cancel.is_set() or not self._await_shuffler(run_id, live, need, wait, fresh):
                 raise _Cancelled
-            event = PrivacyEvent(
-                protocol.name,
-                protocol.event_params(plan, r),
-                plan["min_contributors"],
-                plan["kind"],
-                pb.TrustModel.Name(protocol.trust_model).lower(),
-            )
+            event = round_event(protocol, plan, r)
             self.ledger.reserve(run_id, r, event)  # BudgetExceeded propagates: no spec leaves
             if live.cancel.is_set():  # cancelled as it was reserved: nothing was sent, nothing is charged
                 self.ledger.release(run_id, r, "cancelled before it was sent")
@@ -1018,6 +1060,8 @@ class RunManager:
     ) -> None:
         """Write round r's checkpoint with its metrics; with `commit` (contributors charged, parameters it ran with)
         the round's ledger commit too, in the same transaction (the metrics' spend includes it)."""
+        if not released and not failure and report is not None:
+            failure = _deadline_failure(report, rd.plan["deadline"])
         try:
             if rd.plan.get("hidden_iterates"):  # data-independent status only (spec 004 sec 5)
                 m: dict[str, Any] = {

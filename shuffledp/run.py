@@ -1053,7 +1053,7 @@ def check_before_start(config: RunConfig) -> None:
     from shuffledp.config import ConfigError
     from shuffledp.data import load_dataset, num_users
     from shuffledp.model_plugin import build_model
-    from shuffledp.services.run_manager import plan_run
+    from shuffledp.services.run_manager import plan_run, policy_refusal
 
     try:
         ds = load_dataset(config.data, config.model.task)
@@ -1068,9 +1068,14 @@ def check_before_start(config: RunConfig) -> None:
     # the analyzer's model for this data (as its _evaluation_data builds it)
     model = build_model(config.model, ds.num_features, ds.num_classes)
     try:
-        plan_run(config, n, n, model, ds.feature_norm_bound)
+        plan = plan_run(config, n, n, model, ds.feature_norm_bound)
     except ValueError as exc:  # PlanError, and what the planner's helpers raise before it wraps them
         raise ConfigError(f"the run cannot be planned for the data's {n} users: {exc}") from exc
+    # a local run's nodes enforce this configuration's [policy]: a plan they refuse would start and fail (issue 43
+    # item 17: online PNSGD at 11.33 per round against max_eps_per_round = 8 ended after 3 attempts, exit 4)
+    refusal = policy_refusal(config, plan)
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def _nothing_released(status: pb.RunStatus) -> list[str]:

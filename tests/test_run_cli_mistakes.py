@@ -18,6 +18,7 @@ import pytest
 from shuffledp.config import ConfigError, load_config, parse_config
 from shuffledp.data import load_dataset
 from shuffledp.run import start_local_cluster
+from shuffledp.v1 import shuffledp_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -193,6 +194,20 @@ def test_what_the_configuration_and_the_data_decide_is_refused_before_anything_s
     assert time.monotonic() - started < 30
 
 
+def test_a_plan_above_the_users_own_policy_is_refused_before_anything_starts(tmp_path: Path):
+    # issue 43 item 17: a round above the local run's own [policy] limit started, and failed after 3 attempts (exit 4)
+    cfg = _config(tmp_path, "above_policy", ONLINE.format(eps=12.0))
+    out = tmp_path / "out"
+    proc = _cli("run", str(cfg), "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert _one_line(proc) == (
+        f"shuffledp run: {cfg}: a round costs each user eps = 9.812 (privacy.protocol 'pnsgd_online', privacy.eps = "
+        "12), above the users' [policy] max_eps_per_round = 8: the run's nodes would refuse every round; raise "
+        "policy.max_eps_per_round or lower privacy.eps"
+    )
+    assert not out.exists() and proc.stdout == ""
+
+
 def test_after_a_failed_planning_the_summary_prints_only_what_is_meaningful(tmp_path: Path):
     # a deployment's analyzer plans for its own population: cohort_size above it fails there, after CreateRun
     cfg = _config(tmp_path, "cohort", SUBSAMPLED.format(protocol="gaussian", k=500))
@@ -211,8 +226,14 @@ def test_after_a_failed_planning_the_summary_prints_only_what_is_meaningful(tmp_
 def test_online_pnsgd_repeats_its_one_round_as_attempts_not_rounds_beyond_the_plan(tmp_path: Path):
     # eps 12 costs more per round than the default policy's max_eps_per_round = 8: every user refuses, the run
     # repeats its one round; the CLI printed "round 2/1", "round 3/1"
+    # (a local run refuses this plan before it starts, issue 43 item 17: a deployment's analyzer cannot know its
+    # nodes' policies, and runs it)
     cfg = _config(tmp_path, "online", ONLINE.format(eps=12.0))
-    proc = _cli("run", str(cfg), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    cluster, _, analyzer = start_local_cluster(cfg, tmp_path / "deployment", client_nodes=1)
+    try:
+        proc = _cli("run", str(cfg), "--analyzer", analyzer, "--out", str(tmp_path / "out"), cwd=tmp_path)
+    finally:
+        cluster.stop()
     assert proc.returncode == 4, proc.stdout + proc.stderr
     rounds = [s.split("  NOT RELEASED")[0].strip() for s in proc.stdout.splitlines() if s.startswith("round ")]
     assert rounds == ["round    1/1", "round    1/1 (attempt 2)", "round    1/1 (attempt 3)"], proc.stdout
@@ -309,3 +330,16 @@ def test_fetch_refreshes_the_same_runs_results_but_not_another_runs(tmp_path: Pa
     assert refused.startswith(f"--out {out} is not empty: choose a new directory, or pass --reuse-out to replace")
     assert "state/" not in refused  # a deployment keeps its state itself
     assert _out_refused(out, reuse=True, local=False, run_id="xyz") is None
+
+
+def test_a_round_closed_at_its_deadline_with_silent_invitees_says_so():
+    # issue 43 item 17: a too short round deadline showed only as "0 contributors"
+    from shuffledp.services.run_manager import _deadline_failure
+
+    silent = pb.BatchReport(invited=40, contributors=0, refused=5, rejected={"duplicate": 1}, below_threshold=True)
+    assert _deadline_failure(silent, 0.2) == (
+        "below threshold: 0 contributors; 34 of 40 invited users sent nothing before the round deadline (0.2 s: "
+        "[deployment] round_deadline_seconds)"
+    )
+    answered = pb.BatchReport(invited=40, contributors=30, refused=10, below_threshold=True)
+    assert _deadline_failure(answered, 0.2) == ""  # every invitee answered: the threshold, not the deadline
