@@ -1,11 +1,43 @@
-# Sourced by scripts/test and scripts/run-default: creates .venv and installs the project on first use.
+# Sourced by scripts/run-default, scripts/test and .ci/run: creates .venv and installs the project on first use.
+# SHUFFLEDP_EXTRAS: the extras to install, comma-separated; "" = none (scripts/run-default: what the default run
+# needs); unset = "dev,jax" (scripts/test, .ci/run: the test suite's). .venv/.extras lists the extras installed (a
+# .venv made before it existed has "dev,jax"): a .venv made by scripts/run-default gets the tests' when scripts/test
+# first runs; one with more is kept. .venv/.installed: when it was installed.
+# SHUFFLEDP_VENV_DRY_RUN=1: only print what would be installed (tests/test_venv_setup.py).
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-# (re)install when the packaging or the C extension changed: an editable install does not rebuild it by itself
-if [ ! -x .venv/bin/shuffledp ] || [ pyproject.toml -nt .venv/.installed ] || [ setup.py -nt .venv/.installed ] \
+_venv_want="${SHUFFLEDP_EXTRAS-dev,jax}"
+_venv_have=""
+if [ -f .venv/.extras ]; then
+  _venv_have="$(tr -d ' \n' < .venv/.extras)"
+elif [ -f .venv/.installed ]; then
+  _venv_have="dev,jax"  # installed before .venv/.extras existed, always with these
+fi
+_venv_extras="$_venv_have"  # the union: a reinstall keeps the extras there already
+_venv_missing=""
+for _venv_e in ${_venv_want//,/ }; do
+  if [[ ",$_venv_have," != *",$_venv_e,"* ]]; then
+    _venv_missing="$_venv_missing $_venv_e"
+    _venv_extras="${_venv_extras:+$_venv_extras,}$_venv_e"
+  fi
+done
+# (re)install when extras are missing, or the packaging or the C extension changed: an editable install does not
+# rebuild it by itself
+if [ ! -x .venv/bin/shuffledp ] || [ ! -f .venv/.installed ] || [ -n "$_venv_missing" ] \
+  || [ pyproject.toml -nt .venv/.installed ] || [ setup.py -nt .venv/.installed ] \
   || [ shuffledp/mechanisms/_ldp_kernels.c -nt .venv/.installed ]; then
-  echo "setting up .venv (first run only)..." >&2
-  python3 -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[dev,jax]'  # jax: the Flax adapter's tests (~500 MB, ~2.5 min once)
-  touch .venv/.installed
+  _venv_spec=".${_venv_extras:+[$_venv_extras]}"
+  if [ -z "$_venv_extras" ]; then
+    echo "setting up .venv: the project without extras (what the default run needs; ~460 MB, ~70 s once)..." >&2
+  else
+    echo "setting up .venv: the project with extras $_venv_extras (dev, jax: the tests', ~1.2 GB, ~2.5 min once)..." >&2
+  fi
+  if [ -n "${SHUFFLEDP_VENV_DRY_RUN:-}" ]; then
+    echo "would install: pip install -e '$_venv_spec'"
+  else
+    python3 -m venv .venv
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e "$_venv_spec"
+    echo "$_venv_extras" > .venv/.extras
+    touch .venv/.installed
+  fi
 fi
