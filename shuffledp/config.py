@@ -171,14 +171,19 @@ def default_toml(protocol: str = "pvec") -> str:
         "{table}", render_table(plugin.settings, f"privacy.{protocol}")
     )
     text = text.replace("{protocol}", protocol).replace("{pad}", " " * max(1, 28 - len(f'protocol = "{protocol}"')))
-    if protocol != "pvec":
-        text = (
-            f"# privacy.protocol = {protocol!r}: the example run of its plug-in, on top of the embedded default\n"
-            + text
-        )
     for section, keys in plugin.example.items():
         for key, value in keys.items():
             text = _set_key(text, section, key, value)
+    if protocol != "pvec":  # the embedded default's header names PGD over PVEC: this document's own instead
+        cfg = parse_config(text)
+        optimizer = resolve(cfg.schedule.optimizer, cfg.schedule.kind, plugin.auto_optimizer)
+        data = cfg.data.dataset + (f" classes {list(cfg.data.classes)}" if cfg.data.classes else "")
+        header = (
+            f'# shuffledp example run of privacy.protocol = "{protocol}" ({PROTOCOL_SUMMARIES[protocol]}),\n'
+            f'# optimizer "{optimizer}" (schedule.kind = "{cfg.schedule.kind}"), model.task = "{cfg.model.task}" on '
+            f"{data}:\n# the keys its plug-in sets for an example run, on top of the embedded default.\n"
+        )
+        text = header + text.split("\n", 2)[2]
     return text
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from shuffledp.config import DEFAULT_TOML, ConfigError, default_toml, load_config, parse_config
+from shuffledp.optimizers.registry import resolve
 from shuffledp.protocols.registry import PROTOCOL_NAMES, round_protocol
 
 
@@ -237,6 +238,20 @@ def test_print_default_documents_every_accepted_key(protocol):
         *path, name = key.split(".")
         section = getattr(embedded, path[0]) if len(path) == 1 else embedded.privacy.settings
         assert getattr(section, name) in (None, "", 0, ()), key
+
+
+@pytest.mark.parametrize("protocol", PROTOCOL_NAMES)
+def test_print_default_of_a_protocol_parses_and_its_header_names_it_and_its_optimizer(protocol):
+    # issue 43 item 13: every example's header said "PGD ... over PVEC count mode", whatever it printed
+    cfg = parse_config(default_toml(protocol))
+    header = default_toml(protocol).split("\n[data]")[0]
+    optimizer = resolve(cfg.schedule.optimizer, cfg.schedule.kind, round_protocol(protocol).auto_optimizer)
+    if protocol == "pvec":
+        assert "trained with PGD (fully interactive, Alg 5 of Cheu et al. 2022) over PVEC count mode" in header
+        return
+    assert header.startswith(f'# shuffledp example run of privacy.protocol = "{protocol}" ('), header
+    assert f'optimizer "{optimizer}" (schedule.kind = "{cfg.schedule.kind}")' in header
+    assert "PVEC" not in header and "PGD" not in header
 
 
 def test_schedule_rounds_unset_is_none_and_set_is_kept():
