@@ -38,6 +38,7 @@ from shuffledp import pki, tls
 from shuffledp.config import DEFAULT_TOML
 from shuffledp.mechanisms.pvec import PvecParams, pvec_params
 from shuffledp.models import make_model
+from shuffledp.spec_signing import SpecSigner
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 SEED = 10  # issue 10; test input only (never privacy noise). Phase 1 uses SEED, phase 2 SEED + 1.
@@ -265,7 +266,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         execute = c.channel("analyzer", "shuffler").unary_unary(
             "/shuffledp.v1.Shuffler/ExecuteRound", response_deserializer=pb.ShuffledBatch.FromString
         )
-        batch = execute(_round_template(0, 0, deadline=30.0).SerializeToString(), timeout=60)
+        # signed with the analyzer's key, as the node acts on nothing else (spec_signing); fuzzed rounds are not:
+        # they reach the shuffler's checks and the node's signature check
+        signed = pb.RoundSpec(signed=SpecSigner.from_pki(c.pki_dir).sign(_round_template(0, 0, deadline=30.0)))
+        batch = execute(signed.SerializeToString(), timeout=60)
         assert batch.released and batch.report.contributors == 5, f"{batch.report}\n{c.log_tail('client-0')}"
         # a run that exists, so that RunRef inputs reach past NOT_FOUND; cancelled, so that a StartRun of it cannot
         # start a training loop in the background (FAILED_PRECONDITION)
