@@ -732,6 +732,9 @@ class Ledger:
         run = self.run(run_id)
         run.pop("config_toml")
         out: dict[str, Any] = {"run": run, "rounds": self.rounds(run_id)}
+        first = self.metrics(run_id)[:1]
+        if first and first[0].get("round") == -1:  # theta_0's held-out figures: the run's baseline
+            out["initial_model"] = first[0]
         if run["limit"]:
             out["totals"] = asdict(self.totals(run_id))
         return json.dumps(out, indent=1, sort_keys=True)

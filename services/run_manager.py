@@ -799,6 +799,9 @@ class RunManager:
             out[f"accuracy_{which}"] = model.accuracy(views[which], X, y)
             if optimum_loss is not None:
                 out[f"excess_risk_{which}"] = out[f"loss_{which}"] - optimum_loss
+        if r == -1 and not math.isnan(out["accuracy_mean"]):
+            # the baseline a released accuracy is read against: always predicting the most frequent held-out label
+            out["majority_accuracy"] = float(np.unique(y, return_counts=True)[1].max() / max(len(y), 1))
         return out
 
     # ------------------------------------------------------------------------------------------ the loop

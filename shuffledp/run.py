@@ -689,6 +689,29 @@ def _plan_of(result: pb.RunResult) -> dict:
         return {}
 
 
+def _initial_of(result: pb.RunResult) -> dict:
+    """theta_0's held-out metrics from the ledger export ({} from an analyzer that does not export them)."""
+    try:
+        return json.loads(result.ledger_json).get("initial_model") or {} if result.ledger_json else {}
+    except ValueError:
+        return {}
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def baseline_line(summary: dict) -> str:
+    """The final summary's line of the run's baseline ("" when the analyzer gave none)."""
+    base = summary.get("baseline") or {}
+    init, majority = base.get("initial_model") or {}, base.get("majority_class_accuracy")
+    parts = [f"{k} {init[k]:.4f}" for k in ("accuracy", "loss") if init.get(k) is not None]
+    text = f"initial model theta_0: {', '.join(parts)}" if parts else ""
+    if majority is not None:
+        text += f"{'; ' if text else ''}always the majority class: accuracy {majority:.4f}"
+    return f"baseline: {text}" if text else ""
+
+
 def _released(result: pb.RunResult) -> np.ndarray | None:
     """The released model, or None when the analyzer sent none (nothing released yet, or hidden iterates of a run
     that did not complete)."""
@@ -804,6 +827,7 @@ def run_summary(result: pb.RunResult, plan: dict, layout: dict | None, *, interr
         )
     )
     optimizer = plan.get("optimizer") or {}
+    initial = _initial_of(result)
     return {
         "run_id": s.run_id,
         "state": pb.RunState.Name(s.state),
@@ -813,6 +837,11 @@ def run_summary(result: pb.RunResult, plan: dict, layout: dict | None, *, interr
         "rounds_planned": s.rounds_planned,
         "released_model": model,
         **({"no_model": why} if why else {}),
+        # what the released figures are read against: theta_0's, and always predicting the majority label
+        "baseline": {
+            "initial_model": {k: _finite_or_none(initial.get(f"{k}_mean")) for k in ("loss", "accuracy")},
+            "majority_class_accuracy": initial.get("majority_accuracy"),
+        },
         "plan": {
             "protocol": plan.get("protocol"),
             "schedule": plan.get("kind"),
@@ -888,6 +917,11 @@ def _plot(path: Path, rows: list[dict], summary: dict) -> dict[str, list[str]]:
         ax.legend(fontsize=8, loc="best")
     ax = axes[-1]
     ax.step([r["round"] for r in rows], [r["eps_spent"] for r in rows], "o-", where="post", ms=3, color="tab:red")
+    limit = (summary.get("spend") or {}).get("eps_limit")
+    if limit:  # the run's budget: the spend approaches it, never crosses it
+        ax.axhline(limit, ls="--", color="tab:gray", label=f"eps limit {limit:g}")
+        ax.legend(fontsize=8, loc="best")
+        drawn["eps_limit"] = [f"{limit:g}"]
     ax.set_ylabel("eps spent")
     ax.set_xlabel("round")
     fig.suptitle(
@@ -1393,6 +1427,9 @@ def _run_command(
             continue
         label = "local view (a party that sees senders)" if name == "local" else name
         print(f"  {label}: eps = {value:.4f}")
+    baseline = baseline_line(run_summary(result, _plan_of(result), None))
+    if baseline:
+        print(baseline)
     nothing = _nothing_released(status)
     for line in nothing:
         print(line)

@@ -343,3 +343,31 @@ def test_a_round_closed_at_its_deadline_with_silent_invitees_says_so():
     )
     answered = pb.BatchReport(invited=40, contributors=30, refused=10, below_threshold=True)
     assert _deadline_failure(answered, 0.2) == ""  # every invitee answered: the threshold, not the deadline
+
+
+def test_results_carry_the_baseline_and_the_plot_the_eps_limit(tmp_path: Path):
+    # issue 43 item 12: a hinge run at the majority class (0.6741 every round) looked like learning; nothing to read
+    # the released accuracy against, and no line for the eps limit on the plot
+    import json
+    from collections import Counter
+
+    from shuffledp.run import _plot
+
+    cfg = _config(tmp_path, "small", SMALL)
+    out = tmp_path / "out"
+    proc = _cli("run", str(cfg), "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    base = summary["baseline"]
+    # theta_0 = 0 scores every class alike: argmax picks class 0, loss ln 10
+    assert base["initial_model"]["loss"] == pytest.approx(2.302585, abs=1e-5)
+    y_test = load_dataset(parse_config(SMALL).data, "logreg").y_test
+    majority = max(Counter(y_test.tolist()).values()) / len(y_test)
+    assert base["majority_class_accuracy"] == pytest.approx(majority)
+    lines = [s for s in proc.stdout.splitlines() if s.startswith("baseline: ")]
+    assert lines == [
+        f"baseline: initial model theta_0: accuracy {base['initial_model']['accuracy']:.4f}, loss 2.3026; always the "
+        f"majority class: accuracy {base['majority_class_accuracy']:.4f}"
+    ], proc.stdout
+    drawn = _plot(tmp_path / "plot.png", json.loads((out / "metrics.json").read_text()), summary)
+    assert drawn["eps_limit"] == [f"{summary['spend']['eps_limit']:g}"]
