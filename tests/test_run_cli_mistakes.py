@@ -101,8 +101,13 @@ def test_a_used_out_is_refused_unless_reuse_out_says_what_carries_over(tmp_path:
 # ------------------------------------------------------------------------------ B9: no round released (exit 4)
 def test_a_run_whose_every_round_is_refused_ends_with_exit_4_and_the_reasons(tmp_path: Path):
     # the users' own policy refuses every round: it ended COMPLETED, exit 0, with the untrained model
+    # (a local run refuses this plan before it starts, issue 43 item 17; a deployment's analyzer runs it)
     cfg = _config(tmp_path, "refused", SMALL + "[policy]\nmax_eps_per_round = 0.5\n")
-    proc = _cli("run", str(cfg), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    cluster, _, analyzer = start_local_cluster(cfg, tmp_path / "deployment", client_nodes=1)
+    try:
+        proc = _cli("run", str(cfg), "--analyzer", analyzer, "--out", str(tmp_path / "out"), cwd=tmp_path)
+    finally:
+        cluster.stop()
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     lines = proc.stdout.splitlines()
