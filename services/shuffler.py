@@ -120,8 +120,8 @@ class _FirstMessageDeadlines:
                         self._running = False
                         return
                     due, token = self._due[0]
-                    if time.monotonic() < due:
-                        self._cv.wait(due - time.monotonic())
+                    if (left := due - time.monotonic()) > 0:
+                        self._cv.wait(left)
                         continue
                     self._due.popleft()
                     context = self._armed.pop(token, None)
