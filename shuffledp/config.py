@@ -14,8 +14,9 @@ DEFAULT_ROUNDS when fully interactive, as many as the unused users allow when se
 
 from __future__ import annotations
 
+import copy
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from functools import cache
 from pathlib import Path
@@ -500,23 +501,60 @@ def parse_config(text: str) -> RunConfig:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"configuration is not valid TOML: {exc}") from exc
+    errors: list[str] = []  # every mistake at once, each in its own words (one file, one fix and rerun)
     for name, value in doc.items():
         if name not in _SECTIONS:
-            raise ConfigError(f"unknown section [{name}]; allowed: {', '.join(_SECTIONS)}")
-        if not isinstance(value, dict):
-            raise ConfigError(f"{name} must be a table ([{name}]), got {value!r}")
-        if name == "privacy":
-            continue  # its reader knows the protocols' tables, and where the keys of earlier versions went
-        allowed = {f.name for f in fields(_SECTIONS[name])}
-        for key in value:
-            if key not in allowed:
-                raise ConfigError(f"unknown key {name}.{key}; allowed: {', '.join(sorted(allowed))}")
-    parts = {name: reader(doc.get(name, {})) for name, reader in _READERS.items()}
+            errors.append(f"unknown section [{name}]; allowed: {', '.join(_SECTIONS)}")
+        elif not isinstance(value, dict):
+            errors.append(f"{name} must be a table ([{name}]), got {value!r}")
+        elif name != "privacy":  # its reader knows the protocols' tables, and where the keys of earlier versions went
+            allowed = {f.name for f in fields(_SECTIONS[name])}
+            errors += [
+                f"unknown key {name}.{k}; allowed: {', '.join(sorted(allowed))}" for k in value if k not in allowed
+            ]
+    tables = {name: doc.get(name, {}) for name in _READERS}
+    parts = {name: _read_section(reader, tables[name], errors) for name, reader in _READERS.items()}
+    if errors:
+        raise ConfigError(errors[0], errors=errors)
     cfg = RunConfig(**parts, toml_text=text)
     if cfg.deployment.pki_dir == "" and not cfg.deployment.insecure:
         raise ConfigError("deployment.pki_dir is required when deployment.insecure = false")
     _check_combinations(cfg)
     return cfg
+
+
+def _read_section(reader: Callable[[dict[str, Any]], Any], table: object, errors: list[str]) -> Any:
+    """reader(table), its mistakes appended to `errors` (None then). A key whose own value is wrong (ConfigError.key)
+    is reported and left out, its default standing in, and the section read again: every such key is named at once.
+    A mistake of a combination of keys ends the section, unreported after a key was left out (the default standing in
+    for it may be its cause)."""
+    if not isinstance(table, dict):
+        return None  # reported with the sections
+    table = copy.deepcopy(table)  # keys are left out of this copy
+    left_out = False
+    while True:
+        try:
+            return reader(table)
+        except ConfigError as exc:
+            if exc.key is not None or not left_out:
+                errors.append(str(exc))
+            if exc.key is None or not _leave_out(table, exc.key.split(".")[1:]):
+                return None
+            left_out = True
+
+
+def _leave_out(table: dict[str, Any], path: list[str]) -> bool:
+    """Remove the key at `path` ("pvec", "g": [privacy.pvec] g) from a section's table; False if it is not there."""
+    if not path:
+        return False
+    for name in path[:-1]:
+        table = table.get(name)
+        if not isinstance(table, dict):
+            return False
+    return table.pop(path[-1], _ABSENT) is not _ABSENT
+
+
+_ABSENT = object()
 
 
 def _either(names: Sequence[str]) -> str:
@@ -609,6 +647,8 @@ def load_config(path: str | Path | None = None) -> RunConfig:
 
 def read_config_text(path: Path) -> str:
     """A configuration file's text; ConfigError (one line) when it is missing, unreadable or not UTF-8 (TOML is)."""
+    if path.is_dir():
+        raise ConfigError(f"{str(path)!r} is a directory: give the configuration file (a .toml file) in it")
     if not path.is_file():
         raise ConfigError(f"configuration file {str(path)!r} does not exist")
     try:

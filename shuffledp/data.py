@@ -77,11 +77,14 @@ def load_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     p = Path(path)
     with p.open(encoding="utf-8") as fh:
         first = fh.readline()
-    try:
-        [float(v) for v in first.strip().split(",")]
-        skip = 0
-    except ValueError:
-        skip = 1  # header line
+        try:
+            [float(v) for v in first.strip().split(",")]
+            skip = 0
+        except ValueError:
+            skip = 1  # header line
+        # numpy only warns about a file without data (and reads one empty column)
+        if skip and not any(line.strip() for line in fh):
+            raise ValueError(f"{p}: no data rows (the file is empty or holds a header line only)")
     arr = np.loadtxt(p, delimiter=",", skiprows=skip, ndmin=2, dtype=np.float64)
     if arr.shape[1] < 2:
         raise ValueError(f"{p}: a CSV needs >= 1 feature column and a label column, got {arr.shape[1]} columns")
@@ -219,9 +222,9 @@ def load_dataset(cfg: DataConfig, task: str = "logreg") -> Dataset:
     X = np.asarray(X, dtype=np.float64)
     y = np.asarray(y)
     if X.ndim != 2 or y.shape != (X.shape[0],):
-        raise ValueError(f"data: X must be (k, features) and y (k,), got {X.shape} and {y.shape}")
+        raise ValueError(f"X must be (k, features) and y (k,), got {X.shape} and {y.shape}")
     if not np.all(np.isfinite(X)):
-        raise ValueError("data: features contain NaN or inf")
+        raise ValueError("features contain NaN or inf")
     if cfg.classes:
         # a label that occurs nowhere would leave fewer classes than asked, silently (e.g. one: accuracy 1.0)
         present = np.unique(y)
@@ -238,10 +241,10 @@ def load_dataset(cfg: DataConfig, task: str = "logreg") -> Dataset:
         y = order[np.searchsorted(cls[order], y)]
     if task in ("logreg", "hinge", "mlp"):
         if not np.all(y == np.floor(y)):
-            raise ValueError(f"data: {task} needs integer class labels")
+            raise ValueError(f"{task} needs integer class labels")
         values, y = np.unique(y, return_inverse=True)
         if task == "hinge" and len(values) > 2:
-            raise ValueError(f"data: hinge needs two classes (set data.classes), got {len(values)}")
+            raise ValueError(f"hinge needs two classes (set data.classes), got {len(values)}")
         num_classes = int(max(len(values), 2))  # hinge: the smaller label becomes 0, the larger 1 (e.g. -1/+1)
         y = y.astype(np.int64)
     else:

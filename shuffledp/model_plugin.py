@@ -124,6 +124,8 @@ def build_model(cfg: ModelConfig, num_features: int, num_classes: int) -> ModelP
         model = factory(num_features=int(num_features), num_classes=int(num_classes), **dict(cfg.args))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model.module = {cfg.module!r} refused model.args {dict(cfg.args)!r}: {exc}") from exc
+    except Exception as exc:  # the plug-in's own failure: one line naming it, not its traceback
+        raise ConfigError(f"model.module = {cfg.module!r}: its factory raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, ModelPlugin):
         raise ConfigError(f"model.module = {cfg.module!r} returned {type(model).__name__}, not a ModelPlugin")
     return model

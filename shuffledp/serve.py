@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -216,6 +217,11 @@ def _start(
         raise SystemExit(
             f"--node-index must be in [0, --num-nodes) and --num-nodes >= 1, got {args.node_index} of {args.num_nodes}"
         )
+    if args.service == "client" and args.config is None:  # else it would serve the embedded default's data
+        raise SystemExit(
+            f"shuffledp serve {role}: give --config CONFIG.toml: the run's configuration, whose [data] section holds "
+            "this node's users"
+        )
     server_creds, channel_creds, interceptors = _security(args, role)
     _check_listen(args, role)
     _check_metrics(args, role)
@@ -302,8 +308,15 @@ def _serve(args: argparse.Namespace) -> int:
     return_large_blocks()
     blas_threads = one_blas_thread()  # before the service's own imports and data
     stop = threading.Event()
+    interrupted = threading.Event()  # Ctrl-C (SIGINT), not a stop asked for by SIGTERM (docker stop)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if signum == signal.SIGINT:
+            interrupted.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
 
     role = {"analyzer": "analyzer", "shuffler": "shuffler", "client": "client-node"}[args.service]
     gone = threading.Event()
@@ -340,4 +353,7 @@ def _serve(args: argparse.Namespace) -> int:
     if metrics_server is not None:
         metrics_server.shutdown()
     stopper()
+    if interrupted.is_set():  # the CLI's convention (shuffledp/cli.py): one line, status 130
+        print(f"shuffledp serve {role}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     return 0

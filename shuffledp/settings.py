@@ -46,7 +46,16 @@ __all__ = [
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, unknown, of the wrong type or out of range; the message names the key."""
+    """A configuration value is missing, unknown, of the wrong type or out of range; the message names the key.
+    `key`: the key whose own value is wrong (None: a combination of keys, or not a key); `errors`: each message of a
+    configuration with several mistakes (shuffledp.config.parse_config reports all at once), listed by str()."""
+
+    def __init__(self, message: str = "", key: str | None = None, errors: list[str] | None = None):
+        self.key = key
+        self.errors = errors or [message]
+        if len(self.errors) > 1:
+            message = f"{len(self.errors)} errors:\n" + "\n".join(f"  {e}" for e in self.errors)
+        super().__init__(message)
 
 
 def setting(
@@ -74,41 +83,41 @@ def number(
 ) -> float:
     """A finite number in the range (a bound None = unbounded); ConfigError naming the key otherwise."""
     if not isinstance(v, int | float) or isinstance(v, bool):
-        raise ConfigError(f"{key} must be a number, got {v!r}")
+        raise ConfigError(f"{key} must be a number, got {v!r}", key)
     x = float(v)
     if not math.isfinite(x):
-        raise ConfigError(f"{key} must be finite, got {v!r}")
+        raise ConfigError(f"{key} must be finite, got {v!r}", key)
     bad_lo = lo is not None and (x <= lo if lo_open else x < lo)
     bad_hi = hi is not None and (x >= hi if hi_open else x > hi)
     if bad_lo or bad_hi:
         lb, rb = ("(" if lo_open else "["), (")" if hi_open else "]")
-        raise ConfigError(f"{key} must lie in {lb}{lo}, {hi}{rb}, got {x}")
+        raise ConfigError(f"{key} must lie in {lb}{lo}, {hi}{rb}, got {x}", key)
     return x
 
 
 def integer(key: str, v: object, lo: int, hi: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"{key} must be an integer, got {v!r}")
+        raise ConfigError(f"{key} must be an integer, got {v!r}", key)
     if not lo <= v <= hi:
-        raise ConfigError(f"{key} must lie in [{lo}, {hi}], got {v}")
+        raise ConfigError(f"{key} must lie in [{lo}, {hi}], got {v}", key)
     return v
 
 
 def choice(key: str, v: object, allowed: tuple[str, ...]) -> str:
     if not isinstance(v, str) or v not in allowed:
-        raise ConfigError(f"{key} must be one of {', '.join(repr(a) for a in allowed)}, got {v!r}")
+        raise ConfigError(f"{key} must be one of {', '.join(repr(a) for a in allowed)}, got {v!r}", key)
     return v
 
 
 def string(key: str, v: object) -> str:
     if not isinstance(v, str):
-        raise ConfigError(f"{key} must be a string, got {v!r}")
+        raise ConfigError(f"{key} must be a string, got {v!r}", key)
     return v
 
 
 def boolean(key: str, v: object) -> bool:
     if not isinstance(v, bool):
-        raise ConfigError(f"{key} must be true or false, got {v!r}")
+        raise ConfigError(f"{key} must be true or false, got {v!r}", key)
     return v
 
 
@@ -152,7 +161,7 @@ def read_table(cls: type, table: object, where: str) -> Any:
     for key in table:
         if key not in declared:
             allowed = ", ".join(sorted(declared)) or "none"
-            raise ConfigError(f"unknown key {where}.{key}; allowed: {allowed}")
+            raise ConfigError(f"unknown key {where}.{key}; allowed: {allowed}", f"{where}.{key}")
     values = {k: _read(f"{where}.{k}", v, declared[k][1], dict(declared[k][0].metadata)) for k, v in table.items()}
     return cls(**values)
 
