@@ -385,6 +385,7 @@ class AnalyzerLost(Exception):
     def __init__(self, analyzer: str, code: grpc.StatusCode, details: str, waited_s: float):
         self.analyzer, self.code, self.details, self.waited_s = analyzer, code, details, waited_s
         self.run_id = ""
+        self.outcome = "no run was created"  # what came of the command when no run was reached
         self.during = ""
         super().__init__(analyzer, code, details)
 
@@ -401,7 +402,7 @@ class AnalyzerLost(Exception):
                 f"CreateRun at the analyzer {self.analyzer} timed out ({cause}); not repeated, since the analyzer "
                 "may have created the run anyway (it would stay CREATED and spend nothing); try again later"
             )
-        return f"cannot reach the analyzer at {self.analyzer} ({cause}) for {self.waited_s:.0f} s; no run was created"
+        return f"cannot reach the analyzer at {self.analyzer} ({cause}) for {self.waited_s:.0f} s; {self.outcome}"
 
 
 def _during(run_id: str, status: pb.RunStatus | None) -> str:
@@ -593,6 +594,11 @@ def fetch_result(
 ) -> pb.RunResult:
     """GetRunResult of an existing run, with the retries of drive_run (AnalyzerLost when it gives up); with `cancel`,
     CancelRun first (a run that ended already is left as it is, and says so)."""
+    try:  # nothing answering there: AnalyzerLost within seconds, not after give_up_s
+        check_reachable(analyzer, pki, server_name, echo)
+    except AnalyzerLost as lost:
+        lost.outcome = f"run {run_id} was not {'cancelled' if cancel else 'fetched'}"
+        raise
     ref = pb.RunRef(run_id=run_id)
     with operator_channel(analyzer, pki, server_name) as channel:
         stub = pbg.AnalyzerStub(channel)
@@ -1158,7 +1164,6 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
         print(f"shuffledp run: {usage}", file=sys.stderr)
         return 2
     try:
-        check_reachable(args.analyzer, args.pki, args.server_name)
         result = fetch_result(
             args.analyzer,
             run_id,
