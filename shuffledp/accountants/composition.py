@@ -27,7 +27,7 @@ import numpy as np
 import scipy.optimize
 from scipy.special import gammaln, logsumexp
 
-from shuffledp.accountants.rdp import check_int, rdp_to_dp
+from shuffledp.accountants.rdp import check_int, rdp_to_dp, round_up
 
 __all__ = [
     "advanced_composition",
@@ -108,7 +108,7 @@ def kov_epsilon(eps: float, delta: float, k: int, delta_total: float) -> float:
     e = scipy.optimize.brentq(lambda x: kov_delta(eps, delta, k, x) - dt, 0.0, hi, xtol=1e-13, rtol=1e-12)
     while kov_delta(eps, delta, k, e) > dt:  # never round eps down
         e = e * (1.0 + 1e-12) + 1e-15
-    return e
+    return round_up(e)  # feasible in floating point; the margin covers kov_delta's float error
 
 
 def parallel_composition(guarantees: Sequence[tuple[float, float]]) -> tuple[float, float]:

@@ -34,7 +34,7 @@ import scipy.optimize
 from dp_accounting.pld import privacy_loss_distribution as dpa_pld
 from scipy.stats import binom
 
-from shuffledp.accountants.rdp import check_delta, check_int, check_nk
+from shuffledp.accountants.rdp import check_delta, check_int, check_nk, round_up
 
 __all__ = [
     "fmt_condition_holds",
@@ -136,7 +136,7 @@ def _fmt_numerical(eps0: float, n: int, delta: float) -> float:
     x = min(eps0, x + _EPS_TOL)
     while x < eps0 and excess(x) > 0.0:
         x = min(eps0, x + 10 * _EPS_TOL)
-    return x
+    return min(eps0, round_up(x))  # feasible in floating point; the margin covers ds's float error (eps0: exact)
 
 
 def fmt_epsilon(
@@ -333,7 +333,7 @@ def subsampled_fmt_pld(
 @lru_cache(maxsize=1024)
 def _tight_cached(eps0: float, n: int, k: int, T: int, delta: float, h: float | None) -> float:
     pld = subsampled_fmt_pld(eps0, n, k, h)
-    return float(pld.self_compose(T).get_epsilon_for_delta(delta)) if T > 1 else float(pld.get_epsilon_for_delta(delta))
+    return round_up((pld.self_compose(T) if T > 1 else pld).get_epsilon_for_delta(delta))  # dp_accounting's float
 
 
 def tight_pld_epsilon(

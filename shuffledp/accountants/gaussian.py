@@ -47,7 +47,7 @@ from dp_accounting import gaussian_mechanism as dpa_gaussian
 from dp_accounting.pld import privacy_loss_mechanism as dpa_mech
 from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
 
-from shuffledp.accountants.rdp import minimise_over_orders
+from shuffledp.accountants.rdp import minimise_over_orders, round_up
 
 Method = Literal["paper", "rdp", "exact"]
 METHODS: tuple[str, ...] = ("paper", "rdp", "exact")
@@ -210,21 +210,24 @@ def _canonne_optimal_order(rho: float, delta: float) -> float:
 
 @lru_cache(maxsize=65536)
 def _epsilon_cached(rho: float, delta: float, method: str, orders: tuple[float, ...]) -> float:
+    """eps of the conversion, raised by the float margin (rdp.round_up): the inverse queries search this figure,
+    so what they return holds for the reported one too."""
     if rho == 0.0:
         return 0.0
     if method == "paper":
         # Seed 002, Lemma 2.5: (alpha, alpha rho^2/2)-RDP for all alpha => (rho^2/2 + rho sqrt(2 ln 1/delta), delta)
-        return rho * rho / 2.0 + rho * math.sqrt(2.0 * math.log(1.0 / delta))
+        return round_up(rho * rho / 2.0 + rho * math.sqrt(2.0 * math.log(1.0 / delta)))
     if method == "exact":
-        # Gaussian mechanism with sensitivity/std ratio rho (Balle & Wang 2018), via dp_accounting.
+        # Gaussian mechanism with sensitivity/std ratio rho (Balle & Wang 2018), via dp_accounting: a brentq root
+        # to 1e-12 that may sit on either side of the exact eps
         with np.errstate(divide="ignore"):  # log1p(-1) = -inf inside is handled by dp_accounting's search
-            return float(dpa_gaussian.get_epsilon_gaussian(1.0 / rho, delta))
+            return round_up(dpa_gaussian.get_epsilon_gaussian(1.0 / rho, delta))
     # "rdp": dp_accounting's optimal conversion over the given orders, or over DEFAULT_ORDERS plus the
     # continuous optimum of the (linear) RDP curve when no orders were given.
     grid_t = orders if orders else DEFAULT_ORDERS + (_canonne_optimal_order(rho, delta),)
     grid = np.asarray(grid_t, dtype=np.float64)
     eps, _ = dpa_rdp.compute_epsilon(grid, grid * rho * rho / 2.0, delta)
-    return float(eps)
+    return round_up(eps)
 
 
 def epsilon_for_rho(rho: float, delta: float, method: Method = "rdp", orders: Sequence[float] | None = None) -> float:
@@ -238,8 +241,11 @@ def epsilon_for_rho(rho: float, delta: float, method: Method = "rdp", orders: Se
 
 @lru_cache(maxsize=65536)
 def _delta_cached(rho: float, eps: float, method: str, orders: tuple[float, ...]) -> float:
-    if rho == 0.0:
-        return 0.0
+    """delta of the conversion, raised by the float margin (rdp.round_up)."""
+    return 0.0 if rho == 0.0 else round_up(_delta_float(rho, eps, method, orders), probability=True)
+
+
+def _delta_float(rho: float, eps: float, method: str, orders: tuple[float, ...]) -> float:
     if method == "paper":
         # Lemma 2.5 solved for delta: eps = rho^2/2 + rho sqrt(2 ln 1/delta)
         #   =>  delta = exp(-(eps - rho^2/2)^2 / (2 rho^2))

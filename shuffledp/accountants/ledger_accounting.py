@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from shuffledp.accountants.rdp import check_delta, minimise_over_orders, optimal_epsilon
+from shuffledp.accountants.rdp import check_delta, minimise_over_orders, optimal_epsilon, round_up
 from shuffledp.events import (
     GaussianRound,
     LdpShuffleRound,
@@ -321,8 +321,9 @@ def _account_sampled_gaussian(items: Items, delta: float, acc: str, trust: str, 
     # integer orders above (dp_accounting's series for fractional orders fails to converge at orders ~2000)
     eps_rdp, order = minimise_over_orders(best_on, dpa_rdp.DEFAULT_RDP_ORDERS, min_order=_MIN_ORDER, integer=True)
     details: dict[str, Any] = {"rounds": rounds, "neighbouring": "add_or_remove_one", "guarantee": True}
+    eps_rdp = round_up(eps_rdp)  # dp_accounting's float figures, raised by the float margin
     if acc == "paper":
-        return AccountResult(_up(eps_rdp), delta, "sampled-gaussian-rdp (dp_accounting)", float(order), trust, details)
+        return AccountResult(eps_rdp, delta, "sampled-gaussian-rdp (dp_accounting)", float(order), trust, details)
     if len(items) == 1:
         # one mechanism repeated (a run's rounds): its PLD built once, then self-composed (the build is ~90% of
         # the time, and a run's ledger asks again every round)
@@ -334,12 +335,11 @@ def _account_sampled_gaussian(items: Items, delta: float, acc: str, trust: str, 
         pld_acc = dpa_pld.PLDAccountant(value_discretization_interval=_PLD_INTERVAL)
         pld_acc.compose(ev)
         eps_pld = float(pld_acc.get_epsilon(delta))
-    details["eps_rdp"] = float(eps_rdp)
+    eps_pld = round_up(eps_pld)
+    details["eps_rdp"] = eps_rdp
     if eps_pld <= eps_rdp:  # both are valid upper bounds (PLD pessimistic); report the smaller
-        return AccountResult(
-            _up(eps_pld), delta, "sampled-gaussian-pld (dp_accounting, pessimistic)", None, trust, details
-        )
-    return AccountResult(_up(eps_rdp), delta, "sampled-gaussian-rdp (dp_accounting)", float(order), trust, details)
+        return AccountResult(eps_pld, delta, "sampled-gaussian-pld (dp_accounting, pessimistic)", None, trust, details)
+    return AccountResult(eps_rdp, delta, "sampled-gaussian-rdp (dp_accounting)", float(order), trust, details)
 
 
 # ------------------------------------------------------------------------------------------------ seed 001
@@ -392,7 +392,7 @@ def _account_ldp_shuffle(items: Items, delta: float, acc: str, trust: str, bound
                 one = fmt_shuffle.subsampled_fmt_pld(ev.eps0, ev.n, ev.k)
                 one = one.self_compose(c) if c > 1 else one
                 pld = one if pld is None else pld.compose(one)
-            eps = max(0.0, float(pld.get_epsilon_for_delta(delta)))  # type: ignore[union-attr]
+            eps = round_up(max(0.0, float(pld.get_epsilon_for_delta(delta))))  # type: ignore[union-attr]
     return AccountResult(float(eps), delta, _LDP_NAMES[bound], None if order is None else float(order), trust, details)
 
 
@@ -408,7 +408,7 @@ def _advanced(eps_counts: Sequence[tuple[float, int]], slack: float) -> float:
     delta = sum delta_i + delta'. ``eps_counts`` lists (eps_i, multiplicity)."""
     sq = math.fsum(c * e * e for e, c in eps_counts)
     lin = math.fsum(c * e * math.expm1(e) for e, c in eps_counts)
-    return _up(math.sqrt(2.0 * math.log(1.0 / slack) * sq) + lin)
+    return round_up(math.sqrt(2.0 * math.log(1.0 / slack) * sq) + lin)
 
 
 def _account_pnsgd(items: Items, delta: float, acc: str, trust: str) -> AccountResult:

@@ -41,6 +41,7 @@ from shuffledp.accountants.gaussian import (
     _check_nonnegative,
     _check_positive,
 )
+from shuffledp.accountants.rdp import round_up
 
 Noise = Literal["gaussian", "laplace"]
 _NOISES = ("gaussian", "laplace")
@@ -195,7 +196,8 @@ def delta_from_terms(terms: Terms, n: int) -> float:
 @lru_cache(maxsize=1 << 16)
 def _delta_shuffled_cached(noise: str, eps: float, n: int, lip: float, scale: float, eta: float, dk: float, m: float):
     terms = (gaussian_terms if noise == "gaussian" else laplace_terms)(eps, lip, scale, eta, dk, m)
-    return _prob_from_log(_log_delta_shuffled(terms, n))
+    # the float margin (rdp.round_up): calibration and the eps search both test this figure, so both stay safe
+    return min(1.0, round_up(_prob_from_log(_log_delta_shuffled(terms, n)), probability=True))
 
 
 def delta_shuffled(

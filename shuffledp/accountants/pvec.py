@@ -29,7 +29,7 @@ import numpy as np
 import scipy.optimize
 from scipy.stats import binom
 
-from shuffledp.accountants.rdp import check_int
+from shuffledp.accountants.rdp import check_int, round_up
 from shuffledp.mechanisms.pvec import P1dParams, PvecParams
 
 __all__ = [
@@ -261,7 +261,7 @@ def binomial_tight_epsilon(M: int, p: float, shift: int, delta: float) -> float:
     e = scipy.optimize.brentq(lambda x: binomial_hockey_stick(M, p, shift, x) - delta, 0.0, hi, xtol=1e-12)
     while binomial_hockey_stick(M, p, shift, e) > delta:  # never round eps down
         e = math.nextafter(e, math.inf) + 1e-12
-    return e
+    return round_up(e)  # feasible in floating point; the margin covers the hockey stick's float error
 
 
 def p1d_exact_delta(params: P1dParams, eps: float | None = None, n_contrib: int | None = None) -> float:

@@ -71,6 +71,7 @@ import scipy  # scipy.stats loads on first use (the exhaustive route)
 from scipy.special import log_ndtr, ndtri
 
 from shuffledp.accountants import calibrated_pvec as cal
+from shuffledp.accountants.rdp import round_up
 from shuffledp.lazy import OnFirstUse
 from shuffledp.mechanisms.pvec import PvecParams
 
@@ -291,7 +292,8 @@ def _gauss_delta(eps: float, mu: float) -> float:
 
 
 def _gauss_eps(mu: float, delta: float) -> float:
-    """Smallest eps >= 0 with delta_G(eps) <= delta, rounded up (bisection keeps the feasible end)."""
+    """Smallest eps >= 0 with delta_G(eps) <= delta, rounded up: the bisection keeps the end feasible in floating
+    point, and the float margin (rdp.round_up) covers delta_G's own float error."""
     if mu == 0.0 or _gauss_delta(0.0, mu) <= delta:
         return 0.0
     lo, hi = 0.0, max(1.0, mu * mu)
@@ -303,7 +305,7 @@ def _gauss_eps(mu: float, delta: float) -> float:
             lo = mid
         else:
             hi = mid
-    return hi
+    return round_up(hi)
 
 
 # ------------------------------------------------------------------------------------------- public API
@@ -366,7 +368,7 @@ def pld_epsilon(
         pld = round_pld(params, n_contrib, value_discretization_interval)
         if rounds > 1:
             pld = pld.self_compose(rounds, tail_mass_truncation=_TRUNC)
-        return float(pld.get_epsilon_for_delta(delta))
+        return round_up(pld.get_epsilon_for_delta(delta))  # dp_accounting's float figure
     if route == "gaussian":
         mu, slack = round_gdp(params, n_contrib)
         budget = delta - rounds * slack * (1.0 + 1e-12)  # mixture slacks add to delta
@@ -397,7 +399,7 @@ def _keys_epsilon(counts: tuple[tuple[int, float, int, int, int], ...], delta: f
             one = _exhaustive_round(N, g, d, VALUE_DISCRETIZATION_INTERVAL)
             one = one.self_compose(c, tail_mass_truncation=_TRUNC) if c > 1 else one
             pld = one if pld is None else pld.compose(one, tail_mass_truncation=_TRUNC)
-        return float(pld.get_epsilon_for_delta(delta))
+        return round_up(pld.get_epsilon_for_delta(delta))  # dp_accounting's float figure
     return math.inf
 
 

@@ -16,6 +16,8 @@ Nothing here is specific to one mechanism; an accountant supplies its RDP curve 
   integer grid 2..512, extended as above.
 - ``monotone_envelope``: the Renyi divergence is non-decreasing in the order (van Erven & Harremoes 2014,
   Thm 3), so an upper bound U may be replaced by lam -> min_{lam' >= lam} U(lam') (spec 001 section 7.3 [ext]).
+- ``round_up``: the upward margin every eps or delta computed in floating point (dp_accounting, a scipy root, a
+  closed form here) receives before it is reported or compared with a budget (issue 43 item 7).
 """
 
 from __future__ import annotations
@@ -26,9 +28,26 @@ from typing import Any
 
 import numpy as np
 
+# The float margin (round_up): far above the float error of the figures it covers (dp_accounting's exact Gaussian
+# eps comes from a brentq with xtol = 1e-12 and sat 9e-14 below the exact value at sigma = 1, delta = 1e-5, issue 43
+# item 7; closed forms and RDP series are accurate to ~1e-14 relative), far below any digit a report shows. A delta
+# gets the relative part alone: deltas of 1e-140 are reported, and the float error of a tail difference such as
+# Phi(a) - e^eps Phi(b) is relative to its terms, at most ~1e-16 times the cancellation factor (eps / mu^2 for the
+# Gaussian; 1e-9 covers factors up to 1e6).
+_MARGIN_REL, _MARGIN_ABS = 1e-9, 1e-10
 DEFAULT_MAX_ORDER = 512  # spec 001 section 6: integer orders 2..512
 DEFAULT_ORDER_CAP = 1 << 14  # largest order the grid extension may reach (16384: covers orders up to 1e4)
 _GEOMETRIC_RATIO = 1.02  # spacing of the (integer) orders above DEFAULT_MAX_ORDER
+
+
+def round_up(x: float, probability: bool = False) -> float:
+    """A privacy figure computed in floating point, raised by the float margin (relative 1e-9 plus absolute 1e-10;
+    relative alone for a delta: ``probability``) so that it is never below the exact value; 0 (an exact figure, or
+    one clipped at 0) and inf are kept. A delta raised above 1 is the caller's to cap."""
+    x = float(x)
+    if not 0.0 < x < math.inf:
+        return x
+    return math.nextafter(x * (1.0 + _MARGIN_REL) + (0.0 if probability else _MARGIN_ABS), math.inf)
 
 
 def check_delta(delta: float, name: str = "delta") -> float:
@@ -90,7 +109,7 @@ def rdp_to_dp(
     """(eps, optimal order) such that a mechanism with this RDP curve is (eps, delta)-DP.
 
     CKS20 Prop. 12 / BBG+20 Thm 21 (paper's Lemma 1, spec 001 section 4), minimised over the given orders.
-    eps is clipped at 0 from below (eps = 0 is then still a valid, larger, guarantee).
+    eps is clipped at 0 from below (eps = 0 is then still a valid, larger, guarantee), then raised by round_up.
     """
     d = check_delta(delta)
     a, r = _as_curve(orders, rdp)
@@ -101,7 +120,7 @@ def rdp_to_dp(
         eps = np.where(d * d + np.expm1(-r) > 0.0, 0.0, eps)
     eps = np.where(np.isnan(eps), np.inf, eps)
     i = int(np.argmin(eps))
-    return max(0.0, float(eps[i])), float(a[i])
+    return round_up(max(0.0, float(eps[i]))), float(a[i])
 
 
 def rdp_to_dp_mironov(
@@ -112,7 +131,7 @@ def rdp_to_dp_mironov(
     a, r = _as_curve(orders, rdp)
     eps = r - np.log(d) / (a - 1.0)
     i = int(np.argmin(eps))
-    return max(0.0, float(eps[i])), float(a[i])
+    return round_up(max(0.0, float(eps[i]))), float(a[i])
 
 
 def monotone_envelope(rdp: Sequence[float] | np.ndarray) -> np.ndarray:
