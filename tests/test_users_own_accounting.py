@@ -91,9 +91,10 @@ def _refused(st: pb.RunStatus, reason: str) -> int:
 @pytest.mark.parametrize("sampling", ["poisson", "fixed"])
 def test_sampled_dp_sgd_users_are_charged_every_eligible_round_and_stop_at_their_limit(tmp_path, blobs_data, sampling):
     """Item 1: 20 rounds of 30 of 225 users at a budget whose ledger figure is above the users' max_total_eps = 2.5.
-    Each user's record equals min(the run's amplified accountant over every round it was eligible for, the
-    unamplified Gaussian over the rounds it joined), recomputed here from its counts; no record exceeds 2.5; users
-    refuse (withdraw) once one more round could take them past it."""
+    Each user's record equals min(the run's amplified accountant, the unamplified Gaussian), both over every round
+    it was eligible for (issue 43 item 4), recomputed here from its counts, sampled or not; no record exceeds 2.5;
+    users refuse (withdraw) once one more eligible round could take them past it. On the code before issue 43 the
+    unamplified bound counted joins only, and eligible users never sampled recorded 0."""
     toml = blobs_data + (
         '[model]\ntask = "logreg"\n[privacy]\neps = 4.0\ndelta = 1e-5\nprotocol = "gaussian"\n'
         f'[schedule]\nkind = "subsampled"\nsampling = "{sampling}"\ncohort_size = 30\nrounds = 20\n'
@@ -117,9 +118,11 @@ def test_sampled_dp_sgd_users_are_charged_every_eligible_round_and_stop_at_their
             e, j = counts["eligible"], counts["joined"]
             assert e >= j and e <= 20
             amplified = poisson_epsilon(z, params.get("q", 0.0), e, 1e-5) if poisson else wor_epsilon(z, n, k, e, 1e-5)
-            due = min(amplified, unamplified_epsilon(z, j, 1e-5, poisson)) if j else 0.0
+            due = min(amplified, unamplified_epsilon(z, e, 1e-5, poisson))
             assert eps >= due and eps == pytest.approx(due, rel=1e-12, abs=1e-15)
             assert eps <= 2.5
+        never = [eps for eps, counts in records if counts["eligible"] and not counts["joined"]]
+        assert never and min(never) > 0.0  # eligible, never sampled: charged all the same
         # every user who joined was counted in the rounds before it withdrew, sampled or not: its amplified count
         # is the rounds it stayed in, not the rounds it was sampled in (the old charge)
         assert max(counts["eligible"] for _, counts in joined) > max(counts["joined"] for _, counts in joined)
@@ -199,13 +202,15 @@ def test_a_fixed_cohort_is_never_drawn_from_fewer_users_than_it_is_charged_for(t
         c.close()
 
 
-def _gaussian_spec(run: str, r: int, population: int) -> pb.RoundSpec:
-    """A fixed-cohort central DP-SGD round (k = 10 of n = 100, z = 1) for logistic regression on 3 features."""
+def _gaussian_spec(run: str, r: int, population: int, **extra) -> pb.RoundSpec:
+    """A fixed-cohort central DP-SGD round (k = 10 of n = 100, z = 1) for logistic regression on 3 features;
+    `extra` overrides the plan's parameters (e.g. sampling = "poisson", q)."""
     from types import SimpleNamespace
 
     from shuffledp import sealing
 
     params = {"d": 8, "clip": 1.0, "k": 10, "n": 100, "delta": 1e-5, "noise_multiplier": 1.0, "noise": "continuous"}
+    params.update(extra)
     fields = GaussianRound().spec_fields({}, params, SimpleNamespace(params=params), sealing.generate_keypair()[1])
     spec = pb.RoundSpec(run_id=run, round=r, schedule=pb.SUBSAMPLED, task="logreg", num_classes=2, **fields)
     spec.model.shape.append(8)  # 2 classes x (3 features + bias)
@@ -216,8 +221,8 @@ def _gaussian_spec(run: str, r: int, population: int) -> pb.RoundSpec:
 
 def test_a_node_refuses_a_round_drawn_from_fewer_users_than_accounted_and_counts_notices():
     """Items 1 and 3 at one node: the rate is checked on the shuffler's eligible count, not the analyzer's n; a
-    notice (an invitation with no user of this node) counts every user eligible once per round, charges nothing
-    until a user joins, and is not answered."""
+    notice (an invitation with no user of this node) counts every user eligible once per round and charges it for
+    that round at once (issue 43 item 4: before it, nothing until the user joined), and is not answered."""
     shard = UserShard([f"u{i}" for i in range(4)], np.zeros((4, 1, 3)), np.zeros((4, 1), dtype=np.int64))
     core = NodeCore("node", shard, UserPolicy(max_total_eps=100.0))
     low = core.handle(pb.Invitation(spec=_gaussian_spec("r", 0, 100), user_ids=["u0"], eligible=99))
@@ -231,13 +236,57 @@ def test_a_node_refuses_a_round_drawn_from_fewer_users_than_accounted_and_counts
         assert not out.refusals and not out.messages
     counts = core.policy.runs["r"].counts
     assert [counts[u]["eligible"] for u in range(4)] == [1, 1, 1, 1]
-    assert all(core.spent(f"u{i}") == (0.0, 0.0) for i in range(4))
-    # a join: charged min(amplified over its 2 eligible rounds, unamplified over 1 join) for the run, in all
+    one = min(wor_epsilon(1.0, 100, 10, 1, 1e-5), unamplified_epsilon(1.0, 1, 1e-5, False))
+    assert all(core.spent(f"u{i}")[0] >= one > 0.0 for i in range(4))
+    # round 2, u1 sampled: every user is charged min(amplified, unamplified) over its 2 eligible rounds, in all
     out = core.handle(pb.Invitation(spec=_gaussian_spec("r", 2, 100), user_ids=["u1"], eligible=100))
     assert len(out.messages) == 1 and not out.refusals
-    due = min(wor_epsilon(1.0, 100, 10, 2, 1e-5), unamplified_epsilon(1.0, 1, 1e-5, False))
-    assert core.spent("u1") == (pytest.approx(due, rel=1e-12), 1e-5) and core.spent("u1")[0] >= due
-    assert core.spent("u0") == (0.0, 0.0)
+    due = min(wor_epsilon(1.0, 100, 10, 2, 1e-5), unamplified_epsilon(1.0, 2, 1e-5, False))
+    for u in ("u0", "u1"):
+        assert core.spent(u) == (pytest.approx(due, rel=1e-12), 1e-5) and core.spent(u)[0] >= due
+
+
+@pytest.mark.parametrize("kind", ["poisson", "fixed", "fixed-discrete"])
+def test_sampled_dp_sgd_cost_is_a_function_of_the_eligible_rounds_alone(kind):
+    """Issue 43 item 4, the cost function: min(amplified, unamplified), both over the E eligible rounds, whatever
+    the number of rounds joined (the outcome of the secret sampling); 0 only when eligible for none. Old code: a
+    user never sampled cost 0, and the unamplified bound counted joins only."""
+    if kind == "poisson":
+        spec = _gaussian_spec("r", 0, 0, sampling="poisson", q=0.074)
+        spec.sampling_rate = 0.074
+    else:
+        spec = _gaussian_spec("r", 0, 100, noise="discrete" if kind == "fixed-discrete" else "continuous")
+    poisson, noise = kind == "poisson", "discrete" if kind == "fixed-discrete" else "continuous"
+    cost = GaussianRound().user_account(spec).cost
+    assert cost(()) == (0.0, 0.0)
+    for e in (1, 2, 7, 20):
+        amplified = poisson_epsilon(1.0, 0.074, e, 1e-5) if poisson else wor_epsilon(1.0, 100, 10, e, 1e-5, noise)
+        due = min(amplified, unamplified_epsilon(1.0, e, 1e-5, poisson, noise))
+        for j in (0, 1, e):
+            counts = tuple(sorted(x for x in (("eligible", e), ("joined", j)) if x[1]))
+            assert cost(counts) == (due, 1e-5)
+        assert due > 0.0
+    # a cohort of everyone: the exact unamplified curve is below the RDP accountant's, and is charged over the
+    # eligible rounds too
+    full = GaussianRound().user_account(_gaussian_spec("r", 0, 100, k=100)).cost
+    assert full((("eligible", 3),)) == (unamplified_epsilon(1.0, 3, 1e-5, False), 1e-5)
+    assert unamplified_epsilon(1.0, 3, 1e-5, False) < wor_epsilon(1.0, 100, 100, 3, 1e-5)
+
+
+def test_a_user_withdraws_when_one_more_eligible_round_would_pass_its_limit_sampled_or_not():
+    """Issue 43 item 4 at one node (policy.decide_in_run): with max_total_eps between the charge for 1 and for 2
+    eligible rounds, a user never sampled is charged for round 0's eligibility, then withdraws at round 1's notice
+    (not counted, nothing more charged) and refuses round 2's invitation. Old code: it paid nothing and stayed."""
+    one = min(wor_epsilon(1.0, 100, 10, 1, 1e-5), unamplified_epsilon(1.0, 1, 1e-5, False))
+    two = min(wor_epsilon(1.0, 100, 10, 2, 1e-5), unamplified_epsilon(1.0, 2, 1e-5, False))
+    shard = UserShard(["u0"], np.zeros((1, 1, 3)), np.zeros((1, 1), dtype=np.int64))
+    core = NodeCore("node", shard, UserPolicy(max_total_eps=(one + two) / 2))
+    core.handle(pb.Invitation(spec=_gaussian_spec("r", 0, 100), user_ids=[], eligible=100))
+    assert core.spent("u0")[0] == pytest.approx(one, rel=1e-12) and core.spent("u0")[0] >= one
+    core.handle(pb.Invitation(spec=_gaussian_spec("r", 1, 100), user_ids=[], eligible=100))
+    assert core.policy.runs["r"].counts[0]["eligible"] == 1 and core.spent("u0")[0] < two
+    out = core.handle(pb.Invitation(spec=_gaussian_spec("r", 2, 100), user_ids=["u0"], eligible=100))
+    assert [x.reason for x in out.refusals] == [Refusal.TOTAL_EPS] and not out.messages
 
 
 def test_the_shuffler_refuses_a_fixed_cohort_round_with_fewer_eligible_users_and_tells_every_node():

@@ -49,7 +49,7 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-from shuffledp.accountants.rdp import optimal_epsilon, subsampled_wor_rdp
+from shuffledp.accountants.rdp import optimal_epsilon, round_up, subsampled_wor_rdp
 from shuffledp.mechanisms import discrete_gaussian
 from shuffledp.protocols.base import Counts, PlanRequest, RoundPlan, UserAccount
 from shuffledp.protocols.central import CentralRound, check_fixed_cohort, noise_multiplier_setting, noise_setting
@@ -81,7 +81,7 @@ def wor_epsilon(noise_multiplier: float, n: int, k: int, rounds: int, delta: flo
     acc = rdp.RdpAccountant(neighboring_relation=rdp.NeighborRel.REPLACE_ONE)
     inner = dp_event.GaussianDpEvent(noise_multiplier / 2.0)  # sensitivity 2C under replace-one
     acc.compose(dp_event.SampledWithoutReplacementDpEvent(n, k, inner), rounds)
-    return float(acc.get_epsilon(delta))
+    return round_up(acc.get_epsilon(delta))  # dp_accounting's float figure, raised by the float margin
 
 
 @lru_cache(maxsize=4096)
@@ -101,20 +101,21 @@ def poisson_epsilon(noise_multiplier: float, q: float, rounds: int, delta: float
 
 @lru_cache(maxsize=4096)
 def unamplified_epsilon(
-    noise_multiplier: float, joined: int, delta: float, poisson: bool, noise: str = "continuous"
+    noise_multiplier: float, rounds: int, delta: float, poisson: bool, noise: str = "continuous"
 ) -> float:
-    """eps of `joined` rounds of the Gaussian (std z C) on a sum that holds the user's C-clipped vector, without
-    amplification by sampling: a Gaussian mechanism composed exactly (mu-GDP, Dong-Roth-Su 2019 Cor 3.3) with
-    mu = sqrt(joined) * sensitivity / (z C): sensitivity 2C under replace-one (fixed cohort), C under
+    """eps of `rounds` rounds of the Gaussian (std z C) on a sum that may hold the user's C-clipped vector, without
+    amplification by sampling (a round that samples the user or not is no worse than one that holds it:
+    GaussianRound.user_account): a Gaussian mechanism composed exactly (mu-GDP, Dong-Roth-Su 2019 Cor 3.3) with
+    mu = sqrt(rounds) * sensitivity / (z C): sensitivity 2C under replace-one (fixed cohort), C under
     add-or-remove-one (Poisson), the neighbouring relation of the run's own accountant; the tightest conversion
     proven for the noise (accountants.gaussian.conversion: Balle-Wang 2018's exact curve for continuous noise, the
     RDP conversion of CKS20 Thm 14's zCDP for discrete noise)."""
     from shuffledp.accountants.gaussian import conversion, epsilon_for_rho
 
-    if joined == 0:
+    if rounds == 0:
         return 0.0
     sensitivity = 1.0 if poisson else 2.0
-    return epsilon_for_rho(math.sqrt(joined) * sensitivity / noise_multiplier, delta, conversion(noise))
+    return epsilon_for_rho(math.sqrt(rounds) * sensitivity / noise_multiplier, delta, conversion(noise))
 
 
 def least_noise_multiplier(fits: Callable[[float], bool], what: str) -> float:
@@ -280,23 +281,39 @@ class GaussianRound(CentralRound):
         return wor_epsilon(z, n, k, 1, delta, noise)
 
     def user_account(self, spec: pb.RoundSpec) -> UserAccount:
-        """A user's cost in the run (issue 24 item 1; design 6): amplification by sampling holds only if every round
-        the user was eligible for counts, sampled or not, so the node charges the smaller of two bounds it can certify
-        from the spec alone: the amplified accountant of the run (the ledger's) over every round the user was
-        eligible for, at the spec's rate (k/n, n no more than the eligible count the shuffler reported: a smaller
-        rate costs less), or the unamplified Gaussian composed over the rounds it joined."""
+        """A user's cost in the run (issue 24 item 1, issue 43 item 4; design 6): a function of E, the number of rounds
+        the user was eligible for (its node counts every one, sampled or not), never of the rounds it joined: which
+        rounds those are is the outcome of the shuffler's secret sampling, and a bound for the run (the mixture over
+        samplings) is only the worst case over outcomes (an E-round user never sampled recorded 0 before).
+
+        The charge is min(A(E), U(E)), each a bound for the run's output with this user's data in its E eligible
+        rounds (rounds it was not eligible for hold none of its data). A(E): the run's amplified accountant over the
+        E rounds at the spec's rate (k/n, n no more than the eligible count the shuffler reported: a smaller rate
+        costs less), the ledger's figure. U(E): each eligible round's release, conditioned on the past, is a mixture
+        over the round's cohort, drawn independently of the data with the same law for both neighbours (Poisson: the
+        user is in with probability q; fixed cohort: a uniform k of the n indices, the user's data replaced at its
+        index); with the draws coupled, each pair of components is either identical or the Gaussian pair at the
+        relation's sensitivity (C add-or-remove, 2C replace-one). Hockey-stick divergences are jointly convex, so the
+        mixture's privacy profile is at most that Gaussian's: the round is (sensitivity / z C)-GDP (Dong-Roth-Su
+        2019 Prop 2.12), and E such rounds compose adaptively to sqrt(E) sensitivity / (z C)-GDP (their Cor 3.3).
+        Discrete noise: Renyi divergence is jointly quasi-convex (van Erven-Harremoes Thm 13), so each round keeps
+        the Gaussian's zCDP (CKS20 Thm 14), which composes additively. Both bounds hold at the spec's delta, so
+        their minimum does. The eligible count is not secret: a user withdraws (policy.decide_in_run) as soon as
+        one more ELIGIBLE round would take it past its limit."""
         z, n, k, q, delta, noise = _spec_params(spec)
 
         def cost(counts: Counts) -> tuple[float, float]:
             c = dict(counts)
-            joined, eligible = c.get("joined", 0), c.get("eligible", 0)
-            if joined == 0:
-                return 0.0, 0.0  # the user's data was in no release
+            # a join comes with its round's eligibility in one charge (policy.decide_in_run); max() keeps a record
+            # without it from charging less than its joins
+            rounds = max(c.get("eligible", 0), c.get("joined", 0))
+            if rounds == 0:
+                return 0.0, 0.0  # in no round's draw: the user's data was in no release
             if q > 0.0:
-                amplified = poisson_epsilon(z, q, eligible, delta)
+                amplified = poisson_epsilon(z, q, rounds, delta)
             else:
-                amplified = wor_epsilon(z, n, k, eligible, delta, noise)
-            return min(amplified, unamplified_epsilon(z, joined, delta, q > 0.0, noise)), delta
+                amplified = wor_epsilon(z, n, k, rounds, delta, noise)
+            return min(amplified, unamplified_epsilon(z, rounds, delta, q > 0.0, noise)), delta
 
         return UserAccount(spec.run_id, "joined", "eligible", cost)
 
