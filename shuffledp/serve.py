@@ -217,14 +217,14 @@ def _start(
         raise SystemExit(
             f"--node-index must be in [0, --num-nodes) and --num-nodes >= 1, got {args.node_index} of {args.num_nodes}"
         )
+    server_creds, channel_creds, interceptors = _security(args, role)
+    _check_listen(args, role)
+    _check_metrics(args, role)
     if args.service == "client" and args.config is None:  # else it would serve the embedded default's data
         raise SystemExit(
             f"shuffledp serve {role}: give --config CONFIG.toml: the run's configuration, whose [data] section holds "
             "this node's users"
         )
-    server_creds, channel_creds, interceptors = _security(args, role)
-    _check_listen(args, role)
-    _check_metrics(args, role)
     if args.service == "analyzer":
         from shuffledp.services.analyzer import start_analyzer
 
