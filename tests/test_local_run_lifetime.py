@@ -137,9 +137,22 @@ def test_a_metrics_port_in_the_environment_does_not_end_a_local_run(tmp_path):
     ]
 
 
+def _scrape(port: int, cli: subprocess.Popen, within_s: float = 60.0) -> str:
+    """/metrics at `port`, once it serves: the ports are printed when the shuffler and the analyzer serve, and a
+    client node may still be starting."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+                return page.read().decode()
+        except OSError:
+            assert cli.poll() is None and time.monotonic() < deadline, f"nothing serves metrics on port {port}"
+            time.sleep(0.1)
+
+
 def test_metrics_port_base_gives_each_service_of_a_local_run_its_own_port(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text(digits_pgd(4, 60, "min_round_seconds = 1.0"))  # about 4 s: scraped while it runs
+    config.write_text(digits_pgd(8, 60, "min_round_seconds = 1.0"))  # about 8 s: scraped while it runs
     base = _free_ports(3)
     cmd = [sys.executable, "-m", "shuffledp.cli", "run", str(config), "--out", str(tmp_path / "out"), "--quiet"]
     cli = subprocess.Popen([*cmd, "--metrics-port", str(base)], stdout=subprocess.PIPE, text=True)
@@ -150,8 +163,7 @@ def test_metrics_port_base_gives_each_service_of_a_local_run_its_own_port(tmp_pa
         assert lines[1] == f"shuffledp run: metrics (Prometheus): {urls}\n", lines
         prefix = {"shuffler": "shuffledp_shuffler_", "analyzer": "shuffledp_analyzer_", "client-0": "shuffledp_node_"}
         for name, port in want.items():
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
-                assert prefix[name] in page.read().decode(), name
+            assert prefix[name] in _scrape(port, cli), name
         rest, _ = cli.communicate(timeout=150)
         assert cli.returncode == 0, rest
     finally:
