@@ -67,29 +67,9 @@ mode = "sealed"
 round_deadline_seconds = 10
 """
 
-_MF = f"""
-[data]
-max_users = {USERS}
-[model]
-task = "logreg"
-[privacy]
-eps = 4.0
-delta = 1e-5
-protocol = "mf"
-[privacy.mf]
-bands = 2
-max_participations = 2
-min_separation = 1
-[schedule]
-kind = "subsampled"
-cohort_size = 40
-rounds = 4
-learning_rate = 1.0
-[transport]
-mode = "sealed"
-[deployment]
-round_deadline_seconds = 10
-"""
+_MF = _GAUSSIAN.replace(
+    'protocol = "gaussian"', 'protocol = "mf"\n[privacy.mf]\nbands = 2\nmax_participations = 2\nmin_separation = 1'
+).replace("rounds = 3", "rounds = 4")
 
 
 class _Deployment:
