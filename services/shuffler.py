@@ -156,8 +156,10 @@ class CallLimits(grpc.ServerInterceptor):
         max_streams: int,
         analyzer_pool: futures.ThreadPoolExecutor | None = None,
         first_message_seconds: float = FIRST_MESSAGE_SECONDS,
+        revocations: tls.RevocationList | None = None,
     ) -> None:
         self._max_streams = int(max_streams)
+        self._revocations = revocations
         self._analyzer_pool = analyzer_pool
         self._lock = threading.Lock()
         self._open: Counter = Counter()  # (kind, caller) -> open calls; (kind, None) -> all of that kind
@@ -180,6 +182,8 @@ class CallLimits(grpc.ServerInterceptor):
     @contextmanager
     def _slot(self, kind: str, method: str, context: grpc.ServicerContext) -> Iterator[None]:
         """Hold one of the caller's calls of `kind` while the block runs; refuse the call if it has none left."""
+        if self._revocations is not None and (revoked := self._revocations.refusal(context)) is not None:
+            self._refuse(context, "revoked", grpc.StatusCode.PERMISSION_DENIED, revoked)  # before any quota is held
         ident = tls.peer_identity(context)
         if kind == "analyzer":
             if ident is not None and ident.role != pki.ROLE_ANALYZER:
@@ -585,8 +589,10 @@ def serve_shuffler(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     max_workers: int = 64,
     first_message_seconds: float = FIRST_MESSAGE_SECONDS,
+    revocations: tls.RevocationList | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Start a Shuffler server over an existing state; returns (started server, bound port).
+    """Start a Shuffler server over an existing state; returns (started server, bound port). `revocations`: the PKI's
+    revocation list; a call with a revoked certificate is refused when it opens (PERMISSION_DENIED).
 
     Every open stream holds one of the nodes' max_workers threads: at most max_workers - RESERVED_WORKERS streams
     are open (and as many nodes subscribed), so registrations and submissions always find a thread; the analyzer's
@@ -596,7 +602,7 @@ def serve_shuffler(
         raise ValueError(f"max_workers must exceed RESERVED_WORKERS={RESERVED_WORKERS}, got {max_workers}")
     state.set_max_streams(max_workers - RESERVED_WORKERS)
     analyzer_pool = futures.ThreadPoolExecutor(max_workers=ANALYZER_WORKERS, thread_name_prefix="shuffler-analyzer")
-    limits = CallLimits(max_workers - RESERVED_WORKERS, analyzer_pool, first_message_seconds)
+    limits = CallLimits(max_workers - RESERVED_WORKERS, analyzer_pool, first_message_seconds, revocations)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shuffler"),
         interceptors=[limits, *interceptors],  # first: counts each call when it opens, before anything is read
@@ -616,12 +622,13 @@ def start_shuffler(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     clock: Callable[[], float] = time.monotonic,
     rng: np.random.Generator | None = None,
+    revocations: tls.RevocationList | None = None,
 ) -> tuple[grpc.Server, int]:
     """The shuffler entry point (issue 4 contract): participation record in SQLite at state_path if given; rng
     (cohorts, Poisson draws, permutations) defaults to a fresh CSPRNG (a seeded one exists only in testing mode)."""
     store = SqliteParticipationStore(state_path) if state_path is not None else None
     state = ShufflerState(store, clock=clock, rng=rng)
-    server, port = serve_shuffler(state, listen, server_credentials, interceptors)
+    server, port = serve_shuffler(state, listen, server_credentials, interceptors, revocations=revocations)
     server.shuffler_state = state  # for in-process inspection (tests, benchmarks); not on the wire
     log.info("shuffler listening on port %d (participation record: %s)", port, state_path or "memory")
     return server, port

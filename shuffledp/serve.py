@@ -240,10 +240,18 @@ def _start(
             lambda: server.manager.cancel_running(PARENT_GONE),  # nobody drives them now: no further round
         )
     if args.service == "shuffler":
+        from shuffledp import tls
         from shuffledp.services.shuffler import start_shuffler
 
         args.state_dir.mkdir(parents=True, exist_ok=True)
-        server, port = start_shuffler(args.listen, args.state_dir / "shuffler.sqlite", server_creds, interceptors)
+        # with --pki: the CA's revocation list (pki.CRL_FILE), checked as each call opens
+        try:
+            revocations = None if args.pki is None else tls.RevocationList(args.pki)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
+        server, port = start_shuffler(
+            args.listen, args.state_dir / "shuffler.sqlite", server_creds, interceptors, revocations=revocations
+        )
         state = server.shuffler_state
         return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", state), _nothing
     from shuffledp.clients.node import start_node

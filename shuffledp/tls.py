@@ -25,6 +25,7 @@ import functools
 import ipaddress
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -84,6 +85,76 @@ def peer_identity(context: grpc.ServicerContext) -> Identity | None:
     if len(pems) != 1:
         return None
     return _identity_from_pem(bytes(pems[0]))
+
+
+@functools.lru_cache(maxsize=1024)
+def _serial_from_pem(pem: bytes) -> int | None:
+    try:
+        return x509.load_pem_x509_certificate(pem).serial_number
+    except ValueError:
+        return None
+
+
+class RevocationList:
+    """The CA's list of revoked certificates, pki.CRL_FILE in the PKI directory (`shuffledp pki revoke` writes it),
+    for a server that authenticates client nodes: refusal(context) says why the caller's certificate is revoked.
+
+    The file is read again when it changes (mtime, size or inode; checked at each call, a stat) and used only once its
+    signature verifies against the CA: an unsigned, foreign or corrupt list is refused with a log line and the one in
+    force stays, so that whoever can write the file but holds no CA key can neither revoke nor restore anyone. At
+    start such a file is an error (ValueError naming it): a server does not start without the list it was given. No
+    file at start: nothing is revoked; a file removed later leaves the last list in force. Works with any server's
+    context (grpc or grpc.aio): it needs only auth_context().
+    """
+
+    def __init__(self, pki_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(pki_dir) / pki.CRL_FILE
+        self._ca = x509.load_pem_x509_certificate((Path(pki_dir) / pki.CA_CERT_FILE).read_bytes())
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int, int] | None = None  # of the file last read (used or refused)
+        self._serials: frozenset[int] = frozenset()
+        stamp = self._file_stamp()  # before the read: a change after it is read again at the next call
+        if stamp is not None:
+            self._serials = frozenset(entry.serial_number for entry in pki.verified_crl(self.path, self._ca))
+            self._stamp = stamp
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def serials(self) -> frozenset[int]:
+        """Serial numbers of the revoked certificates, the file read again if it changed since."""
+        stamp = self._file_stamp()
+        if stamp is None or stamp == self._stamp:
+            return self._serials
+        with self._lock:
+            if stamp != self._stamp:
+                self._stamp = stamp
+                try:
+                    crl = pki.verified_crl(self.path, self._ca)
+                except (OSError, ValueError) as exc:
+                    log.error("%s; not used: %d certificate(s) stay revoked", exc, len(self._serials))
+                else:
+                    self._serials = frozenset(entry.serial_number for entry in crl)
+                    log.info("%s: %d certificate(s) revoked", self.path, len(self._serials))
+        return self._serials
+
+    def refusal(self, context: grpc.ServicerContext) -> str | None:
+        """Why the caller's certificate is refused ("certificate of client-7 is revoked (serial ...)"), or None if it
+        is not revoked (or there is none: plain text)."""
+        pems = context.auth_context().get("x509_pem_cert") or []
+        if len(pems) != 1:
+            return None
+        pem = bytes(pems[0])
+        serial = _serial_from_pem(pem)
+        if serial is None or serial not in self.serials():
+            return None
+        ident = _identity_from_pem(pem)
+        who = ident.name if ident is not None else "the caller"
+        return f"certificate of {who} is revoked (serial {serial:x}, {self.path.name} of its CA)"
 
 
 def peer_role(context: grpc.ServicerContext) -> str | None:
