@@ -12,9 +12,9 @@ Printed, from the analyzer's own ledger (rounds.reserved_at: when each round was
 left): the median seconds between consecutive rounds over rounds 1-100 and over the last 100, and their ratio
 (target <= 1.2, issue 30); the CPU time per round of each service over the same two windows (/proc/<pid>/stat,
 sampled every SAMPLE_S with the ledger's round count: on a machine shared with other work the gaps also measure
-the wait for a core, the CPU time does not); the run's final eps_spent next to an independent recomposition of
-the ledger's exported events (ledger_accounting.account on every round's event, at the rounds' delta: equal to
-1e-9).
+the wait for a core, the CPU time less so, though it too rises when the cores are contended), and by tenths of
+the run; the run's final eps_spent next to an independent recomposition of the ledger's exported events
+(ledger_accounting.account on every round's event, at the rounds' delta: equal to 1e-9).
 """
 
 from __future__ import annotations
@@ -202,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
             f"CPU per round, all services: {total_first:.1f} ms -> {total_last:.1f} ms "
             f"(ratio {total_last / total_first:.3f})"
         )
+        # by tenths of the run: state kept per round makes a service's CPU per round rise steadily; a machine shared
+        # with other work makes all services' rise and fall together (the wait for a core, shared caches: up to
+        # +50 % between windows of one run at load average 10, issue 43), which one window at each end cannot tell
+        tenth = n // 10
+        for a in range(0, n - tenth + 1, max(tenth, 1)):
+            cpu = sampler.per_round(a, a + tenth)
+            print(f"  CPU per round, rounds {a}-{a + tenth}: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
         for at in (500, 1000, 2000, 5000):
             if at + WINDOW <= len(gaps):
                 mid = statistics.median(gaps[at : at + WINDOW])

@@ -173,6 +173,7 @@ def test_bench_long_run_prints_both_windows_and_equal_eps():
     out = _run("bench_long_run.py", "--rounds", "201", timeout=600)
     assert re.search(r"ratio last / first: [0-9.]+", out), out
     assert "CPU per round, all services" in out and "(equal to 1e-09)" in out, out
+    assert len(re.findall(r"^  CPU per round, rounds \d+-\d+: shuffler [0-9.]+", out, re.M)) == 10, out
 
 
 def test_bench_metrics_scrape_prints_the_three_scrapes():
