@@ -120,6 +120,9 @@ class _FirstMessageDeadlines:
                         self._running = False
                         return
                     due, token = self._due[0]
+                    if token not in self._armed:  # its call had its first message: dropped without waiting for it
+                        self._due.popleft()
+                        continue
                     if (left := due - time.monotonic()) > 0:
                         self._cv.wait(left)
                         continue
