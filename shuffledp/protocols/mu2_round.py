@@ -114,8 +114,11 @@ class Mu2Round(CentralRound):
     optimizers = ("mu2",)
     auto_optimizer = "mu2"
     # M machines = the users, each with a stream of examples_per_user >= rounds examples, one fresh per round
+    # privacy.delta: each of the T rounds claims the run's delta to the users, who add the claims up (basic
+    # composition, clients/policy.py): unset (1e-3, policy.max_delta_per_round) refused round 11 at max_total_delta
     example = {
         "data": {"examples_per_user": 20},
+        "privacy": {"delta": 1e-4},
         "schedule": {"rounds": 20, "learning_rate": 0.5},
         "transport": {"mode": "sealed"},
     }

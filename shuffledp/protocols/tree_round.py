@@ -126,7 +126,10 @@ class TreeRound(CentralRound):
     # the tree's residuals feed FTRL, or SGD (post-processing of the same prefix sums; spec 003 sec 1, B.3)
     optimizers = ("ftrl", "sgd")
     auto_optimizer = "ftrl"
+    # the central DP-SGD example's cohorts (150 of digits' 1348 users, 24 rounds): 3600 seats need each user in up
+    # to 3 rounds (spec 003 sec 4: <= E per tree, >= xi rounds between two; 150 x (7 + 1) <= 1348 users free)
     example = {
+        "privacy.tree": {"max_participations": 3, "min_separation": 7},
         "schedule": {"kind": "subsampled", "cohort_size": 150, "rounds": 24, "learning_rate": 2.0},
         "transport": {"mode": "sealed"},
     }
