@@ -182,7 +182,7 @@ class MfRound(CentralRound):
     optimizers = ("ftrl", "sgd")  # post-processing of the released sums, as the tree's
     auto_optimizer = "ftrl"
     # the central DP-SGD example's cohorts (150 of digits' 1348 users, 24 rounds): 3600 seats need each user in up
-    # to 3 rounds (spec 003 sec 4: <= E per tree, >= xi rounds between two; 150 x (7 + 1) <= 1348 users free)
+    # to 3 rounds (the tree's limits over the run, spec 003 sec 4: >= xi rounds between two; 150 x (7 + 1) <= 1348)
     example = {
         "privacy.mf": {"max_participations": 3, "min_separation": 7},
         "schedule": {"kind": "subsampled", "cohort_size": 150, "rounds": 24, "learning_rate": 2.0},

@@ -184,7 +184,11 @@ class PanRound(CentralRound):
     settings = PanSettings
     schedules = ("sequential",)
     optimizers = ("acsa", "psgd")
-    example = {"schedule": {"kind": "sequential", "optimizer": "acsa"}, "transport": {"mode": "sealed"}}
+    # cohorts of 100 (13 rounds): the theory cohort (26, 51 rounds) reached 0.38 held-out on digits, 100 0.59-0.67
+    example = {
+        "schedule": {"kind": "sequential", "optimizer": "acsa", "cohort_size": 100},
+        "transport": {"mode": "sealed"},
+    }
 
     def check_config(self, cfg: RunConfig, optimizer: str) -> None:
         own: PanSettings = cfg.privacy.settings
