@@ -800,7 +800,8 @@ class RunManager:
             if optimum_loss is not None:
                 out[f"excess_risk_{which}"] = out[f"loss_{which}"] - optimum_loss
         if r == -1 and not math.isnan(out["accuracy_mean"]):
-            # the baseline a released accuracy is read against: always predicting the most frequent held-out label
+            # the baseline a released accuracy is read against: always predicting the most frequent held-out label (the
+            # analyzer holds no training label: the users' data)
             out["majority_accuracy"] = float(np.unique(y, return_counts=True)[1].max() / max(len(y), 1))
         return out
 
