@@ -34,6 +34,7 @@ import json
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -42,7 +43,7 @@ from shuffledp.clients.policy import Histories, History, parameters_from_json, p
 
 from shuffledp.durable import open_durable, transaction
 
-__all__ = ["SpendStore", "MemorySpendStore", "SqliteSpendStore", "History"]
+__all__ = ["SpendStore", "MemorySpendStore", "SqliteSpendStore", "DeviceSpendStore", "History"]
 
 # (user ids, eps each, delta each, noise key or None, run or None, what the round added to the users' run counts,
 # the run's round or None)
@@ -308,3 +309,55 @@ class SqliteSpendStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+class DeviceSpendStore:
+    """A device's own SqliteSpendStore (the same file and format as a node's), open only while it is read or written
+    (issue 44 item 2). A fleet of 10^4 devices in one process holding its stores open would need three descriptors
+    each (database, WAL, shared memory) besides its socket: past a 20000 descriptor limit. Open per use, a fleet holds
+    at most one store per thread of its pool. Each charge is as durable as a node's (SqliteSpendStore.record commits
+    before it returns). A device never charged has no file: reading one that does not exist gives the empty record
+    without creating it (a fleet starts without 10^4 files and their fsyncs)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @contextmanager
+    def _open(self) -> Iterator[SqliteSpendStore]:
+        store = SqliteSpendStore(self.path)
+        try:
+            yield store
+        finally:
+            store.close()
+
+    def load(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories]:
+        return self.load_all(user_ids)[:3]
+
+    def load_runs(self, user_ids: Sequence[str]) -> RunCounts:
+        return self.load_all(user_ids)[3]
+
+    def load_all(self, user_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, Histories, RunCounts]:
+        if not self.path.exists():
+            return replay(user_ids, ())
+        with self._open() as store:
+            return store.load_all(user_ids)
+
+    def run_parameters(self) -> dict[str, tuple]:
+        if not self.path.exists():
+            return {}
+        with self._open() as store:
+            return store.run_parameters()
+
+    def record(
+        self,
+        user_ids: Sequence[str],
+        eps: np.ndarray,
+        delta: float | np.ndarray,
+        keys: Sequence[tuple | None],
+        run: str | None = None,
+        steps: Sequence[str] | None = None,
+        run_round: int | None = None,
+        run_parameters: tuple | None = None,
+    ) -> None:
+        with self._open() as store:
+            store.record(user_ids, eps, delta, keys, run, steps, run_round, run_parameters)

@@ -143,6 +143,8 @@ mode = "counts"             # pvec: "counts" (trusted shuffler adds) or "bits" (
 
 [deployment]
 client_nodes = 2
+# users_per_node = 1        # one user per client node, a device (client_nodes = the data's users), run by a few
+                            # fleet processes (`shuffledp serve fleet`); unset (0) = the users spread over the nodes
 round_deadline_seconds = 60.0
 population_wait_seconds = 60.0  # how long a run waits for its nodes at the start, and for users to reconnect after
                             # an outage before a round goes on without them (sequential: for a fresh cohort)
@@ -438,6 +440,7 @@ def _deployment(t: dict[str, Any]) -> DeploymentConfig:
     d = DeploymentConfig()
     return DeploymentConfig(
         client_nodes=_int("deployment.client_nodes", t.get("client_nodes", d.client_nodes), 1, 10_000),
+        users_per_node=_int("deployment.users_per_node", t.get("users_per_node", d.users_per_node), 0, 1),
         round_deadline_seconds=_float(
             "deployment.round_deadline_seconds",
             t.get("round_deadline_seconds", d.round_deadline_seconds),

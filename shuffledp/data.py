@@ -19,6 +19,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -462,3 +463,23 @@ def load_user_shard(
         dim,
         _synthetic_classes(task),
     )
+
+
+def load_user_shards(
+    cfg: DataConfig,
+    task: str,
+    node_indices: Sequence[int],
+    num_nodes: int,
+    examples_per_user: int = 1,
+    max_users: int = 0,
+) -> tuple[list[tuple[list[str], np.ndarray, np.ndarray]], int, int]:
+    """load_user_shard for each node of node_indices (a fleet of device nodes in one process, clients/device.py), the
+    data set loaded once: ([(ids, X, y) per node], num_features, num_classes). Synthetic data: each node's rows
+    only, as load_user_shard draws them."""
+    if cfg.dataset == "synthetic":
+        loaded = [load_user_shard(cfg, task, i, num_nodes, examples_per_user, max_users) for i in node_indices]
+        features, classes = _synthetic_config(cfg)[1], _synthetic_classes(task)
+        return [shard[:3] for shard in loaded], features, classes
+    ds = load_dataset(cfg, task)
+    shards = [user_shard(ds, i, num_nodes, examples_per_user, max_users) for i in node_indices]
+    return shards, ds.num_features, ds.num_classes

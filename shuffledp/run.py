@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from shuffledp.config import RunConfig
 
 STARTUP_TIMEOUT_S = 60.0
+FLEET_PROCESSES = 2  # [deployment] users_per_node = 1: the device nodes of a local run, split over this many processes
 POLL_S = 0.5
 WAIT_MS = 1000  # GetRunStatus long poll; a dead local service is noticed between two polls
 TERMINAL = {pb.COMPLETED, pb.FAILED, pb.CANCELLED, pb.BUDGET_EXHAUSTED}
@@ -166,7 +167,7 @@ class Cluster:
     metrics_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
 
-    def spawn(self, name: str, argv: list[str]) -> Path:
+    def spawn(self, name: str, argv: list[str], metrics: bool = True) -> Path:
         port_file = self.workdir / f"{name}.port"
         port_file.unlink(missing_ok=True)
         log = open(self.workdir / "logs" / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
@@ -174,7 +175,7 @@ class Cluster:
         watch = self.lifeline[0]
         cmd = [sys.executable, "-m", "shuffledp.cli", "serve", *argv, "--port-file", str(port_file)]
         cmd += ["--parent-fd", str(watch)]
-        if self.metrics_port:
+        if self.metrics_port and metrics:
             self.metrics_ports[name] = self.metrics_port + len(self.procs)
             cmd += ["--metrics-port", str(self.metrics_ports[name])]
         # one port for one service: every service of the run would take it, and all but the first fail to start
@@ -241,6 +242,7 @@ def start_local_cluster(
     pki: Path | None = None,
     wait_nodes: bool = True,
     metrics_port: int = 0,
+    fleets: int = 0,
 ) -> tuple[Cluster, str, str | None]:
     """Start shuffler, analyzer (unless with_analyzer=False: the caller plays it) and client nodes as processes;
     returns (cluster, shuffler address, analyzer address or None) once they serve (with wait_nodes=False, once the
@@ -249,7 +251,8 @@ def start_local_cluster(
     the shuffler's own count (GetPopulation), as the analyzer does before planning. With
     `pki` (a `shuffledp pki init` directory) every hop is mTLS with role checks, as in a deployment; without it,
     plain text on loopback. `metrics_port` BASE: the services serve their metrics on BASE, BASE + 1, ... (shuffler,
-    analyzer, client-0, ...: Cluster.metrics_ports)."""
+    analyzer, client-0, ...: Cluster.metrics_ports). With `fleets` > 0 the client nodes are device nodes, one user
+    each, run by that many `serve fleet` processes (fleet-0, ...: consecutive ranges of nodes; no metrics yet)."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     cluster = Cluster(workdir, metrics_port=metrics_port)
     analyzer = None
@@ -262,25 +265,32 @@ def start_local_cluster(
             analyzer_pf = cluster.spawn(
                 "analyzer", ["analyzer", *sec, *at_shuffler, "--state-dir", str(workdir / "state")]
             )
-        node_files = {
-            f"client-{i}": cluster.spawn(
-                f"client-{i}",
-                [
-                    "client",
-                    *sec,
-                    *at_shuffler,
-                    "--config",
-                    str(config_path),
-                    "--node-index",
-                    str(i),
-                    "--num-nodes",
-                    str(client_nodes),
-                    "--state-dir",  # the users' spend, kept by their node (clients/spend_store.py)
-                    str(workdir / "state"),
-                ],
-            )
-            for i in range(client_nodes)
-        }
+        # the users' spend is kept by their node (clients/spend_store.py) in the state directory
+        nodes = [*sec, *at_shuffler, "--config", str(config_path), "--state-dir", str(workdir / "state")]
+        at = ["--num-nodes", str(client_nodes)]
+        if fleets:
+            size = -(-client_nodes // fleets)
+            node_files = {
+                f"fleet-{j}": cluster.spawn(
+                    f"fleet-{j}",
+                    [
+                        "fleet",
+                        *nodes,
+                        *at,
+                        "--first-index",
+                        str(first),
+                        "--count",
+                        str(min(size, client_nodes - first)),
+                    ],
+                    metrics=False,
+                )
+                for j, first in enumerate(range(0, client_nodes, size))
+            }
+        else:
+            node_files = {
+                f"client-{i}": cluster.spawn(f"client-{i}", ["client", *nodes, *at, "--node-index", str(i)])
+                for i in range(client_nodes)
+            }
         shuffler = f"127.0.0.1:{cluster.wait_port('shuffler', shuffler_pf)}"
         if with_analyzer:
             analyzer = f"127.0.0.1:{cluster.wait_port('analyzer', analyzer_pf)}"
@@ -1105,6 +1115,12 @@ def check_before_start(config: RunConfig) -> None:
             f"data: {ds.name} has no training user ({len(ds.X_train)} training examples, data.examples_per_user = "
             f"{config.data.examples_per_user})"
         )
+    if config.deployment.users_per_node == 1 and config.deployment.client_nodes != n:
+        # node i hosts user i (data.user_shard: user j on node j mod client_nodes): one each only at n nodes
+        raise ConfigError(
+            f"deployment.users_per_node = 1 puts one user on each client node: client_nodes must be the data's {n} "
+            f"users, got {config.deployment.client_nodes}"
+        )
     # the analyzer's model for this data (as its _evaluation_data builds it)
     model = build_model(config.model, ds.num_features, ds.num_classes)
     try:
@@ -1360,8 +1376,9 @@ def _run_command(
         try:
             # the run is created while the nodes still start: the analyzer plans once their population is known
             nodes = config.deployment.client_nodes
+            fleets = min(FLEET_PROCESSES, nodes) if config.deployment.users_per_node == 1 else 0
             cluster, _, analyzer = start_local_cluster(
-                config_path, out, nodes, pki=pki, wait_nodes=False, metrics_port=args.metrics_port
+                config_path, out, nodes, pki=pki, wait_nodes=False, metrics_port=args.metrics_port, fleets=fleets
             )
         except ServiceFailed as exc:  # start_local_cluster stopped the others already
             print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)

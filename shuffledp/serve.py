@@ -76,8 +76,10 @@ def one_blas_thread() -> int | None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("serve", help="run one service (analyzer, shuffler or client node)")
-    parser.add_argument("service", choices=["analyzer", "shuffler", "client"])
+    parser = subparsers.add_parser(
+        "serve", help="run one service (analyzer, shuffler, client node, or a fleet of single-user device nodes)"
+    )
+    parser.add_argument("service", choices=["analyzer", "shuffler", "client", "fleet"])
     parser.add_argument("--listen", default="127.0.0.1:0", help="host:port to bind (port 0 = any free port)")
     parser.add_argument("--port-file", type=Path, help="write the bound port here once serving")
     sec = parser.add_mutually_exclusive_group()
@@ -103,7 +105,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--config", type=Path, help="client: run configuration TOML (its [data] section)")
     parser.add_argument("--node-index", type=int, default=0, help="client: index of this node")
-    parser.add_argument("--num-nodes", type=int, default=1, help="client: number of client nodes")
+    parser.add_argument("--num-nodes", type=int, default=1, help="client, fleet: number of client nodes")
+    parser.add_argument("--first-index", type=int, default=0, help="fleet: index of its first device node")
+    parser.add_argument(
+        "--count",
+        type=int,
+        default=1,
+        help="fleet: its device nodes, --first-index .. --first-index + COUNT - 1, one user each (node i hosts the "
+        "data's user i: --num-nodes must be the number of users), each with its own certificate client-<i>",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="fleet: threads that compute the devices' rounds (default 2)"
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -213,6 +226,8 @@ def _start(
     """Start the service: (bound port, stop function, its metrics registry's maker, what to do before stopping when
     the --parent-fd parent is gone). Checks first what needs nothing started (the PKI files, the listen addresses),
     then waits for the shuffler's port file, then opens state and binds."""
+    if args.service == "fleet":
+        return _start_fleet(args)
     if args.service == "client" and (args.num_nodes < 1 or not 0 <= args.node_index < args.num_nodes):
         raise SystemExit(
             f"--node-index must be in [0, --num-nodes) and --num-nodes >= 1, got {args.node_index} of {args.num_nodes}"
@@ -220,11 +235,8 @@ def _start(
     server_creds, channel_creds, interceptors = _security(args, role)
     _check_listen(args, role)
     _check_metrics(args, role)
-    if args.service == "client" and args.config is None:  # else it would serve the embedded default's data
-        raise SystemExit(
-            f"shuffledp serve {role}: give --config CONFIG.toml: the run's configuration, whose [data] section holds "
-            "this node's users"
-        )
+    if args.service == "client":
+        _require_config(args, role)
     if args.service == "analyzer":
         from shuffledp.services.analyzer import start_analyzer
 
@@ -255,17 +267,9 @@ def _start(
         state = server.shuffler_state
         return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", state), _nothing
     from shuffledp.clients.node import start_node
-    from shuffledp.config import ConfigError, load_config
     from shuffledp.spec_signing import SpecVerifier
 
-    config = load_config(args.config)
-    if config.model.module:  # the node's own model plug-in, loaded from what is installed here, before any state
-        from shuffledp.model_plugin import load_factory
-
-        try:
-            load_factory(config.model.module)  # importable and a marked factory (built once the data is loaded)
-        except ConfigError as exc:
-            raise SystemExit(f"shuffledp serve {role}: {args.config}: {exc}") from exc
+    config = _node_config(args, role)
     args.shuffler = _shuffler_address(args)
     handle = start_node(
         _party_name(args, role),
@@ -285,6 +289,70 @@ def _start(
 
 def _nothing() -> None:
     return None
+
+
+def _require_config(args: argparse.Namespace, role: str) -> None:
+    if args.config is None:  # else it would serve the embedded default's data
+        raise SystemExit(
+            f"shuffledp serve {role}: give --config CONFIG.toml: the run's configuration, whose [data] section holds "
+            "this node's users"
+        )
+
+
+def _node_config(args: argparse.Namespace, role: str):
+    """The run configuration a client node or a fleet computes with; its model plug-in, if any, must be installed
+    here (loaded from what is installed, before any state)."""
+    from shuffledp.config import ConfigError, load_config
+
+    config = load_config(args.config)
+    if config.model.module:
+        from shuffledp.model_plugin import load_factory
+
+        try:
+            load_factory(config.model.module)  # importable and a marked factory (built once the data is loaded)
+        except ConfigError as exc:
+            raise SystemExit(f"shuffledp serve {role}: {args.config}: {exc}") from exc
+    return config
+
+
+def _start_fleet(
+    args: argparse.Namespace,
+) -> tuple[int, Callable[[], object], Callable[[], object], Callable[[], object]]:
+    """`serve fleet`: device nodes --first-index .. + --count - 1 of --num-nodes on one event loop
+    (clients/device.py), each with its own certificate client-<i> from --pki and its user's spend in --state-dir. It
+    serves nothing: the port file gets 0 once the devices have started."""
+    from shuffledp.clients.device import start_fleet
+
+    role, first, count = "fleet", args.first_index, args.count
+    if args.num_nodes < 1 or count < 1 or first < 0 or first + count > args.num_nodes:
+        raise SystemExit(
+            f"shuffledp serve {role}: --first-index and --count must name nodes in [0, --num-nodes), got "
+            f"{first}..{first + count - 1} of {args.num_nodes}"
+        )
+    if args.workers < 1:
+        raise SystemExit(f"shuffledp serve {role}: --workers must be >= 1, got {args.workers}")
+    if args.metrics_port:
+        raise SystemExit(f"shuffledp serve {role}: --metrics-port: a fleet serves no metrics")
+    if args.pki is None:
+        _security(args, role)  # --insecure: the plain-text checks (or the line asking for --pki)
+    _require_config(args, role)
+    config = _node_config(args, role)
+    args.shuffler = _shuffler_address(args)
+    try:
+        fleet = start_fleet(
+            config,
+            first,
+            count,
+            args.num_nodes,
+            args.shuffler,
+            pki_dir=args.pki,
+            state_dir=args.state_dir,
+            workers=args.workers,
+        )
+    except (OSError, ValueError) as exc:  # a device's PKI files (pki.load_party), a node hosting other than one user
+        raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
+    log.info("fleet: devices %d..%d of %d started", first, first + count - 1, args.num_nodes)
+    return 0, fleet.stop, _nothing, _nothing
 
 
 def _watch_parent(fd: int, gone: threading.Event, stop: threading.Event) -> None:
@@ -326,7 +394,7 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
 
-    role = {"analyzer": "analyzer", "shuffler": "shuffler", "client": "client-node"}[args.service]
+    role = {"analyzer": "analyzer", "shuffler": "shuffler", "client": "client-node", "fleet": "fleet"}[args.service]
     gone = threading.Event()
     if args.parent_fd is not None:  # watched from the start: a parent gone during start-up stops the service too
         threading.Thread(target=_watch_parent, args=(args.parent_fd, gone, stop), daemon=True).start()

@@ -274,6 +274,7 @@ class TransportConfig:
 @dataclass(frozen=True)
 class DeploymentConfig:
     client_nodes: int = 2
+    users_per_node: int = 0  # 1: every client node is a device hosting one user (clients/device.py); 0: users spread
     round_deadline_seconds: float = 60.0
     population_wait_seconds: float = 60.0
     min_round_seconds: float = 0.0  # pace: a round starts at least this long after the previous one started
