@@ -112,7 +112,8 @@ class DeviceNode:
         self._preparing: asyncio.Future | None = None
         self._tasks: set[asyncio.Task] = set()
         self.task: asyncio.Task | None = None
-        self.drop_after_check_in = False  # tests: the device vanishes once its next check-in is delivered
+        # a device switched off mid-round (tests): it vanishes once its check-in to this round reached the shuffler
+        self.drop_after_check_in: int | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name=f"device-{self.core.node_id}")
@@ -205,7 +206,7 @@ class DeviceNode:
                     pb.Refusal(user_id=u, reason=SUBMIT_FAILED_PREFIX + code.name.lower()) for u in senders
                 )
                 await self._deliver(*self._send(note), round_index)
-        if checking_in and self.drop_after_check_in:
+        if checking_in and self.drop_after_check_in == round_index:
             await self.vanish()
 
     async def _deliver(
@@ -303,9 +304,10 @@ class Fleet:
         """Devices whose stream is open (from their side)."""
         return sum(d.connected for d in self.devices)
 
-    def drop_after_check_in(self, i: int) -> None:
-        """Device i vanishes once its next check-in has reached the shuffler (a device switched off mid-round)."""
-        self._loop.call_soon_threadsafe(setattr, self.devices[i], "drop_after_check_in", True)
+    def drop_after_check_in(self, i: int, round_index: int) -> None:
+        """Device i vanishes once its check-in to round round_index has reached the shuffler (a device switched off
+        mid-round: after it checked in, before the round's second invitation)."""
+        self._loop.call_soon_threadsafe(setattr, self.devices[i], "drop_after_check_in", round_index)
 
     def vanish(self, i: int) -> None:
         """Device i ends at once (DeviceNode.vanish)."""

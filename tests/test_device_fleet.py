@@ -6,10 +6,14 @@ Devices also run as separate OS processes (`shuffledp serve fleet --count 1`).""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+from _procs import log_text, serve, stop
+from _runs import run_cli
 from shuffledp.clients.device import start_fleet
 from shuffledp.clients.node import start_node
 from shuffledp.clients.spend_store import DeviceSpendStore, SqliteSpendStore
@@ -178,3 +182,101 @@ def test_a_fleet_of_single_user_devices_completes_a_check_in_run_and_each_user_r
         assert sum(history.values()) == rounds  # one verified charge per round
         assert epsilon_of_rounds(history, st.budget.delta_limit) == st.budget.eps_spent  # the ledger's accountant
         assert eps >= st.budget.eps_spent  # basic composition: an upper bound
+
+
+def test_a_device_that_vanishes_after_its_check_in_is_charged_for_what_it_sent_only(tmp_path: Path) -> None:
+    """30 devices; device 7 vanishes once its check-in to round 1 reached the shuffler (switched off mid-round).
+    Round 1 releases from the 29 who reported (report_fraction 0.9), round 2 goes on without it. Device 7's store
+    holds its round-0 charge only (a check-in costs nothing; it sent nothing after); every other user is charged once
+    per round; the charges in all stores are exactly the contributions the ledger used (none twice, none used
+    uncharged)."""
+    k, rounds, gone = 30, 3, 7
+    # the round of the dropout ends at its deadline (the shuffler waits for the 30th report until then)
+    toml = _toml(k, rounds, "[privacy.pvec]\nreport_fraction = 0.9\n").replace(
+        "deadline_seconds = 10", "deadline_seconds = 3"
+    )
+    services = Services(tmp_path, k)
+    fleet = start_fleet(
+        parse_config(toml), 0, k, k, services.address, pki_dir=services.pki, state_dir=tmp_path / "nodes"
+    )
+    try:
+        services.wait_connected(k)
+        fleet.drop_after_check_in(gone, 1)
+        services.start_run(toml)
+        st = services.wait()
+        assert st.state == pb.COMPLETED, st.message
+        assert [(m.checked_in, m.contributors) for m in st.metrics] == [(k, k), (k, k - 1), (k - 1, k - 1)]
+        assert fleet.devices[gone].task is None  # it ended; the others are still connected
+        assert fleet.connected() == k - 1
+        records = services.records(range(k))
+    finally:
+        fleet.stop()
+        services.close()
+    assert sum(records[gone][1].values()) == 1
+    assert all(sum(h.values()) == rounds for i, (_, h) in records.items() if i != gone)
+    used = sum(r["contributors"] for r in services.committed())
+    assert sum(sum(h.values()) for _, h in records.values()) == used == k + 2 * (k - 1)
+
+
+def test_devices_run_as_separate_processes_next_to_a_fleet(tmp_path: Path) -> None:
+    """Devices 0-2 each in its own OS process (`shuffledp serve fleet --count 1`, its own certificate and store),
+    devices 3-11 in a fleet in this process: 2 rounds complete with all 12 users, and the processes' users record
+    what the fleet's users record."""
+    k, rounds = 12, 2
+    toml = _toml(k, rounds)
+    services = Services(tmp_path, k)
+    config = tmp_path / "run.toml"
+    config.write_text(toml)
+    procs = []
+    fleet = None
+    try:
+        for i in range(3):
+            argv = ["fleet", "--pki", str(services.pki), "--shuffler", services.address, "--config", str(config)]
+            argv += ["--num-nodes", str(k), "--first-index", str(i), "--count", "1"]
+            procs.append(serve(tmp_path, f"device-{i}", [*argv, "--state-dir", str(tmp_path / "nodes")])[0])
+        fleet = start_fleet(
+            parse_config(toml), 3, k - 3, k, services.address, pki_dir=services.pki, state_dir=tmp_path / "nodes"
+        )
+        services.wait_connected(k)
+        services.start_run(toml)
+        st = services.wait()
+        assert st.state == pb.COMPLETED, st.message
+        assert [m.contributors for m in st.metrics] == [k] * rounds
+        records = services.records(range(k))
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        stop(*procs)
+        services.close()
+    assert all(r == records[0] for r in records.values())  # every user, in a process of its own or not, alike
+    assert sum(records[0][1].values()) == rounds
+    assert "Traceback" not in log_text(tmp_path, "device-0")
+
+
+def test_shuffledp_run_serves_one_user_per_node_from_fleet_processes(tmp_path: Path) -> None:
+    """[deployment] users_per_node = 1: `shuffledp run` starts the 12 device nodes in 2 fleet processes; each user's
+    spend is in its device's own store, one charge per round. A client_nodes other than the data's number of users
+    is refused before anything starts, with one line."""
+    toml = _toml(12, 2).replace("population_wait_seconds = 3", "")
+    ledger, metrics, _ = run_cli(tmp_path, "devices", toml)
+    assert [m["contributors"] for m in metrics] == [12, 12]
+    out = tmp_path / "devices"
+    assert sorted(p.name for p in (out / "logs").iterdir() if p.name.startswith("fleet")) == [
+        "fleet-0.log",
+        "fleet-1.log",
+    ]
+    for i in range(12):
+        _, _, history = DeviceSpendStore(out / "state" / f"client-{i}.spend.sqlite").load([f"n{i}-u{i}"])
+        assert sum(history[0].values()) == 2
+    bad = tmp_path / "bad.toml"
+    bad.write_text(toml.replace("client_nodes = 12", "client_nodes = 11"))
+    res = subprocess.run(
+        [sys.executable, "-m", "shuffledp.cli", "run", str(bad), "--out", str(tmp_path / "bad")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and not (tmp_path / "bad").exists()
+    assert "users_per_node = 1 puts one user on each client node: client_nodes must be the data's 12 users, got 11" in (
+        res.stderr
+    )
