@@ -6,6 +6,7 @@ Devices also run as separate OS processes (`shuffledp serve fleet --count 1`).""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -112,6 +113,17 @@ class Services:
         self.shuffler.stop(0)
 
 
+def _open_files() -> list[str]:
+    """What this process's file descriptors name (Linux)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+    return out
+
+
 def _node_records(services: Services, nodes: int, users: int) -> dict[int, tuple[float, Counter]]:
     """User j's record on ordinary node j mod nodes (its SQLite store), as Services.records reads a device's."""
     out = {}
@@ -137,12 +149,14 @@ def test_a_fleet_of_single_user_devices_completes_a_check_in_run_and_each_user_r
     )
     try:
         devices.wait_connected(k)
+        assert not list((devices.tmp / "nodes").iterdir())  # reading a device's empty record creates no file
         devices.start_run(_toml(k, rounds))
         st = devices.wait()
         assert st.state == pb.COMPLETED, st.message
         assert [(m.checked_in, m.contributors) for m in st.metrics] == [(k, k)] * rounds
         assert [r["contributors"] for r in devices.committed()] == [k] * rounds
         on_devices = devices.records(range(k))
+        assert not [f for f in _open_files() if ".spend.sqlite" in f]  # the stores are open only while charging
         assert sum(d.core.rounds_joined for d in fleet.devices) == k * rounds
         assert all(not d.core.refusals for d in fleet.devices)
     finally:
@@ -280,3 +294,22 @@ def test_shuffledp_run_serves_one_user_per_node_from_fleet_processes(tmp_path: P
     assert "users_per_node = 1 puts one user on each client node: client_nodes must be the data's 12 users, got 11" in (
         res.stderr
     )
+
+
+def test_serve_fleet_refuses_bad_input_with_one_line_before_writing_anything(tmp_path: Path) -> None:
+    """Devices outside --num-nodes, a device without its certificate: one line each, no state directory made."""
+    pki.init_pki(tmp_path / "pki", client_nodes=2)
+    config = tmp_path / "run.toml"
+    config.write_text(_toml(3, 1))
+    base = [sys.executable, "-m", "shuffledp.cli", "serve", "fleet", "--config", str(config), "--shuffler"]
+    base += ["127.0.0.1:1", "--state-dir", str(tmp_path / "state"), "--num-nodes", "3"]
+    cases = {
+        ("--insecure", "--first-index", "2", "--count", "2"): "--first-index and --count must name nodes in "
+        "[0, --num-nodes), got 2..3 of 3",
+        ("--pki", str(tmp_path / "pki"), "--count", "3"): "client-2/cert.pem not found",
+    }
+    for argv, line in cases.items():
+        res = subprocess.run([*base, *argv], capture_output=True, text=True, timeout=60)
+        assert res.returncode != 0 and line in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert not (tmp_path / "state").exists()
