@@ -18,9 +18,9 @@ from shuffledp.mechanisms.pvec import PvecParams, pvec_params
 
 
 # ----------------------------------------------------------------------- independent exact references
+@mp.workdps(30)  # not mp.mp.dps = 30: that global setting outlived the test (another module's bisection then hung)
 def _mp_shift_rdp(M: int, p: float, a: int, order: float) -> float:
     """Exact (mpmath, 30 digits) conditioned Renyi divergence, both directions (module docstring's P', Q')."""
-    mp.mp.dps = 30
     pm = mp.mpf(p)
     B = [mp.binomial(M, k) * pm**k * (1 - pm) ** (M - k) for k in range(M + 1)]
     tP, tQ = sum(B[M - a + 1 :]), sum(B[:a])

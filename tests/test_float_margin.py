@@ -19,28 +19,32 @@ from shuffledp.accountants.rdp import round_up
 from shuffledp.events import GaussianRound as GaussianEvent
 from shuffledp.protocols.gaussian_round import unamplified_epsilon
 
-mpmath.mp.dps = 50
+DIGITS = 50  # every mpmath computation here runs at this precision (workdps: a global setting is another test's too)
 SIGMAS = (0.25, 0.5, 1.0, 2.0, 5.0, 20.0, 100.0)
 DELTAS = (1e-3, 1e-5, 1e-7, 1e-10)
 
 
 def _exact_delta(mu: mpmath.mpf, eps: mpmath.mpf) -> mpmath.mpf:
-    """Balle & Wang 2018, Thm 8, at 50 digits."""
-    return mpmath.ncdf(mu / 2 - eps / mu) - mpmath.exp(eps) * mpmath.ncdf(-mu / 2 - eps / mu)
+    """Balle & Wang 2018, Thm 8, at DIGITS digits."""
+    with mpmath.workdps(DIGITS):
+        return mpmath.ncdf(mu / 2 - eps / mu) - mpmath.exp(eps) * mpmath.ncdf(-mu / 2 - eps / mu)
 
 
 def _exact_eps(sigma: float, delta: float) -> mpmath.mpf:
-    """The eps with exact delta(eps) = delta (delta is decreasing in eps): bisection to 1e-30 at 50 digits."""
-    mu, target = 1 / mpmath.mpf(sigma), mpmath.mpf(delta)
-    if _exact_delta(mu, mpmath.mpf(0)) <= target:
-        return mpmath.mpf(0)
-    lo, hi = mpmath.mpf(0), mpmath.mpf(1)
-    while _exact_delta(mu, hi) > target:
-        lo, hi = hi, 2 * hi
-    while hi - lo > mpmath.mpf("1e-30"):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _exact_delta(mu, mid) > target else (lo, mid)
-    return hi
+    """The eps with exact delta(eps) = delta (delta is decreasing in eps): 120 bisection steps at DIGITS digits
+    (a width below 1e-30 for every eps here; a step count, not a width, so the loop ends at any precision)."""
+    with mpmath.workdps(DIGITS):
+        mu, target = 1 / mpmath.mpf(sigma), mpmath.mpf(delta)
+        if _exact_delta(mu, mpmath.mpf(0)) <= target:
+            return mpmath.mpf(0)
+        lo, hi = mpmath.mpf(0), mpmath.mpf(1)
+        while _exact_delta(mu, hi) > target:
+            lo, hi = hi, 2 * hi
+        for _ in range(120):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _exact_delta(mu, mid) > target else (lo, mid)
+        assert hi - lo < mpmath.mpf("1e-30")
+        return hi
 
 
 @pytest.mark.parametrize("delta", DELTAS)
