@@ -113,6 +113,9 @@ def test_loader_never_imports_an_unregistered_module(monkeypatch):
 
     monkeypatch.setenv(PLUGINS_ENV, " shuffledp_elsewhere:make ,")
     for name in ("this", "antigravity", "numpy.f2py.__main__", "shuffledp.examples.flax_models"):
+        # an earlier test of the session may have imported it (the Flax examples): out of sys.modules until this
+        # test ends, so that an import here would show
+        monkeypatch.delitem(sys.modules, name, raising=False)
         cfg = parse_config(f'[model]\nmodule = "{name}:f"\n[schedule]\nlearning_rate = 0.1\n')
         with pytest.raises(ConfigError, match=f"'{name}:f' is not a model plug-in registered here") as err:
             build_model(cfg.model, 3, 2)
