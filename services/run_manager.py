@@ -975,9 +975,8 @@ class RunManager:
             self._metrics(run_id, r, rd, state, False, 0, self._clock() - t0, failure=failure)
             return "error", state
         rep = batch.report
-        live.forged = int(
-            rep.refused_reasons.get(SIGNATURE_INVALID, 0)
-        )  # the round is booked first, then the run stops
+        # users whose node refused the spec as unsigned or altered: the round is booked as usual, then the run stops
+        live.forged = int(rep.refused_reasons.get(SIGNATURE_INVALID, 0))
         if not batch.released:
             if batch.label_totals or batch.ciphertexts:
                 raise RuntimeError("the shuffler sent data in a batch marked not released")
