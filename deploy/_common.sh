@@ -11,6 +11,7 @@ PKI="${SHUFFLEDP_PKI:-$DEPLOY/$1}"
 TIMEOUT="${SHUFFLEDP_UP_TIMEOUT:-$2}"
 IMAGE="${SHUFFLEDP_IMAGE:-shuffledp:latest}"
 CLIENTS="${SHUFFLEDP_CLIENT_NODES:-}"
+FLEETS="${SHUFFLEDP_FLEETS:-}"  # a device deployment's fleet containers (default_fleets)
 
 die() { echo "$TOOL.sh: $*" >&2; exit 1; }
 log() { echo "[$TOOL] $*" >&2; }
@@ -33,6 +34,7 @@ parse_options() {
       --pki) PKI="${2:?--pki needs a directory}"; shift 2 ;;
       --image) IMAGE="${2:?--image needs a name}"; shift 2 ;;
       --clients) CLIENTS="${2:?--clients needs a number}"; shift 2 ;;
+      --fleets) FLEETS="${2:?--fleets needs a number}"; shift 2 ;;
       --timeout) TIMEOUT="${2:?--timeout needs seconds}"; shift 2 ;;
       -h|--help) usage; exit 0 ;;
       -*) local rc=0
@@ -49,20 +51,68 @@ parse_options() {
   CMD="$1"; shift
   ARGS=("$@")
   [[ $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout '$TIMEOUT' must be a number of seconds"
-  [[ -z $CLIENTS ]] || check_count "$CLIENTS"
+  [[ -z $CLIENTS ]] || check_count "$CLIENTS" 100000  # the scripts check their own limit once they know the mode
+  [[ -z $FLEETS || $FLEETS =~ ^[1-9][0-9]*$ ]] || die "--fleets '$FLEETS' must be a number >= 1"
   [[ -f $CONFIG ]] || die "configuration $CONFIG not found"
   CONFIG="$(abspath "$CONFIG")"
   PKI="$(abspath "$PKI")"
 }
 
-check_count() { { [[ $1 =~ ^[0-9]+$ ]] && (( $1 >= 1 && $1 <= 1000 )); } || die "client nodes '$1' must be 1..1000"; }
+# check_count N [MAX]: N client nodes, 1..MAX (default 1000: containers or replicas of one node each; a fleet
+# deployment's devices go to 100000, what `shuffledp pki` issues)
+check_count() {
+  local max=${2:-1000}
+  { [[ $1 =~ ^[0-9]+$ ]] && (( $1 >= 1 && $1 <= max )); } || die "client nodes '$1' must be 1..$max"
+}
+
+# config_value FILE SECTION KEY DEFAULT: a `key = value` of a section of the TOML configuration FILE (DEFAULT if absent)
+config_value() {
+  local v
+  v="$(awk -v want="$2" -v key="$3" '/^[[:space:]]*\[/ { sec = $0; gsub(/[][[:space:]]/, "", sec); next }
+       sec == want && $1 == key { v = $0; sub(/^[^=]*=[[:space:]]*/, "", v); sub(/[[:space:]#].*$/, "", v); print v; exit }' "$1")"
+  echo "${v:-$4}"
+}
 
 # [deployment] client_nodes of the configuration FILE (2, its default, if it has none)
-config_clients() {
-  local n
-  n="$(awk '/^[[:space:]]*\[/ { sec = $0; gsub(/[][[:space:]]/, "", sec); next }
-       sec == "deployment" && $1 == "client_nodes" { v = $0; sub(/^[^=]*=[[:space:]]*/, "", v); sub(/[[:space:]#].*$/, "", v); print v; exit }' "$1")"
-  echo "${n:-2}"
+config_clients() { config_value "$1" deployment client_nodes 2; }
+
+# Whether the configuration FILE asks for devices (`[deployment] users_per_node = 1`): its client nodes are then device
+# nodes of one user each, run by fleet containers (`shuffledp serve fleet`) instead of one container per node.
+config_devices() { [[ $(config_value "$1" deployment users_per_node 0) == 1 ]]; }
+
+# Devices per fleet when the operator gives no --fleets: Swarm's limit on a secret (500 KB) holds one fleet's
+# certificates and keys (about 1 KB a device); compose uses the same split
+FLEET_DEVICES=400
+
+# fleet_ranges N F: "first count" of each of F fleets over N devices (consecutive ranges, as `shuffledp run` splits)
+fleet_ranges() {
+  local n=$1 f=$2 size first
+  size=$(( (n + f - 1) / f ))
+  for ((first = 0; first < n; first += size)); do echo "$first $(( first + size <= n ? size : n - first ))"; done
+}
+
+# default_fleets N: fleet containers for N devices: 2 (as a local run), more past FLEET_DEVICES each, at most N
+default_fleets() {
+  local f=$(( ($1 + FLEET_DEVICES - 1) / FLEET_DEVICES ))
+  (( f >= 2 )) || f=2
+  (( f <= $1 )) || f=$1
+  echo "$f"
+}
+
+# pki_revoke NAME...: `shuffledp pki revoke` in $PKI (it needs the CA key, so it runs where the PKI is: the host's CLI,
+# else the image's as the caller); the CA-signed crl.pem is then published to the shuffler by the calling script
+pki_revoke() {
+  [[ $# -ge 1 ]] || die "usage: revoke NAME... (client-node names, e.g. client-7)"
+  [[ -f $PKI/ca/ca.key ]] || die "$PKI has no CA key (ca/ca.key): revoke where the CA is"
+  local cli
+  cli="$(host_cli)"
+  if [[ -n $cli ]]; then
+    "$cli" pki revoke --pki "$PKI" "$@" >&2
+  else
+    ensure_image
+    docker run --rm --user "$(id -u):$(id -g)" --network none --read-only -v "$PKI:/pki" --entrypoint shuffledp \
+      "$IMAGE" pki revoke --pki /pki "$@" >&2
+  fi
 }
 
 # The operator's shuffledp CLI on the host (the project's venv or PATH); empty if there is none.

@@ -33,6 +33,13 @@
 #   down [--volumes]       remove the stack, its secrets, configs and networks. --volumes: also the state
 #                          volumes on this host (the ledger too) and the state records
 #   pki [--force]          create (or replace) the PKI only
+#   revoke NAME...         revoke client-node (device) certificates: `shuffledp pki revoke` in the PKI, then its
+#                          CA-signed crl.pem published into the shuffler's state volume on its host, where the
+#                          running shuffler reads it: it refuses them from their next call on (a device already
+#                          connected keeps its stream until it reconnects)
+# Devices: with [deployment] users_per_node = 1 in CONFIG the client nodes are single-user device nodes, run by
+# services fleet-0..fleet-(F-1) (`shuffledp serve fleet`, a consecutive range of devices each, on the hosts with
+# the clients role) instead of client-node replicas; `scale` does not apply (the devices are client_nodes).
 # Options (or environment):
 #   --stack NAME       (SHUFFLEDP_STACK, default shuffledp)  stack name; several can run side by side
 #   --config FILE      (SHUFFLEDP_CONFIG, default deploy/example.toml)  the client nodes read its [data] section
@@ -40,6 +47,8 @@
 #   --image NAME       (SHUFFLEDP_IMAGE, default shuffledp:latest)  loaded on every host (there is no registry)
 #   --clients N        (SHUFFLEDP_CLIENT_NODES) client-node replicas at `up`; default: [deployment] client_nodes
 #                      of CONFIG (or the running stack's count)
+#   --fleets F         (SHUFFLEDP_FLEETS) devices: fleet services (default 2, or one per 400 devices: each fleet's
+#                      certificates and keys are one Swarm secret, at most 500 KB)
 #   --max-clients S    (SHUFFLEDP_MAX_CLIENT_NODES) how far `scale` can go: the users are split into S data
 #                      shards, and certificates client-0..client-(S-1) exist. Fixed while the stack runs.
 #                      Default: the running stack's value, else N
@@ -60,6 +69,8 @@ PLAIN="${SHUFFLEDP_PLAIN_OVERLAYS:-}"
 SERVICES=(analyzer shuffler clients)
 STATEFUL=(analyzer shuffler)
 MARKER=.shuffledp-state  # in the analyzer's and the shuffler's state volume (deploy/stack.yml)
+DEVICES=""  # [deployment] users_per_node = 1: the client nodes are devices, run by fleet services
+DEVICE_NODES=0
 
 own_option() {
   case "$1" in
@@ -72,6 +83,7 @@ own_option() {
 }
 parse_options "$@"
 set -- "${ARGS[@]}"
+if config_devices "$CONFIG"; then DEVICES=1; fi
 
 # stack names prefix services, networks, volumes, secrets and node labels
 [[ $STACK =~ ^[a-z0-9][a-z0-9_-]{0,30}$ ]] || die "--stack '$STACK' must match [a-z0-9][a-z0-9_-]* (at most 31 characters)"
@@ -123,6 +135,13 @@ write_secrets() {
     cp "$PKI/$p/cert.pem" "$dir/$p.crt"
     cp "$PKI/$p/key.pem" "$dir/$p.key"
   done
+  if [[ -n $DEVICES ]]; then
+    # no client-node replica runs: the templates hold no key (a secret cannot be empty)
+    for kind in crt key; do echo "device deployment: no client-node replicas" >"$dir/clients.$kind.tmpl"; done
+    write_fleets "$dir"
+    chmod 600 "$dir"/*
+    return 0
+  fi
   for kind in crt key; do
     local file=cert.pem
     [[ $kind == key ]] && file=key.pem
@@ -136,6 +155,123 @@ write_secrets() {
     } >"$dir/clients.$kind.tmpl"
   done
   chmod 600 "$dir"/*
+}
+
+# Devices: $dir/fleet-<j>.pem, the certificates and keys of fleet j's devices ("# client-<i>", cert.pem, key.pem each;
+# the fleet's entrypoint splits it into a PKI directory in its /tmp), and $dir/fleets.yml, the stack file of the fleet
+# services, each with its own secret: a fleet holds its devices' keys and no other.
+write_fleets() {
+  local dir=$1 j=0 first count i bundle size
+  {
+    echo 'version: "3.8"'
+    echo "services:"
+    while read -r first count; do
+      cat <<EOF
+  fleet-$j:
+    image: \${SHUFFLEDP_IMAGE:-shuffledp:latest}
+    read_only: true
+    cap_drop: [ALL]
+    stop_grace_period: 15s
+    entrypoint: [/bin/sh, -c, "eval \"\$\$SHUFFLEDP_FLEET_ENTRYPOINT\"", fleet]
+    command: [--first-index=$first, --count=$count, --num-nodes=$DEVICE_NODES]
+    environment:
+      SHUFFLEDP_FLEET_ENTRYPOINT: |
+        python -c "\$\$SHUFFLEDP_SPLIT" /pki/devices.pem /tmp/pki && ln -sfn /pki/ca.crt /tmp/pki/ca.crt &&
+        exec shuffledp serve fleet --pki=/tmp/pki --shuffler=shuffler:50052 --config=/etc/shuffledp/config.toml \\
+          --state-dir=/var/lib/shuffledp/state --port-file=/tmp/started "\$\$@"
+      SHUFFLEDP_SPLIT: |
+        import os, re, sys
+        text, out = open(sys.argv[1]).read(), sys.argv[2]
+        pem = r"(-----BEGIN [A-Z ]+-----\n.*?-----END [A-Z ]+-----\n)"
+        for name, cert, key in re.findall(r"^# (client-[0-9]+)\n" + pem + pem, text, re.S | re.M):
+            os.makedirs(os.path.join(out, name), mode=0o700)
+            for f, data, mode in (("cert.pem", cert, 0o644), ("key.pem", key, 0o600)):
+                fd = os.open(os.path.join(out, name, f), os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+                os.write(fd, data.encode())
+                os.close(fd)
+    secrets:
+      - {source: ca-crt, target: /pki/ca.crt, mode: 0444}
+      - {source: fleet-$j, target: /pki/devices.pem, uid: "10001", gid: "10001", mode: 0400}
+    configs:
+      - {source: run-config, target: /etc/shuffledp/config.toml, mode: 0444}
+    volumes:
+      - {type: tmpfs, target: /tmp}
+      - {type: tmpfs, target: /results}
+      # what each of its devices' users spent
+      - {type: volume, source: fleet-$j-state, target: /var/lib/shuffledp}
+    networks: [client-net]
+    healthcheck:
+      # a fleet serves nothing: healthy once its devices started (certificates and data loaded, dialling)
+      test: [CMD, test, -s, /tmp/started]
+      interval: 5s
+      timeout: 5s
+      retries: 3
+      start_period: 60s
+    deploy:
+      endpoint_mode: dnsrr
+      replicas: 1
+      placement:
+        constraints: [node.labels.shuffledp.role.clients == true]
+      restart_policy: {condition: any, delay: 2s}
+      update_config: {parallelism: 1, order: stop-first, failure_action: rollback}
+      rollback_config: {parallelism: 1, order: stop-first}
+EOF
+      bundle="$dir/fleet-$j.pem"
+      for ((i = first; i < first + count; i++)); do
+        printf '# client-%d\n%s\n%s\n' "$i" "$(<"$PKI/client-$i/cert.pem")" "$(<"$PKI/client-$i/key.pem")"
+      done >"$bundle"
+      size=$(stat -c %s "$bundle")
+      (( size <= 500000 )) || die "fleet-$j's $count devices take $size bytes of certificates and keys, over Swarm's \
+500 KB for a secret: more fleets (--fleets $(( FLEETS * (size / 500000 + 1) )))"
+      j=$((j + 1))
+    done < <(fleet_ranges "$DEVICE_NODES" "$FLEETS")
+    echo "volumes:"
+    for ((j = 0; j < FLEETS; j++)); do echo "  fleet-$j-state: {}"; done
+    echo "secrets:"
+    for ((j = 0; j < FLEETS; j++)); do echo "  fleet-$j: {file: \"$dir/fleet-$j.pem\"}"; done
+  } >"$dir/fleets.yml"
+}
+
+# The shuffler's revocation list: the PKI's crl.pem written into the shuffler's state volume (crl/crl.pem) on its
+# host, by a one-off service pinned there that receives the file as a config; renamed into place, so that the running
+# shuffler, which reads it again once it changed, sees the whole new list. Needs the state volume (prepare_state).
+publish_crl() {
+  [[ -f $PKI/crl.pem ]] || return 0
+  local node job="${STACK}_publish-crl" cfg state deadline=$((SECONDS + 120))
+  node="$(state_node shuffler)"
+  [[ -n $node ]] || die "stack $STACK has no shuffler state yet (run: $0 --stack $STACK up)"
+  cfg="${STACK}_crl-$(sha256sum "$PKI/crl.pem" | cut -c1-12)"
+  docker config inspect "$cfg" >/dev/null 2>&1 ||
+    docker config create --label "com.docker.stack.namespace=$STACK" "$cfg" "$PKI/crl.pem" >/dev/null
+  docker service rm "$job" >/dev/null 2>&1 || true
+  # shellcheck disable=SC2016  # expanded by the job's shell
+  docker service create --quiet --detach --no-resolve-image --name "$job" --replicas 1 --restart-condition none \
+    --label "org.shuffledp.stack=$STACK" --constraint "node.id == $node" --read-only --no-healthcheck \
+    --mount "type=volume,source=${STACK}_shuffler-state,target=/var/lib/shuffledp,volume-label=com.docker.stack.namespace=$STACK" \
+    --mount "type=tmpfs,target=/results" --config "source=$cfg,target=/crl.pem,mode=0444" \
+    --entrypoint /bin/sh "$IMAGE" -c 'd=/var/lib/shuffledp/crl; mkdir -p "$d" && cp /crl.pem "$d/.crl.pem.tmp" &&
+mv -f "$d/.crl.pem.tmp" "$d/crl.pem" && echo "published crl.pem ($(wc -c <"$d/crl.pem") bytes)"' >/dev/null
+  while :; do
+    state="$(docker service ps --format '{{.CurrentState}}' "$job" 2>/dev/null | head -n 1)"
+    case "$state" in
+      Complete*) break ;;
+      Failed*|Rejected*)
+        docker service ps --no-trunc --format '{{.Error}}' "$job" >&2 || true
+        docker service rm "$job" >/dev/null 2>&1 || true
+        die "publishing crl.pem to the shuffler's host $(node_name "$node") failed" ;;
+    esac
+    if (( SECONDS >= deadline )); then
+      docker service rm "$job" >/dev/null 2>&1 || true
+      die "publishing crl.pem to the shuffler's host $(node_name "$node") did not finish in 120 s (task: ${state:-none})"
+    fi
+    sleep 0.5
+  done
+  log "shuffler: $(docker service logs --raw "$job" 2>/dev/null | tail -n 1)"
+  docker service rm "$job" >/dev/null
+  # the configs of earlier lists: no task uses them any more
+  docker config ls --filter "label=com.docker.stack.namespace=$STACK" --format '{{.Name}}' | while read -r c; do
+    [[ $c != "${STACK}_crl-"* || $c == "$cfg" ]] || docker config rm "$c" >/dev/null 2>&1 || true
+  done
 }
 
 # Before the first deployment on a host, write the marker into the analyzer's (shuffler's) state volume there, by a
@@ -330,6 +466,20 @@ cmd_up() {
   local running_max running_clients
   running_max="$(clients_env SHUFFLEDP_MAX_CLIENT_NODES)"
   running_clients="$(docker service inspect --format '{{.Spec.Mode.Replicated.Replicas}}' "${STACK}_clients" 2>/dev/null || true)"
+  if [[ -n $DEVICES ]]; then
+    # the devices are the configuration's client_nodes; no client-node replica runs
+    local from_config
+    from_config="$(config_clients "$CONFIG")"
+    [[ -z $CLIENTS || $CLIENTS == "$from_config" ]] ||
+      die "--clients $CLIENTS but $CONFIG has [deployment] client_nodes = $from_config devices; they must agree"
+    DEVICE_NODES="$from_config"
+    check_count "$DEVICE_NODES" 100000
+    FLEETS="${FLEETS:-$(default_fleets "$DEVICE_NODES")}"
+    (( FLEETS <= DEVICE_NODES )) || die "--fleets $FLEETS: more fleets than the $DEVICE_NODES devices"
+    CLIENTS=0 MAX_CLIENTS="$DEVICE_NODES" running_max=""
+  elif [[ -n $FLEETS ]]; then
+    die "--fleets: $CONFIG does not ask for devices ([deployment] users_per_node = 1)"
+  fi
   if [[ -z $CLIENTS ]]; then
     CLIENTS="${running_clients:-$(config_clients "$CONFIG")}"
     if ! [[ $CLIENTS =~ ^[0-9]+$ ]] || (( CLIENTS < 1 )); then
@@ -341,10 +491,12 @@ cmd_up() {
   fi
   MAX_CLIENTS="${MAX_CLIENTS:-${running_max:-$CLIENTS}}"
   (( CLIENTS <= MAX_CLIENTS )) || die "--clients $CLIENTS exceeds --max-clients $MAX_CLIENTS"
+  [[ -n $DEVICES ]] || check_count "$MAX_CLIENTS"
   ensure_image $build
   check_roles
   swarm_pki "$MAX_CLIENTS"
   prepare_state "$new_state"
+  publish_crl
 
   local secrets
   secrets="$(mktemp -d /tmp/shuffledp-secrets.XXXXXX)"
@@ -352,7 +504,11 @@ cmd_up() {
   trap "rm -rf '$secrets'" EXIT
   chmod 700 "$secrets"
   write_secrets "$secrets" "$MAX_CLIENTS"
-  local cfg_name out i plain
+  local cfg_name out i plain ready=("${SERVICES[@]}")
+  if [[ -n $DEVICES ]]; then
+    stack_files+=(-c "$secrets/fleets.yml")
+    for ((i = 0; i < FLEETS; i++)); do ready+=("fleet-$i"); done
+  fi
   if [[ -n $PLAIN ]]; then
     # the same stack files without `encrypted` on their overlays (every other line as is)
     for ((i = 1; i < ${#stack_files[@]}; i += 2)); do
@@ -364,7 +520,11 @@ cmd_up() {
     log "overlays NOT encrypted by Docker (--plain-overlays): mTLS alone protects the traffic between hosts"
   fi
   cfg_name="$(config_name)"
-  log "deploying stack $STACK: analyzer, shuffler, $CLIENTS of at most $MAX_CLIENTS client nodes; configuration $CONFIG"
+  if [[ -n $DEVICES ]]; then
+    log "deploying stack $STACK: analyzer, shuffler, $DEVICE_NODES devices in $FLEETS fleets; configuration $CONFIG"
+  else
+    log "deploying stack $STACK: analyzer, shuffler, $CLIENTS of at most $MAX_CLIENTS client nodes; configuration $CONFIG"
+  fi
   # --resolve-image never: there is no registry; every host uses its own loaded copy of the image
   if ! out="$(SHUFFLEDP_STACK="$STACK" SHUFFLEDP_IMAGE="$IMAGE" SHUFFLEDP_SECRETS="$secrets" SHUFFLEDP_CONFIG="$CONFIG" \
     SHUFFLEDP_CONFIG_NAME="$cfg_name" SHUFFLEDP_CLIENT_NODES="$CLIENTS" SHUFFLEDP_MAX_CLIENT_NODES="$MAX_CLIENTS" \
@@ -381,7 +541,7 @@ cmd_up() {
   docker config ls --filter "label=com.docker.stack.namespace=$STACK" --format '{{.Name}}' | while read -r c; do
     [[ $c == "$cfg_name" ]] || docker config rm "$c" >/dev/null 2>&1 || true
   done
-  wait_ready "${SERVICES[@]}"
+  wait_ready "${ready[@]}"
   (( monitoring == 0 )) || start_prometheus "$prom_port"
 }
 
@@ -431,6 +591,8 @@ cmd_scale() {
   service_exists clients || die "stack $STACK is not deployed (run: $0 --stack $STACK up)"
   local max
   max="$(clients_env SHUFFLEDP_MAX_CLIENT_NODES)"
+  ! service_exists fleet-0 || die "stack $STACK runs devices in fleets: their number is [deployment] client_nodes \
+of the configuration (change it, then up again)"
   (( $1 >= 1 && $1 <= max )) || die "scale $1: this stack has certificates and data shards for 1..$max client \
 nodes (--max-clients at up); to go further: down, then up --max-clients N (the users are then re-split)"
   docker service scale --detach "${STACK}_clients=$1" >/dev/null
@@ -453,7 +615,8 @@ cmd_status() {
 }
 
 cmd_logs() {
-  [[ $# -eq 1 && " ${SERVICES[*]} " == *" $1 "* ]] || die "usage: logs SERVICE (analyzer, shuffler, clients)"
+  [[ $# -eq 1 && ( " ${SERVICES[*]} " == *" $1 "* || $1 =~ ^fleet-[0-9]+$ ) ]] ||
+    die "usage: logs SERVICE (analyzer, shuffler, clients, fleet-<j>)"
   exec docker service logs -f --tail 100 "${STACK}_$1"
 }
 
@@ -467,7 +630,7 @@ cmd_down() {
   require_manager
   local label="label=com.docker.stack.namespace=$STACK"
   docker rm -f "${STACK}-prometheus" >/dev/null 2>&1 || true  # it holds the metrics networks (up --monitoring)
-  if service_exists analyzer || service_exists shuffler || service_exists clients; then
+  if service_exists analyzer || service_exists shuffler || service_exists clients || service_exists fleet-0; then
     docker stack rm "$STACK" >/dev/null
   fi
   docker service ls -q --filter "label=org.shuffledp.stack=$STACK" | xargs -r docker service rm >/dev/null
@@ -503,6 +666,16 @@ cmd_down() {
   fi
 }
 
+cmd_revoke() {
+  require_manager
+  pki_revoke "$@"
+  if [[ -n $(state_node shuffler) ]]; then
+    publish_crl
+  else
+    log "stack $STACK has no shuffler state yet: up publishes the list"
+  fi
+}
+
 cmd_pki() {
   local force
   force="$(pki_flag "$@")"
@@ -521,5 +694,6 @@ case "$CMD" in
   logs) cmd_logs "$@" ;;
   down) cmd_down "$@" ;;
   pki) cmd_pki "$@" ;;
-  *) die "unknown command '$CMD' (init, label, up, run, results, cancel, ship, scale, status, logs, down, pki)" ;;
+  revoke) cmd_revoke "$@" ;;
+  *) die "unknown command '$CMD' (init, label, up, run, results, cancel, ship, scale, status, logs, down, pki, revoke)" ;;
 esac

@@ -271,10 +271,15 @@ def test_topology_networks_ports_and_mounts(deployment: Deployment):
         assert info["Internal"] is internal, f"{net}: Internal={info['Internal']}"
     for svc in services:
         pki_mounts = {d: m for d, m in mounts[svc].items() if d.startswith("/pki")}
-        # only the trust anchor and the container's own certificate directory, read-only; never ca/ or operator/
-        assert set(pki_mounts) == {"/pki/ca.crt", f"/pki/{svc}"}, f"{svc} mounts {sorted(pki_mounts)}"
+        # only the trust anchor and the container's own certificate directory, read-only; never ca/ or operator/;
+        # the shuffler also the directory compose.sh publishes the revocation list in (only crl.pem: never the PKI's)
+        crl = {"/pki-crl"} if svc == "shuffler" else set()
+        assert set(pki_mounts) == {"/pki/ca.crt", f"/pki/{svc}", *crl}, f"{svc} mounts {sorted(pki_mounts)}"
         assert all(not m["RW"] for m in pki_mounts.values())
         assert Path(pki_mounts[f"/pki/{svc}"]["Source"]) == dep.pki / svc
+    assert Path(mounts["shuffler"]["/pki-crl"]["Source"]) == dep.pki / "crl"
+    assert sorted(os.listdir(dep.pki / "crl")) == ["crl.pem"]
+    assert (dep.pki / "crl" / "crl.pem").read_bytes() == (dep.pki / "crl.pem").read_bytes()
     # the ONE configuration file, mounted read-only into the client nodes
     for svc in ("client-0", "client-1"):
         cfg = mounts[svc]["/etc/shuffledp/config.toml"]
