@@ -118,6 +118,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--workers", type=int, default=2, help="fleet: threads that compute the devices' rounds (default 2)"
     )
     parser.add_argument(
+        "--max-nodes",
+        type=int,
+        default=None,
+        help="shuffler: client nodes connected at once; one more is refused (RESOURCE_EXHAUSTED) and reported by name "
+        "in the run's output and metrics (default 10000: ~1 GB of idle mTLS connections)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",
@@ -261,8 +268,18 @@ def _start(
             revocations = None if args.pki is None else tls.RevocationList(args.pki)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
+        from shuffledp.services.shuffler import DEFAULT_MAX_NODES
+
+        max_nodes = DEFAULT_MAX_NODES if args.max_nodes is None else args.max_nodes
+        if max_nodes < 1:
+            raise SystemExit(f"shuffledp serve {role}: --max-nodes must be >= 1, got {max_nodes}")
         server, port = start_shuffler(
-            args.listen, args.state_dir / "shuffler.sqlite", server_creds, interceptors, revocations=revocations
+            args.listen,
+            args.state_dir / "shuffler.sqlite",
+            server_creds,
+            [i.aio() for i in interceptors],  # its server is a grpc.aio one
+            revocations=revocations,
+            max_nodes=max_nodes,
         )
         state = server.shuffler_state
         return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", state), _nothing
