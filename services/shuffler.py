@@ -776,10 +776,12 @@ def serve_shuffler(
     max_nodes: int = DEFAULT_MAX_NODES,
     first_message_seconds: float = FIRST_MESSAGE_SECONDS,
     revocations: tls.RevocationList | None = None,
+    max_receive: int = grpc_options.CLIENT_MESSAGE_BYTES,
 ) -> tuple[ShufflerServer, int]:
     """Start a Shuffler server over an existing state; returns (started server, bound port). `max_nodes`: nodes
     connected at once (over it: RESOURCE_EXHAUSTED, reported by node); `interceptors`: grpc.aio ones (tls's .aio());
-    `revocations`: the PKI's revocation list (a call with a revoked certificate is refused when it opens)."""
+    `revocations`: the PKI's revocation list (a call with a revoked certificate is refused when it opens);
+    `max_receive`: the largest request in bytes."""
     if max_nodes < 1:
         raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
     state.set_max_streams(max_nodes)
@@ -793,7 +795,7 @@ def serve_shuffler(
     async def start() -> int:
         server = grpc.aio.server(
             interceptors=[limits, *interceptors],  # first: counts each call when it opens, before anything is read
-            options=grpc_options.server_options(),
+            options=grpc_options.server_options(max_receive=max_receive),
         )
         servicer = ShufflerServicer(state, limits, _Outbox(asyncio.get_running_loop()), nodes, analyzer)
         server.add_generic_rpc_handlers((_handlers(servicer),))

@@ -20,7 +20,7 @@ from shuffledp.clients.node import start_node
 from shuffledp.clients.spend_store import DeviceSpendStore, SqliteSpendStore
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
 from shuffledp.services.ledger import Ledger
-from shuffledp.services.shuffler import RESERVED_WORKERS, serve_shuffler
+from shuffledp.services.shuffler import serve_shuffler
 from shuffledp.services.shuffler_state import ShufflerState
 
 from shuffledp import pki, tls
@@ -52,7 +52,7 @@ round_deadline_seconds = 10
 
 
 class Services:
-    """A shuffler whose stream capacity fits the devices (serve_shuffler's max_workers) and an analyzer, in this
+    """A shuffler (its default capacity, 10^4 nodes) and an analyzer, in this
     process, mTLS with role checks and signed specs, from a PKI with a certificate per device."""
 
     def __init__(self, tmp: Path, devices: int) -> None:
@@ -61,9 +61,7 @@ class Services:
         self.state = ShufflerState(rng=make_rng(3))
         creds = tls.server_credentials(self.pki, "shuffler", "shuffler")
         roles = [tls.RoleInterceptor(tls.DEFAULT_POLICY)]
-        self.shuffler, port = serve_shuffler(
-            self.state, "127.0.0.1:0", creds, roles, max_workers=RESERVED_WORKERS + devices + 4
-        )
+        self.shuffler, port = serve_shuffler(self.state, "127.0.0.1:0", creds, [r.aio() for r in roles])
         self.address = f"127.0.0.1:{port}"
         self.analyzer, aport = start_analyzer(
             "127.0.0.1:0",
