@@ -135,7 +135,7 @@ class CallLimits(grpc.aio.ServerInterceptor):
         self._revocations = revocations
         self._open: Counter = Counter()  # (kind, caller) -> open calls; (kind, None) -> all of that kind
         self._refused: Counter = Counter()
-        self._nodes: OrderedDict[tuple[str, str], RefusedNode] = OrderedDict()  # (node, reason), newest last
+        self._nodes: OrderedDict[str, dict[str, RefusedNode]] = OrderedDict()  # node -> reason -> refusal
         self._lock = threading.Lock()  # refusals are read from other threads (metrics, GetPopulation)
 
     def refusals(self) -> dict[str, int]:
@@ -144,9 +144,16 @@ class CallLimits(grpc.aio.ServerInterceptor):
             return dict(self._refused)
 
     def refused_nodes(self) -> list[RefusedNode]:
-        """The nodes refused lately (at most REFUSED_NODES_KEPT), by node and reason, newest last."""
+        """The nodes refused lately and not connected since (at most REFUSED_NODES_KEPT), by node and reason, the
+        node refused last at the end."""
         with self._lock:
-            return [RefusedNode(r.node, r.reason, r.details, r.calls) for r in self._nodes.values()]
+            held = [r for reasons in self._nodes.values() for r in reasons.values()]
+            return [RefusedNode(r.node, r.reason, r.details, r.calls) for r in held]
+
+    def forget(self, node: str) -> None:
+        """The node connected: its refusals are history (refused_nodes() lists the nodes still left out)."""
+        with self._lock:
+            self._nodes.pop(node, None)
 
     def note(self, node: str | None, reason: str, details: str) -> None:
         """Count a refusal, and by node when the caller is known."""
@@ -154,9 +161,10 @@ class CallLimits(grpc.aio.ServerInterceptor):
             self._refused[reason] += 1
             if node is None:
                 return
-            entry = self._nodes.pop((node, reason), None) or RefusedNode(node, reason, details)
+            reasons = self._nodes.pop(node, None) or {}
+            entry = reasons.setdefault(reason, RefusedNode(node, reason, details))
             entry.details, entry.calls = details, entry.calls + 1
-            self._nodes[(node, reason)] = entry
+            self._nodes[node] = reasons  # the newest last
             while len(self._nodes) > REFUSED_NODES_KEPT:
                 self._nodes.popitem(last=False)
 
@@ -589,7 +597,9 @@ class ShufflerServicer:
     async def _subscribe(self, node_id: str, context: grpc.aio.ServicerContext) -> _LoopSubscription:
         try:
             node = _node_id(node_id, _caller(context))
-            return await self._on(self._nodes, self.state.subscribe, node, self._subscription)
+            sub = await self._on(self._nodes, self.state.subscribe, node, self._subscription)
+            self._limits.forget(node)
+            return sub
         except QuotaExceeded as exc:  # over the shuffler's capacity: reported by node (the run's output, metrics)
             self._limits.note(node, "capacity", str(exc))
             await _abort(context, exc)

@@ -281,8 +281,7 @@ def _start(
             revocations=revocations,
             max_nodes=max_nodes,
         )
-        state = server.shuffler_state
-        return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", state), _nothing
+        return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", server), _nothing
     from shuffledp.clients.node import start_node
     from shuffledp.spec_signing import SpecVerifier
 
