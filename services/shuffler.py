@@ -522,6 +522,9 @@ class _LoopSubscription(Subscription):
         return item
 
 
+_SUBSCRIBED = ((grpc_options.SUBSCRIBED_METADATA_KEY, "1"),)
+
+
 def _decode(cls: type, raw: bytes, what: str) -> Any:
     """A node's request decoded (on a worker thread: a contribution can be 64 MiB); ValueError if it is not one."""
     try:
@@ -626,7 +629,9 @@ class ShufflerServicer:
             request = _decode(pb.SubscribeRequest, raw, "Subscribe")
         except ValueError as exc:
             await _abort(context, exc)
-        async for invite in self._queued(await self._subscribe(request.node_id, context)):
+        sub = await self._subscribe(request.node_id, context)
+        await context.send_initial_metadata(_SUBSCRIBED)
+        async for invite in self._queued(sub):
             yield _invitation(invite)
 
     def _accept(self, request: pb.Contribution, node: str) -> pb.ContributionAck:
@@ -659,6 +664,7 @@ class ShufflerServicer:
         if first.WhichOneof("kind") != "subscribe":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect stream starts with `subscribe`")
         sub = await self._subscribe(first.subscribe.node_id, context)
+        await context.send_initial_metadata(_SUBSCRIBED)
         reader = asyncio.create_task(self._read(requests, sub))
         try:
             async for item in self._queued(sub):

@@ -260,19 +260,17 @@ def _start(
         )
     if args.service == "shuffler":
         from shuffledp import tls
-        from shuffledp.services.shuffler import start_shuffler
+        from shuffledp.services.shuffler import DEFAULT_MAX_NODES, start_shuffler
 
+        max_nodes = DEFAULT_MAX_NODES if args.max_nodes is None else args.max_nodes
+        if max_nodes < 1:
+            raise SystemExit(f"shuffledp serve {role}: --max-nodes must be >= 1, got {max_nodes}")
         args.state_dir.mkdir(parents=True, exist_ok=True)
         # with --pki: the CA's revocation list (pki.CRL_FILE), checked as each call opens
         try:
             revocations = None if args.pki is None else tls.RevocationList(args.pki)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
-        from shuffledp.services.shuffler import DEFAULT_MAX_NODES
-
-        max_nodes = DEFAULT_MAX_NODES if args.max_nodes is None else args.max_nodes
-        if max_nodes < 1:
-            raise SystemExit(f"shuffledp serve {role}: --max-nodes must be >= 1, got {max_nodes}")
         server, port = start_shuffler(
             args.listen,
             args.state_dir / "shuffler.sqlite",
