@@ -73,10 +73,7 @@ log = logging.getLogger(__name__)
 
 REASON_METADATA_KEY = "shuffledp-reason"
 SERVICE = "shuffledp.v1.Shuffler"
-# The shuffler's capacity: nodes connected at once (`serve shuffler --max-nodes`). Sized for this 2-core machine:
-# 10^4 idle mTLS connections take ~1 GB (benchmarks/bench_devices.py); over it a node is refused (RESOURCE_EXHAUSTED,
-# reason "capacity") and reported by name (RefusedNode), never left to wait unseen.
-DEFAULT_MAX_NODES = 10_000
+DEFAULT_MAX_NODES = grpc_options.DEFAULT_MAX_NODES
 NODE_WORKERS = 4  # threads for the nodes' calls into the state and for decoding their messages (CPU-bound: 2 cores)
 ANALYZER_WORKERS = 16  # threads of the analyzer's calls (ExecuteRound, GetPopulation) alone: nodes never get them
 STREAMS_PER_NODE = 2  # a node's invitation stream, and the one that replaces it when the node reconnects
