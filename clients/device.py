@@ -114,6 +114,11 @@ class DeviceNode:
         self.task: asyncio.Task | None = None
         # a device switched off mid-round (tests): it vanishes once its check-in to this round reached the shuffler
         self.drop_after_check_in: int | None = None
+        # ... or as this round's check-in is computed, before it is sent: it never answers the round (tests)
+        self.drop_before_check_in: int | None = None
+        # a straggler (tests): (round, whether the check-in) -> seconds its answer waits between being computed (and
+        # charged) on time and being sent
+        self.delays: dict[tuple[int, bool], float] = {}
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name=f"device-{self.core.node_id}")
@@ -196,6 +201,11 @@ class DeviceNode:
         if not (contribution.messages or contribution.refusals or contribution.HasField("columns")):
             return  # a notice of a round this device's user was not invited to
         round_index = contribution.round
+        if checking_in and self.drop_before_check_in == round_index:
+            await self.vanish()
+            return
+        if delay := self.delays.get((round_index, checking_in)):
+            await asyncio.sleep(delay)
         sent = [self._send(part) for part in split_contribution(contribution, self._shared.chunk)]
         del contribution
         if checking_in:  # computed while the second invitation is a round trip away (the next answer waits for it)
@@ -311,6 +321,16 @@ class Fleet:
         """Device i vanishes once its check-in to round round_index has reached the shuffler (a device switched off
         mid-round: after it checked in, before the round's second invitation)."""
         self._loop.call_soon_threadsafe(setattr, self.devices[i], "drop_after_check_in", round_index)
+
+    def drop_before_check_in(self, i: int, round_index: int) -> None:
+        """Device i vanishes as its check-in to round round_index is computed, before it is sent (a device switched off
+        mid-round: invited, it never answers)."""
+        self._loop.call_soon_threadsafe(setattr, self.devices[i], "drop_before_check_in", round_index)
+
+    def straggle(self, i: int, round_index: int, seconds: float, *, check_in: bool = False) -> None:
+        """Device i's answer to round round_index (its check-in with check_in=True, else its report) leaves `seconds`
+        after it was computed: a report is charged on time and sent late (a straggler)."""
+        self._loop.call_soon_threadsafe(self.devices[i].delays.__setitem__, (round_index, check_in), float(seconds))
 
     def vanish(self, i: int) -> None:
         """Device i ends at once (DeviceNode.vanish)."""

@@ -83,7 +83,8 @@ class Reason(StrEnum):
     """Rejection reasons (design 5.3); the keys of ContributionAck.rejected and BatchReport.rejected."""
 
     WRONG_ROUND = "wrong_round"  # no such open round (other run, future or unknown round)
-    EXPIRED_ROUND = "expired_round"  # the round closed (deadline passed or all invitees answered)
+    # the round closed (deadline passed or all invitees answered), or its check-in window did (a check-in after it)
+    EXPIRED_ROUND = "expired_round"
     BAD_NONCE = "bad_nonce"  # nonce missing or not 16..64 bytes
     REPLAYED_NONCE = "replayed_nonce"  # nonce already seen in this round (replayed message)
     DUPLICATE_USER = "duplicate_user"  # a second message or refusal from one user in one round
@@ -624,6 +625,10 @@ class _OpenRound:
     # check-in rounds: per node, its users' keys that checked in, in the order they did
     checked_in: dict[str, list[str]] = field(default_factory=dict)
     by_node: dict[str, list[str]] = field(default_factory=dict)  # the first invitation's users per node
+    # check-in rounds, once some invitees did not check in: the first invitation's users (the set `invited` was), so
+    # that a check-in or refusal of theirs after the check-in window is refused as late (EXPIRED_ROUND), not as
+    # from a stranger (NOT_INVITED)
+    first_invited: AbstractSet[str] = frozenset()
     answered: set[str] = field(default_factory=set)  # user keys (user_key)
     nonces: NonceSet = field(default_factory=lambda: NonceSet())  # replay protection; dropped with the round (5.3)
     totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
@@ -1231,6 +1236,7 @@ class ShufflerState:
             # lists them in its invitation's order, so its rows of the check-in line up with the same list
             invited = rnd.by_node
         else:
+            rnd.first_invited = rnd.invited
             rnd.invited = frozenset(k for keys in rnd.checked_in.values() for k in keys)
             invited = rnd.checked_in
         rnd.answered = set()
@@ -1339,7 +1345,8 @@ class ShufflerState:
                 ukey = user_key(sub.node_id, user_id)
                 ukey = admitted.get(ukey, ukey)
                 if ukey not in rnd.invited:
-                    self._reject(rnd, Reason.NOT_INVITED if ukey in self._admitted else Reason.UNKNOWN_USER, rejected)
+                    outside = Reason.NOT_INVITED if ukey in self._admitted else Reason.UNKNOWN_USER
+                    self._reject(rnd, Reason.EXPIRED_ROUND if ukey in rnd.first_invited else outside, rejected)
                 elif ukey in rnd.answered:
                     self._reject(rnd, Reason.DUPLICATE_USER, rejected)
                 else:
@@ -1379,7 +1386,8 @@ class ShufflerState:
         if ukey not in self._admitted:
             return Reason.UNKNOWN_USER
         if ukey not in rnd.invited:
-            return Reason.NOT_INVITED
+            # an invitee whose check-in came after the check-in window (it was not invited again): late, not a stranger
+            return Reason.EXPIRED_ROUND if ukey in rnd.first_invited else Reason.NOT_INVITED
         if ukey in rnd.answered:
             return Reason.DUPLICATE_USER
         # a re-sent copy of this message (accepted or not) is a replay. Kept only for an invitee's one answer and
