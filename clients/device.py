@@ -134,7 +134,10 @@ class DeviceNode:
                 self._out, self._seq = asyncio.Queue(), 0
                 self._out.put_nowait(pb.NodeMessage(subscribe=pb.SubscribeRequest(node_id=core.node_id)))
                 call = self._stub.Connect(_drain(self._out))
-                self.connected, delay, failures = True, self._shared.backoff[0], 0
+                # connected once the shuffler says so: a refused stream (its capacity, a quota) is a failure to back
+                # off from, not a connection (the retry delay and the log line were reset by each refusal)
+                if grpc_options.subscribed(await call.initial_metadata()):
+                    self.connected, delay, failures = True, self._shared.backoff[0], 0
                 async for msg in call:
                     kind = msg.WhichOneof("kind")
                     if kind == "invitation":

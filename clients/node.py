@@ -627,9 +627,12 @@ class ClientNodeHandle:
                 stream = _Stream(core.node_id)
                 self._call = self._stub.Connect(stream.requests())
                 self._stream = stream
-                self.connected.set()
-                self._set_health(health_pb2.HealthCheckResponse.SERVING)
-                delay = self._backoff[0]
+                # connected once the shuffler says so: a refused stream (its capacity, a quota) raises below, and
+                # the node backs off instead of retrying at the first delay (issue 44)
+                if grpc_options.subscribed(self._call.initial_metadata()):
+                    self.connected.set()
+                    self._set_health(health_pb2.HealthCheckResponse.SERVING)
+                    delay = self._backoff[0]
                 for msg in self._call:
                     if msg.WhichOneof("kind") == "invitation":
                         self._worker.submit(self._answer, msg.invitation)

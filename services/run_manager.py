@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -551,6 +551,21 @@ def _tensor(x: np.ndarray) -> pb.Tensor:
     return pb.Tensor(shape=list(x.shape), f64=x.tobytes())
 
 
+def refused_nodes_text(refused: Sequence[pb.RefusedNode], shown: int = 20) -> str:
+    """The nodes the shuffler turned away, by reason, named (the first `shown` of each reason), as the end of a status
+    line ("; the shuffler refused 12 nodes: capacity (client-48, ...: <its message>)"); "" if none."""
+    if not refused:
+        return ""
+    by_reason: dict[str, list[pb.RefusedNode]] = {}
+    for r in refused:
+        by_reason.setdefault(r.reason, []).append(r)
+    parts = []
+    for reason, rs in by_reason.items():
+        names = ", ".join(r.node for r in rs[:shown]) + (f" and {len(rs) - shown} more" if len(rs) > shown else "")
+        parts.append(f"{reason} ({names}: {rs[-1].details})")
+    return f"; the shuffler refused {len(refused)} nodes: " + "; ".join(parts)
+
+
 class RunManager:
     """Owns the ledger and the runs' threads; talks to the shuffler through an injected stub."""
 
@@ -739,14 +754,30 @@ class RunManager:
             stable = last is not None and pop.admitted_users == last.admitted_users
             if pop.connected_nodes >= want_nodes and pop.admitted_users > 0 and stable:
                 return pop
-            if last is None or (pop.admitted_users, pop.connected_nodes) != (last.admitted_users, last.connected_nodes):
-                # progress while a large population registers (the operator's CLI prints each change)
+            refused = refused_nodes_text(pop.refused_nodes)
+            if last is None or (pop.admitted_users, pop.connected_nodes, refused) != (
+                last.admitted_users,
+                last.connected_nodes,
+                refused_nodes_text(last.refused_nodes),
+            ):
+                # progress while a large population registers (the operator's CLI prints each change), and the
+                # nodes the shuffler turned away, by name and reason (issue 44: they were left out unseen)
                 what = f"{pop.admitted_users} users admitted, {pop.connected_nodes} of {want_nodes} nodes connected"
-                self.ledger.set_state(run_id, "RUNNING", f"waiting for the population: {what}")
+                self.ledger.set_state(run_id, "RUNNING", f"waiting for the population: {what}{refused}")
             if self._clock() > deadline:
                 if pop.admitted_users > 0:
+                    if pop.connected_nodes < want_nodes:
+                        log.warning(
+                            "run %s: %d of %d nodes connected after %.0f s; planned for the %d users admitted%s",
+                            run_id,
+                            pop.connected_nodes,
+                            want_nodes,
+                            wait,
+                            pop.admitted_users,
+                            refused,
+                        )
                     return pop
-                raise PlanError(f"no users admitted at the shuffler after {wait:.0f} s")
+                raise PlanError(f"no users admitted at the shuffler after {wait:.0f} s{refused}")
             last = pop
             cancel.wait(0.05)  # a node registers its users in one call: two equal readings this far apart suffice
 

@@ -1,4 +1,10 @@
-"""Shuffler gRPC service: a thin proto <-> domain layer over services/shuffler_state.py (design 1, 5).
+"""Shuffler gRPC service: a thin proto <-> domain layer over services/shuffler_state.py (design 1, 5), on grpc.aio.
+
+One event loop, on a thread of its own, serves every connection (issue 44 item 1: 10^4 device nodes at once, each a
+coroutine and its socket, not a thread). Nothing heavy runs on it: every call into the state (which takes its lock)
+and every decode of a node's message runs on a bounded thread pool (NODE_WORKERS), the analyzer's calls on a pool of
+their own (ANALYZER_WORKERS: ExecuteRound blocks for the whole round). What the state queues for a node (an
+invitation, a SubmitResult) reaches the loop through one hand-over per burst (_Outbox), not one wake-up per node.
 
 Domain errors map to status codes from one table (_STATUS). Whole-contribution rejections (wrong or expired
 round) end the Submit call with FAILED_PRECONDITION, details "<reason>: ..." and trailing metadata
@@ -12,14 +18,14 @@ Submit would have answered: the ack, or the status, details and reason Submit wo
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import logging
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent import futures
-from contextlib import contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,7 @@ from typing import Any
 import grpc
 import numpy as np
 from shuffledp.services.shuffler_state import (
+    _CLOSED,
     BatchResult,
     CallerGone,
     CohortUnavailable,
@@ -47,151 +54,134 @@ from shuffledp.services.shuffler_state import (
 )
 
 from shuffledp import grpc_options, pki, tls
-from shuffledp.health import start_with_health
+from shuffledp.health import start_with_health_aio
 from shuffledp.spec_signing import second_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
-from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
 __all__ = [
     "ShufflerServicer",
+    "ShufflerServer",
     "serve_shuffler",
     "start_shuffler",
     "REASON_METADATA_KEY",
-    "RESERVED_WORKERS",
-    "ANALYZER_WORKERS",
+    "DEFAULT_MAX_NODES",
     "CallLimits",
+    "RefusedNode",
 ]
 
 log = logging.getLogger(__name__)
 
 REASON_METADATA_KEY = "shuffledp-reason"
-# Every call holds a server thread from the moment it opens (gRPC's threaded server reads even a unary request in
-# the thread), so what one caller may hold is counted when its call opens, before its first message is read, and
-# a call whose first message does not come within FIRST_MESSAGE_SECONDS is cancelled (issue 43 item 3: one client
-# certificate held every thread with 70 Connect streams that never sent a message). CallLimits enforces it all.
-RESERVED_WORKERS = 16  # nodes' server threads never taken by streams: registrations, submissions, health checks
+SERVICE = "shuffledp.v1.Shuffler"
+DEFAULT_MAX_NODES = grpc_options.DEFAULT_MAX_NODES
+NODE_WORKERS = 4  # threads for the nodes' calls into the state and for decoding their messages (CPU-bound: 2 cores)
 ANALYZER_WORKERS = 16  # threads of the analyzer's calls (ExecuteRound, GetPopulation) alone: nodes never get them
 STREAMS_PER_NODE = 2  # a node's invitation stream, and the one that replaces it when the node reconnects
 # Requests a node may have in flight at once (RegisterUsers and Submit: a node sends its Submits one after another).
-# Each can be up to 64 MiB and ~10x that once decoded, so this, not the thread pool, bounds what one node identity
-# can make the shuffler hold (issue 10). Plain text (loopback) has no identities: the budget is per connection.
+# Each can be up to 64 MiB and ~10x that once decoded, so this bounds what one node identity can make the shuffler
+# hold (issue 10). Plain text (loopback) has no identities: the budget is per connection.
 NODE_REQUESTS_IN_FLIGHT = 2
-# From a call's opening to its first message received whole: a RegisterUsers of 2^20 ids (~30 MiB) needs 1 MB/s
+# From a call's opening to its first message received whole: a RegisterUsers of 2^20 ids (~30 MiB) needs 1 MB/s.
+# A call that sends nothing would otherwise hold its memory for ever (issue 43 item 3)
 FIRST_MESSAGE_SECONDS = 30.0
+REFUSED_NODES_KEPT = 1000  # nodes whose refusals are kept (the newest), for the run's output and the metrics
+REFUSED_NODES_REPORTED = 100  # of them, in PopulationStatus.refused_nodes
 _ANALYZER_METHODS = frozenset(
-    m
-    for m, roles in tls.DEFAULT_POLICY.items()
-    if m.startswith("/shuffledp.v1.Shuffler/") and roles == {pki.ROLE_ANALYZER}
+    m for m, roles in tls.DEFAULT_POLICY.items() if m.startswith(f"/{SERVICE}/") and roles == {pki.ROLE_ANALYZER}
 )
 
 
-class _FirstMessageDeadlines:
-    """Cancels each armed call that is still waiting for its first message `seconds` after it was armed. One thread
-    for all calls, running while any is armed (every call waits the same time, so arrival order is deadline order)."""
+@dataclass
+class RefusedNode:
+    """A node the shuffler refused: its name, why (the reason of the newest refusal), and how many calls."""
 
-    def __init__(self, seconds: float, on_expired: Callable[[], None]) -> None:
-        self.seconds = float(seconds)
-        self._on_expired = on_expired
-        self._cv = threading.Condition()
-        self._due: deque[tuple[float, int]] = deque()
-        self._armed: dict[int, grpc.ServicerContext] = {}
-        self._tokens = itertools.count()
-        self._running = False
-
-    def arm(self, context: grpc.ServicerContext) -> int:
-        with self._cv:
-            token = next(self._tokens)
-            self._armed[token] = context
-            self._due.append((time.monotonic() + self.seconds, token))
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._run, name="shuffler-first-message", daemon=True).start()
-            return token
-
-    def disarm(self, token: int) -> None:
-        with self._cv:
-            self._armed.pop(token, None)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while True:
-                    if not self._due:
-                        self._running = False
-                        return
-                    due, token = self._due[0]
-                    if token not in self._armed:  # its call had its first message: dropped without waiting for it
-                        self._due.popleft()
-                        continue
-                    if (left := due - time.monotonic()) > 0:
-                        self._cv.wait(left)
-                        continue
-                    self._due.popleft()
-                    context = self._armed.pop(token, None)
-                    if context is not None:
-                        break
-            # the caller sees CANCELLED: gRPC's threaded server offers no other status from outside the call's thread
-            context.cancel()
-            self._on_expired()
+    node: str
+    reason: str
+    details: str
+    calls: int = 0
 
 
-class CallLimits(grpc.ServerInterceptor):
-    """What one caller can hold of the shuffler's threads, counted when its call opens, before its first message is
-    read (issue 43 item 3). Install it first: it turns every request-unary method into a request-streaming one, so
-    that gRPC calls it as soon as the call opens instead of after reading the request in a server thread.
+class CallLimits(grpc.aio.ServerInterceptor):
+    """What one caller can hold of the shuffler, counted when its call opens, before its first message is read (issue
+    43 item 3). Install it first: it turns every request-unary method into a request-streaming one, so that it runs
+    as soon as the call opens instead of after the request was read.
 
-    - the analyzer's methods (ExecuteRound, GetPopulation) run on their own thread pool; a caller with a certificate
-      of another role is refused at once (PERMISSION_DENIED), so no node ever holds one of those threads;
-    - streams (Connect, Subscribe): at most `max_streams` open in all, and STREAMS_PER_NODE per certificate identity;
+    - a revoked certificate is refused first (PERMISSION_DENIED), before any quota is held;
+    - the analyzer's methods (ExecuteRound, GetPopulation): a caller with a certificate of another role is refused
+      at once (PERMISSION_DENIED);
+    - streams (Connect, Subscribe, health Watch): at most `max_streams` open in all, and STREAMS_PER_NODE per
+      certificate identity;
     - other calls (RegisterUsers, Submit, health checks): NODE_REQUESTS_IN_FLIGHT per identity (per connection in
       plain text);
-    - a call whose first message has not come whole within `first_message_seconds` is cancelled.
-    Refusals are RESOURCE_EXHAUSTED with the limit in their details, counted by reason (refusals()).
+    - a call whose first message has not come whole within `first_message_seconds` ends DEADLINE_EXCEEDED.
+    Refusals are RESOURCE_EXHAUSTED with the limit in their details, counted by reason (refusals()) and by node
+    (refused_nodes(), with the servicer's own: a node over the shuffler's capacity).
 
     Plain text has no identities: a connection is not one (in one process, every node's channel shares one), so
-    streams are bounded only in all there, and one local process can hold all of them (for `first_message_seconds`
-    at a time if it sends nothing); the analyzer's threads, shared by every plain-text caller of its methods, and
-    the deadline still hold.
+    streams are bounded only in all there. Runs on the server's event loop only: no lock.
     """
 
     def __init__(
         self,
         max_streams: int,
-        analyzer_pool: futures.ThreadPoolExecutor | None = None,
         first_message_seconds: float = FIRST_MESSAGE_SECONDS,
         revocations: tls.RevocationList | None = None,
     ) -> None:
         self._max_streams = int(max_streams)
+        self._first_message_seconds = float(first_message_seconds)
         self._revocations = revocations
-        self._analyzer_pool = analyzer_pool
-        self._lock = threading.Lock()
         self._open: Counter = Counter()  # (kind, caller) -> open calls; (kind, None) -> all of that kind
         self._refused: Counter = Counter()
-        self._deadlines = _FirstMessageDeadlines(first_message_seconds, lambda: self._count("first_message_deadline"))
+        self._nodes: OrderedDict[str, dict[str, RefusedNode]] = OrderedDict()  # node -> reason -> refusal
+        self._lock = threading.Lock()  # refusals are read from other threads (metrics, GetPopulation)
 
     def refusals(self) -> dict[str, int]:
-        """Calls refused or cancelled since start, by reason."""
+        """Calls refused or cut since start, by reason."""
         with self._lock:
             return dict(self._refused)
 
-    def _count(self, reason: str) -> None:
+    def refused_nodes(self) -> list[RefusedNode]:
+        """The nodes refused lately and not connected since (at most REFUSED_NODES_KEPT), by node and reason, the
+        node refused last at the end."""
+        with self._lock:
+            held = [r for reasons in self._nodes.values() for r in reasons.values()]
+            return [RefusedNode(r.node, r.reason, r.details, r.calls) for r in held]
+
+    def forget(self, node: str) -> None:
+        """The node connected: its refusals are history (refused_nodes() lists the nodes still left out)."""
+        with self._lock:
+            self._nodes.pop(node, None)
+
+    def note(self, node: str | None, reason: str, details: str) -> None:
+        """Count a refusal, and by node when the caller is known."""
         with self._lock:
             self._refused[reason] += 1
+            if node is None:
+                return
+            reasons = self._nodes.pop(node, None) or {}
+            entry = reasons.setdefault(reason, RefusedNode(node, reason, details))
+            entry.details, entry.calls = details, entry.calls + 1
+            self._nodes[node] = reasons  # the newest last
+            while len(self._nodes) > REFUSED_NODES_KEPT:
+                self._nodes.popitem(last=False)
 
-    def _refuse(self, context: grpc.ServicerContext, reason: str, code: grpc.StatusCode, details: str) -> None:
-        self._count(reason)
-        context.abort(code, details)
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, who: str | None, reason: str, code: grpc.StatusCode, details: str
+    ) -> None:
+        self.note(who, reason, details)
+        await context.abort(code, tls.clip_details(details))
 
-    @contextmanager
-    def _slot(self, kind: str, method: str, context: grpc.ServicerContext) -> Iterator[None]:
+    @asynccontextmanager
+    async def _slot(self, kind: str, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         """Hold one of the caller's calls of `kind` while the block runs; refuse the call if it has none left."""
-        if self._revocations is not None and (revoked := self._revocations.refusal(context)) is not None:
-            self._refuse(context, "revoked", grpc.StatusCode.PERMISSION_DENIED, revoked)  # before any quota is held
         ident = tls.peer_identity(context)
+        who = ident.name if ident is not None else None
+        if self._revocations is not None and (revoked := self._revocations.refusal(context)) is not None:
+            await self._refuse(context, who, "revoked", grpc.StatusCode.PERMISSION_DENIED, revoked)
         if kind == "analyzer":
             if ident is not None and ident.role != pki.ROLE_ANALYZER:
                 details = f"{method}: role {ident.role!r} ({ident.name}) may not call this method; allowed: analyzer"
-                self._refuse(context, "not_analyzer", grpc.StatusCode.PERMISSION_DENIED, details)
+                await self._refuse(context, None, "not_analyzer", grpc.StatusCode.PERMISSION_DENIED, details)
             yield
             return
         if ident is not None:
@@ -203,25 +193,21 @@ class CallLimits(grpc.ServerInterceptor):
         keys = [] if caller is None else [(kind, caller)]
         if kind == "stream":
             keys.append(("stream", None))  # all streams
-        with self._lock:
-            refusal = self._refusal(kind, caller)
-            if refusal is None:
-                for k in keys:
-                    self._open[k] += 1
+        refusal = self._refusal(kind, caller)
         if refusal is not None:
-            self._refuse(context, refusal[0], grpc.StatusCode.RESOURCE_EXHAUSTED, refusal[1])
+            await self._refuse(context, who, refusal[0], grpc.StatusCode.RESOURCE_EXHAUSTED, refusal[1])
+        for k in keys:
+            self._open[k] += 1
         try:
             yield
         finally:
-            with self._lock:
-                for k in keys:
-                    self._open[k] -= 1
-                    if not self._open[k]:
-                        del self._open[k]
+            for k in keys:
+                self._open[k] -= 1
+                if not self._open[k]:
+                    del self._open[k]
 
     def _refusal(self, kind: str, caller: str | None) -> tuple[str, str] | None:
-        """(reason, details) if the caller may not open one more call of `kind` now, else None. Caller holds the
-        lock."""
+        """(reason, details) if the caller may not open one more call of `kind` now, else None."""
         held = self._open[(kind, caller)] if caller is not None else 0
         if kind == "request" and held >= NODE_REQUESTS_IN_FLIGHT:
             return "node_requests", (
@@ -235,19 +221,21 @@ class CallLimits(grpc.ServerInterceptor):
                 "stream and one replacing it)"
             )
         if (total := self._open[("stream", None)]) >= self._max_streams:
-            return "streams", f"{total} streams are open at the shuffler; at most {self._max_streams} (a thread each)"
+            return "streams", f"{total} streams are open at the shuffler; at most {self._max_streams}"
         return None
 
-    def _first(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        """The call's first message (None if the caller sent none), cancelling the call if it takes too long."""
-        token = self._deadlines.arm(context)
+    async def _first(self, requests: Any, context: grpc.aio.ServicerContext, method: str) -> Any:
+        """The call's first message (None if the caller sent none), ending the call if it takes too long."""
         try:
-            return next(requests, None)
-        finally:
-            self._deadlines.disarm(token)
+            return await asyncio.wait_for(anext(requests, None), self._first_message_seconds)
+        except TimeoutError:
+            ident = tls.peer_identity(context)
+            details = f"{method}: no request within {self._first_message_seconds:g} s of the call's opening"
+            name = ident.name if ident is not None else None
+            await self._refuse(context, name, "first_message_deadline", grpc.StatusCode.DEADLINE_EXCEEDED, details)
 
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
         if handler is None:
             return None
         method = details.method
@@ -255,36 +243,45 @@ class CallLimits(grpc.ServerInterceptor):
         kind = "analyzer" if method in _ANALYZER_METHODS else "stream" if handler.response_streaming else "request"
         unary = not handler.request_streaming
 
-        def call(requests: Iterator[Any], context: grpc.ServicerContext, rest: tuple) -> Any:
-            first = self._first(requests, context)
+        async def start(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            first = await self._first(requests, context, method)
             if not unary:
-                return behaviour(itertools.chain(() if first is None else (first,), requests), context, *rest)
+                return behaviour(_chain(first, requests), context)
             if first is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the call carried no request message")
-            return behaviour(first, context, *rest)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the call carried no request message")
+            return behaviour(first, context)
 
-        # rest: the response callback gRPC passes to a non-blocking behaviour (health Watch), which returns at once
-        if handler.response_streaming and not getattr(behaviour, "experimental_non_blocking", False):
+        if handler.response_streaming:
 
-            def limited(requests: Iterator[Any], context: grpc.ServicerContext, *rest: Any) -> Iterator[Any]:
-                with self._slot(kind, method, context):  # held while the stream runs: it holds its thread
-                    yield from call(requests, context, rest)
+            async def limited_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                async with self._slot(kind, method, context):  # held while the stream runs
+                    result = await start(requests, context)
+                    if hasattr(result, "__aiter__"):
+                        async for response in result:
+                            yield response
+                    else:  # a coroutine that writes with context.write (the health service's Watch)
+                        await result
 
+            behaviour_out = limited_stream
         else:
 
-            def limited(requests: Iterator[Any], context: grpc.ServicerContext, *rest: Any) -> Any:
-                with self._slot(kind, method, context):
-                    return call(requests, context, rest)
+            async def limited(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                async with self._slot(kind, method, context):
+                    return await (await start(requests, context))
 
-        for attr in ("experimental_non_blocking", "experimental_thread_pool"):
-            if hasattr(behaviour, attr):
-                setattr(limited, attr, getattr(behaviour, attr))
-        if kind == "analyzer" and self._analyzer_pool is not None:
-            limited.experimental_thread_pool = self._analyzer_pool  # gRPC runs the call on this pool
+            behaviour_out = limited
         kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
         if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(limited, **kw)
-        return grpc.stream_unary_rpc_method_handler(limited, **kw)
+            return grpc.stream_stream_rpc_method_handler(behaviour_out, **kw)
+        return grpc.stream_unary_rpc_method_handler(behaviour_out, **kw)
+
+
+async def _chain(first: Any, rest: Any) -> AsyncIterator[Any]:
+    if first is None:
+        return
+    yield first
+    async for item in rest:
+        yield item
 
 
 # one table: domain exception -> status code (first match wins, subclasses first)
@@ -305,31 +302,34 @@ def _status(exc: BaseException) -> grpc.StatusCode | None:
     return next((code for cls, code in _STATUS if isinstance(exc, cls)), None)
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, round_refused: bool = False) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, round_refused: bool = False) -> None:
     code = _status(exc)
     if code is None:
         raise exc
+    metadata: tuple[tuple[str, str], ...] = ()
     if isinstance(exc, RoundRejected):
-        context.set_trailing_metadata(((REASON_METADATA_KEY, exc.reason.value),))
+        metadata = ((REASON_METADATA_KEY, exc.reason.value),)
     elif round_refused:
-        context.set_trailing_metadata(((grpc_options.ROUND_REFUSED_METADATA_KEY, code.name),))
-    context.abort(code, tls.clip_details(str(exc)))
+        metadata = ((grpc_options.ROUND_REFUSED_METADATA_KEY, code.name),)
+    await context.abort(code, tls.clip_details(str(exc)), trailing_metadata=metadata)
 
 
-def _node_id(claimed: str, context: grpc.ServicerContext) -> str:
+def _caller(context: grpc.aio.ServicerContext) -> pki.Identity | None:
+    """The caller's verified certificate identity (None in plain text), read on the loop for a worker thread."""
+    return tls.peer_identity(context)
+
+
+def _node_id(claimed: str, ident: pki.Identity | None) -> str:
     """The calling node's identity (issue 10 item 1): with mTLS the name in its verified certificate, and a
-    node_id field that names another node is refused. Plain text has no identities (loopback only, tls)."""
-    ident = tls.peer_identity(context)
+    node_id field that names another node is refused (PermissionError). Plain text has no identities (loopback
+    only, tls)."""
     if ident is None:
         return claimed
     if ident.role != pki.ROLE_CLIENT_NODE:
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"role {ident.role!r} is not a client node")
+        raise PermissionError(f"role {ident.role!r} is not a client node")
     if claimed and claimed != ident.name:
-        context.abort(
-            grpc.StatusCode.PERMISSION_DENIED,
-            tls.clip_details(
-                f"node_id {claimed!r} is not the caller's certificate name {ident.name!r}: nodes speak for themselves"
-            ),
+        raise PermissionError(
+            f"node_id {claimed!r} is not the caller's certificate name {ident.name!r}: nodes speak for themselves"
         )
     return ident.name
 
@@ -466,58 +466,169 @@ def _stream_node(claimed: str, stream_node: str) -> str:
     return stream_node
 
 
-class ShufflerServicer(pbg.ShufflerServicer):
-    def __init__(self, state: ShufflerState, stream_poll_seconds: float = 0.5) -> None:
-        self.state = state
-        self._poll = stream_poll_seconds
+class _Outbox:
+    """Hands what the state queues for nodes (from its threads) to the event loop: one wake-up of the loop per burst
+    (an invitation to 10^4 nodes is one call_soon_threadsafe, not 10^4)."""
 
-    def ExecuteRound(self, request: pb.RoundSpec, context: grpc.ServicerContext) -> pb.ShuffledBatch:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Any]] = []
+
+    def push(self, q: asyncio.Queue, item: Any) -> None:
+        with self._lock:
+            first = not self._pending
+            self._pending.append((q, item))
+        if first:
+            try:
+                self._loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:  # the loop is closed: the server stopped, nobody reads the queue any more
+                pass
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+        for q, item in items:
+            q.put_nowait(item)
+
+
+class _LoopSubscription(Subscription):
+    """A node's stream whose items (Invites, SubmitResults) its coroutine awaits on the event loop."""
+
+    def __init__(self, node_id: str, outbox: _Outbox) -> None:  # no super().__init__: its thread queue is unused
+        self.node_id = node_id
+        self.closed = False
+        self._outbox = outbox
+        self._items: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        self._outbox.push(self._items, item)
+
+    def close(self) -> None:
+        self.closed = True
+        self._outbox.push(self._items, _CLOSED)
+
+    def get(self, timeout: float) -> Any:
+        raise TypeError("a stream on the event loop is read with `await next_item()`")
+
+    async def next_item(self) -> Any:
+        """The next item; EOFError once closed."""
+        item = await self._items.get()
+        if item is _CLOSED:
+            raise EOFError(f"subscription of node {self.node_id!r} closed")
+        return item
+
+
+_SUBSCRIBED = ((grpc_options.SUBSCRIBED_METADATA_KEY, "1"),)
+
+
+def _decode(cls: type, raw: bytes, what: str) -> Any:
+    """A node's request decoded (on a worker thread: a contribution can be 64 MiB); ValueError if it is not one."""
+    try:
+        return cls.FromString(raw)
+    except Exception:  # DecodeError: the caller's malformed request, never an internal error
+        raise ValueError(f"{what}: the request is not a valid message") from None
+
+
+class ShufflerServicer:
+    """The Shuffler service's methods, as grpc.aio coroutines over raw request bytes (decoded off the loop)."""
+
+    def __init__(
+        self,
+        state: ShufflerState,
+        limits: CallLimits,
+        outbox: _Outbox,
+        nodes: futures.ThreadPoolExecutor,
+        analyzer: futures.ThreadPoolExecutor,
+    ) -> None:
+        self.state = state
+        self._limits = limits
+        self._outbox = outbox
+        self._nodes = nodes
+        self._analyzer = analyzer
+
+    async def _on(self, pool: futures.Executor, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def ExecuteRound(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        gone = threading.Event()  # the analyzer's call ended: execute_round stops collecting, releases nothing
+        context.add_done_callback(lambda _: gone.set())
         try:
-            return _batch(self.state.execute_round(_request(request), is_active=context.is_active))
+            return await self._on(self._analyzer, self._execute, raw, gone)
+        except asyncio.CancelledError:
+            gone.set()
+            raise
         except (ValueError, NotImplementedError, RoundExistsError, CohortUnavailable, CallerGone) as exc:
             # raised before anyone was selected or invited (ShufflerState.execute_round): no batch exists
-            _abort(context, exc, round_refused=True)
+            await _abort(context, exc, round_refused=True)
 
-    def GetPopulation(self, request: pb.PopulationRequest, context: grpc.ServicerContext) -> pb.PopulationStatus:
-        p = self.state.population(request.run_id)
+    def _execute(self, raw: bytes, gone: threading.Event) -> bytes:
+        request = _request(_decode(pb.RoundSpec, raw, "ExecuteRound"))
+        return _batch(self.state.execute_round(request, is_active=lambda: not gone.is_set())).SerializeToString()
+
+    async def GetPopulation(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            request = _decode(pb.PopulationRequest, raw, "GetPopulation")
+        except ValueError as exc:
+            await _abort(context, exc)
+        p = await self._on(self._analyzer, self.state.population, request.run_id)
+        refused = self._limits.refused_nodes()[-REFUSED_NODES_REPORTED:]
         return pb.PopulationStatus(
-            admitted_users=p.admitted_users, unused_users=p.unused_users, connected_nodes=p.connected_nodes
-        )
+            admitted_users=p.admitted_users,
+            unused_users=p.unused_users,
+            connected_nodes=p.connected_nodes,
+            refused_nodes=[
+                pb.RefusedNode(node=r.node, reason=r.reason, details=r.details, calls=r.calls) for r in refused
+            ],
+        ).SerializeToString()
 
-    def RegisterUsers(
-        self, request: pb.RegisterUsersRequest, context: grpc.ServicerContext
-    ) -> pb.RegisterUsersResponse:
-        node = _node_id(request.node_id, context)
+    async def RegisterUsers(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            admitted, total = self.state.register_users(node, list(request.user_ids))
-        except (ValueError, QuotaExceeded) as exc:
-            _abort(context, exc)
-        return pb.RegisterUsersResponse(admitted=admitted, total_users=total)
+            return await self._on(self._nodes, self._register, raw, _caller(context))
+        except (ValueError, QuotaExceeded, PermissionError) as exc:
+            await _abort(context, exc)
 
-    def _subscribe(self, node_id: str, context: grpc.ServicerContext) -> Subscription:
-        node = _node_id(node_id, context)
-        try:
-            sub = self.state.subscribe(node)
-        except (ValueError, QuotaExceeded) as exc:
-            _abort(context, exc)
-        context.add_callback(sub.close)  # wake the loop as soon as the node goes away
-        return sub
+    def _register(self, raw: bytes, caller: pki.Identity | None) -> bytes:
+        request = _decode(pb.RegisterUsersRequest, raw, "RegisterUsers")
+        node = _node_id(request.node_id, caller)
+        admitted, total = self.state.register_users(node, list(request.user_ids))
+        return pb.RegisterUsersResponse(admitted=admitted, total_users=total).SerializeToString()
 
-    def _queued(self, sub: Subscription, context: grpc.ServicerContext):
-        """What the state queued for the node (Invites, and on Connect SubmitResults) until its stream ends."""
+    async def _subscribe(self, node_id: str, context: grpc.aio.ServicerContext) -> _LoopSubscription:
         try:
-            while context.is_active():
+            node = _node_id(node_id, _caller(context))
+            sub = await self._on(self._nodes, self.state.subscribe, node, self._subscription)
+            self._limits.forget(node)
+            return sub
+        except QuotaExceeded as exc:  # over the shuffler's capacity: reported by node (the run's output, metrics)
+            self._limits.note(node, "capacity", str(exc))
+            await _abort(context, exc)
+        except (ValueError, PermissionError) as exc:
+            await _abort(context, exc)
+
+    def _subscription(self, node_id: str) -> _LoopSubscription:
+        return _LoopSubscription(node_id, self._outbox)
+
+    async def _queued(self, sub: _LoopSubscription) -> AsyncIterator[Any]:
+        """What the state queued for the node (Invites, and on Connect SubmitResults) until its stream ends (the
+        node gone: gRPC cancels this coroutine)."""
+        try:
+            while True:
                 try:
-                    item = sub.get(timeout=self._poll)
+                    yield await sub.next_item()
                 except EOFError:
                     return
-                if item is not None:
-                    yield item
         finally:
-            self.state.unsubscribe(sub)
+            self._nodes.submit(self.state.unsubscribe, sub)  # not awaited: the coroutine may be cancelled
 
-    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext):
-        for invite in self._queued(self._subscribe(request.node_id, context), context):
+    async def Subscribe(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Invitation]:
+        try:
+            request = _decode(pb.SubscribeRequest, raw, "Subscribe")
+        except ValueError as exc:
+            await _abort(context, exc)
+        sub = await self._subscribe(request.node_id, context)
+        await context.send_initial_metadata(_SUBSCRIBED)
+        async for invite in self._queued(sub):
             yield _invitation(invite)
 
     def _accept(self, request: pb.Contribution, node: str) -> pb.ContributionAck:
@@ -526,52 +637,61 @@ class ShufflerServicer(pbg.ShufflerServicer):
         ack = self.state.submit(_submission(request, node))
         return pb.ContributionAck(accepted=ack.accepted, rejected=ack.rejected)
 
-    def Submit(self, request: pb.Contribution, context: grpc.ServicerContext) -> pb.ContributionAck:
-        node = _node_id(request.node_id, context)
+    async def Submit(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            return self._accept(request, node)
-        except (RoundRejected, ValueError) as exc:
-            _abort(context, exc)
+            return await self._on(self._nodes, self._submit, raw, _caller(context))
+        except (RoundRejected, ValueError, PermissionError) as exc:
+            await _abort(context, exc)
 
-    def Connect(self, request_iterator, context: grpc.ServicerContext):
+    def _submit(self, raw: bytes, caller: pki.Identity | None) -> bytes:
+        request = _decode(pb.Contribution, raw, "Submit")
+        return self._accept(request, _node_id(request.node_id, caller)).SerializeToString()
+
+    async def Connect(self, requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ShufflerMessage]:
         """The node's one stream (issue 30): `subscribe` first, then contributions, each answered by a SubmitResult
-        in order; invitations go out on the same stream. The contributions are read by a thread of the stream's
-        own, so that an invitation never waits for a contribution or the other way round."""
-        try:
-            first = next(request_iterator)
-        except StopIteration:
+        in order; invitations go out on the same stream. The contributions are read by a task of the stream's own,
+        so that an invitation never waits for a contribution or the other way round."""
+        first_raw = await anext(requests, None)
+        if first_raw is None:
             return
-        if first.WhichOneof("kind") != "subscribe":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect stream starts with `subscribe`")
-        sub = self._subscribe(first.subscribe.node_id, context)
-        reader = threading.Thread(
-            target=self._read, args=(request_iterator, sub), name=f"connect-{sub.node_id}", daemon=True
-        )
-        reader.start()
-        for item in self._queued(sub, context):
-            if isinstance(item, pb.SubmitResult):
-                yield pb.ShufflerMessage(result=item)
-            else:
-                yield pb.ShufflerMessage(invitation=_invitation(item))
-
-    def _read(self, requests, sub: Subscription) -> None:
-        """Connect's reader: each contribution through _accept, its result queued behind what is queued already.
-        The stream ends when the node stops sending (nothing it sends after could be answered)."""
-        it = iter(requests)
         try:
-            while True:
-                try:
-                    msg = next(it)
-                except StopIteration:
-                    return
-                except Exception as exc:  # the RPC ended (cancelled, broken, or aborted for an undecodable message)
-                    log.debug("Connect stream of node %s ended: %r", sub.node_id, exc)
-                    return
-                sub.put(self._result(msg, sub.node_id))  # anything but a domain error is a bug: it is not hidden
+            first = _decode(pb.NodeMessage, first_raw, "Connect")
+        except ValueError as exc:
+            await _abort(context, exc)
+        if first.WhichOneof("kind") != "subscribe":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect stream starts with `subscribe`")
+        sub = await self._subscribe(first.subscribe.node_id, context)
+        await context.send_initial_metadata(_SUBSCRIBED)
+        reader = asyncio.create_task(self._read(requests, sub))
+        try:
+            async for item in self._queued(sub):
+                if isinstance(item, pb.SubmitResult):
+                    yield pb.ShufflerMessage(result=item)
+                else:
+                    yield pb.ShufflerMessage(invitation=_invitation(item))
+        finally:
+            reader.cancel()
+
+    async def _read(self, requests: Any, sub: _LoopSubscription) -> None:
+        """Connect's reader: each contribution through _accept (on a worker thread), its result queued behind what
+        is queued already. The stream ends when the node stops sending (nothing it sends after could be
+        answered)."""
+        try:
+            async for raw in requests:
+                # anything but a domain error is a bug: it is not hidden
+                sub.put(await self._on(self._nodes, self._result, raw, sub.node_id))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the RPC ended (cancelled, broken)
+            log.debug("Connect stream of node %s ended: %r", sub.node_id, exc)
         finally:
             sub.close()
 
-    def _result(self, msg: pb.NodeMessage, node: str) -> pb.SubmitResult:
+    def _result(self, raw: bytes, node: str) -> pb.SubmitResult:
+        try:
+            msg = _decode(pb.NodeMessage, raw, "Connect")
+        except ValueError as exc:
+            return pb.SubmitResult(status=grpc.StatusCode.INVALID_ARGUMENT.name, details=str(exc))
         out = pb.SubmitResult(seq=msg.seq)
         if msg.WhichOneof("kind") != "contribution":
             out.status, out.details = grpc.StatusCode.INVALID_ARGUMENT.name, "after `subscribe`, only contributions"
@@ -585,53 +705,148 @@ class ShufflerServicer(pbg.ShufflerServicer):
         return out
 
 
+def _handlers(servicer: ShufflerServicer) -> grpc.GenericRpcHandler:
+    """The Shuffler service's methods, taking raw request bytes (decoded on a worker thread after the role check);
+    unary answers are serialized there too, streams' messages here (small: invitations, results)."""
+    raw: dict[str, Any] = {"request_deserializer": None, "response_serializer": None}
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "ExecuteRound": grpc.unary_unary_rpc_method_handler(servicer.ExecuteRound, **raw),
+            "GetPopulation": grpc.unary_unary_rpc_method_handler(servicer.GetPopulation, **raw),
+            "RegisterUsers": grpc.unary_unary_rpc_method_handler(servicer.RegisterUsers, **raw),
+            "Submit": grpc.unary_unary_rpc_method_handler(servicer.Submit, **raw),
+            "Subscribe": grpc.unary_stream_rpc_method_handler(
+                servicer.Subscribe, request_deserializer=None, response_serializer=pb.Invitation.SerializeToString
+            ),
+            "Connect": grpc.stream_stream_rpc_method_handler(
+                servicer.Connect, request_deserializer=None, response_serializer=pb.ShufflerMessage.SerializeToString
+            ),
+        },
+    )
+
+
+class ShufflerServer:
+    """A running shuffler: its grpc.aio server on an event loop of its own thread, with grpc.Server's stop() and
+    wait_for_termination(). `shuffler_state` and `call_limits` are there for in-process inspection (tests,
+    benchmarks, metrics)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread, pools: list[futures.Executor]):
+        self._loop, self._thread, self._pools = loop, thread, pools
+        self._server: grpc.aio.Server | None = None
+        self._stopped = threading.Event()
+        self.shuffler_state: ShufflerState | None = None
+        self.call_limits: CallLimits | None = None
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stop serving (calls in flight get `grace` seconds); the event is set once everything is released."""
+        if self._loop.is_running() and not self._stopped.is_set():
+
+            async def stop() -> None:
+                if self._server is not None:
+                    await self._server.stop(grace)
+
+            future = asyncio.run_coroutine_threadsafe(stop(), self._loop)
+            future.add_done_callback(lambda _: self._shutdown())
+        elif not self._stopped.is_set():
+            self._shutdown()
+        return self._stopped
+
+    def _shutdown(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._stopped.set()
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """True once stopped, False if `timeout` passed first."""
+        return not self._stopped.wait(timeout)
+
+
+def _loop_thread(name: str) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    loop = asyncio.new_event_loop()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return loop, thread
+
+
 def serve_shuffler(
     state: ShufflerState,
     listen: str,
     server_credentials: grpc.ServerCredentials | None = None,
-    interceptors: Sequence[grpc.ServerInterceptor] = (),
-    max_workers: int = 64,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_nodes: int = DEFAULT_MAX_NODES,
     first_message_seconds: float = FIRST_MESSAGE_SECONDS,
     revocations: tls.RevocationList | None = None,
-) -> tuple[grpc.Server, int]:
-    """Start a Shuffler server over an existing state; returns (started server, bound port). `revocations`: the PKI's
-    revocation list; a call with a revoked certificate is refused when it opens (PERMISSION_DENIED).
+    max_receive: int = grpc_options.CLIENT_MESSAGE_BYTES,
+) -> tuple[ShufflerServer, int]:
+    """Start a Shuffler server over an existing state; returns (started server, bound port). `max_nodes`: nodes
+    connected at once (over it: RESOURCE_EXHAUSTED, reported by node); `interceptors`: grpc.aio ones (tls's .aio());
+    `revocations`: the PKI's revocation list (a call with a revoked certificate is refused when it opens);
+    `max_receive`: the largest request in bytes."""
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+    state.set_max_streams(max_nodes)
+    nodes = futures.ThreadPoolExecutor(max_workers=NODE_WORKERS, thread_name_prefix="shuffler-nodes")
+    analyzer = futures.ThreadPoolExecutor(max_workers=ANALYZER_WORKERS, thread_name_prefix="shuffler-analyzer")
+    loop, thread = _loop_thread("shuffler-loop")
+    out = ShufflerServer(loop, thread, [nodes, analyzer])
+    # streams in all: each node's, one replacing it, health watches; the state bounds the nodes (max_nodes)
+    limits = CallLimits(STREAMS_PER_NODE * max_nodes + 16, first_message_seconds, revocations)
 
-    Every open stream holds one of the nodes' max_workers threads: at most max_workers - RESERVED_WORKERS streams
-    are open (and as many nodes subscribed), so registrations and submissions always find a thread; the analyzer's
-    calls have ANALYZER_WORKERS threads of their own. CallLimits counts each call when it opens.
-    """
-    if max_workers <= RESERVED_WORKERS:
-        raise ValueError(f"max_workers must exceed RESERVED_WORKERS={RESERVED_WORKERS}, got {max_workers}")
-    state.set_max_streams(max_workers - RESERVED_WORKERS)
-    analyzer_pool = futures.ThreadPoolExecutor(max_workers=ANALYZER_WORKERS, thread_name_prefix="shuffler-analyzer")
-    limits = CallLimits(max_workers - RESERVED_WORKERS, analyzer_pool, first_message_seconds, revocations)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shuffler"),
-        interceptors=[limits, *interceptors],  # first: counts each call when it opens, before anything is read
-        options=grpc_options.server_options(),
-    )
-    server.call_limits = limits  # for in-process inspection (tests); not on the wire
-    pbg.add_ShufflerServicer_to_server(ShufflerServicer(state), server)
-    # with the standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it
-    port, _ = start_with_health(server, listen, server_credentials, "shuffledp.v1.Shuffler")
-    return server, port
+    async def start() -> int:
+        server = grpc.aio.server(
+            interceptors=[limits, *interceptors],  # first: counts each call when it opens, before anything is read
+            options=grpc_options.server_options(max_receive=max_receive),
+        )
+        servicer = ShufflerServicer(state, limits, _Outbox(asyncio.get_running_loop()), nodes, analyzer)
+        server.add_generic_rpc_handlers((_handlers(servicer),))
+        out._server = server
+        # with the standard gRPC health protocol: compose healthchecks and `shuffledp health` ask for it
+        port, _ = await start_with_health_aio(server, listen, server_credentials, SERVICE)
+        return port
+
+    try:
+        port = out._call(start(), timeout=30)
+    except BaseException:
+        out.stop(None)
+        raise
+    out.shuffler_state, out.call_limits = state, limits
+    return out, port
 
 
 def start_shuffler(
     listen: str,
     state_path: Path | None = None,
     server_credentials: grpc.ServerCredentials | None = None,
-    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     clock: Callable[[], float] = time.monotonic,
     rng: np.random.Generator | None = None,
     revocations: tls.RevocationList | None = None,
-) -> tuple[grpc.Server, int]:
+    max_nodes: int = DEFAULT_MAX_NODES,
+) -> tuple[ShufflerServer, int]:
     """The shuffler entry point (issue 4 contract): participation record in SQLite at state_path if given; rng
     (cohorts, Poisson draws, permutations) defaults to a fresh CSPRNG (a seeded one exists only in testing mode)."""
     store = SqliteParticipationStore(state_path) if state_path is not None else None
     state = ShufflerState(store, clock=clock, rng=rng)
-    server, port = serve_shuffler(state, listen, server_credentials, interceptors, revocations=revocations)
-    server.shuffler_state = state  # for in-process inspection (tests, benchmarks); not on the wire
-    log.info("shuffler listening on port %d (participation record: %s)", port, state_path or "memory")
+    server, port = serve_shuffler(
+        state, listen, server_credentials, interceptors, max_nodes=max_nodes, revocations=revocations
+    )
+    log.info(
+        "shuffler listening on port %d (capacity %d nodes; participation record: %s)",
+        port,
+        max_nodes,
+        state_path or "memory",
+    )
     return server, port

@@ -840,15 +840,18 @@ class ShufflerState:
         with self._lock:
             self._max_streams = int(n)
 
-    def subscribe(self, node_id: str) -> Subscription:
-        """Open the node's invitation stream; a previous stream of the same node is closed."""
+    def subscribe(self, node_id: str, make: Callable[[str], Subscription] = Subscription) -> Subscription:
+        """Open the node's invitation stream (`make(node_id)`: the Subscription, e.g. one that hands its items to an
+        event loop); a previous stream of the same node is closed."""
         _check_id("node_id", node_id)
-        sub = Subscription(node_id)
+        sub = make(node_id)
         with self._lock:
             old = self._subs.get(node_id)
             if old is None and len(self._subs) >= self._max_streams:
-                # every stream holds a server thread: keep the rest for the analyzer and for submissions
-                raise QuotaExceeded(f"{len(self._subs)} nodes are subscribed; at most {self._max_streams} streams")
+                # the shuffler's capacity (serve shuffler --max-nodes): what it was sized for, memory above all
+                raise QuotaExceeded(
+                    f"{len(self._subs)} nodes are connected; the shuffler's capacity is {self._max_streams} nodes"
+                )
             self._subs[node_id] = sub
         if old is not None:
             old.close()

@@ -50,6 +50,20 @@ MIN_PING_INTERVAL_MS = 5_000
 # status code's name). Only this tells the analyzer that no batch exists: the same code without it (a size limit or
 # deadline hit inside gRPC, a lost connection) may follow a collected batch, which the ledger must count as spent.
 ROUND_REFUSED_METADATA_KEY = "shuffledp-round-refused"
+# The shuffler's capacity: nodes connected at once (`serve shuffler --max-nodes`). Sized for this 2-core machine:
+# 10^4 idle mTLS connections take ~1 GB (benchmarks/bench_devices.py); over it a node is refused (RESOURCE_EXHAUSTED,
+# reason "capacity") and reported by name (RefusedNode), never left to wait unseen.
+DEFAULT_MAX_NODES = 10_000
+# Initial metadata the shuffler sends on a node's stream (Connect, Subscribe) once the node is subscribed: until it
+# comes the node is not connected (a refusal, e.g. over the shuffler's capacity, ends the call instead), so that it
+# backs off and logs one line per outage rather than counting each refused attempt as a connection (issue 44).
+SUBSCRIBED_METADATA_KEY = "shuffledp-subscribed"
+
+
+def subscribed(initial_metadata: Any) -> bool:
+    """Whether the shuffler accepted a node's stream: SUBSCRIBED_METADATA_KEY in its initial metadata."""
+    return any(key == SUBSCRIBED_METADATA_KEY for key, _ in initial_metadata or ())
+
 
 Options = list[tuple[str, Any]]
 

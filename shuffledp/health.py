@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 from cryptography import x509
@@ -24,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shuffledp import grpc_options, pki
 from shuffledp.tls import check_plain_text
 
-__all__ = ["HealthError", "role_of", "check", "start_with_health", "add_parser", "main"]
+__all__ = ["HealthError", "role_of", "check", "start_with_health", "start_with_health_aio", "add_parser", "main"]
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -56,15 +57,39 @@ def start_with_health(
     `service` reports SERVING or, with serving=False, NOT_SERVING until its owner says otherwise.
     grpc_options.BindError (an OSError) if the address cannot be bound or is in use."""
     servicer = health.HealthServicer()
+    port = _bind(server, servicer, listen, credentials)
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set(service, _status(serving))
+    return port, servicer
+
+
+async def start_with_health_aio(
+    server: grpc.aio.Server,
+    listen: str,
+    credentials: grpc.ServerCredentials | None,
+    service: str,
+) -> tuple[int, health.aio.HealthServicer]:
+    """start_with_health for a grpc.aio server (the shuffler's), `service` SERVING once started; run on the server's
+    event loop."""
+    servicer = health.aio.HealthServicer()
+    port = _bind(server, servicer, listen, credentials)
+    await server.start()
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return port, servicer
+
+
+def _status(serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _bind(server: Any, servicer: Any, listen: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Add the health servicer and bind `listen` (plain text only where check_plain_text allows it)."""
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     if credentials is None:
         check_plain_text(listen, "listen address")  # the one plain-text rule (issue 10 item 12)
-    port = grpc_options.bind_server(server, listen, credentials)  # BindError: one line naming the address
-    server.start()
-    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    servicer.set(service, status)
-    return port, servicer
+    return grpc_options.bind_server(server, listen, credentials)  # BindError: one line naming the address
 
 
 def check(

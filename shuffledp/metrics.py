@@ -307,8 +307,9 @@ def analyzer_registry(manager) -> CollectorRegistry:
 
 # ------------------------------------------------------------------------------------------------- shuffler
 class _ShufflerCollector(Collector):
-    def __init__(self, state) -> None:
+    def __init__(self, state, limits=None) -> None:
         self.state = state
+        self.limits = limits  # services.shuffler.CallLimits: the calls and nodes it refused
 
     def collect(self) -> Iterator[Metric]:
         users = GaugeMetricFamily(
@@ -346,12 +347,43 @@ class _ShufflerCollector(Collector):
             if why not in ("accepted", "refused"):
                 rejected.add_metric([safe_label(why)], n)
         yield rejected
+        if self.limits is not None:
+            yield from self._refused()
+
+    def _refused(self) -> Iterator[Metric]:
+        calls = CounterMetricFamily(
+            "shuffledp_shuffler_refused_calls",
+            "Calls the shuffler refused when they opened, by reason (capacity: a node over --max-nodes; node_streams, "
+            "node_requests: a node over its quota; revoked; first_message_deadline: nothing sent in time)",
+            labels=["reason"],
+        )
+        for why, n in sorted(self.limits.refusals().items())[:MAX_REASON_SERIES]:
+            calls.add_metric([safe_label(why)], n)
+        yield calls
+        nodes = CounterMetricFamily(
+            "shuffledp_shuffler_refused_node_calls",
+            f"Calls refused per node and reason, for the {MAX_NODE_SERIES} nodes refused last (the rest under "
+            f"node={OTHER!r})",
+            labels=["node", "reason"],
+        )
+        refused = self.limits.refused_nodes()
+        shown, rest = refused[-MAX_NODE_SERIES:], refused[:-MAX_NODE_SERIES]
+        for r in shown:
+            nodes.add_metric([safe_label(r.node), safe_label(r.reason)], r.calls)
+        others: Counter = Counter()
+        for r in rest:
+            others[r.reason] += r.calls
+        for why, n in sorted(others.items()):
+            nodes.add_metric([OTHER, safe_label(why)], n)
+        yield nodes
 
 
-def shuffler_registry(state) -> CollectorRegistry:
-    """The shuffler's metrics over its ShufflerState; installs the round hook (phases' durations, batch sizes)."""
+def shuffler_registry(server) -> CollectorRegistry:
+    """The shuffler's metrics over its server (services.shuffler.ShufflerServer: its ShufflerState and CallLimits), or
+    a bare ShufflerState; installs the round hook (phases' durations, batch sizes)."""
+    state, limits = getattr(server, "shuffler_state", server), getattr(server, "call_limits", None)
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_ShufflerCollector(state))
+    registry.register(_ShufflerCollector(state, limits))
     phases = Histogram(
         "shuffledp_shuffler_round_phase_seconds",
         "Duration of a round's phases: select (cohort drawn, recorded, invited), collect (waiting for the "

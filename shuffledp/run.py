@@ -258,8 +258,12 @@ def start_local_cluster(
     analyzer = None
     try:
         sec = ["--insecure"] if pki is None else ["--pki", str(pki.resolve())]
+        from shuffledp import grpc_options
+
+        # the configured nodes always fit: its default capacity (10^4) only grows with client_nodes here
+        capacity = ["--max-nodes", str(max(client_nodes, grpc_options.DEFAULT_MAX_NODES))]
         # all at once: the others import while the shuffler starts and read its port from its port file
-        shuffler_pf = cluster.spawn("shuffler", ["shuffler", *sec, "--state-dir", str(workdir / "state")])
+        shuffler_pf = cluster.spawn("shuffler", ["shuffler", *sec, *capacity, "--state-dir", str(workdir / "state")])
         at_shuffler = ["--shuffler-port-file", str(shuffler_pf)]
         if with_analyzer:
             analyzer_pf = cluster.spawn(

@@ -118,6 +118,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--workers", type=int, default=2, help="fleet: threads that compute the devices' rounds (default 2)"
     )
     parser.add_argument(
+        "--max-nodes",
+        type=int,
+        default=None,
+        help="shuffler: client nodes connected at once; one more is refused (RESOURCE_EXHAUSTED) and reported by name "
+        "in the run's output and metrics (default 10000: ~1 GB of idle mTLS connections)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",
@@ -253,8 +260,11 @@ def _start(
         )
     if args.service == "shuffler":
         from shuffledp import tls
-        from shuffledp.services.shuffler import start_shuffler
+        from shuffledp.services.shuffler import DEFAULT_MAX_NODES, start_shuffler
 
+        max_nodes = DEFAULT_MAX_NODES if args.max_nodes is None else args.max_nodes
+        if max_nodes < 1:
+            raise SystemExit(f"shuffledp serve {role}: --max-nodes must be >= 1, got {max_nodes}")
         args.state_dir.mkdir(parents=True, exist_ok=True)
         # with --pki: the CA's revocation list (pki.CRL_FILE), checked as each call opens
         try:
@@ -262,10 +272,14 @@ def _start(
         except (OSError, ValueError) as exc:
             raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
         server, port = start_shuffler(
-            args.listen, args.state_dir / "shuffler.sqlite", server_creds, interceptors, revocations=revocations
+            args.listen,
+            args.state_dir / "shuffler.sqlite",
+            server_creds,
+            [i.aio() for i in interceptors],  # its server is a grpc.aio one
+            revocations=revocations,
+            max_nodes=max_nodes,
         )
-        state = server.shuffler_state
-        return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", state), _nothing
+        return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", server), _nothing
     from shuffledp.clients.node import start_node
     from shuffledp.spec_signing import SpecVerifier
 

@@ -174,11 +174,12 @@ class DecodeInterceptor(grpc.ServerInterceptor):
 
     gRPC deserialises a request before any servicer code runs, so an unauthorised caller's bytes would be parsed
     (and their failures handled by grpcio's error path) before the role check. The wrapped handler receives the raw
-    bytes, runs `_check` (nothing here; the role check in RoleInterceptor), then decodes. Used alone in plain-text
-    mode, where there are no identities to check.
+    bytes, runs the check (nothing here; the role check in RoleInterceptor), then decodes. Used alone in plain-text
+    mode, where there are no identities to check. aio() is the same interceptor for a grpc.aio server.
     """
 
-    def _check(self, method: str) -> Callable[[grpc.ServicerContext], None] | None:
+    def _refusal(self, method: str) -> Callable[[grpc.ServicerContext], str | None] | None:
+        """The check of a call of `method`: why its caller is refused (PERMISSION_DENIED), None if it is not."""
         return None
 
     def intercept_service(
@@ -189,7 +190,24 @@ class DecodeInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None  # unknown method: gRPC answers UNIMPLEMENTED
-        return _wrap_handler(handler, details.method, self._check(details.method))
+        return _wrap_handler(handler, details.method, self._refusal(details.method))
+
+    def aio(self) -> grpc.aio.ServerInterceptor:
+        """This interceptor for a grpc.aio server (the shuffler's)."""
+        return _AioGuard(self)
+
+
+class _AioGuard(grpc.aio.ServerInterceptor):
+    """DecodeInterceptor's check and decoding around a grpc.aio server's (async) handlers."""
+
+    def __init__(self, sync: DecodeInterceptor) -> None:
+        self._sync = sync
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        return _wrap_aio_handler(handler, details.method, self._sync._refusal(details.method))
 
 
 class RoleInterceptor(DecodeInterceptor):
@@ -222,21 +240,19 @@ class RoleInterceptor(DecodeInterceptor):
             return self._methods[method]
         return self._services.get(_service_of(method), frozenset())
 
-    def _check(self, method: str) -> Callable[[grpc.ServicerContext], None]:
+    def _refusal(self, method: str) -> Callable[[grpc.ServicerContext], str | None]:
         roles = self.roles_for(method)
 
-        def check(context: grpc.ServicerContext) -> None:
+        def refusal(context: grpc.ServicerContext) -> str | None:
             ident = peer_identity(context)
             if ident is None:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method}: no shuffledp client certificate role")
+                return f"{method}: no shuffledp client certificate role"
             if ANY_ROLE not in roles and ident.role not in roles:
                 who = "nobody" if not roles else ", ".join(sorted(roles))
-                context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"{method}: role {ident.role!r} ({ident.name}) may not call this method; allowed: {who}",
-                )
+                return f"{method}: role {ident.role!r} ({ident.name}) may not call this method; allowed: {who}"
+            return None
 
-        return check
+        return refusal
 
 
 MAX_STATUS_DETAILS = 512  # characters of a status message: it must never carry a caller's unbounded input back
@@ -248,28 +264,41 @@ def clip_details(text: str) -> str:
     return text if len(text) <= MAX_STATUS_DETAILS else text[: MAX_STATUS_DETAILS - 3] + "..."
 
 
-def _wrap_handler(
-    handler: grpc.RpcMethodHandler, method: str, check: Callable[[grpc.ServicerContext], None] | None
-) -> grpc.RpcMethodHandler:
-    """The same handler, taking raw request bytes: `check(context)` first, then decode, then the behaviour."""
+def _decoder(handler: grpc.RpcMethodHandler, method: str) -> Callable[[bytes], tuple[Any, None] | tuple[None, str]]:
+    """(request, None) for raw bytes, or (None, why) if they are not a valid request (INVALID_ARGUMENT)."""
     decode = handler.request_deserializer
 
-    def parse(raw: bytes, context: grpc.ServicerContext) -> Any:
-        if decode is None:
-            return raw
+    def parse(raw: bytes) -> tuple[Any, None] | tuple[None, str]:
+        if decode is None:  # the behaviour takes raw bytes (the shuffler's decode off its event loop)
+            return raw, None
         try:
-            return decode(raw)
+            return decode(raw), None
         except Exception:  # any decoding failure is the caller's malformed request, never an internal error
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
+            return None, f"{method}: the request is not a valid message"
+
+    return parse
+
+
+def _wrap_handler(
+    handler: grpc.RpcMethodHandler, method: str, refusal: Callable[[grpc.ServicerContext], str | None] | None
+) -> grpc.RpcMethodHandler:
+    """The same handler, taking raw request bytes: `refusal(context)` first, then decode, then the behaviour."""
+    parse = _decoder(handler, method)
+
+    def decoded(raw: bytes, context: grpc.ServicerContext) -> Any:
+        request, why = parse(raw)
+        if why is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        return request
 
     def guard(behaviour: Callable[[Any, grpc.ServicerContext], Any], streaming_request: bool) -> Callable:
         def guarded(request_or_iterator: Any, context: grpc.ServicerContext, *rest: Any) -> Any:
             # rest: the response callback grpcio passes to a non-blocking behaviour
-            if check is not None:
-                check(context)
+            if refusal is not None and (why := refusal(context)) is not None:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
             if streaming_request:
-                return behaviour((parse(raw, context) for raw in request_or_iterator), context, *rest)
-            return behaviour(parse(request_or_iterator, context), context, *rest)
+                return behaviour((decoded(raw, context) for raw in request_or_iterator), context, *rest)
+            return behaviour(decoded(request_or_iterator, context), context, *rest)
 
         # grpcio reads these from the behaviour: the health service's Watch is non-blocking (no thread per open
         # stream); dropping the flag would let a few open Watch streams take every worker thread
@@ -278,6 +307,12 @@ def _wrap_handler(
                 setattr(guarded, attr, getattr(behaviour, attr))
         return guarded
 
+    return _handler_like(handler, guard)
+
+
+def _handler_like(handler: grpc.RpcMethodHandler, guard: Callable[[Callable, bool], Callable]) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` whose behaviour is guard(behaviour, request_streaming), taking raw
+    request bytes."""
     kw = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(guard(handler.unary_unary, False), **kw)
@@ -288,6 +323,50 @@ def _wrap_handler(
     if handler.stream_stream:
         return grpc.stream_stream_rpc_method_handler(guard(handler.stream_stream, True), **kw)
     raise ValueError("RPC method handler has no behaviour")
+
+
+def _wrap_aio_handler(
+    handler: grpc.RpcMethodHandler, method: str, refusal: Callable[[grpc.ServicerContext], str | None] | None
+) -> grpc.RpcMethodHandler:
+    """_wrap_handler for a grpc.aio server: the behaviours are coroutines, or async generators when they stream."""
+    parse = _decoder(handler, method)
+
+    async def decoded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        request, why = parse(raw)
+        if why is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        return request
+
+    async def decoded_stream(raws: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for raw in raws:
+            yield await decoded(raw, context)
+
+    async def prepared(request_or_iterator: Any, context: grpc.aio.ServicerContext, streaming_request: bool) -> Any:
+        if refusal is not None and (why := refusal(context)) is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        if streaming_request:
+            return decoded_stream(request_or_iterator, context)
+        return await decoded(request_or_iterator, context)
+
+    def guard(behaviour: Callable[[Any, grpc.aio.ServicerContext], Any], streaming_request: bool) -> Callable:
+        if handler.response_streaming:
+
+            async def guarded_stream(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+                result = behaviour(await prepared(request_or_iterator, context, streaming_request), context)
+                if hasattr(result, "__aiter__"):
+                    async for response in result:
+                        yield response
+                else:  # a coroutine that writes its responses with context.write (the health service's Watch)
+                    await result
+
+            return guarded_stream
+
+        async def guarded(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await behaviour(await prepared(request_or_iterator, context, streaming_request), context)
+
+        return guarded
+
+    return _handler_like(handler, guard)
 
 
 def is_loopback(address: str) -> bool:

@@ -10,26 +10,29 @@ import numpy as np
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 
-class Recorder(grpc.ServerInterceptor):
+class Recorder(grpc.aio.ServerInterceptor):
     """Records every Contribution the shuffler receives, by Submit or on a Connect stream (capture at the service
-    boundary)."""
+    boundary: the shuffler's grpc.aio handlers take the raw request bytes, decoded here for the record)."""
 
     def __init__(self) -> None:
         self.contributions: list[pb.Contribution] = []
         self._lock = threading.Lock()
 
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
+    def _record(self, c: pb.Contribution) -> None:
+        with self._lock:
+            self.contributions.append(c)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
         if handler is not None and details.method.endswith("/Connect"):
             return self._connect(handler)
         if handler is None or not details.method.endswith("/Submit"):
             return handler
         inner = handler.unary_unary
 
-        def submit(request, context):
-            with self._lock:
-                self.contributions.append(request)
-            return inner(request, context)
+        async def submit(raw, context):
+            self._record(pb.Contribution.FromString(raw))
+            return await inner(raw, context)
 
         return grpc.unary_unary_rpc_method_handler(
             submit, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
@@ -38,15 +41,16 @@ class Recorder(grpc.ServerInterceptor):
     def _connect(self, handler):
         inner = handler.stream_stream
 
-        def recorded(requests):
-            for msg in requests:
+        async def recorded(requests):
+            async for raw in requests:
+                msg = pb.NodeMessage.FromString(raw)
                 if msg.WhichOneof("kind") == "contribution":
-                    with self._lock:
-                        self.contributions.append(msg.contribution)
-                yield msg
+                    self._record(msg.contribution)
+                yield raw
 
-        def connect(request_iterator, context):
-            return inner(recorded(request_iterator), context)
+        async def connect(request_iterator, context):
+            async for response in inner(recorded(request_iterator), context):
+                yield response
 
         return grpc.stream_stream_rpc_method_handler(
             connect, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer

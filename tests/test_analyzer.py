@@ -351,23 +351,26 @@ def test_a_round_whose_evaluation_fails_is_still_charged(services, data, monkeyp
     assert st.budget.rounds_committed == 2 and st.budget.eps_spent > 0
 
 
-class _Tamper(grpc.ServerInterceptor):
-    """A dishonest shuffler: the real one, whose ExecuteRound answers from round 1 on are rewritten by `change`."""
+class _Tamper(grpc.aio.ServerInterceptor):
+    """A dishonest shuffler: the real one, whose ExecuteRound answers from round 1 on are rewritten by `change` (its
+    grpc.aio handlers take and give serialized messages)."""
 
     def __init__(self, change) -> None:
         self.change = change
 
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
         if handler is None or not details.method.endswith("/ExecuteRound"):
             return handler
         inner = handler.unary_unary
 
-        def execute(spec, context):
-            batch = inner(spec, context)
-            if spec.round >= 1:
-                self.change(batch)
-            return batch
+        async def execute(raw, context):
+            answer = await inner(raw, context)
+            if pb.RoundSpec.FromString(raw).round < 1:
+                return answer
+            batch = pb.ShuffledBatch.FromString(answer)
+            self.change(batch)
+            return batch.SerializeToString()
 
         return grpc.unary_unary_rpc_method_handler(
             execute, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer

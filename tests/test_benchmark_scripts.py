@@ -179,3 +179,15 @@ def test_bench_long_run_prints_both_windows_and_equal_eps():
 def test_bench_metrics_scrape_prints_the_three_scrapes():
     out = _run("bench_metrics_scrape.py", "--rounds", "50", timeout=120)
     assert re.search(r"^\s+50\s+[0-9.]+ s\s+[0-9.]+ s\s+[0-9.]+ s$", out, re.M), out
+
+
+def test_bench_devices_quick_runs_devices_and_two_nodes_over_mtls(tmp_path):
+    # issue 44 item 5, --quick: 20 single-user device nodes in 2 fleet processes and the same 20 users on 2 client
+    # nodes, each against a shuffler and an analyzer (processes, mTLS): both rows, every round with all 20 users
+    out = _run("bench_devices.py", "--quick", "--out", str(tmp_path), timeout=240)
+    rows = re.findall(r"^\s+(20 devices|20 users, 2 nodes)\s+(\d+)\s+20\s+([0-9.]+)\s+([0-9.]+)\s", out, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("20 devices", "20"), ("20 users, 2 nodes", "2")], out
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows), out
+    data = json.loads((tmp_path / "bench_devices.json").read_text())
+    assert [r["all_reported"] for r in data["rows"]] == [True, True], out
+    assert all(not r["refused_nodes_end"] and r["shuffler_kib_per_node"] > 0 for r in data["rows"]), out

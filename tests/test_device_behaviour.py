@@ -142,7 +142,7 @@ def test_a_fleet_of_single_user_devices_completes_a_check_in_run_with_a_tenth_dr
     stay = [i for i in range(k) if i not in gone]
     deadline = max(6.0, k / 30)  # the check-in window is half of it
     toml = _config(k, rounds, deadline=deadline, privacy="min_contributors_fraction = 0.8", pvec="report_fraction = 1")
-    services = Services(tmp_path, k)
+    services = Services(tmp_path, k, processes=True)  # the shuffler and the analyzer: processes of their own
     fleet = _fleet(services, toml, 0, k, k)
     try:
         services.wait_connected(k, timeout=30 + k / 10)

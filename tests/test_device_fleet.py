@@ -20,7 +20,7 @@ from shuffledp.clients.node import start_node
 from shuffledp.clients.spend_store import DeviceSpendStore, SqliteSpendStore
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
 from shuffledp.services.ledger import Ledger
-from shuffledp.services.shuffler import RESERVED_WORKERS, serve_shuffler
+from shuffledp.services.shuffler import serve_shuffler
 from shuffledp.services.shuffler_state import ShufflerState
 
 from shuffledp import pki, tls
@@ -52,35 +52,55 @@ round_deadline_seconds = 10
 
 
 class Services:
-    """A shuffler whose stream capacity fits the devices (serve_shuffler's max_workers) and an analyzer, in this
-    process, mTLS with role checks and signed specs, from a PKI with a certificate per device."""
+    """A shuffler (its default capacity, 10^4 nodes) and an analyzer, mTLS with role checks and signed specs, from a
+    PKI with a certificate per device: in this process, or with processes=True each a `shuffledp serve` process of
+    its own (the devices' fleet stays in this process, for its drop and delay hooks)."""
 
-    def __init__(self, tmp: Path, devices: int) -> None:
+    def __init__(self, tmp: Path, devices: int, processes: bool = False) -> None:
         self.tmp, self.pki = tmp, tmp / "pki"
         pki.init_pki(self.pki, client_nodes=devices)
-        self.state = ShufflerState(rng=make_rng(3))
-        creds = tls.server_credentials(self.pki, "shuffler", "shuffler")
-        roles = [tls.RoleInterceptor(tls.DEFAULT_POLICY)]
-        self.shuffler, port = serve_shuffler(
-            self.state, "127.0.0.1:0", creds, roles, max_workers=RESERVED_WORKERS + devices + 4
-        )
-        self.address = f"127.0.0.1:{port}"
-        self.analyzer, aport = start_analyzer(
-            "127.0.0.1:0",
-            self.address,
-            tmp / "state",
-            tls.server_credentials(self.pki, "analyzer", "analyzer"),
-            tls.channel_credentials(self.pki, "analyzer", "analyzer"),
-            roles,
-            SpecSigner.from_pki(self.pki, "analyzer"),
-        )
+        self.procs: list = []
+        if processes:
+            sec = ["--pki", str(self.pki)]
+            proc, port = serve(tmp, "shuffler", ["shuffler", *sec, "--state-dir", str(tmp / "sh")])
+            self.procs.append(proc)
+            self.address = f"127.0.0.1:{port}"
+            proc, aport = serve(
+                tmp, "analyzer", ["analyzer", *sec, "--shuffler", self.address, "--state-dir", str(tmp / "state")]
+            )
+            self.procs.append(proc)
+            self.shuffler = self.analyzer = self.state = None
+            channel = tls.ChannelSecurity(self.pki, pki.ROLE_ANALYZER, "analyzer").channel(
+                self.address, server_name="shuffler"
+            )
+            self._population = pbg.ShufflerStub(channel).GetPopulation
+        else:
+            self.state = ShufflerState(rng=make_rng(3))
+            creds = tls.server_credentials(self.pki, "shuffler", "shuffler")
+            roles = [tls.RoleInterceptor(tls.DEFAULT_POLICY)]
+            self.shuffler, port = serve_shuffler(self.state, "127.0.0.1:0", creds, [r.aio() for r in roles])
+            self.address = f"127.0.0.1:{port}"
+            self.analyzer, aport = start_analyzer(
+                "127.0.0.1:0",
+                self.address,
+                tmp / "state",
+                tls.server_credentials(self.pki, "analyzer", "analyzer"),
+                tls.channel_credentials(self.pki, "analyzer", "analyzer"),
+                roles,
+                SpecSigner.from_pki(self.pki, "analyzer"),
+            )
         self.channel = operator_channel(f"127.0.0.1:{aport}", self.pki)
         self.stub = pbg.AnalyzerStub(self.channel)
 
+    def connected_nodes(self) -> int:
+        if self.state is not None:
+            return self.state.population("").connected_nodes
+        return self._population(pb.PopulationRequest(), timeout=10).connected_nodes
+
     def wait_connected(self, nodes: int, timeout: float = 30) -> None:
         end = time.monotonic() + timeout
-        while self.state.population("").connected_nodes < nodes:
-            assert time.monotonic() < end, f"{self.state.population('').connected_nodes} of {nodes} devices connected"
+        while (connected := self.connected_nodes()) < nodes:
+            assert time.monotonic() < end, f"{connected} of {nodes} devices connected"
             time.sleep(0.05)
 
     def start_run(self, toml: str) -> str:
@@ -109,6 +129,9 @@ class Services:
 
     def close(self) -> None:
         self.channel.close()
+        if self.procs:
+            stop(*self.procs)
+            return
         self.analyzer.stop(0)
         self.shuffler.stop(0)
 

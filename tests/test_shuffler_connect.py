@@ -202,7 +202,7 @@ def test_a_stream_must_start_with_subscribe(shuffler):
     assert shuffler.state.population("r").connected_nodes == 0
 
 
-class CutFirstContribution(grpc.ServerInterceptor):
+class CutFirstContribution(grpc.aio.ServerInterceptor):
     """Breaks a node's Connect stream when its first contribution arrives: the contribution is dropped and the
     node's subscription replaced (which ends the stream), as a connection lost mid-round would."""
 
@@ -210,22 +210,24 @@ class CutFirstContribution(grpc.ServerInterceptor):
         self.state = None
         self.cut = threading.Event()
 
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
         if handler is None or not details.method.endswith("/Connect"):
             return handler
         inner = handler.stream_stream
 
-        def requests(it):
-            for msg in it:
+        async def requests(it):
+            async for raw in it:
+                msg = pb.NodeMessage.FromString(raw)
                 if msg.WhichOneof("kind") == "contribution" and not self.cut.is_set():
                     self.cut.set()
                     self.state.unsubscribe(self.state.subscribe(msg.contribution.node_id))  # ends this stream
                     continue
-                yield msg
+                yield raw
 
-        def connect(request_iterator, context):
-            return inner(requests(request_iterator), context)
+        async def connect(request_iterator, context):
+            async for response in inner(requests(request_iterator), context):
+                yield response
 
         return grpc.stream_stream_rpc_method_handler(
             connect, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer

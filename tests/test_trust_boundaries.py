@@ -25,7 +25,7 @@ from _runs import wait_for_run
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shuffledp.clients.node import start_node_with_shard
 from shuffledp.clients.policy import UserPolicy
-from shuffledp.services.shuffler import ShufflerServicer
+from shuffledp.services.shuffler import serve_shuffler
 from shuffledp.services.shuffler_state import QuotaExceeded, ShufflerState
 
 from shuffledp import grpc_options, pki, tls
@@ -355,12 +355,7 @@ def test_6_large_contributions_are_split_or_their_cause_reported(chunk: int) -> 
     between groups (~57 and ~52 kB); if even one chunk is too large, the users are reported as refusals with the
     cause (~13 kB), instead of silently missing."""
     state = ShufflerState(rng=make_rng(7))
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=20), options=grpc_options.server_options(max_receive=2**16)
-    )
-    pbg.add_ShufflerServicer_to_server(ShufflerServicer(state), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = serve_shuffler(state, "127.0.0.1:0", max_receive=2**16)
     shard = _wide_shard(300, features=640)
     node = start_node_with_shard(
         "wide", shard, f"127.0.0.1:{port}", policy=UserPolicy(verify_randomizer=False), submit_chunk_bytes=chunk
@@ -457,7 +452,7 @@ def test_8_subscribe_streams_cannot_starve_the_analyzer(tmp_path: Path, pki_dir:
     (tmp_path / "s").mkdir()
     (tmp_path / "p").mkdir()
     secure, saddr = _shuffler(tmp_path / "s", "--pki", str(pki_dir))
-    plain, paddr = _shuffler(tmp_path / "p")
+    plain, paddr = _shuffler(tmp_path / "p", "--insecure", "--max-nodes", "48")
     calls = []
     try:
         c0 = _secure(pki_dir, pki.ROLE_CLIENT_NODE, "client-0", saddr, "shuffler")
@@ -485,11 +480,16 @@ def test_8_subscribe_streams_cannot_starve_the_analyzer(tmp_path: Path, pki_dir:
             time.sleep(0.05)
         an = _secure(pki_dir, pki.ROLE_ANALYZER, "analyzer", saddr, "shuffler")
         assert pbg.ShufflerStub(an).GetPopulation(pb.PopulationRequest(), timeout=3).connected_nodes == 0
-        assert p.GetPopulation(pb.PopulationRequest(), timeout=3).connected_nodes == 48  # 64 - RESERVED_WORKERS
+        pop = p.GetPopulation(pb.PopulationRequest(), timeout=3)
+        assert pop.connected_nodes == 48  # --max-nodes
+        # the 16 over the capacity are reported by name and reason (issue 44: the run's output shows them)
+        refused = {(r.node, r.reason) for r in pop.refused_nodes}
+        assert len(refused) == 16 and {reason for _, reason in refused} == {"capacity"}, pop.refused_nodes
+        assert all("the shuffler's capacity is 48 nodes" in r.details for r in pop.refused_nodes)
         # each names another node, or is one stream too many of the certificate when it opens (issue 43 item 3)
         assert len(codes[s0]) == 64
         assert set(codes[s0]) <= {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes[s0]
-        assert codes[p] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 16  # plain text: 48 streams in all
+        assert codes[p] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 16  # plain text: 48 nodes in all
         # health Watch (a stream held open per caller) is refused to every role; Check is what healthchecks use
         with pytest.raises(grpc.RpcError) as err:
             next(health_pb2_grpc.HealthStub(c0).Watch(health_pb2.HealthCheckRequest(), timeout=5))

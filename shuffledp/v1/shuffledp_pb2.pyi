@@ -406,14 +406,28 @@ class PopulationRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class PopulationStatus(_message.Message):
-    __slots__ = ("admitted_users", "unused_users", "connected_nodes")
+    __slots__ = ("admitted_users", "unused_users", "connected_nodes", "refused_nodes")
     ADMITTED_USERS_FIELD_NUMBER: _ClassVar[int]
     UNUSED_USERS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_NODES_FIELD_NUMBER: _ClassVar[int]
     admitted_users: int
     unused_users: int
     connected_nodes: int
-    def __init__(self, admitted_users: _Optional[int] = ..., unused_users: _Optional[int] = ..., connected_nodes: _Optional[int] = ...) -> None: ...
+    refused_nodes: _containers.RepeatedCompositeFieldContainer[RefusedNode]
+    def __init__(self, admitted_users: _Optional[int] = ..., unused_users: _Optional[int] = ..., connected_nodes: _Optional[int] = ..., refused_nodes: _Optional[_Iterable[_Union[RefusedNode, _Mapping]]] = ...) -> None: ...
+
+class RefusedNode(_message.Message):
+    __slots__ = ("node", "reason", "details", "calls")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    reason: str
+    details: str
+    calls: int
+    def __init__(self, node: _Optional[str] = ..., reason: _Optional[str] = ..., details: _Optional[str] = ..., calls: _Optional[int] = ...) -> None: ...
 
 class CreateRunRequest(_message.Message):
     __slots__ = ("config_toml",)
