@@ -619,7 +619,10 @@ class ShufflerServicer:
                 except EOFError:
                     return
         finally:
-            self._nodes.submit(self.state.unsubscribe, sub)  # not awaited: the coroutine may be cancelled
+            try:
+                self._nodes.submit(self.state.unsubscribe, sub)  # not awaited: the coroutine may be cancelled
+            except RuntimeError:  # the server is stopping (its pool shut down): nobody will be invited any more
+                self.state.unsubscribe(sub)
 
     async def Subscribe(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Invitation]:
         try:
