@@ -18,13 +18,15 @@ Layout written under --out (what docker-compose mounts; the CA key is mounted no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import fcntl
 import ipaddress
 import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -590,6 +592,23 @@ def _open_ca(pki_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKe
     return ca_cert, ca_key, manifest
 
 
+@contextlib.contextmanager
+def _ca_lock(pki_dir: Path) -> Iterator[None]:
+    """Hold the CA's lock (flock on its key file) while the block reads and rewrites the manifest or the revocation
+    list: two `pki issue` or `pki revoke` at once would otherwise number the same certificates, or each drop the
+    other's entries. A missing key is _open_ca's error, raised inside the block."""
+    try:
+        fd = os.open(pki_dir / CA_KEY_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _issued_names(manifest: dict) -> set[str]:
     return {party["name"] for party in manifest["parties"]}
 
@@ -614,15 +633,16 @@ def issue_client_nodes(
         _general_name(h)
     _validity(days)
     owner = _parse_owner(service_owner)
-    ca_cert, ca_key, manifest = _open_ca(pki_dir)
-    numbered = [int(n[len("client-") :]) for n in _issued_names(manifest) if re.fullmatch(r"client-\d+", n)]
-    first = max(numbered, default=-1) + 1
-    parties = [Identity(ROLE_CLIENT_NODE, client_node_name(i)) for i in range(first, first + count)]
-    taken = [p for party in parties for p in party_paths(pki_dir, party.name) if p.exists()]
-    if taken:
-        raise FileExistsError(f"{taken[0]} exists but {pki_dir / MANIFEST_FILE} does not list it: remove it first")
-    issued, entries = _issue_parties(pki_dir, ca_cert, ca_key, parties, hosts, days, owner)
-    _save_manifest(pki_dir, manifest, entries)
+    with _ca_lock(pki_dir):
+        ca_cert, ca_key, manifest = _open_ca(pki_dir)
+        numbered = [int(n[len("client-") :]) for n in _issued_names(manifest) if re.fullmatch(r"client-\d+", n)]
+        first = max(numbered, default=-1) + 1
+        parties = [Identity(ROLE_CLIENT_NODE, client_node_name(i)) for i in range(first, first + count)]
+        taken = [p for party in parties for p in party_paths(pki_dir, party.name) if p.exists()]
+        if taken:
+            raise FileExistsError(f"{taken[0]} exists but {pki_dir / MANIFEST_FILE} does not list it: remove it first")
+        issued, entries = _issue_parties(pki_dir, ca_cert, ca_key, parties, hosts, days, owner)
+        _save_manifest(pki_dir, manifest, entries)
     return issued
 
 
@@ -646,17 +666,18 @@ def sign_csr(
         raise ValueError("the CSR's key is not EC P-256 (openssl: -newkey ec -pkeyopt ec_paramgen_curve:P-256)")
     if not csr.is_signature_valid:
         raise ValueError("the CSR's signature does not verify: it was not signed by the key it carries")
-    ca_cert, ca_key, manifest = _open_ca(pki_dir)
-    cert_path = party_paths(pki_dir, name)[0]
-    if name in _issued_names(manifest) or cert_path.exists():
-        raise FileExistsError(
-            f"{name} has a certificate already ({cert_path}); a replaced device gets a new name (`pki revoke {name}` "
-            "revokes the old one)"
-        )
-    cert = _sign_leaf(ca_cert, ca_key, ROLE_CLIENT_NODE, name, public_key, hosts, days)
-    _private_dir(cert_path.parent)
-    _write(cert_path, cert_pem(cert), 0o644)
-    _save_manifest(pki_dir, manifest, [_manifest_entry(cert, Identity(ROLE_CLIENT_NODE, name))])
+    with _ca_lock(pki_dir):
+        ca_cert, ca_key, manifest = _open_ca(pki_dir)
+        cert_path = party_paths(pki_dir, name)[0]
+        if name in _issued_names(manifest) or cert_path.exists():
+            raise FileExistsError(
+                f"{name} has a certificate already ({cert_path}); a replaced device gets a new name (`pki revoke "
+                f"{name}` revokes the old one)"
+            )
+        cert = _sign_leaf(ca_cert, ca_key, ROLE_CLIENT_NODE, name, public_key, hosts, days)
+        _private_dir(cert_path.parent)
+        _write(cert_path, cert_pem(cert), 0o644)
+        _save_manifest(pki_dir, manifest, [_manifest_entry(cert, Identity(ROLE_CLIENT_NODE, name))])
     return cert_path
 
 
@@ -703,6 +724,11 @@ def revoke(pki_dir: str | os.PathLike[str], names: Sequence[str]) -> list[tuple[
     pki_dir = Path(pki_dir)
     if not names:
         raise ValueError("name the client nodes to revoke")
+    with _ca_lock(pki_dir):
+        return _revoke(pki_dir, names)
+
+
+def _revoke(pki_dir: Path, names: Sequence[str]) -> list[tuple[str, int, bool]]:
     ca_cert, ca_key, _ = _open_ca(pki_dir)
     crl_path = pki_dir / CRL_FILE
     crl = verified_crl(crl_path, ca_cert) if crl_path.exists() else None

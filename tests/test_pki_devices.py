@@ -270,3 +270,29 @@ def test_revoke_names_issued_client_nodes_only_and_writes_nothing_on_a_mistake(t
     pki.init_pki(out, client_nodes=1, force=True)  # a new CA: the old list goes with it
     new_ca = x509.load_pem_x509_certificate((out / pki.CA_CERT_FILE).read_bytes())
     assert not list(pki.verified_crl(out / pki.CRL_FILE, new_ca))
+
+
+def test_concurrent_issues_and_revocations_lose_nothing(tmp_path: Path) -> None:
+    """Four `pki issue --count 50` and two `pki revoke` processes at once (enrolment servers, an operator): every
+    certificate gets its own name and a manifest entry, and both revocations are in the CA-signed list. Before, each
+    process read the manifest and the list, then wrote its own version: the same client-<i> issued twice and entries
+    (or revocations) of the others dropped."""
+    pki.init_pki(tmp_path, client_nodes=4)
+    cmds = [["issue", "--pki", str(tmp_path), "--count", "50"]] * 4
+    cmds += [["revoke", "--pki", str(tmp_path), "client-0"], ["revoke", "--pki", str(tmp_path), "client-1"]]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "shuffledp.cli", "pki", *argv], stdout=subprocess.PIPE, text=True)
+        for argv in cmds
+    ]
+    for p in procs:
+        p.communicate(timeout=120)
+        assert p.returncode == 0
+    names = [party["name"] for party in json.loads((tmp_path / pki.MANIFEST_FILE).read_text())["parties"]]
+    clients = [n for n in names if n.startswith("client-")]
+    assert len(clients) == len(set(clients)) == 4 + 4 * 50, len(clients)
+    assert sorted(clients) == sorted(f"client-{i}" for i in range(204))
+    ca = x509.load_pem_x509_certificate((tmp_path / pki.CA_CERT_FILE).read_bytes())
+    serials = {e.serial_number for e in pki.verified_crl(tmp_path / pki.CRL_FILE, ca)}
+    for name in ("client-0", "client-1"):
+        cert = x509.load_pem_x509_certificate(pki.party_paths(tmp_path, name)[0].read_bytes())
+        assert cert.serial_number in serials, name
