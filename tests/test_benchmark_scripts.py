@@ -120,6 +120,26 @@ def test_compare_flower_quick_runs_the_shuffledp_half(tmp_path):
     assert len(result["round_ends_s"]) == 2 and result["extra"]["users_sha256"]
 
 
+def test_compare_flower_deployment_quick_runs_the_shuffledp_half(tmp_path):
+    # issue 44 item 5, --quick --systems shuffledp (CI never installs Flower): 4 single-user device nodes in the
+    # fleet processes of `shuffledp run`, 2 rounds, measured by the script's process-tree sampler. The row has a
+    # start-up within the wall time, seconds per round below it, PSS per node below the total, the processes of a
+    # fleet run (CLI, shuffler, analyzer, 2 fleets), status ok; the JSON holds every user in every round
+    out = _run(
+        "compare_flower_deployment.py", "--quick", "--systems", "shuffledp", "--no-warm-up", "--out", str(tmp_path)
+    )
+    num = r"\s+([0-9]+\.[0-9]+)"
+    row = re.search(rf"^\s+4\s+shuffledp{num * 6}\s+(\d+){num}\s+ok$", out, re.M)
+    assert row, out
+    startup, per_round, wall, cpu, pss, per_node, procs, accuracy = (float(v) for v in row.groups())
+    assert 0 < per_round < startup < wall and cpu > 0.5 and 0 < per_node < pss and procs == 5, out
+    assert 0 <= accuracy <= 1 and not re.search(r"^\s+\d+\s+flower", out, re.M), out
+    (result,) = json.loads((tmp_path / "compare_flower_deployment.json").read_text())["results"]
+    assert result["system"] == "shuffledp" and result["extra"]["status"] == "ok"
+    assert result["extra"]["contributors"] == [4, 4] and len(result["round_ends_s"]) == 2
+    assert result["extra"]["peak_processes_by_kind"]["serve fleet"] == 2 and result["extra"]["users_sha256"]
+
+
 def test_bench_startup_prints_the_split_of_one_default_run():
     # issue 15 item 1: one run of scripts/run-default; the marks come from its output and the services' logs
     out = _run("bench_startup.py", "--repeats", "1", timeout=180)
