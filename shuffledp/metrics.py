@@ -62,8 +62,8 @@ RUN_STATES = ("CREATED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "BUDGET_
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 PLANNING_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (0, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000)
-# label cardinality (module docstring): per-node series above the shuffler's default 48 streams; runs and reasons a
-# scrape of a few hundred kB at most shows (about 12 series a run)
+# label cardinality (module docstring): per-node series for at most 100 nodes (a shuffler holds up to 10^4: the rest
+# summed under "other"); runs and reasons a scrape of a few hundred kB at most shows (about 12 series a run)
 MAX_NODE_SERIES = 100
 MAX_RUN_SERIES = 100
 MAX_REASON_SERIES = 32
@@ -369,7 +369,7 @@ class _ShufflerCollector(Collector):
         refused = self.limits.refused_nodes()
         shown, rest = refused[-MAX_NODE_SERIES:], refused[:-MAX_NODE_SERIES]
         for r in shown:
-            nodes.add_metric([safe_label(r.node), safe_label(r.reason)], r.calls)
+            nodes.add_metric([r.node, safe_label(r.reason)], r.calls)  # a certificate name, or an id the state checked
         others: Counter = Counter()
         for r in rest:
             others[r.reason] += r.calls

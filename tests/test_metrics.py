@@ -477,3 +477,42 @@ def test_the_analyzer_s_series_are_bounded_whatever_runs_and_reasons_there_are(t
     assert ("shuffledp_analyzer_rounds_planned", (("run_id", OTHER),)) not in got
     # samples (histogram buckets included): about 26 a run plus its reasons; were 130 runs of 26 + 96
     assert len(got) <= (MAX_RUN_SERIES + 1) * (30 + MAX_REASON_SERIES + 1) + len(RUN_STATES) + 10, len(got)
+
+
+def test_nodes_over_the_shuffler_s_capacity_are_counted_by_reason_and_named_in_a_bounded_number_of_series(tmp_path):
+    """Issue 44: a node over the shuffler's capacity (--max-nodes) is reported by node and reason in the metrics too.
+    A real shuffler process with capacity 2: 2 nodes hold their streams, 150 more (made-up names, plain text) are each
+    refused once; the refusals are counted by reason, and by node for the last MAX_NODE_SERIES refused, the rest
+    summed under node="other"."""
+    from shuffledp.metrics import MAX_NODE_SERIES, OTHER
+    from shuffledp.v1 import shuffledp_pb2 as pb
+    from shuffledp.v1 import shuffledp_pb2_grpc as pbg
+
+    mport = _free_port()
+    argv = ["shuffler", "--insecure", "--state-dir", str(tmp_path / "state"), "--metrics-port", str(mport)]
+    shuffler, sport = serve(tmp_path, "shuffler", [*argv, "--max-nodes", "2"])
+    held = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{sport}") as channel:
+            stub = pbg.ShufflerStub(channel)
+            for i in range(2):
+                stream = stub.Subscribe(pb.SubscribeRequest(node_id=f"held-{i}"))
+                held.append(stream)
+                assert stream.initial_metadata()  # subscribed: the shuffler says so before any invitation
+            codes = []
+            for i in range(150):
+                with pytest.raises(grpc.RpcError) as err:
+                    next(stub.Subscribe(pb.SubscribeRequest(node_id=f"over-{i:03d}"), timeout=10))
+                codes.append(err.value.code())
+            text, s = _scrape(mport)
+            for stream in held:
+                stream.cancel()
+    finally:
+        stop(shuffler)
+    assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert s[("shuffledp_shuffler_refused_calls_total", (("reason", "capacity"),))] == 150
+    per_node = "shuffledp_shuffler_refused_node_calls_total"
+    by_node = {dict(lab)["node"]: v for (name, lab), v in s.items() if name == per_node}
+    assert len(by_node) == MAX_NODE_SERIES + 1 and by_node[OTHER] == 150 - MAX_NODE_SERIES
+    assert "over-149" in by_node and "over-000" not in by_node  # the ones refused last have their own series
+    assert not any(n.startswith("held-") for n in by_node)
