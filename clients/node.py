@@ -319,6 +319,9 @@ class NodeCore:
                 else:
                     # charged, durably, before sending: a message that may have arrived is spent. If the store
                     # fails, the exception leaves handle() and nothing of the round is sent.
+                    # RoundSpec.report_goal (over-selection) is not read here: a report the shuffler refuses after
+                    # the round closed on its goal was charged all the same, and what is certified rests on
+                    # min_contributors / c_min only (policy.decide), which a goal never undercuts
                     charged, delta = idx[join], float(spec.per_user_cost.delta)
                     keys = self.policy.charge(charged, cost[join], delta, noise_key(spec))
                     self._spend.record(self._names(charged), cost[join], delta, keys)

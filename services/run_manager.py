@@ -277,6 +277,13 @@ def plan_run(
         )
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
+    # over-selection (Bonawitz et al. 2019 sec 2): a round closes once this many of the B users it invites reported
+    # (RoundSpec.report_goal), never below the threshold; 0 (fraction 1, or a goal of every invitee) = wait for all
+    # until the deadline. Subsampled runs have none (the config refuses it)
+    goal = 0
+    if s.report_goal_fraction < 1.0 and s.kind != "subsampled":
+        goal = max(n_min, math.ceil(s.report_goal_fraction * B - 1e-9))
+        goal = goal if goal < B else 0
     return {
         "protocol": protocol.name,
         "kind": s.kind,
@@ -285,6 +292,7 @@ def plan_run(
         "sampling_rate": q,
         "rounds": T,
         "min_contributors": n_min,
+        "report_goal": goal,
         "eps": p.eps,
         "delta": delta,
         # robust accounting (spec 000 A.3) is about users' own noise; where the analyzer adds it, it does not apply
@@ -431,6 +439,7 @@ def round_spec(
         cohort_size=plan["cohort"] if plan["kind"] != "fully_interactive" and not plan.get("sampling_rate") else 0,
         sampling_rate=plan.get("sampling_rate", 0.0),
         min_contributors=plan["min_contributors"],
+        report_goal=plan.get("report_goal", 0),  # plans stored before over-selection have none
         deadline_seconds=plan["deadline"],
         local_batch=1,
         l2=plan.get("l2", 0.0),

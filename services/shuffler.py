@@ -386,6 +386,7 @@ def _request(wire: pb.RoundSpec) -> RoundRequest:
         check_in_fraction=spec.check_in.report_fraction,
         sampling_rate=spec.sampling_rate,
         population=spec.population,
+        report_goal=spec.report_goal,
         relay=_Relay(None if signed is not None else spec, signed),
         second_relay=second,
     )

@@ -83,7 +83,8 @@ class Reason(StrEnum):
     """Rejection reasons (design 5.3); the keys of ContributionAck.rejected and BatchReport.rejected."""
 
     WRONG_ROUND = "wrong_round"  # no such open round (other run, future or unknown round)
-    # the round closed (deadline passed or all invitees answered), or its check-in window did (a check-in after it)
+    # the round closed (deadline passed, all invitees answered or its report goal reached), or its check-in window did
+    # (a check-in after it)
     EXPIRED_ROUND = "expired_round"
     BAD_NONCE = "bad_nonce"  # nonce missing or not 16..64 bytes
     REPLAYED_NONCE = "replayed_nonce"  # nonce already seen in this round (replayed message)
@@ -196,6 +197,9 @@ class RoundRequest:
     check_in_fraction: float = 0.0  # RoundSpec.check_in.report_fraction
     sampling_rate: float = 0.0  # RoundSpec.sampling_rate: > 0 = Poisson sampling (SUBSAMPLED, cohort_size 0)
     population: int = 0  # RoundSpec.population: SUBSAMPLED, the eligible users the accountant assumes (0: no claim)
+    # RoundSpec.report_goal: the round closes once this many users' reports were accepted (over-selection); 0 = it
+    # waits for every invitee until the deadline. >= min_contributors; a check-in's second phase uses max(it, c_min)
+    report_goal: int = 0
     relay: Any = None
     second_relay: Callable[[int, int, int], Any] | None = None  # check-in: (c, c_min, m) -> the second spec
 
@@ -639,6 +643,8 @@ class _OpenRound:
     refused_reasons: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)
     closed: bool = False
+    # the round's report goal (RoundRequest.report_goal) was reached: it takes nothing more (over-selection)
+    goal_reached: bool = False
     is_active: Callable[[], bool] = lambda: True  # whether the analyzer still waits for the round (execute_round)
 
     @property
@@ -931,6 +937,18 @@ class ShufflerState:
             raise ValueError(f"deadline_seconds must lie in (0, {self._max_deadline}], got {req.deadline_seconds}")
         if req.min_contributors < 0:
             raise ValueError(f"min_contributors must be >= 0, got {req.min_contributors}")
+        if req.report_goal:
+            # over-selection: closing at the goal must never leave the round below its threshold (a check-in's
+            # second phase closes at max(goal, c_min), c_min >= min_contributors)
+            if req.report_goal < max(1, req.min_contributors):
+                raise ValueError(
+                    f"report_goal = {req.report_goal} is below min_contributors = {req.min_contributors}: the round "
+                    "would close below its threshold (0 waits for every invitee)"
+                )
+            if req.schedule == Schedule.SUBSAMPLED:
+                # amplification by sampling assumes the draw alone decides whose reports are in the batch; a goal
+                # would keep the fastest of the sampled users
+                raise ValueError("report_goal applies to SEQUENTIAL and FULLY_INTERACTIVE rounds, not SUBSAMPLED")
         if not (math.isfinite(req.sampling_rate) and 0.0 <= req.sampling_rate <= 1.0):
             raise ValueError(f"sampling_rate must lie in [0, 1], got {req.sampling_rate}")
         if req.sampling_rate > 0.0:
@@ -1117,7 +1135,8 @@ class ShufflerState:
             )
 
     def execute_round(self, req: RoundRequest, is_active: Callable[[], bool] = lambda: True) -> BatchResult:
-        """Select, invite, collect until the deadline or all invitees answered, then threshold and shuffle."""
+        """Select, invite, collect until the deadline, all invitees answered or the report goal was reached, then
+        threshold and shuffle."""
         per_user, ct_len, bound = self._validate(req)
         # COUNTS only: the wire width is part of the validation (a bound no width holds is refused here)
         wire_dtype = count_wire_dtype(bound) if req.transport == Transport.COUNTS else None
@@ -1177,10 +1196,11 @@ class ShufflerState:
                 self._closed[key] = None
                 while len(self._closed) > RECENT_CLOSED_ROUNDS:
                     self._closed.popitem(last=False)
-            if rnd.second_invitation and is_active():
+            if rnd.second_invitation and is_active() and not rnd.goal_reached:
                 # checked in, invited again, and sent nothing for the whole window: not asked to check in again in
-                # this run (item 4). A round cut short (the analyzer gone) proves no one silent: its resumed run
-                # would otherwise find too few users left to release anything again
+                # this run (item 4). A round cut short (the analyzer gone, or its report goal reached: the rest
+                # were slower, not silent) proves no one silent: its resumed run would otherwise find too few users
+                # left to release anything again
                 if len(rnd.answered) < len(rnd.invited):
                     silent = [u for u in rnd.invited if u not in rnd.answered]
                     self._silent.setdefault(req.run_id, set()).update(silent)
@@ -1208,10 +1228,10 @@ class ShufflerState:
                 sub.put(Invite(relay, users, rnd.drawn_from))
 
     def _collect(self, rnd: _OpenRound, is_active: Callable[[], bool], until: float | None = None) -> None:
-        """Wait until every invitee answered, the round's deadline (or `until`) passed, or the round is cancelled.
-        Caller holds the lock (released while waiting)."""
+        """Wait until every invitee answered, the round's report goal was reached, the round's deadline (or `until`)
+        passed, or the round is cancelled. Caller holds the lock (released while waiting)."""
         end = rnd.deadline if until is None else min(until, rnd.deadline)
-        while len(rnd.answered) < len(rnd.invited) and is_active():
+        while len(rnd.answered) < len(rnd.invited) and not rnd.goal_reached and is_active():
             remaining = end - self._clock()
             if remaining <= 0:
                 break
@@ -1227,7 +1247,9 @@ class ShufflerState:
             return False
         c_min, m = check_in.share(req.check_in_trials, req.check_in_fraction, req.min_contributors, c)
         relay = req.relay if req.second_relay is None else req.second_relay(c, c_min, m)
-        second = replace(req, m=m, min_contributors=c_min, relay=relay)
+        # the report goal applies to this phase's reports, never below its threshold c_min
+        goal = max(req.report_goal, c_min) if req.report_goal else 0
+        second = replace(req, m=m, min_contributors=c_min, report_goal=goal, relay=relay)
         per_user, ct_len, bound = self._validate(second)  # cannot fail: m <= req.m (see _validate)
         rnd.req, rnd.bound, rnd.expected_messages, rnd.expected_ct_len = second, bound, per_user, ct_len
         rnd.wire_dtype = count_wire_dtype(bound) if req.transport == Transport.COUNTS else None
@@ -1298,7 +1320,7 @@ class ShufflerState:
             rnd = self._open.get(key)
             n_columns = len(sub.columns.user_ids) if sub.columns is not None else 0
             n_items = max(1, len(sub.messages) + len(sub.refusals) + n_columns)
-            if rnd is None or rnd.closed or self._clock() >= rnd.deadline:
+            if rnd is None or rnd.closed or rnd.goal_reached or self._clock() >= rnd.deadline:
                 reason = Reason.EXPIRED_ROUND if (key in self._closed or rnd is not None) else Reason.WRONG_ROUND
                 self._reject(None, reason, rejected, n_items)
                 if reason == Reason.EXPIRED_ROUND:
@@ -1355,6 +1377,11 @@ class ShufflerState:
                     rnd.refused_reasons[_refusal_reason(rnd, why)] += 1
                     self._counters["refused"] += 1
             self._counters["accepted"] += accepted
+            goal = rnd.req.report_goal
+            if goal and not rnd.checking_in and rnd.contributors >= goal:
+                # over-selection: enough reports; what arrives from now on is refused as expired_round (above) and
+                # execute_round releases at once instead of waiting for the slowest invitee until the deadline
+                rnd.goal_reached = True
             if rnd.checking_in and len(rnd.answered) >= len(rnd.invited) and rnd.is_active():
                 # every invitee checked in or answered otherwise: invite again now, from this thread (execute_round
                 # would only wake up to do it); fewer than the threshold ends the round as below it

@@ -136,6 +136,10 @@ lr_step_factor = 0.1        # sgd: the factor of each step change
 momentum = 0.0              # ftrl: gamma of DP-FTRLM (0 = DP-FTRL; the paper's experiments use 0.9)
 learning_rate = 8.0
 output = "mean"             # released model: "mean" of the iterates (theta_0..theta_{T-1}, Alg 3/5) or "last"
+report_goal_fraction = 1.0  # over-selection (Bonawitz et al. 2019 sec 2; sequential and fully interactive): a
+                            # round closes as soon as max(its threshold, ceil(this x users invited)) reports
+                            # arrived, later ones are refused (their devices were charged when they sent); 1.0 =
+                            # wait for every invitee until the deadline; 0.77 ~ invite 130 % of the reports needed
 
 [transport]
 mode = "counts"             # pvec: "counts" (trusted shuffler adds) or "bits" (sealed labelled bits; tiny d only);
@@ -412,6 +416,15 @@ def _schedule(t: dict[str, Any]) -> ScheduleConfig:
             f'schedule.phases = {phases} needs schedule.kind = "sequential" (Thm 4.8 restarts over disjoint '
             f'cohorts), got schedule.kind = "{kind}"'
         )
+    goal = _float(
+        "schedule.report_goal_fraction", t.get("report_goal_fraction", s.report_goal_fraction), 0.0, 1.0, True
+    )
+    if goal < 1.0 and kind == "subsampled":
+        raise ConfigError(
+            f'schedule.report_goal_fraction = {goal:g} (over-selection) applies to schedule.kind = "sequential" or '
+            '"fully_interactive": a subsampled round\'s amplification assumes the draw alone decides its users; '
+            "leave it 1.0"
+        )
     steps = t.get("lr_steps", [])
     if not isinstance(steps, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in steps):
         raise ConfigError(f"schedule.lr_steps must be a list of round numbers >= 1, got {steps!r}")
@@ -429,6 +442,7 @@ def _schedule(t: dict[str, Any]) -> ScheduleConfig:
         output=_choice("schedule.output", t.get("output", s.output), _OUTPUTS),
         momentum=_float("schedule.momentum", t.get("momentum", s.momentum), 0.0, 1.0, hi_open=True),
         sampling=_choice("schedule.sampling", t.get("sampling", s.sampling), _SAMPLINGS),
+        report_goal_fraction=goal,
     )
 
 

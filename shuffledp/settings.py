@@ -264,6 +264,9 @@ class ScheduleConfig:
     lr_step_factor: float = 0.1
     momentum: float = 0.0  # ftrl: gamma of DP-FTRLM (0 = DP-FTRL; the paper's experiments use 0.9)
     sampling: str = "fixed"  # subsampled: "fixed" (uniform k of n) or "poisson" (each user with q = k/n)
+    # over-selection (Bonawitz et al. 2019 sec 2): a round closes once max(min_contributors, ceil(this x users
+    # invited)) reports arrived (RoundSpec.report_goal); 1.0 = it waits for every invitee until the deadline
+    report_goal_fraction: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,21 @@ def test_rounds_below_threshold_are_released_and_cost_nothing(services, data):
     assert st.metrics_from == 0 and not stub.GetRunStatus(pb.RunRef(run_id=run_id, metrics_from=k + 5)).metrics
 
 
+def test_plan_report_goal_is_the_fraction_of_the_cohort_never_below_the_threshold(data):
+    """schedule.report_goal_fraction (over-selection): report_goal = max(min_contributors, ceil(fraction x cohort));
+    0 (wait for every invitee) at the default 1.0 or when the goal is the whole cohort."""
+    head = data + "[privacy]\neps = 2.0\ndelta = 1e-5\nmin_contributors_fraction = 0.7\n[schedule]\n"
+    seq = head + 'kind = "sequential"\ncohort_size = 60\n'
+    model = _model(parse_config(seq))
+    plan = plan_run(parse_config(seq + f"report_goal_fraction = {1 / 1.3}\n"), admitted=270, unused=270, model=model)
+    assert (plan["min_contributors"], plan["report_goal"]) == (42, 47)  # ceil(0.7 * 60), ceil(60 / 1.3)
+    plan = plan_run(parse_config(seq + "report_goal_fraction = 0.5\n"), admitted=270, unused=270, model=model)
+    assert plan["report_goal"] == 42  # never below the threshold
+    assert plan_run(parse_config(seq), admitted=270, unused=270, model=model)["report_goal"] == 0
+    fi = parse_config(head + "rounds = 3\nreport_goal_fraction = 0.8\n")
+    assert plan_run(fi, admitted=270, unused=0, model=model)["report_goal"] == 216  # of the 270 invited
+
+
 def test_plan_sequential_and_fully_interactive(data):
     seq = parse_config(data + '[privacy]\neps = 2.0\ndelta = 1e-5\n[schedule]\nkind = "sequential"\ncohort_size = 60\n')
     model = _model(seq)

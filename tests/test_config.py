@@ -115,6 +115,8 @@ pki_dir = "/tmp/pki"
         ("[schedule]\ncohort_size = true", "schedule.cohort_size"),
         ('[schedule]\nkind = "random"', "schedule.kind"),
         ("[schedule]\nlearning_rate = -0.1", "schedule.learning_rate"),
+        ("[schedule]\nreport_goal_fraction = 0", "schedule.report_goal_fraction"),
+        ("[schedule]\nreport_goal_fraction = 1.3", "schedule.report_goal_fraction"),
         ('[transport]\nmode = "sealed"', "transport.mode"),
         ("[model]\nradius = 0", "model.radius"),
         ('[model]\ntask = "svm"', "model.task"),
@@ -140,6 +142,19 @@ def test_bad_values_raise_config_error_naming_the_key(text, key):
         parse_config(text)
     assert key in str(err.value)
     assert isinstance(err.value, ValueError)
+
+
+def test_over_selection_is_refused_for_subsampled_runs_in_one_line():
+    # a subsampled round's amplification assumes the draw alone decides its users: no report goal for it
+    sub = '[schedule]\nkind = "subsampled"\ncohort_size = 10\nreport_goal_fraction = 0.77\n'
+    with pytest.raises(ConfigError) as err:
+        parse_config('[privacy]\nprotocol = "privunit"\n' + sub)
+    message = str(err.value)
+    assert "schedule.report_goal_fraction = 0.77" in message and "subsampled" in message and "\n" not in message
+    for kind in ("sequential", "fully_interactive"):
+        cfg = parse_config(f'[schedule]\nkind = "{kind}"\nreport_goal_fraction = 0.77\n')
+        assert cfg.schedule.report_goal_fraction == 0.77
+    assert parse_config("").schedule.report_goal_fraction == 1.0  # wait for every invitee
 
 
 def test_not_toml_and_missing_file(tmp_path):

@@ -1,10 +1,12 @@
 """Device behaviour at scale (issue 44 item 4; Bonawitz et al. 2019 sec 2), with single-user device nodes
 (clients/device.py: a Fleet, mTLS, a certificate and a SQLite spend store per device) against a real shuffler and
 analyzer (test_device_fleet.Services): devices that drop mid-round (before and after their check-in), stragglers
-past the deadline, devices that join during a run, and an over-selected cohort. In each, the users' own accounting
-stays exact: a device charges its user when it sends a report (whatever the shuffler then does with it), so every
-report the ledger used is charged once, a report refused as late is charged and counted by the ledger as not used,
-and a user who sent nothing is charged nothing. The check-in's noise sharing runs as with many users per node: the
+past the deadline, devices that join during a run, and an over-selected cohort (a round that closes at its report
+goal, RoundSpec.report_goal, instead of waiting for the slowest invitee until its deadline). In each, the users' own
+accounting stays exact: a device charges its user when it sends a report (whatever the shuffler then does with it),
+so every report the ledger used is charged once, a report refused as late (after the deadline, or after the round
+closed at its goal) is charged and counted by the ledger as not used, and a user who sent nothing is charged
+nothing. The check-in's noise sharing runs as with many users per node: the
 m each round ran with is check_in.share's for the users who checked in, and each user's record holds that round's
 noise at the threshold c_min the user's device certified.
 
@@ -21,7 +23,15 @@ from pathlib import Path
 from shuffledp.clients.device import Fleet, start_fleet
 from shuffledp.services.analyzer import LEDGER_FILE
 from shuffledp.services.ledger import Ledger
-from shuffledp.services.shuffler_state import RoundRequest, Schedule, ShufflerState, Submission, Transport, UserColumns
+from shuffledp.services.shuffler_state import (
+    Ack,
+    RoundRequest,
+    Schedule,
+    ShufflerState,
+    Submission,
+    Transport,
+    UserColumns,
+)
 from test_device_fleet import Services
 
 from shuffledp.accountants.calibrated_pvec import round_noise_key
@@ -376,64 +386,102 @@ def test_devices_that_join_a_fully_interactive_run_are_not_invited_and_not_charg
     assert all(not histories[i] for i in range(first, users))
 
 
-def test_an_over_selected_cohort_releases_from_the_reports_that_arrive(tmp_path: Path) -> None:
-    """Over-selection (Bonawitz et al. 2019 sec 2): a sequential check-in run selects cohorts of 20 where a round
-    needs 14 reports (min_contributors_fraction = report_fraction = 0.7); 40 devices, 2 rounds. Round 1's cohort is
-    the 20 devices round 0 left unused; of them 4 are switched off as its invitation arrives (silent) and 2 send
-    their reports after the deadline. The check-in closes at half the window with 16, whose threshold is c_min = 14:
-    the 14 on-time reports release the round. The 2 late reports are refused as expired, charged to their users and
-    not used; the 4 silent users are charged nothing and are used up for the run (a sequential user counts as used
-    once asked). Every user is charged at most once.
+def _reports_used(state: ShufflerState) -> set[tuple[int, str]]:
+    """(round, node id) of every report the shuffler accepted into a round (a check-in carries no payload), as the
+    state's submit saw them: a spy on the in-process state the shuffler's servicer calls."""
+    used: set[tuple[int, str]] = set()
+    submit = state.submit
 
-    The round closes at its deadline, not when its 14th report arrives: the spec has no field for a goal count
-    (RoundSpec.min_contributors is a threshold; the shuffler waits for every invitee until the deadline)."""
-    k, cohort, deadline = 40, 20, 4.0
+    def spy(sub: Submission) -> Ack:
+        ack = submit(sub)  # raises RoundRejected when the round is closed (expired_round)
+        cols = sub.columns
+        payload = any(m.counts is not None or m.counts_packed is not None for m in sub.messages) or bool(
+            cols is not None and (cols.counts or cols.sums)
+        )
+        if payload and ack.accepted:
+            used.add((int(sub.round), sub.node_id))
+        return ack
+
+    state.submit = spy  # type: ignore[method-assign]
+    return used
+
+
+def test_an_over_selected_cohort_closes_at_its_report_goal_and_charges_the_late_reports_to_their_senders(
+    tmp_path: Path,
+) -> None:
+    """Over-selection (Bonawitz et al. 2019 sec 2; RoundSpec.report_goal): a sequential check-in run invites cohorts
+    of 20 where a round needs 14 reports (min_contributors_fraction = report_fraction = report_goal_fraction = 0.7:
+    threshold, c_min and goal all 14); 40 devices, 2 rounds, a 5 s deadline. Each round closes as soon as its 14th
+    report is accepted, not at its deadline. Round 0: all 20 report at once, the first 14 are used and the other 6
+    are refused as expired_round. Round 1: 6 devices of its cohort are slow (their reports leave 3.75 s after they
+    were computed and charged); the 14 others close the round, and the 6 late reports are refused as expired_round.
+    A device charges its user when it sends (whatever the shuffler does with the report), so every user who sent is
+    charged once, exactly the round the ledger charged (it released at c_min = 14 contributors, what the devices
+    certified); the ledger used the 28 accepted reports and none of the 12 refused ones: every user's record is >=
+    the ledger's figure for it, and == for the users whose reports were used."""
+    k, cohort, goal, deadline = 40, 20, 14, 5.0
     toml = _config(
         k,
         2,
         deadline=deadline,
         privacy="min_contributors_fraction = 0.7",
         pvec="report_fraction = 0.7",
-        schedule=f'kind = "sequential"\ncohort_size = {cohort}',
-        deployment="min_round_seconds = 3",
+        schedule=f'kind = "sequential"\ncohort_size = {cohort}\nreport_goal_fraction = 0.7',
+        deployment="min_round_seconds = 2",
     )
     services = Services(tmp_path, k)
+    used = _reports_used(services.state)
     fleet = _fleet(services, toml, 0, k, k)
     try:
         services.wait_connected(k)
         services.start_run(toml)
         _wait_rounds(services, 1)
-        second = [i for i, d in enumerate(fleet.devices) if not d.core.rounds_joined]  # round 1's cohort
-        assert len(second) == cohort
-        silent, late = second[:4], second[4:6]
-        for i in silent:
-            fleet.drop_before_check_in(i, 1)
-        for i in late:
+        end = time.monotonic() + 5
+        # round 0 closed at its 14th report: the other 6 of its cohort may still be computing (and charging) theirs
+        while len(second := [i for i, d in enumerate(fleet.devices) if not d.core.rounds_joined]) > k - cohort:
+            assert time.monotonic() < end, f"{k - len(second)} of round 0's {cohort} devices sent their reports"
+            time.sleep(0.01)
+        assert len(second) == cohort  # round 1's cohort: the devices round 0 left unused
+        slow = second[: cohort - goal]
+        for i in slow:
             fleet.straggle(i, 1, 0.75 * deadline)
         st = services.wait()
         assert st.state == pb.COMPLETED, st.message
-        time.sleep(0.75 * deadline)  # the late reports arrive
+        late = 2 * (cohort - goal)  # the 6 refused in each round
+        end = time.monotonic() + deadline
+        while services.state.counters().get("expired_round", 0) < 2 * late:  # the slow reports arrive, are refused
+            assert time.monotonic() < end, services.state.counters()
+            time.sleep(0.05)
         counters = services.state.counters()
-        unused = services.state.population(services.run_id).unused_users
         histories = _histories(services, range(k))
     finally:
         fleet.stop()
         services.close()
-    assert [(m.checked_in, m.contributors) for m in st.metrics] == [(cohort, cohort), (cohort - 4, cohort - 6)]
-    assert counters["expired_round"] == 2 * len(late)
-    assert unused == 0  # the silent ones too (and they are gone)
+    assert [(m.checked_in, m.contributors) for m in st.metrics] == [(cohort, goal)] * 2
+    # closed at the goal: before the slow reports (0.75 x deadline after they were computed), not at the deadline
+    assert all(m.seconds < 0.75 * deadline for m in st.metrics), [m.seconds for m in st.metrics]
+    # each refused report, and the refusal its device then sent to say why its user is missing
+    assert counters["expired_round"] == 2 * late
     plan, rows = _ledger(services)
-    assert [r["contributors"] for r in rows] == [cohort, cohort - 6] and plan["min_contributors"] == cohort - 6
+    assert plan["report_goal"] == plan["min_contributors"] == goal
+    assert [(r["state"], r["contributors"]) for r in rows] == [("committed", goal)] * 2
     charged = _charged_keys(rows)
-    certified = [_certified_key(plan, c) for c in (cohort, cohort - 4)]
+    certified = [_certified_key(plan, cohort)] * 2  # c = 20 checked in each round: c_min = 14
+    assert [charged[0], charged[1]] == certified  # released at c_min: the devices certified exactly the ledger's
+    used_by_round = [{int(n.rsplit("-", 1)[1]) for r, n in used if r == rnd} for rnd in (0, 1)]
+    assert [len(u) for u in used_by_round] == [goal, goal]
+    assert used_by_round[1] == set(second) - set(slow)  # the slow ones' reports came after the close
+    first = set(range(k)) - set(second)
     for i in range(k):
-        if i in silent:
-            assert not histories[i], i
-        else:
-            assert histories[i] == Counter([certified[i in second]]), i
-    assert certified[1] == charged[1]  # released at its threshold: the devices certified exactly the ledger's round
-    assert certified[0][0] <= charged[0][0]
-    assert sum(sum(h.values()) for h in histories.values()) == sum(r["contributors"] for r in rows) + len(late)
+        rnd = int(i in second)
+        assert histories[i] == Counter([certified[rnd]]), i  # every user sent once, charged once
+        ledger_figure = Counter([charged[rnd]]) if i in used_by_round[rnd] else Counter()
+        assert histories[i] >= ledger_figure, i
+        if i in used_by_round[rnd]:
+            assert histories[i] == ledger_figure, i
+    assert first | set(second) == set(range(k))
+    # nothing used uncharged, nobody charged twice: the charges are the reports used plus the refused ones
+    assert sum(sum(h.values()) for h in histories.values()) == sum(r["contributors"] for r in rows) + late == k
 
 
 def test_a_check_in_after_its_window_is_refused_as_late_not_as_from_a_stranger() -> None:

@@ -1443,3 +1443,163 @@ def test_a_sealed_message_sent_again_under_another_user_is_rejected():
     assert again.rejected == {"duplicate_user": 1}  # b's one answer was used up by the copy
     t.join()
     assert out[0].contributors == 2 and sorted(out[0].ciphertexts) == sorted([x, y, z, v])
+
+
+def _report(node: FakeNode, round_: int, user: str, counts: list[int]) -> pb.Contribution:
+    c = pb.Contribution(run_id="r", round=round_, node_id=node.node_id)
+    c.messages.add(user_id=user, nonce=secrets.token_bytes(16), counts=pb.CountVector(counts=counts))
+    return c
+
+
+def _check_in(node: FakeNode, round_: int, users) -> None:
+    c = pb.Contribution(run_id="r", round=round_, node_id=node.node_id)
+    for u in users:
+        c.messages.add(user_id=u, nonce=secrets.token_bytes(16))
+    node.stub.Submit(c, timeout=5)
+
+
+def _expired(stub, contribution: pb.Contribution) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Submit(contribution, timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "expired_round" in err.value.details()
+
+
+def test_a_round_with_a_report_goal_closes_once_it_is_reached_and_refuses_a_later_report(shuffler):
+    """Over-selection (Bonawitz et al. 2019 sec 2; RoundSpec.report_goal): 6 users invited, a goal of 3 reports
+    (threshold 2), a 20 s deadline. The round releases as soon as the 3rd report is accepted, with those 3 users'
+    counts; a 4th report after that is refused as expired_round (its node charged it when it sent it: the shuffler
+    cannot tell a late report from one past the deadline, nor need it), and the round's batch is not waited on for
+    the 3 users who never answer."""
+    a = FakeNode(shuffler.stub, "a", [f"a{i}" for i in range(6)])
+    pool = futures.ThreadPoolExecutor(1)
+    try:
+        shuffler.wait_nodes(1, users=6)
+        t0 = time.monotonic()
+        call = pool.submit(
+            shuffler.stub.ExecuteRound, spec(1, min_contributors=2, report_goal=3, deadline_seconds=20.0), timeout=30
+        )
+        inv = a.q.get(timeout=10)
+        assert list(inv.user_ids) == [f"a{i}" for i in range(6)] and inv.spec.report_goal == 3
+        counts = [[i, 1, 2, 3] for i in range(6)]
+        for i in range(2):
+            shuffler.stub.Submit(_report(a, 1, f"a{i}", counts[i]), timeout=5)
+        time.sleep(0.3)
+        assert not call.done()  # 2 reports: at the threshold, below the goal
+        shuffler.stub.Submit(_report(a, 1, "a2", counts[2]), timeout=5)
+        batch = call.result(timeout=10)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 5.0, elapsed  # not the 20 s deadline
+        rep = batch.report
+        assert batch.released and (rep.invited, rep.contributors) == (6, 3)
+        np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(counts[:3], axis=0))
+        _expired(shuffler.stub, _report(a, 1, "a3", counts[3]))
+        assert shuffler.state.counters()["expired_round"] == 1
+        # a goal of 0: the round waits for every invitee (today's behaviour), here until its deadline
+        t0 = time.monotonic()
+        call = pool.submit(shuffler.stub.ExecuteRound, spec(2, min_contributors=2, deadline_seconds=1.5), timeout=30)
+        a.q.get(timeout=10)
+        for i in range(4):
+            shuffler.stub.Submit(_report(a, 2, f"a{i}", counts[i]), timeout=5)
+        assert call.result(timeout=10).report.contributors == 4 and time.monotonic() - t0 >= 1.4
+    finally:
+        a.call.cancel()
+        pool.shutdown(wait=False)
+
+
+def test_a_report_goal_below_the_threshold_or_for_a_subsampled_round_is_refused_before_anyone_is_invited(
+    shuffler, nodes
+):
+    """A goal below min_contributors would close a round below its threshold; a subsampled round's amplification
+    assumes the draw alone decides whose reports are in it. Both are refused with the reason, nobody invited."""
+    for s, why in [
+        (spec(7, min_contributors=5, report_goal=4), "report_goal = 4 is below min_contributors = 5"),
+        (
+            spec(7, schedule=pb.SUBSAMPLED, cohort=4, min_contributors=2, report_goal=3),
+            "report_goal applies to SEQUENTIAL and FULLY_INTERACTIVE rounds",
+        ),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            shuffler.stub.ExecuteRound(s, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details(), err.value
+    assert not shuffler.recorder.for_round(7)  # nobody was invited
+    # in the state: a ValueError before any state changes (the round may still run afterwards)
+    state = ShufflerState(rng=make_rng(1))
+    state.register_users("node", ["a", "b"])
+    state.subscribe("node")
+    req = RoundRequest("run", 0, Schedule.SEQUENTIAL, Transport.COUNTS, dim=2, g=1, m=2, cohort_size=2,
+                       min_contributors=2, report_goal=1, deadline_seconds=1.0)  # fmt: skip
+    with pytest.raises(ValueError, match="report_goal = 1 is below min_contributors = 2"):
+        state.execute_round(req)
+    assert state.population("run").unused_users == 2  # nobody was used
+
+
+def test_a_check_in_rounds_goal_below_c_min_waits_for_c_min_reports(shuffler):
+    """A check-in round (min_contributors 5, report_fraction 0.75) with a goal of 5: all 8 users check in, so the
+    second invitation's threshold is c_min = max(5, ceil(0.75 * 8)) = 6. The goal applies to the reports at
+    max(5, c_min) = 6: 5 reports leave the round open, the 6th closes it at once (not at the 12 s deadline, not
+    waiting for the 2 others), and a 7th is refused as expired_round."""
+    a = FakeNode(shuffler.stub, "a", [f"a{i}" for i in range(8)])
+    pool = futures.ThreadPoolExecutor(1)
+    try:
+        shuffler.wait_nodes(1, users=8)
+        t0 = time.monotonic()
+        call = pool.submit(
+            shuffler.stub.ExecuteRound, _check_in_spec(1, 0.75, report_goal=5, deadline_seconds=12.0), timeout=30
+        )
+        inv = a.q.get(timeout=10)
+        _check_in(a, 1, inv.user_ids)
+        second = a.q.get(timeout=10).spec
+        assert (second.check_in.checked_in, second.min_contributors, second.randomizer.m) == (8, 6, 5)
+        counts = [[i, 1, 2, 0] for i in range(8)]
+        for i in range(5):
+            shuffler.stub.Submit(_report(a, 1, f"a{i}", counts[i]), timeout=5)
+        time.sleep(0.5)
+        assert not call.done()  # the goal 5 is below c_min = 6: still open
+        shuffler.stub.Submit(_report(a, 1, "a5", counts[5]), timeout=5)
+        batch = call.result(timeout=10)
+        assert time.monotonic() - t0 < 6.0  # the 6th report closed it, well before the 12 s deadline
+        rep = batch.report
+        assert batch.released and (rep.invited, rep.checked_in, rep.contributors, rep.excluded_silent) == (8, 8, 6, 0)
+        np.testing.assert_array_equal(np.array(batch.label_totals), np.sum(counts[:6], axis=0))
+        _expired(shuffler.stub, _report(a, 1, "a6", counts[6]))
+        # the two cut off were slower, not silent: the run's next check-in invites all 8 again
+        nxt = pool.submit(shuffler.stub.ExecuteRound, _check_in_spec(2, 0.75, deadline_seconds=1.0), timeout=30)
+        assert len(a.q.get(timeout=10).user_ids) == 8
+        assert nxt.result(timeout=10).report.excluded_silent == 0
+    finally:
+        a.call.cancel()
+        pool.shutdown(wait=False)
+
+
+def test_a_report_right_after_the_goal_is_refused_before_the_round_has_closed():
+    """Between the report that reaches the goal and the round's own thread closing it, the round is still open:
+    a report in that instant is refused as expired_round all the same (the goal, not the close, ends collection).
+    The test holds the state's lock across both submits, so the round's thread cannot close it in between."""
+    from shuffledp.services.shuffler_state import Submission, UserMessage
+
+    state = ShufflerState(rng=make_rng(2))
+    users = [f"u{i}" for i in range(4)]
+    state.register_users("node", users)
+    sub = state.subscribe("node")
+    req = RoundRequest("run", 0, Schedule.FULLY_INTERACTIVE, Transport.COUNTS, dim=2, g=1, m=2,
+                       min_contributors=2, report_goal=2, deadline_seconds=20.0)  # fmt: skip
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(state.execute_round(req)))
+    t.start()
+
+    def report(u: str) -> Submission:
+        msg = UserMessage(u, secrets.token_bytes(16), counts=np.array([1, 2], dtype=np.uint64))
+        return Submission("run", 0, "node", [msg])
+
+    try:
+        assert list(sub.get(5.0).user_ids) == users
+        assert state.submit(report("u0")).accepted == 1
+        with state._lock:
+            assert state.submit(report("u1")).accepted == 1  # the goal
+            with pytest.raises(RoundRejected) as err:
+                state.submit(report("u2"))
+            assert err.value.reason.value == "expired_round"
+    finally:
+        t.join(10)
+    assert out[0].released and out[0].contributors == 2
+    np.testing.assert_array_equal(out[0].label_totals, [2, 4])

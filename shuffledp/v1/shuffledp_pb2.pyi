@@ -113,7 +113,7 @@ class PrivacyCost(_message.Message):
     def __init__(self, eps: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in", "sampling_rate", "population", "model_name", "model_digest", "signed")
+    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in", "sampling_rate", "population", "model_name", "model_digest", "signed", "report_goal")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class RoundSpec(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SIGNED_FIELD_NUMBER: _ClassVar[int]
+    REPORT_GOAL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     schedule: Schedule
@@ -164,7 +165,8 @@ class RoundSpec(_message.Message):
     model_name: str
     model_digest: str
     signed: SignedSpec
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ..., sampling_rate: _Optional[float] = ..., population: _Optional[int] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., signed: _Optional[_Union[SignedSpec, _Mapping]] = ...) -> None: ...
+    report_goal: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ..., sampling_rate: _Optional[float] = ..., population: _Optional[int] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., signed: _Optional[_Union[SignedSpec, _Mapping]] = ..., report_goal: _Optional[int] = ...) -> None: ...
 
 class SignedSpec(_message.Message):
     __slots__ = ("spec", "signature", "certificate")
