@@ -495,16 +495,27 @@ def _read(path: Path) -> str:
 
 
 def _flower_run_state(bin_dir: Path, env: dict[str, str], cwd: Path, run_log: Path) -> dict | None:
-    """`flwr ls --run-id` of the run started in run_log (status, status details), while the SuperLink still runs."""
+    """`flwr ls --run-id` of the run started in run_log (status, status details) and the count of SuperNodes per
+    status (`flwr supernode ls`), asked while the SuperLink still runs."""
     run_id = re.search(r"Successfully started run (\d+)", _read(run_log))
-    if not run_id:
-        return None
-    cmd = [str(bin_dir / "flwr"), "ls", SUPERLINK_CONNECTION, "--run-id", run_id.group(1), "--format", "json"]
+    cmd = [str(bin_dir / "flwr"), "ls", SUPERLINK_CONNECTION, "--format", "json"]  # this SuperLink's one run, if any
+    cmd += ["--run-id", run_id.group(1)] if run_id else []
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=30)
-        return json.loads(out.stdout)["runs"][0]
-    except (subprocess.TimeoutExpired, ValueError, KeyError, IndexError):
-        return None
+    except subprocess.TimeoutExpired:
+        return {"status": "unknown (`flwr ls` took over 30 s)"}
+    try:
+        runs = json.loads(out.stdout)["runs"]
+        state = runs[0] if runs else {"status": "no run submitted"}
+    except (ValueError, KeyError, IndexError):
+        return {"status": "unknown", "flwr_ls_output": (out.stdout + out.stderr)[-2000:]}
+    cmd = [str(bin_dir / "flwr"), "supernode", "ls", SUPERLINK_CONNECTION, "--format", "json"]
+    try:  # the SuperNodes as the SuperLink sees them: how many per status (online, offline, registered, ...)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=30)
+        state["supernodes"] = dict(Counter(node["status"] for node in json.loads(out.stdout)["nodes"]))
+    except (subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
+        pass
+    return state
 
 
 def run_flower_deployment(
@@ -586,6 +597,9 @@ def run_flower_deployment(
         if run_state:
             status += f"; the SuperLink's state of the run: {run_state.get('status')}"
             status += f" ({run_state['status-details']})" if run_state.get("status-details") else ""
+            if "supernodes" in run_state:
+                listed = ", ".join(f"{count} {state}" for state, count in sorted(run_state["supernodes"].items()))
+                status += f"; SuperNodes as the SuperLink lists them: {listed or 'none'}"
         if gone:
             exits = ", ".join(f"{count} with exit code {code}" for code, count in gone.items())
             logs_text = "".join(_read(f) for f in run_logs.glob("supernode-*.log"))
