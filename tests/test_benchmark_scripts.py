@@ -132,7 +132,7 @@ def test_compare_flower_deployment_quick_runs_the_shuffledp_half(tmp_path):
     row = re.search(rf"^\s+4\s+shuffledp{num * 6}\s+(\d+){num}\s+ok$", out, re.M)
     assert row, out
     startup, per_round, wall, cpu, pss, per_node, procs, accuracy = (float(v) for v in row.groups())
-    assert 0 < per_round < startup < wall and cpu > 0.5 and 0 < per_node < pss and procs == 5, out
+    assert 0 < per_round < startup < wall and cpu > 0.5 and 0 < per_node < pss and procs >= 5, out
     assert 0 <= accuracy <= 1 and not re.search(r"^\s+\d+\s+flower", out, re.M), out
     (result,) = json.loads((tmp_path / "compare_flower_deployment.json").read_text())["results"]
     assert result["system"] == "shuffledp" and result["extra"]["status"] == "ok"
