@@ -8,8 +8,8 @@ Run (from the repo root, with the repo's venv):
 --quick: 4 nodes, 2 rounds (a smoke test); --systems shuffledp skips Flower and never creates its venv (CI). Before
 the measured runs, one untimed run of 2 nodes and 1 round per system warms the page cache. For each N the systems
 run one after the other (--repeats times each, alternating; the table shows medians). The default (N = 10, 20, 50,
-5 rounds) takes about 13 minutes on 2 cores, most of it Flower's (its N = 50 run alone is bounded by
---round1-timeout).
+5 rounds) took 20 and 21 minutes here on 2 cores that other work kept busy (load average 15-75), most of it Flower's
+(each Flower run that cannot finish round 1 costs --round1-timeout).
 
 Flower is never a dependency of the product: its half runs from the throwaway venv of benchmarks/compare_flower.py
 (.venv-compare/ at the repo root, git-ignored, created on first use with flwr[simulation]==FLWR_VERSION, the newest
