@@ -100,7 +100,9 @@ _REFUSED_BEFORE_COLLECTION = {
 # Codes only the server's gRPC layer gives before any handler runs (role check, unknown method): nothing was
 # collected whatever the metadata says.
 _REFUSED_BEFORE_HANDLER = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED}
-_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# GetPopulation (a read) failing so is asked again: the shuffler is down or busy. CANCELLED too: a shuffler that 10^4
+# devices connect to at once cancels some calls it has no time to pick up, the analyzer's among them (issue 44)
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 _PROBE_SECONDS = 10.0  # GetPopulation before each round: is the shuffler there at all?
 _MAX_BACKOFF_SECONDS = 30.0
 _TEST_DATA_CACHE = 4  # held-out splits kept in memory

@@ -75,6 +75,8 @@ REASON_METADATA_KEY = "shuffledp-reason"
 SERVICE = "shuffledp.v1.Shuffler"
 DEFAULT_MAX_NODES = grpc_options.DEFAULT_MAX_NODES
 NODE_WORKERS = 4  # threads for the nodes' calls into the state and for decoding their messages (CPU-bound: 2 cores)
+# A node's message up to this size is decoded and checked on the event loop (~1 ms or less), larger ones on the pool
+INLINE_BYTES = 256 * 1024
 ANALYZER_WORKERS = 16  # threads of the analyzer's calls (ExecuteRound, GetPopulation) alone: nodes never get them
 STREAMS_PER_NODE = 2  # a node's invitation stream, and the one that replaces it when the node reconnects
 # Requests a node may have in flight at once (RegisterUsers and Submit: a node sends its Submits one after another).
@@ -473,10 +475,16 @@ class _Outbox:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._loop_thread = threading.get_ident()  # made on the loop (serve_shuffler's start)
         self._lock = threading.Lock()
         self._pending: list[tuple[asyncio.Queue, Any]] = []
 
     def push(self, q: asyncio.Queue, item: Any) -> None:
+        if threading.get_ident() == self._loop_thread:
+            # on the loop already (a small contribution's result): no wake-up, after what other threads queued
+            self._flush()
+            q.put_nowait(item)
+            return
         with self._lock:
             first = not self._pending
             self._pending.append((q, item))
@@ -550,6 +558,14 @@ class ShufflerServicer:
 
     async def _on(self, pool: futures.Executor, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def _on_or_here(self, raw: bytes, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) for a node's message `raw`: on the loop itself if it is small (a device's report, a check-in:
+        two thread hand-overs cost more than its work), else on the nodes' pool (decoding and checking 64 MiB would
+        hold every connection)."""
+        if len(raw) <= INLINE_BYTES:
+            return fn(*args)
+        return await self._on(self._nodes, fn, *args)
 
     async def ExecuteRound(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         gone = threading.Event()  # the analyzer's call ended: execute_round stops collecting, releases nothing
@@ -643,7 +659,7 @@ class ShufflerServicer:
 
     async def Submit(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            return await self._on(self._nodes, self._submit, raw, _caller(context))
+            return await self._on_or_here(raw, self._submit, raw, _caller(context))
         except (RoundRejected, ValueError, PermissionError) as exc:
             await _abort(context, exc)
 
@@ -683,7 +699,7 @@ class ShufflerServicer:
         try:
             async for raw in requests:
                 # anything but a domain error is a bug: it is not hidden
-                sub.put(await self._on(self._nodes, self._result, raw, sub.node_id))
+                sub.put(await self._on_or_here(raw, self._result, raw, sub.node_id))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the RPC ended (cancelled, broken)

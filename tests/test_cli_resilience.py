@@ -362,3 +362,46 @@ def test_operator_calls_ended_cancelled_are_repeated_and_the_run_completes(tmp_p
     assert result.status.state == pb.COMPLETED and result.status.rounds_done == 3, said
     assert cancels.left == {"StartRun": 0, "GetRunStatus": 0, "GetRunResult": 0}
     assert said.count("analyzer unreachable (CANCELLED), retrying for up to 60 s...") == 3, said
+
+
+class _CancelsPopulation(grpc.aio.ServerInterceptor):
+    """The real shuffler, whose first `n` GetPopulation calls end CANCELLED: what a shuffler that 10^4 devices connect
+    to at once does to calls it has no time to pick up, the analyzer's among them (bench_devices.py, issue 44)."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.endswith("/GetPopulation"):
+            return handler
+        inner = handler.unary_unary
+
+        async def call(raw, context):
+            if self.left > 0:  # the server's one event loop: no lock
+                self.left -= 1
+                await context.abort(grpc.StatusCode.CANCELLED, "cancelled: not picked up in time")
+            return await inner(raw, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            call, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+def test_the_analyzer_asks_the_population_again_when_the_shuffler_cancels_its_call(tmp_path):
+    """GetPopulation ending CANCELLED (before planning and before each round) is asked again, like a shuffler out of
+    reach, and the run completes; before, the first CANCELLED ended the run FAILED."""
+    config = digits_pgd(3)
+    cancels = _CancelsPopulation(4)
+    shuffler, sport = start_shuffler("127.0.0.1:0", interceptors=[cancels])
+    analyzer, aport = start_analyzer("127.0.0.1:0", f"127.0.0.1:{sport}", tmp_path / "state")
+    node = start_node("n0", parse_config(config), 0, 1, f"127.0.0.1:{sport}")
+    said: list[str] = []
+    try:
+        result = drive_run(f"127.0.0.1:{aport}", config, echo=said.append, give_up_s=60.0, call_timeout_s=10.0)
+    finally:
+        node.stop()
+        analyzer.stop(0)
+        shuffler.stop(0)
+    assert result.status.state == pb.COMPLETED and result.status.rounds_done == 3, (result.status.message, said)
+    assert cancels.left == 0
