@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 COMPUTE_THREADS = 2  # the fleet's pool for NodeCore.handle: CPU-bound (one per core here) plus the stores' fsyncs
 RESULT_TIMEOUT_S = 60.0  # as ClientNodeHandle._deliver
+CONNECTING = 64  # a fleet's connection attempts in flight at once (_Shared.connecting)
 _END = object()
 
 
@@ -61,6 +62,10 @@ class _Shared:
     prepare: futures.ThreadPoolExecutor
     backoff: tuple[float, float]
     chunk: int
+    # connection attempts in flight at once (TLS handshake, RegisterUsers, Connect until subscribed): 10^4 devices
+    # dialling together made the shuffler cancel thousands of calls it had no time to pick up, and retry storms
+    # followed (bench_devices.py: 9,400 failed attempts, all connected after 100-186 s)
+    connecting: asyncio.Semaphore
 
 
 def _handle(core: NodeCore, inv: pb.Invitation) -> tuple[pb.Contribution, bool]:
@@ -128,15 +133,17 @@ class DeviceNode:
         core, delay, failures = self.core, self._shared.backoff[0], 0
         while True:
             try:
-                await self._stub.RegisterUsers(
-                    pb.RegisterUsersRequest(node_id=core.node_id, user_ids=core.shard.user_ids), timeout=120
-                )
-                self._out, self._seq = asyncio.Queue(), 0
-                self._out.put_nowait(pb.NodeMessage(subscribe=pb.SubscribeRequest(node_id=core.node_id)))
-                call = self._stub.Connect(_drain(self._out))
-                # connected once the shuffler says so: a refused stream (its capacity, a quota) is a failure to back
-                # off from, not a connection (the retry delay and the log line were reset by each refusal)
-                if grpc_options.subscribed(await call.initial_metadata()):
+                async with self._shared.connecting:  # a bounded number of the fleet's devices dial at once
+                    await self._stub.RegisterUsers(
+                        pb.RegisterUsersRequest(node_id=core.node_id, user_ids=core.shard.user_ids), timeout=120
+                    )
+                    self._out, self._seq = asyncio.Queue(), 0
+                    self._out.put_nowait(pb.NodeMessage(subscribe=pb.SubscribeRequest(node_id=core.node_id)))
+                    call = self._stub.Connect(_drain(self._out))
+                    # connected once the shuffler says so: a refused stream (its capacity, a quota) is a failure to
+                    # back off from, not a connection (the retry delay and the log line were reset by each refusal)
+                    subscribed = grpc_options.subscribed(await call.initial_metadata())
+                if subscribed:
                     self.connected, delay, failures = True, self._shared.backoff[0], 0
                 async for msg in call:
                     kind = msg.WhichOneof("kind")
@@ -296,7 +303,7 @@ class Fleet:
             raise ValueError(f"{len(cores)} devices but {len(credentials)} credentials")
         prepare = futures.ThreadPoolExecutor(1, thread_name_prefix="fleet-prepare", initializer=_lower_priority)
         compute = futures.ThreadPoolExecutor(workers, thread_name_prefix="fleet-compute")
-        self._shared = _Shared(compute, prepare, backoff, int(submit_chunk_bytes))
+        self._shared = _Shared(compute, prepare, backoff, int(submit_chunk_bytes), asyncio.Semaphore(CONNECTING))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fleet-loop", daemon=True)
         self._thread.start()
@@ -348,7 +355,10 @@ class Fleet:
                     task.cancel()
                 await asyncio.gather(*rest, return_exceptions=True)
 
-            self._call(vanish_all())
+            try:  # 10^4 devices closing their calls during a connection storm took longer than a minute
+                self._call(vanish_all(), timeout=60.0 + len(self.devices) / 100)
+            except TimeoutError:
+                log.warning("fleet: %d devices did not all end in time; stopping their loop anyway", len(self.devices))
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
             self._loop.close()

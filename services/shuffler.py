@@ -1,10 +1,12 @@
 """Shuffler gRPC service: a thin proto <-> domain layer over services/shuffler_state.py (design 1, 5), on grpc.aio.
 
 One event loop, on a thread of its own, serves every connection (issue 44 item 1: 10^4 device nodes at once, each a
-coroutine and its socket, not a thread). Nothing heavy runs on it: every call into the state (which takes its lock)
-and every decode of a node's message runs on a bounded thread pool (NODE_WORKERS), the analyzer's calls on a pool of
-their own (ANALYZER_WORKERS: ExecuteRound blocks for the whole round). What the state queues for a node (an
-invitation, a SubmitResult) reaches the loop through one hand-over per burst (_Outbox), not one wake-up per node.
+coroutine and its socket, not a thread). Nothing long runs on it: a node's message above INLINE_BYTES (decoding and
+checking it), its registration and its subscription run on a bounded thread pool (NODE_WORKERS), the analyzer's calls
+on a pool of their own (ANALYZER_WORKERS: ExecuteRound blocks for the whole round); a small message (a device's
+report, a check-in) is handled on the loop, where two thread hand-overs would cost more than its work. What the state
+queues for a node (an invitation, a SubmitResult) reaches the loop through one hand-over per burst (_Outbox), not one
+wake-up per node.
 
 Domain errors map to status codes from one table (_STATUS). Whole-contribution rejections (wrong or expired
 round) end the Submit call with FAILED_PRECONDITION, details "<reason>: ..." and trailing metadata
