@@ -151,6 +151,11 @@ class CallLimits(grpc.aio.ServerInterceptor):
             held = [r for reasons in self._nodes.values() for r in reasons.values()]
             return [RefusedNode(r.node, r.reason, r.details, r.calls) for r in held]
 
+    def revoked(self, context: grpc.aio.ServicerContext) -> str | None:
+        """Why the caller's certificate is revoked now, None if it is not: a stream opened before its revocation is
+        checked again at each message it carries (the list is read again when its file changes: a stat per call)."""
+        return None if self._revocations is None else self._revocations.refusal(context)
+
     def forget(self, node: str) -> None:
         """The node connected: its refusals are history (refused_nodes() lists the nodes still left out)."""
         with self._lock:
@@ -511,6 +516,7 @@ class _LoopSubscription(Subscription):
         self.closed = False
         self._outbox = outbox
         self._items: asyncio.Queue = asyncio.Queue()
+        self.revoked: str | None = None  # why the stream ended: its node's certificate was revoked meanwhile
 
     def put(self, item: Any) -> None:
         self._outbox.push(self._items, item)
@@ -650,8 +656,15 @@ class ShufflerServicer:
             await _abort(context, exc)
         sub = await self._subscribe(request.node_id, context)
         await context.send_initial_metadata(_SUBSCRIBED)
-        async for invite in self._queued(sub):
-            yield _invitation(invite)
+        queued = self._queued(sub)
+        try:
+            async for invite in queued:
+                if self._cut_if_revoked(sub, context):
+                    break
+                yield _invitation(invite)
+        finally:
+            await queued.aclose()
+        await self._end_if_revoked(sub, context)
 
     def _accept(self, request: pb.Contribution, node: str) -> pb.ContributionAck:
         """Validate and aggregate one contribution of `node` (design 5.3): the one path of Submit and Connect.
@@ -684,22 +697,41 @@ class ShufflerServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect stream starts with `subscribe`")
         sub = await self._subscribe(first.subscribe.node_id, context)
         await context.send_initial_metadata(_SUBSCRIBED)
-        reader = asyncio.create_task(self._read(requests, sub))
+        reader = asyncio.create_task(self._read(requests, sub, context))
+        queued = self._queued(sub)
         try:
-            async for item in self._queued(sub):
+            async for item in queued:
                 if isinstance(item, pb.SubmitResult):
                     yield pb.ShufflerMessage(result=item)
+                elif self._cut_if_revoked(sub, context):
+                    break
                 else:
                     yield pb.ShufflerMessage(invitation=_invitation(item))
         finally:
             reader.cancel()
+            await queued.aclose()
+        await self._end_if_revoked(sub, context)
 
-    async def _read(self, requests: Any, sub: _LoopSubscription) -> None:
+    def _cut_if_revoked(self, sub: _LoopSubscription, context: grpc.aio.ServicerContext) -> bool:
+        """Whether the node's certificate was revoked since its stream opened (then the stream ends: no invitation
+        reaches it, nothing it sends is used)."""
+        if sub.revoked is None:
+            sub.revoked = self._limits.revoked(context)
+        return sub.revoked is not None
+
+    async def _end_if_revoked(self, sub: _LoopSubscription, context: grpc.aio.ServicerContext) -> None:
+        if sub.revoked is not None:
+            self._limits.note(sub.node_id, "revoked", sub.revoked)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, tls.clip_details(sub.revoked))
+
+    async def _read(self, requests: Any, sub: _LoopSubscription, context: grpc.aio.ServicerContext) -> None:
         """Connect's reader: each contribution through _accept (on a worker thread), its result queued behind what
         is queued already. The stream ends when the node stops sending (nothing it sends after could be
-        answered)."""
+        answered), or once its certificate is revoked (what it sent then is not used)."""
         try:
             async for raw in requests:
+                if self._cut_if_revoked(sub, context):
+                    return
                 # anything but a domain error is a bug: it is not hidden
                 sub.put(await self._on_or_here(raw, self._result, raw, sub.node_id))
         except asyncio.CancelledError:

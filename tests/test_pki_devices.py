@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import queue
 import shutil
 import stat
 import subprocess
@@ -296,3 +297,54 @@ def test_concurrent_issues_and_revocations_lose_nothing(tmp_path: Path) -> None:
     for name in ("client-0", "client-1"):
         cert = x509.load_pem_x509_certificate(pki.party_paths(tmp_path, name)[0].read_bytes())
         assert cert.serial_number in serials, name
+
+
+class _Sending:
+    """A node's Connect stream: its subscribe message, then whatever send() puts on it, until close()."""
+
+    def __init__(self, pki_dir: Path, address: str, name: str) -> None:
+        self._channel = _channel(pki_dir, address, name)
+        self._out: queue.Queue = queue.Queue()
+        self._out.put(pb.NodeMessage(subscribe=pb.SubscribeRequest(node_id=name)))
+        self.call = pbg.ShufflerStub(self._channel).Connect(iter(self._out.get, None))
+
+    def send(self, msg: pb.NodeMessage) -> None:
+        self._out.put(msg)
+
+    def close(self) -> None:
+        self._out.put(None)
+        self.call.cancel()
+        self._channel.close()
+
+
+def test_a_device_revoked_while_connected_loses_its_stream_at_its_next_message(tmp_path: Path) -> None:
+    """The revocation list is checked as each call opens, and again at each message a stream carries: a device that
+    was connected before its revocation has its stream ended (PERMISSION_DENIED naming the revocation) at the next
+    message it sends, which is not used; it is no longer counted as connected, and the other device keeps its stream.
+    Before, a connected device kept contributing until it reconnected."""
+    out = tmp_path / "pki"
+    pki.init_pki(out, client_nodes=2)
+    argv = ["shuffler", "--pki", str(out), "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")]
+    proc, port = serve(tmp_path, "shuffler", argv)
+    address = f"127.0.0.1:{port}"
+    streams: list[_Sending] = []
+    try:
+        for name in ("client-0", "client-1"):
+            assert _register(out, address, name).admitted == 1
+            streams.append(_Sending(out, address, name))
+        assert all(s.call.initial_metadata() for s in streams)  # both subscribed
+        _wait_connected(out, address, 2)
+        assert _cli("revoke", "--pki", str(out), "client-1").returncode == 0
+        late = pb.Contribution(run_id="r", round=0, node_id="client-1")
+        streams[1].send(pb.NodeMessage(seq=1, contribution=late))
+        err = _refused(lambda: next(streams[1].call))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "client-1 is revoked" in err.details(), err
+        end = time.monotonic() + 10
+        while _connected_nodes(out, address) != 1:
+            assert time.monotonic() < end, "the revoked device is still counted as connected"
+            time.sleep(0.05)
+        assert not streams[0].call.done()  # the other device keeps its stream
+    finally:
+        for s in streams:
+            s.close()
+        stop(proc)
