@@ -33,8 +33,9 @@ The schedule has --rounds rounds (default 4: the first and 3 measured). PVEC's m
 calibrated for eps over the run's rounds, so it depends on --rounds; a node draws its noise as one binomial per
 coordinate (pvec.summed_noise), so its work does not.
 Prints a table, writes bench_devices.json to --out (default results/bench_devices-<time>), with the run's logs'
-warnings and errors counted by kind. Wall times depend on what else runs on the machine: the load average is printed
-with each run; CPU per report and memory do not depend on it.
+warnings and errors counted by kind. Wall times depend on what else runs on the machine: the load average and the
+busy cores are printed with each run. Memory does not; CPU seconds less than wall times, but contention inflates them
+too (2026-12-07, two runs at 10^4 devices at load ~30 and ~50: the shuffler's CPU per report 3.7 and 5.7 ms).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_round import cpu_seconds, vm_hwm_mib  # noqa: E402
 from bench_scale import Sampler, _status  # noqa: E402
@@ -195,6 +197,7 @@ def one_setting(
     pki_dir: Path,
     tmp: Path,
     out: Path,
+    row: dict,
 ) -> dict:
     """One measurement: shuffler, analyzer, and `nodes` nodes hosting `users` users (nodes == users: device nodes in
     `fleets` fleet processes; else ordinary client nodes), a run of `rounds` rounds. The processes' logs are
@@ -206,7 +209,7 @@ def one_setting(
     config.write_text(toml)
     procs = Procs(workdir, pki_dir)
     sampler = Sampler(os.getpid())  # peak memory (VmHWM) of every service process this process started
-    row: dict = {"setting": label, "users": users, "nodes": nodes, "machine_before": shared_machine()}
+    row.update(setting=label, users=users, nodes=nodes, machine_before=shared_machine())
     print(f"\n[{label}] {users} users on {nodes} nodes; {row['machine_before']}", flush=True)
     try:
         procs.start("shuffler", ["shuffler", "--state-dir", str(workdir / "shuffler")])
@@ -243,9 +246,17 @@ def one_setting(
             for name in node_names:
                 procs.port(name)  # a fleet writes its port file (0) once its devices have started
             row["node_processes_up_s"] = time.monotonic() - t0
-            pop, last_print = None, 0.0
+            pop, last_print, poll_errors = None, 0.0, Counter()
             while True:
-                pop = shuffler_stub.GetPopulation(pb.PopulationRequest(), timeout=30)
+                try:
+                    pop = shuffler_stub.GetPopulation(pb.PopulationRequest(), timeout=30)
+                except grpc.RpcError as exc:  # the analyzer's call queued behind the devices' (counted, retried)
+                    poll_errors[exc.code().name] += 1
+                    row["population_poll_errors"] = dict(poll_errors)
+                    print(f"  GetPopulation failed ({exc.code().name}: {exc.details()}); retrying", flush=True)
+                    procs.check_alive()
+                    time.sleep(1.0)
+                    continue
                 now = time.monotonic() - t0
                 if pop.connected_nodes >= nodes:
                     break
@@ -365,11 +376,11 @@ def one_setting(
         logs.mkdir(parents=True, exist_ok=True)
         for path in workdir.glob("*.log"):
             shutil.copy(path, logs / path.name)
-    for name, info in row["logs"].items():
-        if info["marked_lines"] or info["returncode"] not in (0, None):
-            print(f"  log {name}: exit {info['returncode']}, {info['marked_lines']} warning/error lines:")
-            for kind, n in sorted(info["kinds"].items(), key=lambda kv: -kv[1])[:6]:
-                print(f"    {n:6d} x {kind}")
+        for name, info in row["logs"].items():
+            if info["marked_lines"] or info["returncode"] not in (0, None):
+                print(f"  log {name}: exit {info['returncode']}, {info['marked_lines']} warning/error lines:")
+                for kind, n in sorted(info["kinds"].items(), key=lambda kv: -kv[1])[:6]:
+                    print(f"    {n:6d} x {kind}")
     return row
 
 
@@ -406,6 +417,13 @@ def print_table(rows: list[dict], shared: str) -> None:
         "report used (each with its check-in); node CPU: the nodes' processes per user and round"
     )
     for r in rows:
+        if "error" in r:
+            print(f"  {r['setting']}: FAILED: {r['error'].splitlines()[0][:300]}")
+        if r.get("population_poll_errors"):
+            print(
+                f"  {r['setting']}: the shuffler failed GetPopulation calls while devices connected: "
+                f"{r['population_poll_errors']}"
+            )
         if r["nodes"] == r["users"] and r.get("shuffler_kib_per_node") is not None:
             kib = r["shuffler_kib_per_node"]
             verdict = "met" if kib <= TARGET_KIB else "within the limit" if kib <= LIMIT_KIB else "MISSED"
@@ -466,13 +484,14 @@ def main(argv: list[str] | None = None) -> int:
             settings.append((f"{sizes[-1]} users, 2 nodes", sizes[-1], 2))
         for label, users, nodes in settings:
             deadline = args.deadline or max(60.0, 0.1 * users)
+            row: dict = {}
             try:
-                row = one_setting(
-                    label, users, nodes, args.fleets, args.rounds, deadline, data, tmp / "pki", tmp, args.out
+                one_setting(
+                    label, users, nodes, args.fleets, args.rounds, deadline, data, tmp / "pki", tmp, args.out, row
                 )
             except Exception as exc:  # the others still run; the row says what went wrong
                 print(f"  [{label}] FAILED: {exc}", flush=True)
-                row = {"setting": label, "users": users, "nodes": nodes, "error": str(exc)}
+                row["error"] = str(exc)
             rows.append(row)
             (args.out / "bench_devices.json").write_text(json.dumps({"rows": rows}, indent=2, default=str))
     wall = time.monotonic() - started
