@@ -47,6 +47,9 @@ def test_ctrl_c_writes_what_exists_and_prints_the_spend(tmp_path: Path, how: str
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,  # its own process group, as a shell's foreground job
+        # as a terminal's job gets it: a test run started in the background by a non-interactive shell (`... &`)
+        # has SIGINT ignored, which every child would inherit, and no Ctrl-C would reach the CLI
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
