@@ -747,7 +747,7 @@ class RunManager:
     def _population(self, run_id: str, want_nodes: int, wait: float, cancel: threading.Event) -> pb.PopulationStatus:
         """Wait (at most `wait` s) until the configured client nodes are connected and the admitted count is stable."""
         deadline = self._clock() + wait
-        last = None
+        last_reading = None  # the previous reading: (admitted users, connected nodes, refused nodes' text)
         while True:
             if cancel.is_set():
                 raise _Cancelled
@@ -762,15 +762,12 @@ class RunManager:
                 self.ledger.set_state(run_id, "RUNNING", f"waiting for the population: {why}")
                 cancel.wait(1.0)
                 continue
-            stable = last is not None and pop.admitted_users == last.admitted_users
+            stable = last_reading is not None and pop.admitted_users == last_reading[0]
             if pop.connected_nodes >= want_nodes and pop.admitted_users > 0 and stable:
                 return pop
             refused = refused_nodes_text(pop.refused_nodes)
-            if last is None or (pop.admitted_users, pop.connected_nodes, refused) != (
-                last.admitted_users,
-                last.connected_nodes,
-                refused_nodes_text(last.refused_nodes),
-            ):
+            reading = (pop.admitted_users, pop.connected_nodes, refused)
+            if reading != last_reading:
                 # progress while a large population registers (the operator's CLI prints each change), and the
                 # nodes the shuffler turned away, by name and reason (issue 44: they were left out unseen)
                 what = f"{pop.admitted_users} users admitted, {pop.connected_nodes} of {want_nodes} nodes connected"
@@ -789,7 +786,7 @@ class RunManager:
                         )
                     return pop
                 raise PlanError(f"no users admitted at the shuffler after {wait:.0f} s{refused}")
-            last = pop
+            last_reading = reading
             cancel.wait(0.05)  # a node registers its users in one call: two equal readings this far apart suffice
 
     def _plan(self, run_id: str, cfg: RunConfig, live: _Live) -> dict[str, Any]:

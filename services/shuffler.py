@@ -181,17 +181,18 @@ class CallLimits(grpc.aio.ServerInterceptor):
         await context.abort(code, tls.clip_details(details))
 
     @asynccontextmanager
-    async def _slot(self, kind: str, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """Hold one of the caller's calls of `kind` while the block runs; refuse the call if it has none left."""
+    async def _slot(self, kind: str, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[str | None]:
+        """Hold one of the caller's calls of `kind` while the block runs, which gets the caller's certificate name
+        (None in plain text); refuse the call if it has none left."""
         ident = tls.peer_identity(context)
         who = ident.name if ident is not None else None
-        if self._revocations is not None and (revoked := self._revocations.refusal(context)) is not None:
+        if (revoked := self.revoked(context)) is not None:
             await self._refuse(context, who, "revoked", grpc.StatusCode.PERMISSION_DENIED, revoked)
         if kind == "analyzer":
             if ident is not None and ident.role != pki.ROLE_ANALYZER:
                 details = f"{method}: role {ident.role!r} ({ident.name}) may not call this method; allowed: analyzer"
                 await self._refuse(context, None, "not_analyzer", grpc.StatusCode.PERMISSION_DENIED, details)
-            yield
+            yield who
             return
         if ident is not None:
             caller = ident.name
@@ -208,7 +209,7 @@ class CallLimits(grpc.aio.ServerInterceptor):
         for k in keys:
             self._open[k] += 1
         try:
-            yield
+            yield who
         finally:
             for k in keys:
                 self._open[k] -= 1
@@ -233,15 +234,13 @@ class CallLimits(grpc.aio.ServerInterceptor):
             return "streams", f"{total} streams are open at the shuffler; at most {self._max_streams}"
         return None
 
-    async def _first(self, requests: Any, context: grpc.aio.ServicerContext, method: str) -> Any:
+    async def _first(self, requests: Any, context: grpc.aio.ServicerContext, method: str, who: str | None) -> Any:
         """The call's first message (None if the caller sent none), ending the call if it takes too long."""
         try:
             return await asyncio.wait_for(anext(requests, None), self._first_message_seconds)
         except TimeoutError:
-            ident = tls.peer_identity(context)
             details = f"{method}: no request within {self._first_message_seconds:g} s of the call's opening"
-            name = ident.name if ident is not None else None
-            await self._refuse(context, name, "first_message_deadline", grpc.StatusCode.DEADLINE_EXCEEDED, details)
+            await self._refuse(context, who, "first_message_deadline", grpc.StatusCode.DEADLINE_EXCEEDED, details)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -252,8 +251,8 @@ class CallLimits(grpc.aio.ServerInterceptor):
         kind = "analyzer" if method in _ANALYZER_METHODS else "stream" if handler.response_streaming else "request"
         unary = not handler.request_streaming
 
-        async def start(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            first = await self._first(requests, context, method)
+        async def start(requests: Any, context: grpc.aio.ServicerContext, who: str | None) -> Any:
+            first = await self._first(requests, context, method, who)
             if not unary:
                 return behaviour(_chain(first, requests), context)
             if first is None:
@@ -263,20 +262,16 @@ class CallLimits(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
 
             async def limited_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                async with self._slot(kind, method, context):  # held while the stream runs
-                    result = await start(requests, context)
-                    if hasattr(result, "__aiter__"):
-                        async for response in result:
-                            yield response
-                    else:  # a coroutine that writes with context.write (the health service's Watch)
-                        await result
+                async with self._slot(kind, method, context) as who:  # held while the stream runs
+                    async for response in tls.aio_responses(await start(requests, context, who)):
+                        yield response
 
             behaviour_out = limited_stream
         else:
 
             async def limited(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                async with self._slot(kind, method, context):
-                    return await (await start(requests, context))
+                async with self._slot(kind, method, context) as who:
+                    return await (await start(requests, context, who))
 
             behaviour_out = limited
         kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
@@ -321,11 +316,6 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, round_re
     elif round_refused:
         metadata = ((grpc_options.ROUND_REFUSED_METADATA_KEY, code.name),)
     await context.abort(code, tls.clip_details(str(exc)), trailing_metadata=metadata)
-
-
-def _caller(context: grpc.aio.ServicerContext) -> pki.Identity | None:
-    """The caller's verified certificate identity (None in plain text), read on the loop for a worker thread."""
-    return tls.peer_identity(context)
 
 
 def _node_id(claimed: str, ident: pki.Identity | None) -> str:
@@ -609,7 +599,7 @@ class ShufflerServicer:
 
     async def RegisterUsers(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            return await self._on(self._nodes, self._register, raw, _caller(context))
+            return await self._on(self._nodes, self._register, raw, tls.peer_identity(context))
         except (ValueError, QuotaExceeded, PermissionError) as exc:
             await _abort(context, exc)
 
@@ -621,7 +611,7 @@ class ShufflerServicer:
 
     async def _subscribe(self, node_id: str, context: grpc.aio.ServicerContext) -> _LoopSubscription:
         try:
-            node = _node_id(node_id, _caller(context))
+            node = _node_id(node_id, tls.peer_identity(context))
             sub = await self._on(self._nodes, self.state.subscribe, node, self._subscription)
             self._limits.forget(node)
             return sub
@@ -674,7 +664,7 @@ class ShufflerServicer:
 
     async def Submit(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            return await self._on_or_here(raw, self._submit, raw, _caller(context))
+            return await self._on_or_here(raw, self._submit, raw, tls.peer_identity(context))
         except (RoundRejected, ValueError, PermissionError) as exc:
             await _abort(context, exc)
 

@@ -378,10 +378,9 @@ class _ShufflerCollector(Collector):
         yield nodes
 
 
-def shuffler_registry(server) -> CollectorRegistry:
-    """The shuffler's metrics over its server (services.shuffler.ShufflerServer: its ShufflerState and CallLimits), or
-    a bare ShufflerState; installs the round hook (phases' durations, batch sizes)."""
-    state, limits = getattr(server, "shuffler_state", server), getattr(server, "call_limits", None)
+def shuffler_registry(state, limits=None) -> CollectorRegistry:
+    """The shuffler's metrics over its ShufflerState and its CallLimits (services.shuffler: the calls and nodes it
+    refused; none without); installs the round hook (phases' durations, batch sizes)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_ShufflerCollector(state, limits))
     phases = Histogram(

@@ -279,7 +279,11 @@ def _start(
             revocations=revocations,
             max_nodes=max_nodes,
         )
-        return port, lambda: server.stop(grace=5).wait(), lambda: _registry("shuffler_registry", server), _nothing
+
+        def registry():
+            return _registry("shuffler_registry", server.shuffler_state, server.call_limits)
+
+        return port, lambda: server.stop(grace=5).wait(), registry, _nothing
     from shuffledp.clients.node import start_node
     from shuffledp.spec_signing import SpecVerifier
 
@@ -387,10 +391,10 @@ def _watch_parent(fd: int, gone: threading.Event, stop: threading.Event) -> None
     os._exit(1)
 
 
-def _registry(maker: str, target: object):
+def _registry(maker: str, *targets: object):
     from shuffledp import metrics
 
-    return getattr(metrics, maker)(target)
+    return getattr(metrics, maker)(*targets)
 
 
 def _serve(args: argparse.Namespace) -> int:

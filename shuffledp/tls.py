@@ -325,6 +325,16 @@ def _handler_like(handler: grpc.RpcMethodHandler, guard: Callable[[Callable, boo
     raise ValueError("RPC method handler has no behaviour")
 
 
+async def aio_responses(result: Any) -> Any:
+    """The responses of a grpc.aio response-streaming behaviour's `result`: an async generator's, passed on; or none,
+    once a coroutine that writes its responses with context.write (the health service's Watch) has ended."""
+    if hasattr(result, "__aiter__"):
+        async for response in result:
+            yield response
+    else:
+        await result
+
+
 def _wrap_aio_handler(
     handler: grpc.RpcMethodHandler, method: str, refusal: Callable[[grpc.ServicerContext], str | None] | None
 ) -> grpc.RpcMethodHandler:
@@ -353,11 +363,8 @@ def _wrap_aio_handler(
 
             async def guarded_stream(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
                 result = behaviour(await prepared(request_or_iterator, context, streaming_request), context)
-                if hasattr(result, "__aiter__"):
-                    async for response in result:
-                        yield response
-                else:  # a coroutine that writes its responses with context.write (the health service's Watch)
-                    await result
+                async for response in aio_responses(result):
+                    yield response
 
             return guarded_stream
 
