@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -260,3 +263,24 @@ def test_replay_is_the_callers_to_refuse():
     nonce, public, shares = _report(vdaf, [1] * 10)
     first = _verify(vdaf, key, nonce, public, shares)
     assert _verify(vdaf, key, nonce, public, shares) == first
+
+
+# --- the benchmark ----------------------------------------------------------------------------------------------
+
+
+def test_bench_prio3_native_quick_prints_both_fields_at_every_size():
+    # benchmarks/bench_prio3_native.py --quick (tests/test_benchmark_scripts.py names each script it runs; this is
+    # the binding's): a row per (field, d) with positive times and the share sizes of the measurement
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_prio3_native.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = re.findall(
+        r"^\s*(Field128|Field64)\s+(1|3)\s+(\d+)\s+\d+((?:\s+[0-9.]+){4})((?:\s+\d+){4})$", proc.stdout, re.M
+    )
+    assert [(r[0], r[2]) for r in rows] == [(f, d) for d in ("100", "650", "10000") for f in ("Field128", "Field64")]
+    for field, _, d, times, sizes in rows:
+        assert all(float(t) > 0 for t in times.split()), proc.stdout
+        leader, helper, public, _ = (int(s) for s in sizes.split())
+        assert helper == public == 64  # two seeds each (draft-18 section 7.2.7)
+        if d == "650":  # the figures: 173 kB with Field128, 93 kB with Field64
+            assert leader == {"Field128": 173136, "Field64": 93288}[field]
