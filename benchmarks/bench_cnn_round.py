@@ -26,12 +26,12 @@ from shuffledp.clients.node import NodeCore, UserShard  # noqa: E402
 from shuffledp.services.ledger import PrivacyEvent  # noqa: E402
 from shuffledp.services.run_manager import plan_run, round_spec  # noqa: E402
 
-from shuffledp import sealing  # noqa: E402
 from shuffledp.config import load_config  # noqa: E402
 from shuffledp.data import load_dataset, user_shard  # noqa: E402
-from shuffledp.model_plugin import build_model, model_identity  # noqa: E402
+from shuffledp.models.plugin import build_model, model_identity  # noqa: E402
 from shuffledp.protocols.registry import round_protocol  # noqa: E402
-from shuffledp.rng import make_rng  # noqa: E402
+from shuffledp.security import sealing  # noqa: E402
+from shuffledp.security.rng import make_rng  # noqa: E402
 from shuffledp.v1 import shuffledp_pb2 as pb  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

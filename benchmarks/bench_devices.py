@@ -8,7 +8,8 @@ task, multinomial logistic regression on scikit-learn's digits (64 pixels + bias
 device node ([deployment] users_per_node = 1, client_nodes = N). Digits has 1347 training users, so the data is
 digits tiled to 10^4 training users (an NPZ of digits' rows, pixels / 16, repeated in order; [data] dataset = "path",
 max_users = N): the same rows, labels and dimension as the default run, only more users.
-Every party is its own OS process on loopback, mTLS from one PKI with a certificate per device (shuffledp.pki), as a
+Every party is its own OS process on loopback, mTLS from one PKI with a certificate per device
+(shuffledp.security.pki), as a
 deployment runs them: `shuffledp serve shuffler` (its default capacity, 10^4 nodes), `serve analyzer`, and the N
 devices in --fleets `serve fleet` processes (devices split evenly, each device its own certificate client-<i>, its
 own grpc.aio channel and its own spend store in SQLite). This process plays the operator (CreateRun, StartRun,
@@ -62,9 +63,10 @@ import numpy as np  # noqa: E402
 from bench_round import cpu_seconds, vm_hwm_mib  # noqa: E402
 from bench_scale import Sampler, _status  # noqa: E402
 
-from shuffledp import pki, tls  # noqa: E402
+from shuffledp.cli.run import operator_channel  # noqa: E402
 from shuffledp.data import load_digits  # noqa: E402
-from shuffledp.run import operator_channel  # noqa: E402
+from shuffledp.security import pki  # noqa: E402
+from shuffledp.transport import tls  # noqa: E402
 from shuffledp.v1 import shuffledp_pb2 as pb  # noqa: E402
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg  # noqa: E402
 

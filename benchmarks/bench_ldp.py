@@ -1,7 +1,7 @@
 """Throughput of the eps0-LDP randomizers of seed 001 (rr, r_inf, r_one, privunit).
 
 For each randomizer: users/second of `encode` on a batch of k users in dimension d, and the ratio of its time to
-drawing the same random numbers alone (same Generator calls and sizes, shuffledp.rng). Target ratio: <= 3.
+drawing the same random numbers alone (same Generator calls and sizes, shuffledp.security.rng). Target ratio: <= 3.
 R_inf and R_1 draw O(1) numbers per user but must read the O(d) input, so a second ratio divides by
 (draws + one read of the input, X.sum()). Also users/second of `decode_sum` (the analyzer's work on a batch).
 
@@ -23,7 +23,7 @@ import numpy as np
 os.environ.setdefault("SHUFFLEDP_ALLOW_TEST_SEED", "1")  # fixed seed for a reproducible benchmark input
 
 from shuffledp.mechanisms import privunit, r_inf, r_one, rr  # noqa: E402
-from shuffledp.rng import make_rng  # noqa: E402
+from shuffledp.security.rng import make_rng  # noqa: E402
 
 
 def best_time(fn: Callable[[], object], reps: int) -> float:

@@ -31,10 +31,10 @@ import threading
 import time
 from pathlib import Path
 
+from shuffledp.accountants.events import PvecRound
 from shuffledp.accountants.ledger_accounting import account
-from shuffledp.events import PvecRound
+from shuffledp.cli.run import Cluster, drive_run, start_local_cluster
 from shuffledp.mechanisms.pvec import PvecParams
-from shuffledp.run import Cluster, drive_run, start_local_cluster
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 COHORT = 10

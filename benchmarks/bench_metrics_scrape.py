@@ -3,7 +3,8 @@
 Run: python benchmarks/bench_metrics_scrape.py [--rounds 10000 100000]
 
 For each R: a ledger (services/ledger.py, in a temporary directory) holds one run with R rounds' metrics (one row
-each in its checkpoints table, as the analyzer writes them); the analyzer's collector (shuffledp/metrics.py) is
+each in its checkpoints table, as the analyzer writes them); the analyzer's collector
+(shuffledp/observability/metrics.py) is
 scraped three times: the first scrape (every round read), a scrape with nothing new, and a scrape after one more
 round. Printed: the seconds of each (best of 3 repetitions of the last two).
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from shuffledp.services.ledger import Ledger
 
-from shuffledp.metrics import _AnalyzerCollector
+from shuffledp.observability.metrics import _AnalyzerCollector
 
 METRICS = {
     "seconds": 0.02,

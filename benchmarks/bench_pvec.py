@@ -4,7 +4,8 @@ Run: python benchmarks/bench_pvec.py [--users 10000] [--d 100] [--repeats 5]
 
 For each setting it prints users/second of the full client-side encoding (validation, clipping, shift,
 randomized rounding, binomial noise) for all users in one vectorized call, and the ratio of its time to the
-time of drawing the same random numbers alone from the same kind of generator (shuffledp.rng: AES-CTR or ChaCha20):
+time of drawing the same random numbers alone from the same kind of generator (shuffledp.security.rng: AES-CTR or
+ChaCha20):
 one uniform per coordinate (Bernoulli rounding) plus one Binomial(m, p) per coordinate. Target ratio <= 3.
 Times are the minimum over repeats (least disturbed by other processes on a shared machine).
 """
@@ -20,7 +21,7 @@ import numpy as np
 from shuffledp.mechanisms.gaussian import add_gaussian_noise, analytic_gaussian_sigma
 from shuffledp.mechanisms.laplace import add_laplace_noise, laplace_scale
 from shuffledp.mechanisms.pvec import PvecParams, decode_counts, encode_counts, pvec_params
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:

@@ -65,14 +65,14 @@ from shuffledp.services.run_manager import plan_run, round_spec
 from shuffledp.services.shuffler import _invitation, _request, _submission
 from shuffledp.services.shuffler_state import ShufflerState, SqliteParticipationStore
 
+from shuffledp.cli.run import Cluster, drive_run, start_local_cluster
+from shuffledp.cli.serve import one_blas_thread, return_large_blocks
 from shuffledp.config import RunConfig, parse_config
 from shuffledp.data import load_dataset, user_shard
 from shuffledp.mechanisms.pvec import PvecParams, decode_counts, round_counts, summed_noise
 from shuffledp.models import Model, make_model
 from shuffledp.optimizers.pgd import pgd
-from shuffledp.rng import make_rng
-from shuffledp.run import Cluster, drive_run, start_local_cluster
-from shuffledp.serve import one_blas_thread, return_large_blocks
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

@@ -8,7 +8,7 @@ accountant the ledger charges (FMT20's clone dominating pair composed as a PLD) 
 FMT20 + subsampling + KOV15, the paper's comparison); then the most rounds that fit eps in {1, 4} by the tight
 accountant and by the baseline, and their ratio (spec 001's claim: several times more rounds).
 
-Part B, over the real services (`shuffledp.run.start_local_cluster`: shuffler, analyzer and 2 client nodes as OS
+Part B, over the real services (`shuffledp.cli.run.start_local_cluster`: shuffler, analyzer and 2 client nodes as OS
 processes on loopback): held-out accuracy of CLDP-SGD on scikit-learn's digits (1348 users, multinomial logistic
 regression, d = 650) against the total eps, for R_inf and PrivUnit, k = 1000 reports per round, `--rounds` rounds,
 eps0 unset (the largest for which the rounds fit eps, delta = 1e-5). Majority class: 0.091.
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from shuffledp.accountants import ledger_accounting as la
-from shuffledp.events import LdpShuffleRound
-from shuffledp.run import drive_run, start_local_cluster
+from shuffledp.accountants.events import LdpShuffleRound
+from shuffledp.cli.run import drive_run, start_local_cluster
 
 N, DELTA = 60000, 1e-5
 BOUNDS = {"thm1": "upper", "thm1_tightened": "upper-tightened", "tight": "tight-pld", "fmt_baseline": "baseline"}

@@ -5,7 +5,7 @@ Run: python benchmarks/excess_risk.py [--ns 1000 10000 100000] [--eps 1 4] [--re
 Problem: `[data] dataset = "synthetic"`, binary logistic regression with `dim` features (||x|| <= 1) whose labels
 follow a logistic model, so the population optimum is known and every run reports its excess risk (held-out loss of
 the released model minus the optimum's, on 20,000 held-out examples). For each n one local cluster runs
-(`shuffledp.run.start_local_cluster`: shuffler, analyzer and 2 client nodes as separate OS processes on loopback),
+(`shuffledp.cli.run.start_local_cluster`: shuffler, analyzer and 2 client nodes as separate OS processes on loopback),
 and every (optimizer, eps, repetition) is one run on it, driven through the operator API as `shuffledp run` does:
 PSGD (Alg 3) and AC-SA (Alg 4) sequential with their theory cohorts (Thm 4.1, Thm 4.3) and step sizes, PGD (Alg 5)
 fully interactive with 16 rounds; PVEC count mode, calibrated accounting, delta = 1/n.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shuffledp.run import drive_run, start_local_cluster
+from shuffledp.cli.run import drive_run, start_local_cluster
 
 OPTIMIZERS = {  # schedule keys of each method; PGD's 16 rounds are the embedded default's
     "psgd": 'kind = "sequential"\noptimizer = "psgd"\n',

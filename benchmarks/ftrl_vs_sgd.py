@@ -5,7 +5,7 @@ Run: python benchmarks/ftrl_vs_sgd.py [--tasks digits synthetic] [--methods ...]
 (--quick: digits, eps 8, 8 rounds, one learning rate per method, 4 runs, under a minute here.) The reported run:
 `--seeds 2` with the defaults, 150 runs, 17 min on 2 cores.
 
-For each task one local cluster runs (`shuffledp.run.start_local_cluster`: shuffler, analyzer and 2 client nodes as
+For each task one local cluster runs (`shuffledp.cli.run.start_local_cluster`: shuffler, analyzer and 2 client nodes as
 separate OS processes on loopback), and every (method, eps, learning rate, seed) is one run on it, driven through
 the operator API exactly as `shuffledp run` drives it; the held-out accuracy is the analyzer's RunResult, the eps
 spent is the run's ledger export (`totals.eps_spent`, the figure `shuffledp run` writes to ledger.json).
@@ -74,7 +74,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shuffledp.run import drive_run, start_local_cluster
+from shuffledp.cli.run import drive_run, start_local_cluster
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 DELTA, CLIP = 1e-5, 1.0
@@ -161,7 +161,7 @@ def tree_limits(n: int, k: int, T: int, eps: float, trees: tuple[int, ...] = (1,
     if T * k <= n:
         return {"max_participations": 1, "min_separation": 0, "rounds_per_tree": 0, "noise_rms": math.nan}
     from shuffledp.accountants import ledger_accounting as la
-    from shuffledp.events import TreeAggregation
+    from shuffledp.accountants.events import TreeAggregation
     from shuffledp.mechanisms import tree_noise
 
     best: dict | None = None

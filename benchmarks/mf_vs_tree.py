@@ -56,7 +56,7 @@ from shuffledp.accountants import matrix_factorization as mf_acc
 from shuffledp.accountants import tree_aggregation as tree_acc
 from shuffledp.mechanisms import matrix_factorization as mf
 from shuffledp.mechanisms import tree_noise
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 
 def _tree_zeta(rounds: int, k: int, xi: int) -> tuple[float, str]:

@@ -9,7 +9,7 @@ DP-mu2-FL (seed 002's finding: untrusted results degrade with M, trusted ones ba
 logistic regression with a known optimum (`[data] dataset = "synthetic"`, dim 5, label noise 0.5, generator seed 4,
 ||x|| <= 1, radius 5): --examples = M T examples in all, split into M machines of T examples each (one fresh example
 per machine per round, the paper's single pass; its experiments keep M T = 60000 fixed too). For each M one local
-cluster (`shuffledp.run.start_local_cluster`: shuffler, analyzer, 2 client nodes as OS processes on loopback) runs
+cluster (`shuffledp.cli.run.start_local_cluster`: shuffler, analyzer, 2 client nodes as OS processes on loopback) runs
 `mu2_untrusted` and `mu2_trusted` with the same (eps, delta = 1e-5), clip S = 1, Thm 5.2 / 6.2's step size, and the
 paper's noise (sigma_u = 2 S sqrt(T) / rho, sigma_c = sigma_u / M). The table gives the released x_T's excess risk
 (held-out loss minus the optimum's), mean +- std over seeds.
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ftrl_vs_sgd import DEPLOYMENT, POLICY, run_one  # noqa: E402 (one way to drive a run)
 
 from shuffledp.accountants import pnsgd  # noqa: E402
+from shuffledp.cli.run import start_local_cluster  # noqa: E402
 from shuffledp.protocols import pnsgd_round  # noqa: E402
-from shuffledp.run import start_local_cluster  # noqa: E402
 
 DELTA, DIM, RADIUS = 1e-5, 5, 5.0
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_round import NODES, bench_analyzer, config_toml, write_problem  # noqa: E402
 
-from shuffledp.rng import make_rng  # noqa: E402
+from shuffledp.security.rng import make_rng  # noqa: E402
 
 CYCLE_START = "Ledger.reserve"  # the analyzer books each round before its spec leaves: one per cycle
 SKIPPED_CYCLES = 2  # the first rounds do the run's one-time work (accounting, first preparations)

@@ -10,7 +10,7 @@ radius 10, the held-out split for accuracy (majority class 0.10). Both methods r
 fully interactive rounds of all n users, projected gradient descent with clipping C = 1 (l2) and the released model
 mean(theta_0..theta_{T-1}) (paper 000 Alg 5, shuffledp.optimizers.pgd, the same optimizer object for both), at
 the same (eps, delta = 1e-5) for the whole run, replace-one adjacency (n public):
-- shuffle: `shuffledp` itself, a local cluster (`shuffledp.run.start_local_cluster`: shuffler, analyzer, 2 client
+- shuffle: `shuffledp` itself, a local cluster (`shuffledp.cli.run.start_local_cluster`: shuffler, analyzer, 2 client
   nodes as OS processes on loopback), privacy.protocol "pvec", transport "counts", calibrated noise (PLD-tight,
   pvec_pld) with the check-in (mechanisms/check_in.py) unless --no-check-in; eps spent is the run's ledger figure.
 - central: the Gaussian mechanism in this process: each round the sum of the n clipped gradients plus
@@ -42,13 +42,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ftrl_vs_sgd import DEPLOYMENT, POLICY, run_line, run_one  # noqa: E402 (one way to drive and show a run)
 
+from shuffledp.cli.run import start_local_cluster  # noqa: E402
 from shuffledp.config import parse_config  # noqa: E402
 from shuffledp.data import load_dataset  # noqa: E402
 from shuffledp.mechanisms.pvec import clip_rows  # noqa: E402
 from shuffledp.models import make_model  # noqa: E402
 from shuffledp.optimizers.pgd import pgd  # noqa: E402
-from shuffledp.rng import make_rng  # noqa: E402
-from shuffledp.run import start_local_cluster  # noqa: E402
+from shuffledp.security.rng import make_rng  # noqa: E402
 
 DELTA, CLIP, RADIUS = 1e-5, 1.0, 10.0
 TASK = f'[data]\ndataset = "digits"\n[model]\ntask = "logreg"\nradius = {RADIUS}\n'

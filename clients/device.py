@@ -3,7 +3,8 @@ asyncio event loop (issue 44 item 2).
 
 A device runs the same per-user code as every client node: NodeCore (clients/node.py) over a one-user shard, with
 the user's own policy, durable spend store, CSPRNG, and the check of the analyzer's signature on every spec
-(shuffledp.spec_signing), so the user's guarantee is the one a node hosting many users gives it. Only the connection
+(shuffledp.transport.spec_signing), so the user's guarantee is the one a node hosting many users gives it. Only the
+connection
 is lighter: where ClientNodeHandle has a thread for its stream, a worker, a preparer and a gRPC server of its own
 (status and health), a device is one grpc.aio channel with its own mTLS identity and a few coroutines, and serves
 nothing. NodeCore's CPU work (gradients, the randomizer, sealing, the spend store's fsync) runs in a small thread
@@ -38,9 +39,10 @@ from shuffledp.clients.node import SUBMIT_FAILED_PREFIX, NodeCore, UserShard, _l
 from shuffledp.clients.policy import UserPolicy
 from shuffledp.clients.spend_store import DeviceSpendStore, MemorySpendStore
 
-from shuffledp import grpc_options, pki, tls
-from shuffledp.rng import make_rng
-from shuffledp.spec_signing import SpecSignatureInvalid, SpecVerifier
+from shuffledp.security import pki
+from shuffledp.security.rng import make_rng
+from shuffledp.transport import grpc_options, tls
+from shuffledp.transport.spec_signing import SpecSignatureInvalid, SpecVerifier
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -383,7 +385,7 @@ def start_fleet(
     analyzer's signature on specs, else plain text on loopback; its user's spend in state_dir/client-<i>.spend.sqlite
     (else in memory). Policy and model plug-in: the configuration's, as start_node reads them."""
     from shuffledp.data import load_user_shards
-    from shuffledp.model_plugin import build_model, model_identity
+    from shuffledp.models.plugin import build_model, model_identity
 
     if num_nodes < 1 or count < 1 or first_index < 0 or first_index + count > num_nodes:
         raise ValueError(f"devices {first_index}..{first_index + count - 1} are not among the {num_nodes} nodes")

@@ -41,14 +41,14 @@ from grpc_health.v1 import health_pb2
 from shuffledp.clients.policy import PolicyTable, Refusal, RunTable, UserPolicy, noise_key
 from shuffledp.clients.spend_store import MemorySpendStore, SpendStore, SqliteSpendStore
 
-from shuffledp import grpc_options, tls
-from shuffledp.health import start_with_health
-from shuffledp.model_plugin import ModelIdentity
 from shuffledp.models import DEFAULT_HIDDEN, ModelPlugin, make_model, model_digest
+from shuffledp.models.plugin import ModelIdentity
 from shuffledp.protocols.base import Nonces
 from shuffledp.protocols.registry import known_protocol, round_protocol
-from shuffledp.rng import make_rng
-from shuffledp.spec_signing import SIGNATURE_INVALID, SpecSignatureInvalid, SpecVerifier, invited_spec
+from shuffledp.security.rng import make_rng
+from shuffledp.transport import grpc_options, tls
+from shuffledp.transport.health import start_with_health
+from shuffledp.transport.spec_signing import SIGNATURE_INVALID, SpecSignatureInvalid, SpecVerifier, invited_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -121,11 +121,12 @@ class NodeCore:
         spec_verifier: SpecVerifier | None = None,
     ) -> None:
         self.node_id = node_id
-        # with a PKI: the node acts only on specs the analyzer signed (shuffledp.spec_signing); None = insecure mode,
+        # with a PKI: the node acts only on specs the analyzer signed (shuffledp.transport.spec_signing); None =
+        # insecure mode,
         # where the relayed spec is taken as it comes
         self.spec_verifier = spec_verifier
         self._verified: tuple[tuple, pb.RoundSpec] | None = None  # the last invitation's spec: handle, then prepare
-        # the model plug-in installed here and named by this node's own configuration (shuffledp.model_plugin);
+        # the model plug-in installed here and named by this node's own configuration (shuffledp.models.plugin);
         # None = the built-in tasks, built from the spec's task fields
         self.installed_model = model
         self.shard = shard
@@ -146,7 +147,7 @@ class NodeCore:
         self._rng = rng if rng is not None else make_rng()
         self._lock = threading.Lock()
         self.rounds_joined = 0
-        self.spend_records = 0  # users charged, one record each per round (shuffledp/metrics.py)
+        self.spend_records = 0  # users charged, one record each per round (shuffledp/observability/metrics.py)
         self.refusals: Counter = Counter()
         self._protocol_state: dict[str, Any] = {}  # per run: a stateful client estimator's state (mu2_round)
         # the last check-in: (run, round, indices of the users who checked in here), and what was computed for them
@@ -817,9 +818,9 @@ def start_node(
 ) -> ClientNodeHandle:
     """The client-node entry point (issue 4 contract): users = shuffledp.data.user_shard of config.data; their
     policy is `policy` or else the configuration's [policy] section; their spend persists in state_dir. With
-    [model] module set, the node loads that plug-in here, from what is installed on it (shuffledp.model_plugin)."""
+    [model] module set, the node loads that plug-in here, from what is installed on it (shuffledp.models.plugin)."""
     from shuffledp.data import load_user_shard
-    from shuffledp.model_plugin import build_model, model_identity
+    from shuffledp.models.plugin import build_model, model_identity
 
     t0 = time.monotonic()
     data = config.data

@@ -152,7 +152,7 @@ elif (( CLIENTS > 2 )); then
       - \${SHUFFLEDP_CONFIG:-./example.toml}:/etc/shuffledp/config.toml:ro
       - client-$i-state:/var/lib/shuffledp
     healthcheck:
-      test: [CMD, python, -m, shuffledp.health, "127.0.0.1:50053", --pki, /pki, --name, client-$i,
+      test: [CMD, python, -m, shuffledp.transport.health, "127.0.0.1:50053", --pki, /pki, --name, client-$i,
              --service, shuffledp.v1.ClientNode]
       interval: 10s
       timeout: 8s

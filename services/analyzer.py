@@ -20,10 +20,10 @@ import grpc
 from shuffledp.services.ledger import BudgetTotals, Ledger, LedgerError
 from shuffledp.services.run_manager import PlanError, RunManager, RunNotFound, RunStateError, RunView
 
-from shuffledp import grpc_options, tls
 from shuffledp.config import ConfigError
-from shuffledp.health import start_with_health
-from shuffledp.spec_signing import SpecSigner
+from shuffledp.transport import grpc_options, tls
+from shuffledp.transport.health import start_with_health
+from shuffledp.transport.spec_signing import SpecSigner
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

@@ -50,11 +50,10 @@ from shuffledp.services.ledger import (
     RunEnded,
 )
 
-from shuffledp import grpc_options, sealing
 from shuffledp.config import DEFAULT_ROUNDS, ConfigError, RunConfig, parse_config
 from shuffledp.data import load_dataset
-from shuffledp.model_plugin import build_model, model_identity
 from shuffledp.models import ModelPlugin
+from shuffledp.models.plugin import build_model, model_identity
 from shuffledp.optimizers import registry as optimizers
 from shuffledp.optimizers.base import Optimizer
 from shuffledp.optimizers.psgd import AveragingState
@@ -66,8 +65,10 @@ from shuffledp.protocols.base import (  # noqa: F401 (the rejection reasons are 
     RoundProtocol,
 )
 from shuffledp.protocols.registry import planned_protocol, round_protocol
-from shuffledp.rng import make_rng
-from shuffledp.spec_signing import SIGNATURE_INVALID, SpecSigner
+from shuffledp.security import sealing
+from shuffledp.security.rng import make_rng
+from shuffledp.transport import grpc_options
+from shuffledp.transport.spec_signing import SIGNATURE_INVALID, SpecSigner
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -595,7 +596,9 @@ class RunManager:
         self.signer = signer
         self._clock = clock
         self._new_id = new_id
-        self.on_planned: Callable[[str, float], None] = lambda run_id, seconds: None  # shuffledp/metrics.py
+        self.on_planned: Callable[[str, float], None] = lambda run_id, seconds: (
+            None
+        )  # shuffledp/observability/metrics.py
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         # held-out splits by data source: a few, least recently used first (every CreateRun loads one, and

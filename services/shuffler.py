@@ -55,9 +55,10 @@ from shuffledp.services.shuffler_state import (
     UserMessage,
 )
 
-from shuffledp import grpc_options, pki, tls
-from shuffledp.health import start_with_health_aio
-from shuffledp.spec_signing import second_spec
+from shuffledp.security import pki
+from shuffledp.transport import grpc_options, tls
+from shuffledp.transport.health import start_with_health_aio
+from shuffledp.transport.spec_signing import second_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = [
@@ -345,7 +346,7 @@ class _Relay:
 
 def _request(wire: pb.RoundSpec) -> RoundRequest:
     """The round the analyzer asks for. A signed spec (RoundSpec.signed) is planned from its signed bytes, the very
-    spec the nodes will act on, and forwarded as it came (shuffledp.spec_signing)."""
+    spec the nodes will act on, and forwarded as it came (shuffledp.transport.spec_signing)."""
     signed = wire.signed if wire.HasField("signed") else None
     spec = wire
     if signed is not None:

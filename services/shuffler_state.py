@@ -8,7 +8,7 @@ added into a running total on arrival), or ciphertexts only in a CSPRNG-permuted
 5.1). Ids, node names, nonces, arrival times and arrival order never leave this class.
 
 Everything that arrives is validated (design 5.3) and counted per reason; nothing invalid is aggregated.
-Randomness (cohorts, permutation) comes from an injected CSPRNG Generator (shuffledp.rng), time from an
+Randomness (cohorts, permutation) comes from an injected CSPRNG Generator (shuffledp.security.rng), time from an
 injected clock, participation records from an injected store (in-memory or SQLite, same interface).
 """
 
@@ -31,11 +31,11 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from shuffledp.durable import INTEGER_LIMIT, open_durable, transaction
-from shuffledp.grpc_options import BATCH_MESSAGE_BYTES
 from shuffledp.mechanisms import check_in
 from shuffledp.mechanisms.pvec import count_wire_dtype
-from shuffledp.rng import make_rng
-from shuffledp.sealing import BIT_MESSAGE_BYTES, ENC_BYTES, PUBLIC_KEY_BYTES, sealed_length
+from shuffledp.security.rng import make_rng
+from shuffledp.security.sealing import BIT_MESSAGE_BYTES, ENC_BYTES, PUBLIC_KEY_BYTES, sealed_length
+from shuffledp.transport.grpc_options import BATCH_MESSAGE_BYTES
 
 __all__ = [
     "Schedule",
@@ -808,7 +808,8 @@ class ShufflerState:
         # per run with used users (sequential), which eligible users are still fresh: _FreshUsers, a few runs only
         self._fresh: OrderedDict[str, _FreshUsers] = OrderedDict()
         self._cohorts: OrderedDict[str, _Cohort] = OrderedDict()  # per fully interactive run (_Cohort)
-        # observer of each executed round (shuffledp/metrics.py): its batch and its phases' durations in seconds
+        # observer of each executed round (shuffledp/observability/metrics.py): its batch and its phases' durations in
+        # seconds
         self.on_round: Callable[[BatchResult, dict[str, float]], None] | None = None
 
     # ----- nodes -----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from shuffledp.model_plugin import check_module_name
+from shuffledp.models.plugin import check_module_name
 from shuffledp.optimizers.registry import OPTIMIZERS, resolve
 from shuffledp.protocols.registry import PROTOCOL_NAMES, PROTOCOL_SUMMARIES, declared, round_protocol
 from shuffledp.settings import (

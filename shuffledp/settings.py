@@ -227,7 +227,7 @@ class ModelConfig:
     smoothing: float | str = 0.0
     smoothness: float = 0.0  # beta of the loss for AC-SA's step rule; 0 = from the data's public bound on ||x||
     hidden: int = 32  # mlp: hidden units (tanh); ignored by the other tasks
-    # a model plug-in (shuffledp/model_plugin.py): "package.module:factory" installed on every party; "" = task.
+    # a model plug-in (shuffledp/models/plugin.py): "package.module:factory" installed on every party; "" = task.
     # Its keyword arguments are the table [model.args] (TOML values), kept as sorted (key, value) pairs
     module: str = ""
     args: tuple[tuple[str, Any], ...] = ()

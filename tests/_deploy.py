@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shuffledp import pki
+from shuffledp.security import pki
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -186,7 +186,8 @@ with ThreadPoolExecutor(len(sys.argv) - 1) as pool:
     print(json.dumps(dict(zip(sys.argv[1:], pool.map(probe, sys.argv[1:])))))
 """
 
-# The stranger: plain gRPC (no shuffledp.tls helpers, which refuse to load bad material) trying each case of argv[1]
+# The stranger: plain gRPC (no shuffledp.transport.tls helpers, which refuse to load bad material) trying each case of
+# argv[1]
 # with the material (party -> PEMs, as stranger_pems makes) from the file argv[2], else from stdin.
 STRANGER_PROBE = """
 import json, sys, grpc

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from shuffledp.services import shuffler as honest
 
-from shuffledp import cli, sealing
-from shuffledp.spec_signing import second_spec
+from shuffledp import cli
+from shuffledp.security import sealing
+from shuffledp.transport.spec_signing import second_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 MODE_FILE, REPORT_FILE = Path(sys.argv[1]), Path(sys.argv[2])

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

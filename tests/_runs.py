@@ -18,7 +18,7 @@ from shuffledp.services.analyzer import start_analyzer
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.config import parse_config
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

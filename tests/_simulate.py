@@ -17,7 +17,7 @@ from shuffledp.config import parse_config
 from shuffledp.data import excess_risk, load_dataset, num_users
 from shuffledp.models import make_model
 from shuffledp.protocols.registry import round_protocol
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 

@@ -1,9 +1,9 @@
 import os
 
-# The explicit testing switch of shuffledp.rng: tests may use fixed seeds (never set outside tests).
+# The explicit testing switch of shuffledp.security.rng: tests may use fixed seeds (never set outside tests).
 os.environ["SHUFFLEDP_ALLOW_TEST_SEED"] = "1"
 
-import numpy as np  # noqa: E402  (after the seed switch, which shuffledp.rng reads at import)
+import numpy as np  # noqa: E402  (after the seed switch, which shuffledp.security.rng reads at import)
 import pytest  # noqa: E402
 
 
@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 def blobs_data(tmp_path) -> str:
     """A synthetic 2-class problem in R^3 as a [data] section: 225 training users (of 300 examples), one example
     each (central DP-SGD and DP-FTRL runs over the services)."""
-    from shuffledp.rng import make_rng
+    from shuffledp.security.rng import make_rng
 
     path = tmp_path / "blobs.npz"
     rng = make_rng(7)

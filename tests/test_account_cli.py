@@ -12,9 +12,9 @@ import pytest
 
 import shuffledp.accountants.ledger_accounting as la
 from shuffledp import cli
-from shuffledp.account_cli import PROTOCOLS
 from shuffledp.accountants import composition, gaussian, pnsgd, pvec_pld, tree_aggregation
-from shuffledp.events import GaussianRound, LdpShuffleRound, PvecRound, TreeAggregation
+from shuffledp.accountants.events import GaussianRound, LdpShuffleRound, PvecRound, TreeAggregation
+from shuffledp.cli.account import PROTOCOLS
 from shuffledp.mechanisms.pvec import pvec_params
 
 KEYS = ("eps", "delta", "accountant", "optimal_order", "trust")

@@ -13,7 +13,7 @@ from scipy.stats import binom
 from shuffledp.accountants import composition as comp
 from shuffledp.accountants import pvec as acc
 from shuffledp.mechanisms.pvec import p1d_params, pvec_params
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 
 # ------------------------------------------------------------------------------------------ P1D (sec 7.3)

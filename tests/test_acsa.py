@@ -21,7 +21,7 @@ from shuffledp.optimizers.acsa import (
 from shuffledp.optimizers.base import Optimizer
 from shuffledp.optimizers.phased import PhasedState, phase_count, phase_diameters, phased, split_rounds
 from shuffledp.optimizers.psgd import psgd, theory_learning_rate
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 # a smooth strongly convex quadratic f(th) = 1/2 (th - c)' A (th - c): beta = 1, lambda = 0.05, optimum c (inside
 # the ball of radius 2), so f* = 0

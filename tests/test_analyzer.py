@@ -18,11 +18,11 @@ from shuffledp.services.ledger import Ledger, PrivacyEvent
 from shuffledp.services.run_manager import PlanError, RunManager, _decode_state, plan_run, round_spec
 from shuffledp.services.shuffler import start_shuffler
 
+from shuffledp.cli.run import _progress_line
 from shuffledp.config import DEFAULT_ROUNDS, parse_config
 from shuffledp.data import load_dataset
 from shuffledp.mechanisms.pvec import PvecParams
 from shuffledp.models import make_model
-from shuffledp.run import _progress_line
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -32,7 +32,7 @@ N_USERS = 225
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
     """[data] section of a synthetic 2-class problem in R^3 (300 examples, 225 training users, d = 8)."""
-    from shuffledp.rng import make_rng
+    from shuffledp.security.rng import make_rng
 
     path = tmp_path_factory.mktemp("blobs") / "blobs.npz"
     rng = make_rng(7)
@@ -319,7 +319,7 @@ def test_a_result_is_one_snapshot_of_the_ledger(services, data):
 
 def test_bits_transport_decodes_sealed_labelled_bits(services, tmp_path):
     """BITS mode: every labelled bit is HPKE-sealed to the run's key; the analyzer opens and decodes them."""
-    from shuffledp.rng import make_rng
+    from shuffledp.security.rng import make_rng
 
     stub, shuffler, nodes, state_dir = services
     rng = make_rng(11)

@@ -30,8 +30,8 @@ from shuffledp.mechanisms import pvec
 from shuffledp.mechanisms.pvec import PvecParams
 from shuffledp.optimizers.pgd import pgd
 from shuffledp.protocols.pvec_round import open_bit_messages
-from shuffledp.rng import make_rng
-from shuffledp.sealing import (
+from shuffledp.security.rng import make_rng
+from shuffledp.security.sealing import (
     BIT_MESSAGE_BYTES,
     generate_keypair,
     pack_labelled_bits,

@@ -24,8 +24,8 @@ from shuffledp.clients.policy import UserPolicy
 from shuffledp.services.shuffler import REASON_METADATA_KEY, serve_shuffler
 from shuffledp.services.shuffler_state import ShufflerState
 
-from shuffledp.rng import make_rng
-from shuffledp.sealing import generate_keypair, round_info, seal, sealed_length
+from shuffledp.security.rng import make_rng
+from shuffledp.security.sealing import generate_keypair, round_info, seal, sealed_length
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

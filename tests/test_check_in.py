@@ -7,8 +7,8 @@ import math
 
 import pytest
 
+from shuffledp.cli.run import _progress_line
 from shuffledp.mechanisms.check_in import share
-from shuffledp.run import _progress_line
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 

@@ -14,8 +14,8 @@ from shuffledp.clients.node import NodeCore, UserShard
 from shuffledp.clients.policy import UserPolicy
 
 from shuffledp.mechanisms import check_in
-from shuffledp.rng import make_rng
-from shuffledp.spec_signing import second_spec
+from shuffledp.security.rng import make_rng
+from shuffledp.transport.spec_signing import second_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 F = 3

@@ -1,5 +1,5 @@
 """The operator CLI (`shuffledp run`) when the analyzer dies or stalls mid-run, over real processes on loopback
-(shuffledp.run.start_local_cluster) and real signals: SIGKILL ends the CLI with one line naming the run and how to
+(shuffledp.cli.run.start_local_cluster) and real signals: SIGKILL ends the CLI with one line naming the run and how to
 fetch it (exit 3, no traceback), and `--fetch` gets the results from an analyzer restarted on the same state; SIGSTOP
 for longer than the per-call timeout is waited out and the run completes; a local run whose analyzer process dies
 ends with one line and the log's path.
@@ -33,8 +33,8 @@ from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.cli import build_parser
 from shuffledp.cli import main as cli_main
+from shuffledp.cli.run import _run_command, drive_run, start_local_cluster
 from shuffledp.config import parse_config
-from shuffledp.run import _run_command, drive_run, start_local_cluster
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -252,7 +252,7 @@ def test_fetch_usage_errors_are_one_line_and_exit_2(tmp_path, capsys):
 def test_operator_channel_receives_results_above_4_mib() -> None:
     """A RunResult carries the whole ledger: the operator's channel takes what the analyzer may send
     (grpc_options.BATCH_MESSAGE_BYTES), not gRPC's default 4 MiB."""
-    from shuffledp.run import operator_channel
+    from shuffledp.cli.run import operator_channel
 
     big = pb.RunResult(ledger_json="x" * (5 * 2**20))
 
@@ -279,7 +279,7 @@ def test_a_service_imports_only_its_own_subcommand():
         "import sys\n"
         "from shuffledp.cli import build_parser\n"
         "build_parser('serve')\n"
-        "print(sorted(m for m in ('shuffledp.account_cli', 'dp_accounting', 'scipy.stats') if m in sys.modules))\n"
+        "print(sorted(m for m in ('shuffledp.cli.account', 'dp_accounting', 'scipy.stats') if m in sys.modules))\n"
         "print(sorted(build_parser()._subparsers._group_actions[0].choices))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
@@ -289,7 +289,7 @@ def test_a_service_imports_only_its_own_subcommand():
 def test_create_run_waits_longer_for_a_large_synthetic_data_set():
     """CreateRun draws the data set at the analyzer, and a timed-out CreateRun is never repeated: the CLI allows
     60 s plus 60 s per million synthetic examples (a 10^7-example run took over 60 s on 2 cores: issue 30)."""
-    from shuffledp.run import CREATE_TIMEOUT_S, _create_timeout
+    from shuffledp.cli.run import CREATE_TIMEOUT_S, _create_timeout
 
     assert _create_timeout("") == CREATE_TIMEOUT_S
     assert _create_timeout('[data]\ndataset = "synthetic"\nn = 10000000\n') == CREATE_TIMEOUT_S + 600

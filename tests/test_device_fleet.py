@@ -23,12 +23,13 @@ from shuffledp.services.ledger import Ledger
 from shuffledp.services.shuffler import serve_shuffler
 from shuffledp.services.shuffler_state import ShufflerState
 
-from shuffledp import pki, tls
 from shuffledp.accountants.pvec_pld import epsilon_of_rounds
+from shuffledp.cli.run import operator_channel
 from shuffledp.config import parse_config
-from shuffledp.rng import make_rng
-from shuffledp.run import operator_channel
-from shuffledp.spec_signing import SpecSigner, SpecVerifier
+from shuffledp.security import pki
+from shuffledp.security.rng import make_rng
+from shuffledp.transport import tls
+from shuffledp.transport.spec_signing import SpecSigner, SpecVerifier
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

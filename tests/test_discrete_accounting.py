@@ -18,18 +18,18 @@ import pytest
 from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
 from shuffledp.services.ledger import PrivacyEvent
 
-from shuffledp import sealing
 from shuffledp.accountants import gaussian
 from shuffledp.accountants import ledger_accounting as la
+from shuffledp.accountants.events import GaussianRound as GaussianEvent
+from shuffledp.accountants.events import TreeAggregation
 from shuffledp.accountants.rdp import round_up, subsampled_wor_rdp
 from shuffledp.config import ConfigError, parse_config
-from shuffledp.events import GaussianRound as GaussianEvent
-from shuffledp.events import TreeAggregation
 from shuffledp.mechanisms import discrete_gaussian
 from shuffledp.protocols.base import PlanRequest
 from shuffledp.protocols.gaussian_round import GaussianRound, GaussianSettings, unamplified_epsilon, wor_epsilon
 from shuffledp.protocols.tree_round import TreeRound, TreeSettings, _trees_epsilon
-from shuffledp.rng import make_rng
+from shuffledp.security import sealing
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 DELTA = 1e-5

@@ -15,7 +15,7 @@ from shuffledp.protocols.gaussian_round import GaussianRound
 from shuffledp.protocols.mu2_round import Mu2Round
 from shuffledp.protocols.pan_round import PanRound
 from shuffledp.protocols.tree_round import TreeRound
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 
 # --------------------------------------------------------------------------------------------- the sampler

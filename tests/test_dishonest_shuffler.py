@@ -24,8 +24,9 @@ import pytest
 from _procs import log_text, serve, stop
 from _runs import wait_for_run
 
-from shuffledp import pki, tls
-from shuffledp.spec_signing import SIGNATURE_INVALID
+from shuffledp.security import pki
+from shuffledp.transport import tls
+from shuffledp.transport.spec_signing import SIGNATURE_INVALID
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

@@ -147,7 +147,7 @@ class Operator:
     """The operator's API client (mTLS with the operator certificate), reconnecting across analyzer restarts."""
 
     def __init__(self, dep: Deployment):
-        from shuffledp.run import operator_channel
+        from shuffledp.cli.run import operator_channel
 
         self.dep = dep
         self._open = lambda: operator_channel(dep.analyzer, dep.pki)
@@ -180,7 +180,7 @@ class Operator:
         return self.call("GetRunStatus", pb.RunRef(run_id=run_id))
 
     def wait(self, run_id: str, timeout: float = 240):
-        from shuffledp.run import TERMINAL
+        from shuffledp.cli.run import TERMINAL
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

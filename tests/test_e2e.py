@@ -25,7 +25,7 @@ from shuffledp.accountants.pvec_pld import composed_epsilon, pvec_round_epsilon
 from shuffledp.config import parse_config
 from shuffledp.data import load_dataset
 from shuffledp.mechanisms.pvec import PvecParams
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

@@ -1,4 +1,4 @@
-"""Privacy events (shuffledp.events) and the accountant dispatch (shuffledp.accountants.ledger_accounting).
+"""Privacy events (shuffledp.accountants.events) and the accountant dispatch (shuffledp.accountants.ledger_accounting).
 
 Events: JSON round trip, the stability rule (old ledgers without optional fields still parse, unknown fields and
 kinds are refused), validation. Dispatch: account() agrees with the per-seed accountant modules, composition
@@ -29,8 +29,7 @@ from shuffledp.accountants import (
     subsampled_shuffle,
     tree_aggregation,
 )
-from shuffledp.accountants.rdp import round_up
-from shuffledp.events import (
+from shuffledp.accountants.events import (
     EVENT_KINDS,
     GaussianRound,
     LdpShuffleRound,
@@ -43,6 +42,7 @@ from shuffledp.events import (
     events_to_json,
     trust_of,
 )
+from shuffledp.accountants.rdp import round_up
 from shuffledp.mechanisms.pvec import pvec_params
 
 # One PVEC configuration reused everywhere (the exact accountant caches per configuration).

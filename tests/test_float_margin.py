@@ -14,9 +14,9 @@ import mpmath
 import pytest
 
 from shuffledp.accountants import gaussian, ledger_accounting
+from shuffledp.accountants.events import GaussianRound as GaussianEvent
 from shuffledp.accountants.pvec_pld import _gauss_eps
 from shuffledp.accountants.rdp import round_up
-from shuffledp.events import GaussianRound as GaussianEvent
 from shuffledp.protocols.gaussian_round import unamplified_epsilon
 
 DIGITS = 50  # every mpmath computation here runs at this precision (workdps: a global setting is another test's too)

@@ -9,7 +9,7 @@ import pytest
 from shuffledp.mechanisms.tree_noise import init_tree, residual_noise
 from shuffledp.optimizers.base import Optimizer
 from shuffledp.optimizers.ftrl import FtrlState, ftrl
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 DIM = 6
 

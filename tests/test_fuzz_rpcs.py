@@ -34,11 +34,12 @@ from _procs import stop
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2
 
-from shuffledp import pki, tls
 from shuffledp.config import DEFAULT_TOML
 from shuffledp.mechanisms.pvec import PvecParams, pvec_params
 from shuffledp.models import make_model
-from shuffledp.spec_signing import SpecSigner
+from shuffledp.security import pki
+from shuffledp.transport import tls
+from shuffledp.transport.spec_signing import SpecSigner
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 SEED = 10  # issue 10; test input only (never privacy noise). Phase 1 uses SEED, phase 2 SEED + 1.

@@ -35,7 +35,7 @@ from shuffledp.mechanisms.laplace import (
     laplace_scale,
     laplace_variance,
 )
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 GRID = [(0.05, 1e-5, 1.0), (0.5, 1e-3, 2.0), (1.0, 1e-5, 1.0), (3.0, 1e-8, 0.3), (8.0, 1e-12, 5.0)]
 

@@ -13,8 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shuffledp import health as shealth
-from shuffledp import pki, tls
+from shuffledp.security import pki
+from shuffledp.transport import health as shealth
+from shuffledp.transport import tls
 
 
 @pytest.fixture(scope="module")

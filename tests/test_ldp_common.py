@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from shuffledp.mechanisms import ldp_common as lc
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 
 @pytest.mark.parametrize("eps0", [1e-6, 0.1, 0.5, 1.0, 2.0, 4.0, 8.0, 20.0, 36.0])

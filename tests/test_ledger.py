@@ -21,8 +21,8 @@ from shuffledp.services.ledger import (
 
 from shuffledp.accountants import ledger_accounting
 from shuffledp.accountants.calibrated_pvec import calibrate_pvec
+from shuffledp.accountants.events import PvecRound
 from shuffledp.accountants.pvec_pld import pvec_round_epsilon
-from shuffledp.events import PvecRound
 from shuffledp.mechanisms.pvec import pvec_params
 from shuffledp.optimizers.pgd import pgd_round_privacy
 

@@ -9,8 +9,8 @@ import pytest
 from shuffledp.services.ledger import BudgetLimit, Ledger, PrivacyEvent, compose_events
 
 from shuffledp.accountants import ledger_accounting
+from shuffledp.accountants.events import PvecRound
 from shuffledp.accountants.pvec_pld import calibrate_pvec_pld
-from shuffledp.events import PvecRound
 from shuffledp.mechanisms.pvec import PvecParams, pvec_params
 from shuffledp.optimizers.pgd import pgd_round_privacy
 

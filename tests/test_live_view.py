@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from _runs import digits_pgd
 
-from shuffledp.live import status_line
+from shuffledp.observability.live import status_line
 
 pytestmark = pytest.mark.timeout(300)
 

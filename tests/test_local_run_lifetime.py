@@ -1,4 +1,4 @@
-"""The services of a local run (`shuffledp run`, shuffledp.run.start_local_cluster) live no longer than its CLI
+"""The services of a local run (`shuffledp run`, shuffledp.cli.run.start_local_cluster) live no longer than its CLI
 (issue 43 item 10): a CLI killed with SIGKILL (or by the OOM killer, or with a notebook's kernel) runs no handler, and
 its services, in a process group of their own, used to finish the run, spending its whole budget, write no results
 and hold their ports. Now each watches a pipe from the CLI (serve --parent-fd) and stops when it closes, the analyzer

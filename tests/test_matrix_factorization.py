@@ -14,7 +14,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from shuffledp.accountants import matrix_factorization as mf_acc
 from shuffledp.mechanisms import matrix_factorization as mf
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 # jax_privacy (the "mf" extra) is in the dev extra, so the test command installs it: no skip when it is missing.
 

@@ -23,7 +23,7 @@ import pytest
 from _procs import GhostNode, log_text, serve, stop, wait_connected
 from prometheus_client.parser import text_string_to_metric_families
 
-from shuffledp.metrics import RUN_STATES, safe_reason
+from shuffledp.observability.metrics import RUN_STATES, safe_reason
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -364,7 +364,7 @@ def test_the_analyzer_s_scrape_reads_each_round_once_and_agrees_with_a_fresh_rea
     that reads everything at once shows."""
     from shuffledp.services.ledger import Ledger
 
-    from shuffledp.metrics import _AnalyzerCollector
+    from shuffledp.observability.metrics import _AnalyzerCollector
 
     ledger = Ledger(tmp_path / "ledger.db")
     ledger.create_run("r1", "")
@@ -412,7 +412,7 @@ def test_made_up_node_ids_make_a_bounded_number_of_series(tmp_path):
     """Issue 43 item 6: in insecure mode any caller names its node. 3000 RegisterUsers with distinct node ids to a real
     shuffler (a process, loopback) made 3002 admitted_users series; now at most MAX_NODE_SERIES nodes have one (a
     node holding a stream first, whatever its name) and the rest are summed under node="other"."""
-    from shuffledp.metrics import MAX_NODE_SERIES, OTHER
+    from shuffledp.observability.metrics import MAX_NODE_SERIES, OTHER
     from shuffledp.v1 import shuffledp_pb2 as pb
     from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -448,7 +448,7 @@ def test_the_analyzer_s_series_are_bounded_whatever_runs_and_reasons_there_are(t
     MAX_REASON_SERIES reasons of its own, the rest under reason="other"."""
     from shuffledp.services.ledger import BudgetLimit, Ledger
 
-    from shuffledp.metrics import MAX_REASON_SERIES, MAX_RUN_SERIES, OTHER, _AnalyzerCollector
+    from shuffledp.observability.metrics import MAX_REASON_SERIES, MAX_RUN_SERIES, OTHER, _AnalyzerCollector
 
     ledger = Ledger(tmp_path / "ledger.db")
     runs = [f"r{i:04d}" for i in range(MAX_RUN_SERIES + 30)]
@@ -484,7 +484,7 @@ def test_nodes_over_the_shuffler_s_capacity_are_counted_by_reason_and_named_in_a
     A real shuffler process with capacity 2: 2 nodes hold their streams, 150 more (made-up names, plain text) are each
     refused once; the refusals are counted by reason, and by node for the last MAX_NODE_SERIES refused, the rest
     summed under node="other"."""
-    from shuffledp.metrics import MAX_NODE_SERIES, OTHER
+    from shuffledp.observability.metrics import MAX_NODE_SERIES, OTHER
     from shuffledp.v1 import shuffledp_pb2 as pb
     from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

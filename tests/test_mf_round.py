@@ -29,7 +29,7 @@ from shuffledp.config import ConfigError, parse_config
 from shuffledp.mechanisms import matrix_factorization as mfm
 from shuffledp.protocols.base import PlanRequest
 from shuffledp.protocols.mf_round import MfRound, MfSettings
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)

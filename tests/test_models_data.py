@@ -9,7 +9,7 @@ import pytest
 from shuffledp.config import DataConfig
 from shuffledp.data import load_dataset, split_indices, user_shard
 from shuffledp.models import make_model, project_l2_ball
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 
 def _numeric_grad(model, params, X, y, h=1e-6):

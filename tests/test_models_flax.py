@@ -15,10 +15,10 @@ from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
-from shuffledp.examples.flax_models import cnn, mlp  # noqa: E402
-from shuffledp.flax_model import FlaxModel, load_params, softmax_cross_entropy  # noqa: E402
 from shuffledp.models import ModelPlugin  # noqa: E402
-from shuffledp.rng import make_rng  # noqa: E402
+from shuffledp.models.examples.flax_models import cnn, mlp  # noqa: E402
+from shuffledp.models.flax_adapter import FlaxModel, load_params, softmax_cross_entropy  # noqa: E402
+from shuffledp.security.rng import make_rng  # noqa: E402
 
 N_USERS, PER_USER = 5, 3
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shuffledp.models import ALL_TASKS, DEFAULT_HIDDEN, NONCONVEX_TASKS, TASKS, Model, make_model
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 
 def _fd_per_example(model, params, X, y, h=1e-5):

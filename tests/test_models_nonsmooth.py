@@ -8,7 +8,7 @@ import pytest
 from scipy.optimize import minimize
 
 from shuffledp.models import NONSMOOTH_TASKS, SMOOTH_TASKS, TASKS, Model, make_model
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 BETAS = (0.3, 2.0, 10.0, 300.0)
 

@@ -1,5 +1,5 @@
 """Issue 26 items 1 and 3: the model interface (shuffledp.models.ModelPlugin), model plug-ins selected by [model]
-module (shuffledp.model_plugin), and a node refusing a round whose model digest differs (over real processes)."""
+module (shuffledp.models.plugin), and a node refusing a round whose model digest differs (over real processes)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from _procs import serve, stop, write_blobs
 from _runs import wait_for_run
 from shuffledp.clients.policy import Refusal
 
+from shuffledp.cli.run import write_results
 from shuffledp.config import ConfigError, parse_config
 from shuffledp.mechanisms.pvec import clip_rows
-from shuffledp.model_plugin import PLUGINS_ENV, build_model, model_identity, registered_plugins
 from shuffledp.models import Model, ModelPlugin, clip_l2, make_model, model_digest
-from shuffledp.rng import make_rng
-from shuffledp.run import write_results
+from shuffledp.models.plugin import PLUGINS_ENV, build_model, model_identity, registered_plugins
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -112,7 +112,7 @@ def test_loader_never_imports_an_unregistered_module(monkeypatch):
     import sys
 
     monkeypatch.setenv(PLUGINS_ENV, " shuffledp_elsewhere:make ,")
-    for name in ("this", "antigravity", "numpy.f2py.__main__", "shuffledp.examples.flax_models"):
+    for name in ("this", "antigravity", "numpy.f2py.__main__", "shuffledp.models.examples.flax_models"):
         # an earlier test of the session may have imported it (the Flax examples): out of sys.modules until this
         # test ends, so that an import here would show
         monkeypatch.delitem(sys.modules, name, raising=False)
@@ -123,8 +123,8 @@ def test_loader_never_imports_an_unregistered_module(monkeypatch):
         assert name not in sys.modules
     assert registered_plugins() == {
         "shuffledp.models:builtin",
-        "shuffledp.examples.flax_models:cnn",
-        "shuffledp.examples.flax_models:mlp",
+        "shuffledp.models.examples.flax_models:cnn",
+        "shuffledp.models.examples.flax_models:mlp",
         "shuffledp_elsewhere:make",
     }
 
@@ -231,14 +231,16 @@ def test_a_party_registers_a_plug_in_for_itself_and_the_processes_it_starts(monk
     import subprocess
     import sys
 
-    from shuffledp.model_plugin import register_plugin
+    from shuffledp.models.plugin import register_plugin
 
     monkeypatch.setenv(PLUGINS_ENV, "")  # restored after the test (delenv of an unset variable is not)
     for _ in range(2):
         register_plugin("mine_elsewhere:make")
         register_plugin("shuffledp.models:builtin")  # registered by the entry point already
     assert os.environ[PLUGINS_ENV] == "mine_elsewhere:make"
-    code = "from shuffledp.model_plugin import registered_plugins; print('mine_elsewhere:make' in registered_plugins())"
+    code = (
+        "from shuffledp.models.plugin import registered_plugins; print('mine_elsewhere:make' in registered_plugins())"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "True", proc.stderr
 
@@ -342,7 +344,7 @@ def _with_model(spec: pb.RoundSpec, name: str, digest: str) -> pb.RoundSpec:
 def test_a_plug_ins_failing_export_leaves_the_results_written(tmp_path, monkeypatch, capsys):
     """ModelPlugin.export is the user's code: whatever it raises (here a RuntimeError, which escaped before) is a
     one-line warning; model.npz and the rest stay written."""
-    from shuffledp.run import _export_plugin
+    from shuffledp.cli.run import _export_plugin
 
     (tmp_path / "broken_export_model.py").write_text(
         "import dataclasses\n"
@@ -368,9 +370,9 @@ def test_the_default_run_imports_no_jax():
     """JAX is an optional extra: the parties of the default run (built-in model, PVEC) never import it."""
     code = (
         "import sys\n"
-        "import shuffledp.run, shuffledp.services.analyzer, shuffledp.services.shuffler, shuffledp.clients.node\n"
+        "import shuffledp.cli.run, shuffledp.services.analyzer, shuffledp.services.shuffler, shuffledp.clients.node\n"
         "from shuffledp.config import parse_config, DEFAULT_TOML\n"
-        "from shuffledp.model_plugin import build_model\n"
+        "from shuffledp.models.plugin import build_model\n"
         "from shuffledp.protocols.registry import round_protocol\n"
         "cfg = parse_config(DEFAULT_TOML)\n"
         "round_protocol(cfg.privacy.protocol)\n"

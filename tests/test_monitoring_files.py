@@ -21,7 +21,7 @@ from shuffledp.services.ledger import Ledger
 from shuffledp.services.run_manager import RunManager
 from shuffledp.services.shuffler_state import ShufflerState
 
-from shuffledp.metrics import analyzer_registry, node_registry, shuffler_registry
+from shuffledp.observability.metrics import analyzer_registry, node_registry, shuffler_registry
 
 MONITORING = Path(__file__).resolve().parents[1] / "deploy" / "monitoring"
 _SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")

@@ -29,8 +29,8 @@ from shuffledp.optimizers.mu2 import mu2
 from shuffledp.protocols import mu2_round
 from shuffledp.protocols.base import PlanRequest
 from shuffledp.protocols.mu2_round import Mu2Round, Mu2Settings, mu2_epsilon
-from shuffledp.rng import make_rng
-from shuffledp.sealing import generate_keypair, open_sealed, round_info, sealed_length
+from shuffledp.security.rng import make_rng
+from shuffledp.security.sealing import generate_keypair, open_sealed, round_info, sealed_length
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

@@ -9,7 +9,7 @@ from shuffledp.models import make_model
 from shuffledp.optimizers.pgd import pgd, pgd_round_privacy
 from shuffledp.optimizers.pgd import theory_learning_rate as pgd_lr
 from shuffledp.optimizers.psgd import psgd, theory_learning_rate
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 
 def test_pgd_noise_off_converges_to_known_least_squares_optimum():

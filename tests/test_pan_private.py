@@ -20,12 +20,12 @@ from dp_accounting import gaussian_mechanism as dpa_gaussian
 from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
 from shuffledp.services.ledger import BudgetLimit, Ledger, PrivacyEvent
 
-from shuffledp import sealing
 from shuffledp.protocols import pan_round, registry
 from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, BatchError, PlanRequest
 from shuffledp.protocols.central import OVER_CLIP_NORM, WIRE_DTYPE
 from shuffledp.protocols.pan_round import PanRound, PanSettings, pan_round_epsilon, paper_zeta
-from shuffledp.rng import make_rng
+from shuffledp.security import sealing
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 D, B, L, EPS, DELTA = 2000, 8, 1.0, 1.0, 1e-5

@@ -21,7 +21,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shuffledp import pki, tls
+from shuffledp.security import pki
+from shuffledp.transport import tls
 
 HEALTH = "/grpc.health.v1.Health/"
 ECHO = "/shuffledp.test.Echo/"
@@ -327,7 +328,7 @@ def test_insecure_mode_is_explicit_and_loopback_only(caplog: pytest.LogCaptureFi
     srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     with pytest.raises(ValueError, match="loopback"):
         sec.add_port(srv, "0.0.0.0:0")
-    with caplog.at_level(logging.WARNING, logger="shuffledp.tls"):
+    with caplog.at_level(logging.WARNING, logger="shuffledp.transport.tls"):
         # no identities to check; requests are still decoded by the interceptor (INVALID_ARGUMENT, not INTERNAL)
         assert [type(i) for i in sec.interceptors({HEALTH: {"*"}})] == [tls.DecodeInterceptor]
         port = sec.add_port(srv, "127.0.0.1:0")

@@ -36,8 +36,8 @@ from shuffledp.protocols.pnsgd_round import (
     online_sigmas,
     pnsgd_epsilon,
 )
-from shuffledp.rng import make_rng
-from shuffledp.sealing import generate_keypair, round_info, seal
+from shuffledp.security.rng import make_rng
+from shuffledp.security.sealing import generate_keypair, round_info, seal
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

@@ -22,8 +22,8 @@ from shuffledp.services.shuffler_state import RoundRequest, Schedule, ShufflerSt
 
 from shuffledp.config import parse_config
 from shuffledp.protocols.gaussian_round import poisson_epsilon
-from shuffledp.rng import make_rng
-from shuffledp.sealing import PUBLIC_KEY_BYTES
+from shuffledp.security.rng import make_rng
+from shuffledp.security.sealing import PUBLIC_KEY_BYTES
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

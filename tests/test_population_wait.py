@@ -17,7 +17,7 @@ from shuffledp.clients.node import start_node
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.config import parse_config
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

@@ -15,7 +15,7 @@ from _ldp_stats import (
 from scipy import integrate, special, stats
 
 from shuffledp.mechanisms import privunit as pu
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 
 def t_density(t: float, d: int) -> float:

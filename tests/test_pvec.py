@@ -34,7 +34,7 @@ from shuffledp.mechanisms.pvec import (
     shift_to_units,
     validate_counts,
 )
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 VAR_ALPHA = 1e-4  # two-sided level of each chi-square variance band
 

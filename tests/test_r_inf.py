@@ -16,7 +16,7 @@ from _ldp_stats import (
 )
 
 from shuffledp.mechanisms import _ldp_kernels, r_inf
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 
 def input_grid(d: int, r: float, rng: np.random.Generator) -> np.ndarray:

@@ -17,7 +17,7 @@ from _ldp_stats import (
 from scipy.linalg import hadamard
 
 from shuffledp.mechanisms import _ldp_kernels, r_one
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 _HADAMARD_DOTS = r_one._hadamard_dots
 

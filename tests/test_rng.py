@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from randomgen import AESCounter, ChaCha
 
-from shuffledp.rng import AES_NI, InsecureSeedError, make_rng, secure_permutation
+from shuffledp.security.rng import AES_NI, InsecureSeedError, make_rng, secure_permutation
 
 
 def test_generator_is_aes_ctr_with_aes_ni_else_chacha20():
@@ -25,7 +25,7 @@ def test_test_seed_reproducible():
 
 
 def test_seed_refused_without_switch():
-    code = "from shuffledp.rng import make_rng\nmake_rng(1)"
+    code = "from shuffledp.security.rng import make_rng\nmake_rng(1)"
     env = {"PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from shuffledp.protocols.pvec_round import PvecRound
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 
@@ -46,7 +46,7 @@ def test_counts_round_allocates_no_whole_array_temporaries():
 _RETAINED = """
 import sys, threading
 import numpy as np
-from shuffledp.serve import return_large_blocks
+from shuffledp.cli.serve import return_large_blocks
 if sys.argv[1] == "fixed":
     assert return_large_blocks()
 def rss():

@@ -20,7 +20,7 @@ from shuffledp.services.ledger import BudgetLimit, LedgerError, PrivacyEvent, co
 from shuffledp.config import parse_config
 from shuffledp.models import make_model
 from shuffledp.protocols.registry import PROTOCOL_NAMES, declared, round_protocol
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.settings import table_keys
 from shuffledp.v1 import shuffledp_pb2 as pb
 

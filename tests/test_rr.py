@@ -13,7 +13,7 @@ from _ldp_stats import (
 )
 
 from shuffledp.mechanisms import rr
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 EPS = [0.1, 0.5, 1.0, 2.0, 4.0, 8.0]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from shuffledp.cli.run import start_local_cluster
 from shuffledp.config import ConfigError, load_config, parse_config
 from shuffledp.data import load_dataset
-from shuffledp.run import start_local_cluster
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
@@ -323,7 +323,7 @@ def test_ctrl_c_during_account_is_one_line(tmp_path: Path):
 
 
 def test_fetch_refreshes_the_same_runs_results_but_not_another_runs(tmp_path: Path):
-    from shuffledp.run import _out_refused
+    from shuffledp.cli.run import _out_refused
 
     out = tmp_path / "results"
     assert _out_refused(out, reuse=False, local=False, run_id="abc") is None  # new
@@ -356,7 +356,7 @@ def test_results_carry_the_baseline_and_the_plot_the_eps_limit(tmp_path: Path):
     import json
     from collections import Counter
 
-    from shuffledp.run import _plot
+    from shuffledp.cli.run import _plot
 
     cfg = _config(tmp_path, "small", SMALL)
     out = tmp_path / "out"

@@ -16,7 +16,7 @@ from shuffledp.services.shuffler import start_shuffler
 from shuffledp.config import parse_config
 from shuffledp.data import load_dataset
 from shuffledp.models import make_model
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

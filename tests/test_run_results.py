@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from _runs import run_cli
 
+from shuffledp.cli.run import _plot
 from shuffledp.config import parse_config
 from shuffledp.data import load_dataset
-from shuffledp.run import _plot
 
 pytestmark = pytest.mark.timeout(240)
 

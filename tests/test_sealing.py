@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from shuffledp.sealing import (
+from shuffledp.security.sealing import (
     BIT_MESSAGE_BYTES,
     SEAL_OVERHEAD,
     SealingError,
@@ -90,7 +90,7 @@ def test_labelled_bits_format_roundtrip():
 def test_a_message_sent_twice_is_found_by_its_encapsulated_key():
     """Found by probing as a dishonest shuffler: copies of one user's sealed message were opened as that many users'
     (a sum holding the user 20 times, an LDP crowd of one). Every sealed message has its own encapsulated key."""
-    from shuffledp.sealing import ENC_BYTES, repeated_encapsulation
+    from shuffledp.security.sealing import ENC_BYTES, repeated_encapsulation
 
     _, public = generate_keypair()
     cts = seal_many(public, [bytes([i]) * 8 for i in range(50)], b"round")

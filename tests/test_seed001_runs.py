@@ -12,13 +12,13 @@ from shuffledp.clients.node import NodeCore, UserShard
 from shuffledp.clients.policy import Refusal, UserPolicy
 from shuffledp.services.ledger import PrivacyEvent
 
-from shuffledp import sealing
 from shuffledp.accountants import ledger_accounting as la
+from shuffledp.accountants.events import LdpShuffleRound
 from shuffledp.accountants.fmt_shuffle import tight_pld_epsilon
-from shuffledp.events import LdpShuffleRound
 from shuffledp.protocols.base import PlanRequest
 from shuffledp.protocols.ldp_round import MALFORMED_PLAINTEXT, UNDECRYPTABLE, LdpRound, LdpSettings
-from shuffledp.rng import make_rng
+from shuffledp.security import sealing
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 pytestmark = pytest.mark.timeout(240)

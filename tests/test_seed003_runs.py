@@ -20,7 +20,7 @@ from shuffledp.mechanisms import tree_noise
 from shuffledp.protocols.base import PlanRequest
 from shuffledp.protocols.gaussian_round import GaussianRound, wor_epsilon
 from shuffledp.protocols.tree_round import TreeRound, TreeRun, TreeSettings
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 pytestmark = pytest.mark.timeout(300)
 

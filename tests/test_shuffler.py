@@ -37,8 +37,8 @@ from shuffledp.services.shuffler_state import (
 )
 
 from shuffledp.mechanisms import pvec
-from shuffledp.rng import make_rng
-from shuffledp.sealing import (
+from shuffledp.security.rng import make_rng
+from shuffledp.security.sealing import (
     BIT_MESSAGE_BYTES,
     SealingError,
     generate_keypair,
@@ -1413,7 +1413,7 @@ def test_a_sealed_message_sent_again_under_another_user_is_rejected():
     analyzer as two users' messages; the shuffler rejects a message whose encapsulated key the round has seen."""
     from shuffledp.services.shuffler_state import Submission, UserMessage
 
-    from shuffledp.sealing import ENC_BYTES, generate_keypair, seal_many
+    from shuffledp.security.sealing import ENC_BYTES, generate_keypair, seal_many
 
     _, pub = generate_keypair()
     state, clock = _state_with_test_clock(9)

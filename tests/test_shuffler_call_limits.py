@@ -21,7 +21,8 @@ from _runs import wait_for_run
 from shuffledp.services.shuffler import STREAMS_PER_NODE, serve_shuffler
 from shuffledp.services.shuffler_state import ShufflerState
 
-from shuffledp import pki, tls
+from shuffledp.security import pki
+from shuffledp.transport import tls
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

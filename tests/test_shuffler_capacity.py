@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from _procs import log_text, serve, stop
 
-from shuffledp import pki, tls
+from shuffledp.security import pki
+from shuffledp.transport import tls
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

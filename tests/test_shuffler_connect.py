@@ -20,7 +20,7 @@ from shuffledp.clients.node import start_node_with_shard
 from test_shuffler import NO_VERIFY, Shuffler, shard, spec
 
 from shuffledp.mechanisms import pvec
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 USERS = [f"u{i}" for i in range(6)]

@@ -23,8 +23,9 @@ from shuffledp.clients.node import UserShard, start_node_with_shard
 from shuffledp.services.analyzer import start_analyzer
 from shuffledp.services.shuffler import start_shuffler
 
-from shuffledp import grpc_options, health, pki
-from shuffledp.serve import BLAS_THREAD_VARS
+from shuffledp.cli.serve import BLAS_THREAD_VARS
+from shuffledp.security import pki
+from shuffledp.transport import grpc_options, health
 
 QUICK_S = 10.0  # a PKI mistake used to take ~34 s and end in "shuffler exited during start-up"
 

@@ -45,7 +45,7 @@ import _deploy as common
 import pytest
 from _deploy import IMAGE, SERVICE_UID, docker_json, run_cmd
 
-from shuffledp import pki
+from shuffledp.security import pki
 
 SWARM_SH = common.DEPLOY / "swarm.sh"
 CLIENTS, MAX_CLIENTS = 3, 5

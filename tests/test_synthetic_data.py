@@ -18,7 +18,7 @@ from shuffledp.data import (
     user_shard,
 )
 from shuffledp.models import TASKS, make_model
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 KNOWN = ("leastsq", "absolute", "logreg", "distance")  # tasks whose population optimum is stated
 

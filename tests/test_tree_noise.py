@@ -16,7 +16,7 @@ from shuffledp.mechanisms.tree_noise import (
     prefix_variance,
     residual_noise,
 )
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 
 # spec 003 sec 7.3 [C]: Var(Z_t)/std^2 of the efficient (Honaker) estimator for t = 1..8
 EFFICIENT_VAR = [1.0, 0.667, 1.667, 0.571, 1.571, 1.238, 2.238, 0.533]

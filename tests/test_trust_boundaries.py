@@ -28,10 +28,11 @@ from shuffledp.clients.policy import UserPolicy
 from shuffledp.services.shuffler import serve_shuffler
 from shuffledp.services.shuffler_state import QuotaExceeded, ShufflerState
 
-from shuffledp import grpc_options, pki, tls
 from shuffledp.accountants.calibrated_pvec import calibrate_pvec
 from shuffledp.mechanisms.pvec import count_wire_dtype
-from shuffledp.rng import make_rng
+from shuffledp.security import pki
+from shuffledp.security.rng import make_rng
+from shuffledp.transport import grpc_options, tls
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -274,7 +275,7 @@ def test_5_a_batch_above_4_mib_is_received_and_used(tmp_path: Path) -> None:
     )
     cfg = tmp_path / "bits.toml"
     cfg.write_text(toml)
-    from shuffledp.run import start_local_cluster
+    from shuffledp.cli.run import start_local_cluster
 
     cluster, _, analyzer = start_local_cluster(cfg, tmp_path, client_nodes=1)
     try:

@@ -27,7 +27,7 @@ from shuffledp.services.shuffler import start_shuffler
 from shuffledp.config import parse_config
 from shuffledp.protocols.gaussian_round import GaussianRound, poisson_epsilon, unamplified_epsilon, wor_epsilon
 from shuffledp.protocols.tree_round import _trees_epsilon
-from shuffledp.rng import make_rng
+from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 
@@ -207,7 +207,7 @@ def _gaussian_spec(run: str, r: int, population: int, **extra) -> pb.RoundSpec:
     `extra` overrides the plan's parameters (e.g. sampling = "poisson", q)."""
     from types import SimpleNamespace
 
-    from shuffledp import sealing
+    from shuffledp.security import sealing
 
     params = {"d": 8, "clip": 1.0, "k": 10, "n": 100, "delta": 1e-5, "noise_multiplier": 1.0, "noise": "continuous"}
     params.update(extra)
@@ -296,7 +296,7 @@ def test_the_shuffler_refuses_a_fixed_cohort_round_with_fewer_eligible_users_and
     from shuffledp.services.shuffler_state import CohortUnavailable, RoundRequest, Schedule, ShufflerState, Transport
 
     from shuffledp.protocols.ldp_round import LdpRound
-    from shuffledp.sealing import PUBLIC_KEY_BYTES
+    from shuffledp.security.sealing import PUBLIC_KEY_BYTES
 
     state = ShufflerState(rng=make_rng(2), poll_seconds=0.001)
     state.register_users("a", ["u0", "u1", "u2"])
@@ -353,7 +353,7 @@ def _in_run_spec(protocol: str, r: int) -> tuple[pb.RoundSpec, int]:
     """A round r of a run whose cost composes per run (design 6): (spec, features of its leastsq/logreg model)."""
     from types import SimpleNamespace
 
-    from shuffledp import sealing
+    from shuffledp.security import sealing
 
     if protocol == "gaussian":
         return _gaussian_spec("run", r, 100), 3

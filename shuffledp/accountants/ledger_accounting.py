@@ -1,4 +1,4 @@
-"""Accountant dispatch: a history of privacy events (shuffledp.events) -> (eps, delta), and back.
+"""Accountant dispatch: a history of privacy events (shuffledp.accountants.events) -> (eps, delta), and back.
 
 ``account(events, delta, accountant)`` answers "what does this cost"; ``max_rounds`` and ``min_noise`` answer
 "how many rounds / how much noise fits a budget". Two accountants (design section 6):
@@ -40,8 +40,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from shuffledp.accountants.rdp import check_delta, minimise_over_orders, optimal_epsilon, round_up
-from shuffledp.events import (
+from shuffledp.accountants.events import (
     GaussianRound,
     LdpShuffleRound,
     PnsgdRun,
@@ -50,6 +49,7 @@ from shuffledp.events import (
     TreeAggregation,
     trust_of,
 )
+from shuffledp.accountants.rdp import check_delta, minimise_over_orders, optimal_epsilon, round_up
 from shuffledp.lazy import OnFirstUse
 from shuffledp.mechanisms.pvec import PvecParams
 

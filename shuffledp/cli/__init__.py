@@ -3,6 +3,9 @@
 A subcommand module exposes `add_parser(subparsers) -> None` (which sets `func` on its parser) and is
 listed in SUBCOMMANDS. Bad arguments exit with status 2 and one clear line (argparse's convention).
 Ctrl-C exits with status 130 and one line; a server that cannot listen on its address says why in one line (status 1).
+
+The faces: `run` (a local run, or one against a deployment), `serve` (one party as a service), `account` (the
+ledger's and a user's accounts). This package is the top floor: it may import anything, and nothing imports it.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ import sys
 
 # name -> module implementing it
 SUBCOMMANDS = {
-    "account": "shuffledp.account_cli",
-    "run": "shuffledp.run",
-    "serve": "shuffledp.serve",
-    "pki": "shuffledp.pki",
-    "health": "shuffledp.health",
+    "account": "shuffledp.cli.account",
+    "run": "shuffledp.cli.run",
+    "serve": "shuffledp.cli.serve",
+    "pki": "shuffledp.security.pki",
+    "health": "shuffledp.transport.health",
 }
 
 
@@ -52,13 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{command}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     except OSError as exc:  # a server that cannot listen (grpc_options.bind_server): one line, not a traceback
-        from shuffledp.grpc_options import BindError
+        from shuffledp.transport.grpc_options import BindError
 
         if not isinstance(exc, BindError):
             raise
         print(f"{command}: {exc}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

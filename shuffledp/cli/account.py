@@ -20,7 +20,14 @@ import sys
 from typing import Any
 
 from shuffledp.accountants import ledger_accounting as la
-from shuffledp.events import GaussianRound, LdpShuffleRound, PnsgdRun, PrivacyEvent, PvecRound, TreeAggregation
+from shuffledp.accountants.events import (
+    GaussianRound,
+    LdpShuffleRound,
+    PnsgdRun,
+    PrivacyEvent,
+    PvecRound,
+    TreeAggregation,
+)
 from shuffledp.lazy import OnFirstUse
 
 # imported at first use: `--help` and argument errors need none of them (dp_accounting and scipy are ~3 s)
@@ -165,7 +172,7 @@ def _common(
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `account` with one sub-command per protocol (shuffledp/cli.py convention)."""
+    """Register `account` with one sub-command per protocol (shuffledp/cli/__init__.py convention)."""
     parser = subparsers.add_parser(
         "account",
         help="privacy cost of a protocol; rounds or noise that fit a budget",

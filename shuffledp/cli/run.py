@@ -258,7 +258,7 @@ def start_local_cluster(
     analyzer = None
     try:
         sec = ["--insecure"] if pki is None else ["--pki", str(pki.resolve())]
-        from shuffledp import grpc_options
+        from shuffledp.transport import grpc_options
 
         # the configured nodes always fit: its default capacity (10^4) only grows with client_nodes here
         capacity = ["--max-nodes", str(max(client_nodes, grpc_options.DEFAULT_MAX_NODES))]
@@ -347,7 +347,7 @@ def _progress_line(m: pb.RoundMetrics, planned: int) -> str:
 
 def operator_channel(analyzer: str, pki: Path | None = None, server_name: str = "analyzer") -> grpc.Channel:
     """Channel of the operator to the analyzer: mTLS with the operator certificate, or plain text on loopback."""
-    from shuffledp import grpc_options, tls
+    from shuffledp.transport import grpc_options, tls
 
     options = grpc_options.operator_channel_options()
     if pki is None:
@@ -583,7 +583,7 @@ def check_reachable(
     id) when nothing does within `wait_s`. Any answer counts, even a refusal: the run's own calls then say more."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from shuffledp import grpc_options, tls
+    from shuffledp.transport import grpc_options, tls
 
     # plain text: without the insecure mode's warning, which the run's own channel gives (_plain_text_refused has
     # checked the address)
@@ -685,7 +685,7 @@ def _export_plugin(out: Path, config_toml: str, plan: dict, released: np.ndarray
     """The released model in its framework's own form too (ModelPlugin.export; Flax: model.msgpack), built from
     what is installed here; a warning (model.npz is written already) when it cannot be."""
     from shuffledp.config import parse_config
-    from shuffledp.model_plugin import build_model
+    from shuffledp.models.plugin import build_model
 
     try:
         model = build_model(parse_config(config_toml).model, plan["num_features"], plan["num_classes"])
@@ -1011,7 +1011,7 @@ def _rpc_failed(exc: grpc.RpcError, analyzer: str, doing: str) -> int:
 def _plain_text_refused(args: argparse.Namespace) -> str | None:
     """Why --analyzer cannot be dialled in plain text (None: it can, or --pki is given): a one-line usage error
     before anything is written, instead of the channel's ValueError."""
-    from shuffledp import tls
+    from shuffledp.transport import tls
 
     if not args.analyzer or args.pki is not None:
         return None
@@ -1057,7 +1057,7 @@ def _metrics_refused(args: argparse.Namespace, client_nodes: int) -> str | None:
     last = args.metrics_port + client_nodes + 1  # shuffler, analyzer, the client nodes
     if not 0 < args.metrics_port or last > 65535:
         return f"--metrics-port BASE must leave BASE..BASE+{client_nodes + 1} in 1..65535, got {args.metrics_port}"
-    from shuffledp.grpc_options import BindError, check_address_free
+    from shuffledp.transport.grpc_options import BindError, check_address_free
 
     try:
         for port in range(args.metrics_port, last + 1):
@@ -1106,7 +1106,7 @@ def check_before_start(config: RunConfig) -> None:
     Raises ConfigError naming the problem."""
     from shuffledp.config import ConfigError
     from shuffledp.data import load_dataset, num_users
-    from shuffledp.model_plugin import build_model
+    from shuffledp.models.plugin import build_model
     from shuffledp.services.run_manager import plan_run, policy_refusal
 
     try:
@@ -1224,7 +1224,7 @@ def _tracking_refused(args: argparse.Namespace) -> str | None:
     """Why the run tracking asked for cannot be done (one line), or None."""
     if getattr(args, "tensorboard", None) is None:
         return None
-    from shuffledp.tracking import check_tracking
+    from shuffledp.observability.tracking import check_tracking
 
     return check_tracking()
 
@@ -1233,7 +1233,7 @@ def _tracker(args: argparse.Namespace, out: Path, config_toml: str):
     """The run's TensorBoard log (DIR/<results directory name>), or None without --tensorboard."""
     if getattr(args, "tensorboard", None) is None:
         return None
-    from shuffledp.tracking import TensorBoardTracker
+    from shuffledp.observability.tracking import TensorBoardTracker
 
     return TensorBoardTracker(args.tensorboard, out.resolve().name, config_toml)
 
@@ -1283,11 +1283,11 @@ def _run_command(
         return 2
     if config.model.module:  # this file is the operator's own: it registers its model plug-in in this process and
         # the services it starts (a deployment's analyzer imports only what its own installation registers)
-        from shuffledp.model_plugin import register_plugin
+        from shuffledp.models.plugin import register_plugin
 
         register_plugin(config.model.module)
     if not args.analyzer and not config.deployment.insecure:  # before anything starts (issue 24 item 11)
-        from shuffledp.pki import check_local_run
+        from shuffledp.security.pki import check_local_run
 
         try:
             check_local_run(config.deployment.pki_dir, config.deployment.client_nodes)
@@ -1335,7 +1335,7 @@ def _run_command(
     echo = (lambda *_: None) if args.quiet else print
     live = None
     if not args.quiet and sys.stdout.isatty():  # a terminal: the lines, and a live status line below them
-        from shuffledp.live import LiveView
+        from shuffledp.observability.live import LiveView
 
         live = LiveView(sys.stdout)
         echo = live.echo

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shuffledp import grpc_options
+from shuffledp.transport import grpc_options
 
-log = logging.getLogger("shuffledp.serve")
+log = logging.getLogger("shuffledp.cli.serve")
 SHUFFLER_WAIT_S = 60.0
 # glibc serves a freed block's size from its heaps from then on (the mmap threshold rises with each large free, up to
 # 32 MiB), and a thread's heap keeps what it once held: after one large round a service held ~400 MB more than its
@@ -147,7 +147,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _security(args: argparse.Namespace, role: str):
     """(server_credentials, channel_credentials, interceptors) for this party; Nones in insecure mode. Every PKI
     file this party uses is checked here, before anything starts: SystemExit with one line naming a bad one."""
-    from shuffledp import tls
+    from shuffledp.transport import tls
 
     if args.insecure:
         # one rule for every party (tls.check_plain_text), on what is bound and on what is dialled
@@ -176,7 +176,7 @@ def _signer(args: argparse.Namespace, role: str):
     """The analyzer's spec signer (its role certificate's key, checked by _security), None in insecure mode."""
     if args.pki is None:
         return None
-    from shuffledp.spec_signing import SpecSigner
+    from shuffledp.transport.spec_signing import SpecSigner
 
     return SpecSigner.from_pki(args.pki, _party_name(args, role))
 
@@ -194,7 +194,7 @@ def _check_metrics(args: argparse.Namespace, role: str) -> None:
     """With --metrics-port: its address (the --listen host) is checked free before any state is opened."""
     if not args.metrics_port:
         return
-    from shuffledp.metrics import metrics_host
+    from shuffledp.observability.metrics import metrics_host
 
     try:
         if not 0 < args.metrics_port < 65536:
@@ -259,8 +259,8 @@ def _start(
             lambda: server.manager.cancel_running(PARENT_GONE),  # nobody drives them now: no further round
         )
     if args.service == "shuffler":
-        from shuffledp import tls
         from shuffledp.services.shuffler import DEFAULT_MAX_NODES, start_shuffler
+        from shuffledp.transport import tls
 
         max_nodes = DEFAULT_MAX_NODES if args.max_nodes is None else args.max_nodes
         if max_nodes < 1:
@@ -285,7 +285,7 @@ def _start(
 
         return port, lambda: server.stop(grace=5).wait(), registry, _nothing
     from shuffledp.clients.node import start_node
-    from shuffledp.spec_signing import SpecVerifier
+    from shuffledp.transport.spec_signing import SpecVerifier
 
     config = _node_config(args, role)
     args.shuffler = _shuffler_address(args)
@@ -324,7 +324,7 @@ def _node_config(args: argparse.Namespace, role: str):
 
     config = load_config(args.config)
     if config.model.module:
-        from shuffledp.model_plugin import load_factory
+        from shuffledp.models.plugin import load_factory
 
         try:
             load_factory(config.model.module)  # importable and a marked factory (built once the data is loaded)
@@ -392,7 +392,7 @@ def _watch_parent(fd: int, gone: threading.Event, stop: threading.Event) -> None
 
 
 def _registry(maker: str, *targets: object):
-    from shuffledp import metrics
+    from shuffledp.observability import metrics
 
     return getattr(metrics, maker)(*targets)
 
@@ -423,7 +423,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"shuffledp serve {role}: {exc}") from exc
     metrics_server = None
     if args.metrics_port:
-        from shuffledp.metrics import metrics_host, serve_metrics
+        from shuffledp.observability.metrics import metrics_host, serve_metrics
 
         try:
             metrics_server, mport = serve_metrics(registry(), metrics_host(args.listen), args.metrics_port)
@@ -447,7 +447,7 @@ def _serve(args: argparse.Namespace) -> int:
     if metrics_server is not None:
         metrics_server.shutdown()
     stopper()
-    if interrupted.is_set():  # the CLI's convention (shuffledp/cli.py): one line, status 130
+    if interrupted.is_set():  # the CLI's convention (shuffledp/cli/__init__.py): one line, status 130
         print(f"shuffledp serve {role}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     return 0

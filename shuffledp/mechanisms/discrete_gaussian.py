@@ -4,7 +4,8 @@ Why: textbook floating-point Gaussian samplers leak the noiseless value through 
 output (Mironov 2012). Here the released vector is  g * (round(x / g) + Z),  Z_i iid DG(s2) on the integers,
 P(Z = z) proportional to exp(-z^2 / (2 s2)), with g a power of two: every output is an exact float multiple of g
 whatever x was, and Z is sampled EXACTLY, from integer arithmetic only (CKS20 Alg 1-3), with all randomness from
-the injected generator (shuffledp.rng: AES-CTR or ChaCha20). numpy's ``integers`` is an unbiased (rejection) integer
+the injected generator (shuffledp.security.rng: AES-CTR or ChaCha20). numpy's ``integers`` is an unbiased (rejection)
+integer
 sampler; wider ranges are built here from whole 64-bit words with rejection, so every probability below is exact.
 
 Privacy (what the ledger may keep assuming). The ledger charges a Gaussian of std sigma on a query of l2

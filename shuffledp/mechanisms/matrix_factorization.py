@@ -30,7 +30,7 @@ the analyzer checkpoints, so a restarted analyzer continues the same sequence an
   w_t = z_t - sum_j omega_j buf_j, then buf_j <- theta_j buf_j + w_t; state = the nbuf buffers (nbuf x dim);
 - banded (coefficients c_0..c_{b-1}): forward substitution in C w = Z, w_t = (z_t - sum_{j=1}^{b-1} c_j
   w_{t-j}) / c_0; state = the last b-1 outputs w (an IIR filter: it needs past outputs, not past draws).
-The noise is the continuous Gaussian from the caller's numpy Generator (shuffledp.rng.make_rng, design sec 6);
+The noise is the continuous Gaussian from the caller's numpy Generator (shuffledp.security.rng.make_rng, design sec 6);
 the discrete Gaussian of the other central protocols does not apply (C x is not on a grid).
 
 Only ``build_strategy`` and ``sensitivity`` import JAX (jax_privacy, the optional extra "mf"); the strategy is

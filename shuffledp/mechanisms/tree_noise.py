@@ -27,7 +27,7 @@ Estimators (the stacked vector depends on it, so the first leaf fixes it for the
   std^2 sum_{h in bits(t)} 1/(2 - 2^-h) (spec 003 sec 7.3; checked by Monte Carlo in tests/test_tree_noise.py).
   Privacy is that of the released nodes (post-processing).
 
-Every draw comes from the caller's numpy Generator (shuffledp.rng.make_rng, design sec 6). A state is plain
+Every draw comes from the caller's numpy Generator (shuffledp.security.rng.make_rng, design sec 6). A state is plain
 arrays (to_arrays / from_arrays), so the analyzer can checkpoint it and resume without redrawing any node.
 """
 
@@ -164,7 +164,7 @@ def _check_call(state: TreeState, std: float, rng: np.random.Generator, efficien
     if not isinstance(state, TreeState):
         raise TypeError(f"state must be a TreeState, got {type(state).__name__}")
     if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng must be a numpy Generator from shuffledp.rng.make_rng, got {type(rng).__name__}")
+        raise TypeError(f"rng must be a numpy Generator from shuffledp.security.rng.make_rng, got {type(rng).__name__}")
     std = float(std)
     if not (math.isfinite(std) and std >= 0):
         raise ValueError(f"std must be a finite number >= 0, got {std!r}")

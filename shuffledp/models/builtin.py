@@ -65,7 +65,7 @@ ALL_TASKS = TASKS + NONCONVEX_TASKS  # every task a Model accepts
 CLASSIFIERS = ("logreg", "mlp")  # softmax cross-entropy over num_classes >= 2 integer labels
 DEFAULT_HIDDEN = 32  # make_model's hidden width for mlp
 # Public, data-independent seed of mlp's theta_0 (see Model.init_params). Not privacy noise: the CSPRNG rule of
-# shuffledp.rng (design section 6) is about noise that must stay secret; theta_0 is public by design.
+# shuffledp.security.rng (design section 6) is about noise that must stay secret; theta_0 is public by design.
 MLP_INIT_SEED = 0
 
 
@@ -79,8 +79,8 @@ class ModelPlugin(ABC):
     lipschitz_bound and smoothness. A non-convex model (convex = False) has no such constants: the defaults raise,
     and a run must give schedule.learning_rate (services/run_manager.plan_run refuses it otherwise).
 
-    The built-in Model implements it; shuffledp.flax_model adapts a Flax module. A plug-in is selected by
-    [model] module = "package.module:factory" (shuffledp.model_plugin): factory(num_features, num_classes, **args)
+    The built-in Model implements it; shuffledp.models.flax_adapter adapts a Flax module. A plug-in is selected by
+    [model] module = "package.module:factory" (shuffledp.models.plugin): factory(num_features, num_classes, **args)
     returns an instance.
     """
 
@@ -196,7 +196,7 @@ def _json_default(v: Any) -> Any:
 def model_factory(fn: Any) -> Any:
     """Marks fn(num_features, num_classes, **args) -> ModelPlugin as a model factory: [model] module may name only
     a marked factory (or a ModelPlugin subclass), so that a configuration cannot make a party call an arbitrary
-    installed function (shuffledp.model_plugin)."""
+    installed function (shuffledp.models.plugin)."""
     fn.__shuffledp_model_factory__ = True
     return fn
 
@@ -316,7 +316,7 @@ class Model(ModelPlugin):
         a = sqrt(6 / (num_features + hidden)), W2 ~ U(-b, b) with b = sqrt(6 / (hidden + num_classes)), biases 0.
         The draw comes from numpy's PCG64 under the fixed public seed MLP_INIT_SEED, so it depends on the shapes
         only (never on data) and every party computes the same theta_0. This is not privacy noise, so the rule
-        that noise comes from the secret-keyed CSPRNG of shuffledp.rng does not apply (the analyzer broadcasts
+        that noise comes from the secret-keyed CSPRNG of shuffledp.security.rng does not apply (the analyzer broadcasts
         theta in every RoundSpec anyway; clients never call init_params). The ||theta_0||^2 is about
         2 hidden num_features / (num_features + hidden) + 2 num_classes hidden / (hidden + num_classes); the
         optimizers project onto the ball of model.radius, which must be large enough not to shrink it.

@@ -5,14 +5,14 @@ run and the built-in models need no JAX.
 
 The user writes a Flax module (linen, or an nnx constructor ``make(rngs) -> nnx.Module``) mapping a batch of inputs
 of shape (k, *input_shape) to outputs (k, num_classes), and a loss ``loss(outputs, labels) -> (k,)`` of per-example
-losses; a model factory returns ``FlaxModel(module, loss, ...)`` (see shuffledp/examples/cnn.py). The adapter
+losses; a model factory returns ``FlaxModel(module, loss, ...)`` (see shuffledp/models/examples/cnn.py). The adapter
 
 - flattens the parameter pytree into the flat float64 vector the protocols and optimizers use
   (jax.flatten_util.ravel_pytree; the layout is the pytree's leaves in jax.tree_util order, named by their paths);
 - computes per-user gradients with vmap(grad) under jit (per_user = "vmap"; or "scan": jax.lax.map of grad, one
   user after another inside one compiled call, for convolutional networks on CPU, where XLA turns a vmapped
   convolution's weight gradient into a grouped convolution with one group per user that is ~100x slower in float64
-  than the loop: measured 18 s against 0.18 s for 128 users of shuffledp/examples/flax_models.py's CNN): user i's
+  than the loop: measured 18 s against 0.18 s for 128 users of shuffledp/models/examples/flax_models.py's CNN): user i's
   gradient is the gradient of the mean loss over its
   own b examples, so no quantity is shared between users (the sensitivity argument of DP-SGD, Abadi et al. 2016,
   needs each row to depend on one user's data only), then clips each user's gradient in l2 when asked

@@ -64,7 +64,7 @@ class Nonces(Sequence[bytes]):
 def open_each(private_key: Any, ciphertexts: Sequence[bytes], info: bytes) -> tuple[list[bytes], int]:
     """(plaintexts of the ciphertexts that open, in order; how many did not, each an UNDECRYPTABLE message). A
     message that does not open is skipped, so one bad message cannot void the others; nothing of it is kept."""
-    from shuffledp import sealing
+    from shuffledp.security import sealing
 
     opened: list[bytes] = []
     for c in ciphertexts:

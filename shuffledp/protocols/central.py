@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from shuffledp import sealing
 from shuffledp.protocols.base import (
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
@@ -31,6 +30,7 @@ from shuffledp.protocols.base import (
     open_each,
 )
 from shuffledp.protocols.ldp_round import clip_rows_in_norm
+from shuffledp.security import sealing
 from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 

@@ -91,7 +91,7 @@ def poisson_epsilon(noise_multiplier: float, q: float, rounds: int, delta: float
     smaller of PLD and RDP; "paper": dp_accounting's RDP alone, what the calibration uses). Continuous noise only
     (module docstring)."""
     from shuffledp.accountants import ledger_accounting
-    from shuffledp.events import GaussianRound as GaussianEvent
+    from shuffledp.accountants.events import GaussianRound as GaussianEvent
 
     if rounds == 0:
         return 0.0

@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from shuffledp import sealing
 from shuffledp.protocols.base import (
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
@@ -45,6 +44,7 @@ from shuffledp.protocols.base import (
     RoundPlan,
     open_each,
 )
+from shuffledp.security import sealing
 from shuffledp.settings import setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -181,7 +181,7 @@ class LdpRound(AnalyzerHooks):
         """eps0 and T from the budget (spec 001 sec 4, sec 7 item 7): both given -> checked against (eps, delta);
         eps0 given, rounds unset -> the most rounds that fit; rounds given, eps0 unset -> the largest eps0 that fits."""
         from shuffledp.accountants import ledger_accounting as la
-        from shuffledp.events import LdpShuffleRound
+        from shuffledp.accountants.events import LdpShuffleRound
         from shuffledp.mechanisms.ldp_common import MAX_EPS0
 
         if req.kind != "subsampled":
@@ -287,7 +287,7 @@ class LdpRound(AnalyzerHooks):
 
     def _events(self, items: Sequence[tuple[Any, int]], honest_fraction: float = 1.0) -> list[tuple[Any, int]]:
         """The accountant's rounds of (ledger event, rounds with it) items, as (LdpShuffleRound, count)."""
-        from shuffledp.events import LdpShuffleRound
+        from shuffledp.accountants.events import LdpShuffleRound
 
         out: Counter = Counter()
         for e, c in items:

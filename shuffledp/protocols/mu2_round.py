@@ -74,7 +74,7 @@ def mu2_epsilon(
 ) -> float:
     """eps of `rounds` Gaussian rounds (module docstring): ledger_accounting.account of GaussianRound events."""
     from shuffledp.accountants import ledger_accounting
-    from shuffledp.events import GaussianRound
+    from shuffledp.accountants.events import GaussianRound
 
     if rounds == 0:
         return 0.0

@@ -4,7 +4,8 @@ central-trust streaming mode whose running sum is never clean.
 Round t (schedule.kind = "sequential": a fresh cohort of B users, each user in one round of the run): each user
 clips its gradient to L (clip_norm) and seals it to the analyzer (protocols.central, transport SEALED). The
 analyzer's accumulator STARTS at Z1 ~ N(0, (B zeta)^2 I) (sum units; zeta is the mean's noise std of Alg 6) drawn
-from a CSPRNG (shuffledp.rng.make_rng); it then opens the ciphertexts ONE AT A TIME, checks each (length, finite,
+from a CSPRNG (shuffledp.security.rng.make_rng); it then opens the ciphertexts ONE AT A TIME, checks each (length,
+finite,
 norm <= L: a bad one is skipped, counted by reason and never added), adds it to the accumulator and drops the
 plaintext (Alg 6 lines 4-8). No clean sum, clean partial sum or list of plaintexts is ever formed. add_noise then
 adds a second, independent Z2 ~ N(0, (B zeta)^2 I) (Alg 6 line 9) and the optimizer gets the total / B (the fixed
@@ -65,7 +66,6 @@ from typing import Any
 
 import numpy as np
 
-from shuffledp import sealing
 from shuffledp.mechanisms import discrete_gaussian
 from shuffledp.mechanisms.gaussian import analytic_gaussian_sigma, gaussian_delta
 from shuffledp.protocols.base import MALFORMED_PLAINTEXT, UNDECRYPTABLE, BatchError, Decoded, PlanRequest, RoundPlan
@@ -77,7 +77,8 @@ from shuffledp.protocols.central import (
     message_bytes,
     noise_setting,
 )
-from shuffledp.rng import make_rng
+from shuffledp.security import sealing
+from shuffledp.security.rng import make_rng
 from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 

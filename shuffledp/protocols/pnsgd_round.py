@@ -83,7 +83,7 @@ TEST_ITERATE_HOOK: Callable[[int, np.ndarray, np.ndarray], None] | None = None
 def pnsgd_epsilon(params: dict[str, Any], n: int, delta: float) -> float:
     """eps of one pass over n records: ledger_accounting.account of the PnsgdRun event (Thm 2)."""
     from shuffledp.accountants import ledger_accounting
-    from shuffledp.events import PnsgdRun
+    from shuffledp.accountants.events import PnsgdRun
 
     ev = PnsgdRun("gaussian", n, params["lipschitz"], params["sigma"], params["eta"], params["diameter"], params["m"])
     return float(ledger_accounting.account([ev], delta).eps)
@@ -103,7 +103,7 @@ def online_epsilon(params: dict[str, Any], passes: Sequence[int], delta: float) 
     """eps of online passes over these record counts: each is the Gaussian mechanism at mu = 2L/sigma_n for its
     newest record, which dominates the others (module docstring); ledger_accounting.account composes them."""
     from shuffledp.accountants import ledger_accounting
-    from shuffledp.events import GaussianRound
+    from shuffledp.accountants.events import GaussianRound
 
     evs = [GaussianRound(float(online_sigmas(params, n)[-1]), 2.0 * params["lipschitz"]) for n in passes]
     return float(ledger_accounting.account(evs, delta).eps)
@@ -319,7 +319,7 @@ class PnsgdRound(CentralRound):
         """Each pass at the records it ran; several passes (a pass redone after a crash) composed by the
         accountant: PnsgdRun events (spec 004 sec 3.6), or online ones as Gaussian mechanisms."""
         from shuffledp.accountants import ledger_accounting
-        from shuffledp.events import PnsgdRun
+        from shuffledp.accountants.events import PnsgdRun
 
         counts = [max(int(e.contributors), 1) for e in events]
         p = events[0].params

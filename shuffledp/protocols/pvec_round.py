@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 
-from shuffledp import sealing
 from shuffledp.mechanisms import check_in, pvec
 from shuffledp.mechanisms.pvec import PvecParams
 from shuffledp.protocols.base import (
@@ -44,6 +43,7 @@ from shuffledp.protocols.base import (
     open_each,
     release_floor,
 )
+from shuffledp.security import sealing
 from shuffledp.settings import ConfigError, RunConfig, setting
 from shuffledp.v1 import shuffledp_pb2 as pb
 
@@ -186,7 +186,7 @@ def _accounted_round(event: Any, schedule: str, honest_fraction: float):
     noise Bin(m (n' - n), p) is independent of the rest, so dropping it is post-processing (an upper bound).
     honest_fraction h < 1 (robust variant, spec 000 A.3): only floor(h n') contributors' noise is counted, the rest
     may be known to the adversary (colluding users); the binomial view of floor(h n') users is exact for that."""
-    from shuffledp.events import PvecRound as AccountedRound
+    from shuffledp.accountants.events import PvecRound as AccountedRound
 
     params = PvecParams(**event.params)
     n = min(event.contributors, params.n)

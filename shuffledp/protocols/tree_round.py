@@ -73,7 +73,7 @@ class TreeRun(NamedTuple):
 
 
 def _tree_event(params: dict[str, Any], steps: int, completion: bool) -> Any:
-    from shuffledp.events import TreeAggregation
+    from shuffledp.accountants.events import TreeAggregation
 
     E, xi = int(params["max_participations"]), int(params["min_separation"])
     return TreeAggregation(float(params["noise_multiplier"]), int(steps), E, xi, completion)
@@ -395,7 +395,7 @@ def _trees_epsilon(
     """eps of trees of per_tree leaves in which a user joined leaves[j] leaves (TreeRound.user_account), under the
     figure the ledger charges for the noise."""
     from shuffledp.accountants import ledger_accounting as la
-    from shuffledp.events import TreeAggregation
+    from shuffledp.accountants.events import TreeAggregation
 
     if not leaves:
         return 0.0

@@ -1,7 +1,7 @@
 """`shuffledp pki init|issue|revoke`: a private CA, one mTLS certificate per party (design section 7), devices
 added later, and a certificate revocation list.
 
-Every certificate carries its party's ROLE twice, so that a server can authorize by role (shuffledp.tls):
+Every certificate carries its party's ROLE twice, so that a server can authorize by role (shuffledp.transport.tls):
 subject OU=<role> and a SAN URI spiffe://shuffledp/<role>/<name>. Roles: analyzer, shuffler, client-node
 (names client-0, client-1, ...), operator (the person or CLI that creates runs and reads results).
 

@@ -1,11 +1,11 @@
 """`shuffledp health ADDRESS`: ask a shuffledp service for its status with the standard gRPC health protocol.
 
-Every shuffledp port requires a client certificate from the project CA (shuffledp.tls), so a health probe must
+Every shuffledp port requires a client certificate from the project CA (shuffledp.transport.tls), so a health probe must
 present one too: docker compose healthchecks use the container's own certificate, e.g.
 
-    shuffledp health 127.0.0.1:50052 --pki /pki --name shuffler          # or: python -m shuffledp.health ...
+    shuffledp health 127.0.0.1:50052 --pki /pki --name shuffler          # or: python -m shuffledp.transport.health ...
 
-The caller's role is read from its certificate (shuffledp.pki.identity_of); the health service is open to every
+The caller's role is read from its certificate (shuffledp.security.pki.identity_of); the health service is open to every
 role (tls.DEFAULT_POLICY). Exit status 0 means SERVING; anything else (not serving, unknown service, TLS or
 connection failure, timeout) prints one line saying why and exits 1, which is what a healthcheck needs.
 """
@@ -22,8 +22,9 @@ import grpc
 from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shuffledp import grpc_options, pki
-from shuffledp.tls import check_plain_text
+from shuffledp.security import pki
+from shuffledp.transport import grpc_options
+from shuffledp.transport.tls import check_plain_text
 
 __all__ = ["HealthError", "role_of", "check", "start_with_health", "start_with_health_aio", "add_parser", "main"]
 
@@ -107,7 +108,7 @@ def check(
     the name the server certificate must carry when `address` is not one of its names. Raises HealthError when
     no answer comes back (the message says why), ValueError on bad arguments.
     """
-    from shuffledp.tls import ChannelSecurity
+    from shuffledp.transport.tls import ChannelSecurity
 
     if not timeout > 0:
         raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
@@ -162,7 +163,7 @@ def _health_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m shuffledp.health ...` (the same as `shuffledp health ...`)."""
+    """`python -m shuffledp.transport.health ...` (the same as `shuffledp health ...`)."""
     parser = argparse.ArgumentParser(prog="shuffledp health", description=__doc__.splitlines()[0])
     _arguments(parser)
     return _health_command(parser.parse_args(argv))

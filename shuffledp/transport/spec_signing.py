@@ -12,7 +12,8 @@ What the shuffler legitimately supplies is not signed, and selects only within w
 - ``Invitation.eligible`` (subsampled rounds): a node refuses a count below the signed ``population``; the cost it
   charges uses the signed rate (k / population or sampling_rate), never the count.
 
-Signature: ECDSA P-256 with SHA-256 (the key type shuffledp.pki issues) over a domain tag and the spec's bytes, so
+Signature: ECDSA P-256 with SHA-256 (the key type shuffledp.security.pki issues) over a domain tag and the spec's
+bytes, so
 a signature over a RoundSpec can be taken for nothing else. Insecure mode (no PKI) has no signatures, and nothing
 holds against a dishonest shuffler there.
 """
@@ -28,8 +29,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from shuffledp import pki
 from shuffledp.mechanisms import check_in
+from shuffledp.security import pki
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = ["SIGNATURE_INVALID", "SpecSignatureInvalid", "SpecSigner", "SpecVerifier", "second_spec", "invited_spec"]
@@ -44,7 +45,7 @@ class SpecSignatureInvalid(ValueError):
 
 
 class SpecSigner:
-    """The analyzer's signer: its role certificate's key (shuffledp.pki issues P-256 keys)."""
+    """The analyzer's signer: its role certificate's key (shuffledp.security.pki issues P-256 keys)."""
 
     def __init__(self, key: ec.EllipticCurvePrivateKey, certificate_der: bytes) -> None:
         self._key = key

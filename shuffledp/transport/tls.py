@@ -1,6 +1,6 @@
 """mTLS for every shuffledp gRPC hop, and authorization by the role written into each certificate.
 
-Every service requires a client certificate signed by the project CA (shuffledp.pki) and then checks, per
+Every service requires a client certificate signed by the project CA (shuffledp.security.pki) and then checks, per
 method, that the caller's role may call it (RoleInterceptor). Plain text exists only when a caller asks for
 it explicitly (insecure=True, used by `shuffledp run` on loopback) and always logs a warning.
 
@@ -33,8 +33,9 @@ from typing import Any, Self
 import grpc
 from cryptography import x509
 
-from shuffledp import grpc_options, pki
-from shuffledp.pki import Identity
+from shuffledp.security import pki
+from shuffledp.security.pki import Identity
+from shuffledp.transport import grpc_options
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,2 @@
-"""Example model plug-ins (issue 26): [model] module = "shuffledp.examples.flax_models:cnn" (needs shuffledp[jax])."""
+"""Example model plug-ins (issue 26): [model] module = "shuffledp.models.examples.flax_models:cnn" (needs
+shuffledp[jax])."""

@@ -1,7 +1,7 @@
 """Example Flax model plug-ins (issue 26 items 2 and 4); needs the optional extra: pip install 'shuffledp[jax]'.
 
     [model]
-    module = "shuffledp.examples.flax_models:cnn"   # or ":mlp"
+    module = "shuffledp.models.examples.flax_models:cnn"   # or ":mlp"
     [model.args]
     channels = [8, 16]
     hidden = 32
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from flax import linen as nn
 
-from shuffledp.flax_model import FlaxModel, softmax_cross_entropy
 from shuffledp.models import model_factory
+from shuffledp.models.flax_adapter import FlaxModel, softmax_cross_entropy
 
 
 class CNN(nn.Module):
