@@ -4,6 +4,8 @@
 # .venv made before it existed has "dev,jax"): a .venv made by scripts/run-default gets the tests' when scripts/test
 # first runs; one with more is kept. .venv/.installed: when it was installed.
 # SHUFFLEDP_VENV_DRY_RUN=1: only print what would be installed (tests/test_venv_setup.py).
+# native/ (shuffledp_prio, the Prio3 binding of issue 45) is built into .venv where cargo exists, and rebuilt when its
+# sources are newer than .venv/.native-installed; without cargo one line says so and the set-up goes on.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 _venv_want="${SHUFFLEDP_EXTRAS-dev,jax}"
 _venv_have=""
@@ -39,5 +41,24 @@ if [ ! -x .venv/bin/shuffledp ] || [ ! -f .venv/.installed ] || [ -n "$_venv_mis
     .venv/bin/python -m pip install -q -e "$_venv_spec"
     echo "$_venv_extras" > .venv/.extras
     touch .venv/.installed
+  fi
+fi
+# The Prio3 binding (native/, issue 45): a Rust build (maturin, via its pyproject), ~1-2 min the first time
+if [ -d native ]; then
+  if [ ! -f .venv/.native-installed ] \
+    || [ -n "$(find native/src native/python native/Cargo.toml native/Cargo.lock native/pyproject.toml \
+      -newer .venv/.native-installed 2>/dev/null | head -n 1)" ]; then
+    if ! command -v cargo > /dev/null 2>&1; then
+      echo "Prio3 transport unavailable: no Rust toolchain (cargo) found; install rustup (https://rustup.rs) and run this again to build native/ (shuffledp_prio)" >&2
+    elif [ -n "${SHUFFLEDP_VENV_DRY_RUN:-}" ]; then
+      echo "would install: pip install ./native"
+    else
+      echo "building native/ (shuffledp_prio, the Prio3 binding: Rust, ~1-2 min the first time)..." >&2
+      if .venv/bin/python -m pip install -q ./native; then
+        touch .venv/.native-installed
+      else
+        echo "Prio3 transport unavailable: building native/ failed (the error is above); the rest of .venv is ready" >&2
+      fi
+    fi
   fi
 fi
