@@ -32,29 +32,43 @@ fn best<T>(repeats: usize, mut f: impl FnMut() -> T) -> (f64, T) {
 macro_rules! bench {
     ($field:ty, $int:ty, $name:expr, $alg:expr, $proofs:expr, $len:expr, $max:expr, $reps:expr) => {{
         let bits = (<$int>::BITS - ($max as $int).leading_zeros()) as usize;
-        let typ = SumVec::<$field, ParallelSum<$field, Mul>>::new($max as $int, $len, optimal_chunk_length($len * bits))
-            .unwrap();
+        let typ = SumVec::<$field, ParallelSum<$field, Mul>>::new(
+            $max as $int,
+            $len,
+            optimal_chunk_length($len * bits),
+        )
+        .unwrap();
         let vdaf: Prio3<_, XofTurboShake128, 32> = Prio3::new(2, $proofs, $alg, typ).unwrap();
         let mut rng = rand::rng();
         let key: [u8; 32] = rng.random();
         let nonce: [u8; 16] = rng.random();
-        let measurement: Vec<$int> = (0..$len).map(|_| rng.random_range(0..=($max as $int))).collect();
-        let (t_shard, (public, shares)) = best($reps, || vdaf.shard(CTX, &measurement, &nonce).unwrap());
+        let measurement: Vec<$int> = (0..$len)
+            .map(|_| rng.random_range(0..=($max as $int)))
+            .collect();
+        let (t_shard, (public, shares)) =
+            best($reps, || vdaf.shard(CTX, &measurement, &nonce).unwrap());
         let mut t_init = [0.0; 2];
         let mut states = vec![];
         let mut prep_shares = vec![];
         for (agg_id, share) in shares.iter().enumerate() {
-            let (t, (state, prep_share)) =
-                best($reps, || vdaf.verify_init(&key, CTX, agg_id, &(), &nonce, &public, share).unwrap());
+            let (t, (state, prep_share)) = best($reps, || {
+                vdaf.verify_init(&key, CTX, agg_id, &(), &nonce, &public, share)
+                    .unwrap()
+            });
             t_init[agg_id] = t;
             states.push(state);
             prep_shares.push(prep_share);
         }
-        let (t_combine, message) =
-            best($reps, || vdaf.verifier_shares_to_message(CTX, &(), prep_shares.clone()).unwrap());
+        let (t_combine, message) = best($reps, || {
+            vdaf.verifier_shares_to_message(CTX, &(), prep_shares.clone())
+                .unwrap()
+        });
         let mut t_next = [0.0; 2];
         for (agg_id, state) in states.iter().enumerate() {
-            let (t, transition) = best($reps, || vdaf.verify_next(CTX, state.clone(), message.clone()).unwrap());
+            let (t, transition) = best($reps, || {
+                vdaf.verify_next(CTX, state.clone(), message.clone())
+                    .unwrap()
+            });
             assert!(matches!(transition, VerifyTransition::Finish(_)));
             t_next[agg_id] = t;
         }
@@ -66,7 +80,10 @@ macro_rules! bench {
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("integer argument")).collect();
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("integer argument"))
+        .collect();
     let [len, max, reps] = args[..] else {
         panic!("usage: bench_crate LENGTH MAX_MEASUREMENT REPEATS")
     };

@@ -70,9 +70,9 @@ fn verify_err(what: &str, e: CrateVdafError) -> PyErr {
 }
 
 fn fixed<const N: usize>(what: &str, bytes: &[u8]) -> PyResult<[u8; N]> {
-    bytes
-        .try_into()
-        .map_err(|_| PyValueError::new_err(format!("{what} must be {N} bytes, got {}", bytes.len())))
+    bytes.try_into().map_err(|_| {
+        PyValueError::new_err(format!("{what} must be {N} bytes, got {}", bytes.len()))
+    })
 }
 
 /// The crate's SumVec circuit over field `F` with the ParallelSum(Mul) gadget (draft-18 section 7.4.3).
@@ -156,7 +156,11 @@ where
     fn truncate(&self, input: Vec<F>) -> Result<Vec<F>, FlpError> {
         self.inner.truncate(input)
     }
-    fn decode_result(&self, data: &[F], num_measurements: usize) -> Result<Self::AggregateResult, FlpError> {
+    fn decode_result(
+        &self,
+        data: &[F],
+        num_measurements: usize,
+    ) -> Result<Self::AggregateResult, FlpError> {
         self.inner.decode_result(data, num_measurements)
     }
     fn output_len(&self) -> usize {
