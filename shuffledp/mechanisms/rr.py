@@ -102,7 +102,7 @@ def decode_mean(messages: np.ndarray, params: RRParams) -> float:
 
 
 def variance(x: np.ndarray, params: RRParams) -> np.ndarray:
-    """Var[decode(encode(x))] per user = pi(1 - pi) c^2 with pi = P[b=1|x] [derived];
+    """Var[decode(encode(x))] per user = pi(1 - pi) c^2 with pi = P[b=1|x] (derived);
     for x in {0, 1} this is e^eps0/(e^eps0 - 1)^2."""
     p1 = _p_one(_check_x(x), params)
     return p1 * (1.0 - p1) * params.scale**2
