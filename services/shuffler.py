@@ -34,8 +34,8 @@ from typing import Any
 
 import grpc
 import numpy as np
+from shuffledp.services.shuffler_admission import CLOSED
 from shuffledp.services.shuffler_state import (
-    _CLOSED,
     BatchResult,
     CallerGone,
     CohortUnavailable,
@@ -514,7 +514,7 @@ class _LoopSubscription(Subscription):
 
     def close(self) -> None:
         self.closed = True
-        self._outbox.push(self._items, _CLOSED)
+        self._outbox.push(self._items, CLOSED)
 
     def get(self, timeout: float) -> Any:
         raise TypeError("a stream on the event loop is read with `await next_item()`")
@@ -522,7 +522,7 @@ class _LoopSubscription(Subscription):
     async def next_item(self) -> Any:
         """The next item; EOFError once closed."""
         item = await self._items.get()
-        if item is _CLOSED:
+        if item is CLOSED:
             raise EOFError(f"subscription of node {self.node_id!r} closed")
         return item
 
