@@ -3,7 +3,7 @@
 Run: python benchmarks/bench_cnn_round.py [--protocol pvec|tree] [--users 1875] [--repeats 2]
 
 In this process, with the services' own code and no gRPC: the round's spec as the analyzer plans it
-(services.run_manager.plan_run + round_spec, protocol pvec fully interactive or tree), then for one node of --users
+(shuffledp.planning.plan_run + round_spec, protocol pvec fully interactive or tree), then for one node of --users
 users: the per-user gradients (NodeCore.batch_gradients -> FlaxModel.per_user_gradients, jitted), the protocol's
 randomizer on them (pvec: clip, binomial counts, packing; tree: clip and HPKE sealing), the Contribution's wire size
 and serialization, and the analyzer's held-out evaluation (loss and accuracy on 1,250 test images). Needs
@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shuffledp.clients.node import NodeCore, UserShard  # noqa: E402
 from shuffledp.services.ledger import PrivacyEvent  # noqa: E402
-from shuffledp.services.run_manager import plan_run, round_spec  # noqa: E402
 
 from shuffledp.config import load_config  # noqa: E402
 from shuffledp.data import load_dataset, user_shard  # noqa: E402
 from shuffledp.models.plugin import build_model, model_identity  # noqa: E402
+from shuffledp.planning import plan_run, round_spec  # noqa: E402
 from shuffledp.protocols.registry import round_protocol  # noqa: E402
 from shuffledp.security import sealing  # noqa: E402
 from shuffledp.security.rng import make_rng  # noqa: E402

@@ -21,7 +21,7 @@ import time
 from shuffledp.config import DEFAULT_TOML, parse_config
 from shuffledp.data import load_dataset
 from shuffledp.models import make_model
-from shuffledp.services.run_manager import PlanError, plan_run
+from shuffledp.planning import PlanError, plan_run
 cfg = parse_config(DEFAULT_TOML.replace("eps = 8.0", "eps = {eps}"))
 ds = load_dataset(cfg.data, cfg.model.task)
 model = make_model("logreg", ds.num_features, ds.num_classes)

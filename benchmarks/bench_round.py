@@ -16,7 +16,7 @@ End to end, the services run as separate OS processes on loopback (`python -m sh
                  full round cycle, the median gap between consecutive rounds' reservations in the ledger (every
                  durable write of the analyzer, the population probe and the evaluation included).
   direct mode    shuffler + 2 client nodes; this process plays the analyzer: builds the RoundSpec from the same
-                 plan (services.run_manager.plan_run), calls ExecuteRound, decode_counts, PGD step. No ledger, no
+                 plan (shuffledp.planning.plan_run), calls ExecuteRound, decode_counts, PGD step. No ledger, no
                  evaluation: the pure cost of the distributed round.
 Two rounds in one process, each timed over the same R rounds, before and after the services' runs (same load):
   in-process            gradients of the 1000 users at the same model, clipping, each user's rounding, their sum per
@@ -61,7 +61,6 @@ import numpy as np
 from shuffledp.clients.node import NodeCore, UserShard
 from shuffledp.clients.spend_store import SqliteSpendStore
 from shuffledp.services.ledger import PrivacyEvent
-from shuffledp.services.run_manager import plan_run, round_spec
 from shuffledp.services.shuffler import _invitation, _request, _submission
 from shuffledp.services.shuffler_state import ShufflerState, SqliteParticipationStore
 
@@ -72,6 +71,7 @@ from shuffledp.data import load_dataset, user_shard
 from shuffledp.mechanisms.pvec import PvecParams, decode_counts, round_counts, summed_noise
 from shuffledp.models import Model, make_model
 from shuffledp.optimizers.pgd import pgd
+from shuffledp.planning import plan_run, round_spec
 from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg

@@ -36,7 +36,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_round import InProcessRound, timed  # noqa: E402
-from shuffledp.services.run_manager import plan_run  # noqa: E402
 from shuffledp.services.shuffler_state import MAX_USERS_PER_NODE  # noqa: E402
 
 from shuffledp.cli.serve import one_blas_thread, return_large_blocks  # noqa: E402
@@ -44,6 +43,7 @@ from shuffledp.config import parse_config  # noqa: E402
 from shuffledp.data import load_dataset  # noqa: E402
 from shuffledp.mechanisms.pvec import PvecParams  # noqa: E402
 from shuffledp.models import make_model  # noqa: E402
+from shuffledp.planning import plan_run  # noqa: E402
 
 DIM = 10
 

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import grpc
 from cryptography import x509
-from shuffledp.clients.node import SUBMIT_FAILED_PREFIX, NodeCore, UserShard, _lower_priority, split_contribution
+from shuffledp.clients.contribution import split_contribution
+from shuffledp.clients.node import SUBMIT_FAILED_PREFIX, NodeCore, UserShard, _lower_priority
 from shuffledp.clients.policy import UserPolicy
 from shuffledp.clients.spend_store import DeviceSpendStore, MemorySpendStore
 

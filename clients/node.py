@@ -38,12 +38,13 @@ from typing import Any
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2
+from shuffledp.clients.contribution import split_contribution
 from shuffledp.clients.policy import PolicyTable, Refusal, RunTable, UserPolicy, noise_key
 from shuffledp.clients.spend_store import MemorySpendStore, SpendStore, SqliteSpendStore
 
 from shuffledp.models import DEFAULT_HIDDEN, ModelPlugin, make_model, model_digest
 from shuffledp.models.plugin import ModelIdentity
-from shuffledp.protocols.base import Nonces
+from shuffledp.protocols.base import Nonces, tensor_to_array
 from shuffledp.protocols.registry import known_protocol, round_protocol
 from shuffledp.security.rng import make_rng
 from shuffledp.transport import grpc_options, tls
@@ -95,15 +96,6 @@ def _nonce_blob(k: int) -> bytes:
 def _nonces(k: int) -> Nonces:
     """k fresh replay nonces (slices of independent uniform bytes are independent), as one buffer."""
     return Nonces(_nonce_blob(k), NONCE_BYTES)
-
-
-def tensor_to_array(t: pb.Tensor) -> np.ndarray:
-    """Decode a wire Tensor (float64 little-endian, row-major)."""
-    shape = tuple(int(s) for s in t.shape)
-    a = np.frombuffer(t.f64, dtype="<f8")
-    if a.size != int(np.prod(shape, dtype=np.int64)):
-        raise ValueError(f"tensor has {a.size} values but shape {shape}")
-    return a.reshape(shape).astype(np.float64)
 
 
 class NodeCore:
@@ -456,51 +448,6 @@ def _lower_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         except OSError:  # not allowed here: the preparation runs at the node's priority
             pass
-
-
-def split_contribution(c: pb.Contribution, max_bytes: int = grpc_options.SUBMIT_CHUNK_BYTES) -> list[pb.Contribution]:
-    """`c` as Contributions of at most about max_bytes each (all messages of a round have one size); the refusals
-    travel with the first. One Contribution if it fits."""
-    if c.ByteSize() <= max_bytes:
-        return [c]
-    if c.HasField("columns"):  # the columns of a COUNTS round or a check-in (never with messages)
-        return _split_columns(c, max_bytes)
-    per_message = c.messages[0].ByteSize() + 8  # + field tag and length prefix
-    k = max(1, max_bytes // per_message)
-    parts = []
-    for start in range(0, len(c.messages), k):
-        part = pb.Contribution(run_id=c.run_id, round=c.round, node_id=c.node_id)
-        part.messages.extend(c.messages[start : start + k])
-        parts.append(part)
-    parts[0].refusals.extend(c.refusals)
-    return parts
-
-
-def _split_columns(c: pb.Contribution, max_bytes: int) -> list[pb.Contribution]:
-    """By consecutive users; with sums (UserColumns.sums), at group boundaries, each part with its groups' sums."""
-    cols = c.columns
-    n = len(cols.user_ids)
-    row = len(cols.counts) // n  # bytes of one user's counts (0 in a check-in or with sums)
-    per_user = cols.nonce_bytes + row + max(len(u) for u in cols.user_ids) + 3  # + tag and length of its id
-    k = max(1, max_bytes // per_user)
-    group = cols.sum_users if cols.sums else 0
-    if group:
-        sum_bytes = len(cols.sums) // -(-n // group)
-        k = group * max(1, max_bytes // (group * per_user + sum_bytes))  # whole groups only
-    parts = []
-    for a in range(0, n, k):
-        b = min(n, a + k)
-        part = pb.Contribution(run_id=c.run_id, round=c.round, node_id=c.node_id)
-        part.columns.user_ids.extend(cols.user_ids[a:b])
-        part.columns.nonce_bytes = cols.nonce_bytes
-        part.columns.nonces = cols.nonces[a * cols.nonce_bytes : b * cols.nonce_bytes]
-        part.columns.counts = cols.counts[a * row : b * row]
-        if group:
-            part.columns.sums = cols.sums[a // group * sum_bytes : -(-b // group) * sum_bytes]
-            part.columns.sum_users = group
-        parts.append(part)
-    parts[0].refusals.extend(c.refusals)
-    return parts
 
 
 class _Stream:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import grpc
 from shuffledp.services.ledger import BudgetTotals, Ledger, LedgerError
-from shuffledp.services.run_manager import PlanError, RunManager, RunNotFound, RunStateError, RunView
+from shuffledp.services.run_manager import RunManager, RunNotFound, RunStateError, RunView
 
 from shuffledp.config import ConfigError
+from shuffledp.planning import PlanError
 from shuffledp.transport import grpc_options, tls
 from shuffledp.transport.health import start_with_health
 from shuffledp.transport.spec_signing import SpecSigner

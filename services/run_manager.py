@@ -16,29 +16,25 @@ either. Each started run executes in its own background thread:
     restart        Ledger.recover() turns rounds left "reserved" into "spent_unknown"; RUNNING runs resume after the
                    last round ever reserved, from the last checkpoint (no round index is ever reused).
 
-Schedules (spec 000 sec 4): sequential = disjoint fresh cohorts (PSGD, AC-SA, their strongly convex phases),
-T = floor(unused users / B) (at most schedule.rounds when set); fully interactive = all n users for T rounds (PGD).
-The protocol's noise is sized for the threshold n_min = ceil(min_contributors_fraction * cohort) contributors: a
-released batch has n' >= n_min, and fewer contributors means less noise, so sizing at n_min makes the reserved
-(worst-case) cost an upper bound on every committed cost (the robust variant of spec 000 sec 3 / A.3).
+Planning (T, cohort, threshold, delta, the protocol's and the optimizer's parameters) is shuffledp.planning's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import math
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
+from shuffledp.services.checkpoints import RunState, decode_run_state, decode_state, encode_state
+from shuffledp.services.evaluation import EvalData, HeldOut, evaluate
 from shuffledp.services.ledger import (
     TERMINAL_STATES,
     BudgetExceeded,
@@ -50,19 +46,16 @@ from shuffledp.services.ledger import (
     RunEnded,
 )
 
-from shuffledp.config import DEFAULT_ROUNDS, ConfigError, RunConfig, parse_config
-from shuffledp.data import load_dataset
-from shuffledp.models import ModelPlugin
-from shuffledp.models.plugin import build_model, model_identity
-from shuffledp.optimizers import registry as optimizers
+from shuffledp.config import ConfigError, RunConfig, parse_config
 from shuffledp.optimizers.base import Optimizer
-from shuffledp.optimizers.psgd import AveragingState
+from shuffledp.planning import PlanError, plan_run, planned_optimizer, round_spec
 from shuffledp.protocols.base import (  # noqa: F401 (the rejection reasons are re-exported: their former home)
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
     BatchError,
     PlanRequest,
     RoundProtocol,
+    tensor,
 )
 from shuffledp.protocols.registry import planned_protocol, round_protocol
 from shuffledp.security import sealing
@@ -78,10 +71,7 @@ __all__ = [
     "RunManager",
     "RunNotFound",
     "RunStateError",
-    "PlanError",
     "RunView",
-    "plan_run",
-    "round_spec",
     "TERMINAL_STATES",
     "UNDECRYPTABLE",
     "MALFORMED_PLAINTEXT",
@@ -106,7 +96,6 @@ _REFUSED_BEFORE_HANDLER = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UN
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 _PROBE_SECONDS = 10.0  # GetPopulation before each round: is the shuffler there at all?
 _MAX_BACKOFF_SECONDS = 30.0
-_TEST_DATA_CACHE = 4  # held-out splits kept in memory
 _RPC_GRACE_SECONDS = 30.0  # ExecuteRound returns at the deadline; allow this much for transfer and aggregation
 _MAX_CONSECUTIVE_FAILURES = 3
 
@@ -128,10 +117,6 @@ class RunStateError(RuntimeError):
     """The operation does not fit the run's state (e.g. StartRun on a completed run)."""
 
 
-class PlanError(ValueError):
-    """The run cannot be planned (too few users, parameters out of the protocol's range)."""
-
-
 class _Cancelled(Exception):
     """The operator cancelled the run (seen by its thread between rounds, or while it waits for the population)."""
 
@@ -140,190 +125,6 @@ _CANCELLED = "cancelled by the operator"
 
 
 # ------------------------------------------------------------------------------------------------- planning
-def _resolve_delta(cfg: RunConfig, admitted: int) -> float:
-    p = cfg.privacy
-    if p.delta is not None:
-        return p.delta
-    # Unset delta: 1/n (issue 4: practitioner-acceptable delta <= 1/n), capped by the users' own [policy] so that
-    # default users accept every round (issue 10). A user's per-round delta is <= delta (per_user_claim of the
-    # protocol: sequential rounds claim delta, calibrated fully interactive ones delta/T, paper ones
-    # delta_r = delta/(T+1), Alg 5) and its run total is <= delta (sequential: one round; fully interactive: T such
-    # claims, basic composition as in clients/policy.py). The total cap is shrunk by 1e-9 (relative) so that a
-    # client's float sum of T claims delta/T (up to T ulps above delta) still fits it.
-    pol = cfg.policy
-    delta = min(1.0 / admitted, pol.max_delta_per_round, pol.max_total_delta * (1.0 - 1e-9))
-    if not delta > 0.0:
-        raise PlanError(
-            "privacy.delta is unset and [policy] max_delta_per_round or max_total_delta is 0, so every user "
-            "would refuse every round: set privacy.delta or raise those limits"
-        )
-    return delta
-
-
-def plan_run(
-    cfg: RunConfig, admitted: int, unused: int, model: ModelPlugin, feature_bound: float | None | str = "load"
-) -> dict[str, Any]:
-    """The round plan of a run from the population sizes (JSON-able dict, stored in the ledger).
-
-    Resolves the run-dependent defaults of the configuration: an unset privacy.delta and schedule.rounds, the
-    sequential cohort (the optimizer's theory), the protocol's per-round parameters (the protocol plug-in) and the
-    optimizer's step sizes (optimizers/registry.py).
-    """
-    p, s = cfg.privacy, cfg.schedule
-    d = model.dim
-    if admitted < 1:
-        raise PlanError("no users are admitted at the shuffler")
-    delta = _resolve_delta(cfg, admitted)
-    protocol = round_protocol(p.protocol)
-    name = optimizers.resolve(s.optimizer, s.kind, protocol.auto_optimizer)
-    smoothing = _smoothing(cfg, model, s.kind, admitted if s.kind != "sequential" else unused, d, delta)
-    model = replace(model, smoothing=smoothing) if smoothing else model  # type: ignore[type-var]
-    if not model.convex and (s.learning_rate is None or name == "acsa" or s.phases):
-        # the config refuses these for the built-in mlp; a plug-in states its convexity only once it is built
-        raise PlanError(
-            f"model {cfg.model.module or cfg.model.task!r} is non-convex: the theory step size, AC-SA and "
-            "schedule.phases rest on convexity; set schedule.learning_rate (and optimizer pgd, sgd or ftrl)"
-        )
-    identity = model_identity(cfg.model, model)
-    task = "" if cfg.model.module else model.task  # type: ignore[attr-defined]  # a plug-in: RoundSpec.model_name
-    if feature_bound == "load":
-        needs = name in ("acsa", "mu2", "pnsgd")
-        feature_bound = load_dataset(cfg.data, cfg.model.task).feature_norm_bound if needs else None
-    smoothness = _smoothness(cfg, model, name, feature_bound)
-    sequential = s.kind == "sequential"
-    if s.kind == "subsampled":
-        # k of the n admitted users per round, drawn secretly by the shuffler (spec 001 sec 1); T from the config
-        # or, unset, from the budget (the protocol's plan)
-        B, T = s.cohort_size, s.rounds or 0
-        if not 1 <= B <= admitted:
-            raise PlanError(f"schedule.cohort_size = {B} must lie in [1, admitted users = {admitted}]")
-    elif sequential:
-        n_pool = unused
-        if s.cohort_size:
-            B = s.cohort_size
-        else:
-            B = optimizers.cohort_size(
-                name, n_pool, d, p.eps, delta, p.clip_norm, smoothness, 2 * cfg.model.radius, smoothing > 0
-            )
-        if n_pool < 1:
-            raise PlanError(f"no unused users left for a sequential run (unused={unused})")
-        what = f"schedule.cohort_size = {B}" if s.cohort_size else f"Thm 4.1's cohort B = {B} (cohort_size unset)"
-        if s.cohort_size > n_pool:  # each round takes B fresh users: not one round fits (issue 43 item 11)
-            raise PlanError(
-                f"{what} exceeds the {n_pool} unused users: a sequential round takes {B} fresh users, so 0 rounds "
-                f"fit; set cohort_size <= {n_pool // 2} for 2 rounds or more"
-            )
-        B = min(B, n_pool)
-        T = n_pool // B  # T = n / B fresh cohorts (spec 000 sec 4, Alg 3 / Alg 4)
-        if s.rounds is not None:
-            T = min(T, s.rounds)  # schedule.rounds set: at most that many of them (issue 10)
-        if T == 1 and name == "psgd" and s.output == "mean":
-            # Alg 3 releases mean(theta_0..theta_{T-1}) (spec 000 sec 4): one round releases theta_0, the initial
-            # model, for the whole round's budget (issue 43 item 11)
-            raise PlanError(
-                f"{what} with {n_pool} unused users plans 1 sequential round: PSGD releases the mean of "
-                f"theta_0..theta_(T-1) (Alg 3), with T = 1 the initial model theta_0; set cohort_size <= "
-                f'{n_pool // 2} (and schedule.rounds >= 2) for 2 rounds or more, or schedule.output = "last"'
-            )
-    else:
-        B, T = admitted, (s.rounds if s.rounds is not None else DEFAULT_ROUNDS)  # all n users for T rounds (Alg 5)
-    # Poisson sampling: each of the n admitted users with q = k/n, so a round invites anywhere from 0 to n of them
-    q = B / admitted if s.sampling == "poisson" else 0.0
-    # the threshold: a subsampled round releases exactly k reports or nothing (spec 001 sec 1)
-    n_min = B if s.kind == "subsampled" else max(1, math.ceil(p.min_contributors_fraction * B))
-    request = PlanRequest(
-        s.kind,
-        p.eps,
-        delta,
-        T,
-        B,
-        n_min,
-        d,
-        p.clip_norm,
-        cfg.transport.mode,
-        admitted=admitted,
-        rounds_requested=s.rounds,
-        min_contributors_fraction=p.min_contributors_fraction,
-        settings=p.settings,
-        # PNSGD runs the pass itself: it needs the loss, its public domain and the step size
-        options={
-            "sampling": s.sampling,
-            "task": task,
-            "num_features": model.num_features,
-            "num_classes": model.num_classes,
-            "l2": cfg.model.l2,
-            "radius": cfg.model.radius,
-            "feature_bound": feature_bound,
-            "learning_rate": s.learning_rate,
-        },
-    )
-    try:
-        sized = protocol.plan(request)
-        T = sized.rounds or T
-        n_min = sized.min_contributors if sized.min_contributors is not None else n_min
-        if s.phases > T:
-            raise PlanError(f"schedule.phases = {s.phases} needs at least {s.phases} rounds; the plan has {T}")
-        hyper = optimizers.hyperparameters(
-            name,
-            rounds=T,
-            n_min=n_min,
-            noise_sq=sized.noise_sq,
-            lipschitz=p.clip_norm,
-            radius=cfg.model.radius,
-            smoothness=smoothness,
-            learning_rate=s.learning_rate,
-            phases=s.phases,
-            l2=cfg.model.l2,
-            lr_steps=s.lr_steps,
-            lr_step_factor=s.lr_step_factor,
-            momentum=s.momentum,
-        )
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-    # over-selection (Bonawitz et al. 2019 sec 2): a round closes once this many of the B users it invites reported
-    # (RoundSpec.report_goal), never below the threshold; 0 (fraction 1, or a goal of every invitee) = wait for all
-    # until the deadline. Subsampled runs have none (the config refuses it)
-    goal = 0
-    if s.report_goal_fraction < 1.0 and s.kind != "subsampled":
-        goal = max(n_min, math.ceil(s.report_goal_fraction * B - 1e-9))
-        goal = goal if goal < B else 0
-    return {
-        "protocol": protocol.name,
-        "kind": s.kind,
-        "admitted": admitted,
-        "cohort": admitted if q else B,  # the most users a round invites
-        "sampling_rate": q,
-        "rounds": T,
-        "min_contributors": n_min,
-        "report_goal": goal,
-        "eps": p.eps,
-        "delta": delta,
-        # robust accounting (spec 000 A.3) is about users' own noise; where the analyzer adds it, it does not apply
-        "honest_fraction": (p.honest_fraction or p.min_contributors_fraction)
-        if protocol.trust_model == pb.SHUFFLE
-        else 1.0,
-        "composition": sized.composition,
-        "advanced_slack": sized.advanced_slack,
-        "params": sized.params,
-        **sized.plan_extra,
-        "hidden_iterates": sized.hidden_iterates,
-        "optimizer": hyper,
-        "learning_rate": hyper.get("learning_rate"),
-        "radius": cfg.model.radius,
-        "dim": d,
-        "task": task,
-        "model_name": identity.name,
-        "model_digest": identity.digest,
-        **({"model_layout": model.layout()} if cfg.model.module else {}),  # a plug-in's segments (model.npz)
-        "l2": cfg.model.l2,
-        "smoothing": smoothing,
-        "num_features": model.num_features,
-        "num_classes": model.num_classes,
-        "hidden": model.hidden,
-        "transport": cfg.transport.mode,
-        "deadline": cfg.deployment.round_deadline_seconds,
-        "output": s.output,
-    }
 
 
 def round_event(protocol: RoundProtocol, plan: dict[str, Any], r: int) -> PrivacyEvent:
@@ -374,83 +175,6 @@ def _deadline_failure(report: pb.BatchReport, deadline: float) -> str:
     )
 
 
-def _smoothing(cfg: RunConfig, model: ModelPlugin, kind: str, n: int, d: int, delta: float) -> float:
-    """beta of the Moreau envelope the users differentiate (0: none). model.smoothing = "paper": Thm 4.7's beta
-    for sequential runs, Thm 4.9's for fully interactive ones (spec 000 sec 4)."""
-    beta = cfg.model.smoothing
-    if beta != "paper":
-        return float(beta)
-    from shuffledp.optimizers import acsa
-
-    L, D, eps = cfg.privacy.clip_norm, 2 * cfg.model.radius, cfg.privacy.eps
-    if kind == "sequential":
-        return acsa.smoothing_beta(max(n, 1), d, L, D, eps, delta)
-    return acsa.pgd_smoothing_beta(max(n, 1), d, L, D, eps, delta)
-
-
-def _smoothness(cfg: RunConfig, model: ModelPlugin, name: str, bound: float | None) -> float:
-    """beta of the loss the optimizer descends (AC-SA's step rule needs it; DP-mu2's caps its step at 1/(4 L T)
-    with it, and goes without the cap when it is unknown): model.smoothness when set, else from the data set's
-    public domain bound on ||x|| (models.Model.smoothness)."""
-    if name not in ("acsa", "mu2"):
-        return 0.0
-    if cfg.model.smoothness:
-        return cfg.model.smoothness
-    if name == "mu2":
-        beta = model.smoothness(bound) if bound is not None and model.smoothing == 0 else math.inf
-        return float(beta) if math.isfinite(beta) else 0.0
-    if bound is None and model.smoothing == 0:
-        raise PlanError(
-            'schedule.optimizer = "acsa" needs the smoothness of the loss: data.dataset = "path" has no public bound '
-            "on ||x||, so set model.smoothness"
-        )
-    beta = model.smoothness(bound if bound is not None else 0.0)
-    if not math.isfinite(beta):
-        raise PlanError(
-            f'schedule.optimizer = "acsa" needs a smooth loss: model.task = "{model.task}" is not smooth; set '
-            'model.smoothing (e.g. "paper", the Moreau smoothing of Thm 4.7)'
-        )
-    return float(beta)
-
-
-_SCHEDULES = {"sequential": pb.SEQUENTIAL, "fully_interactive": pb.FULLY_INTERACTIVE, "subsampled": pb.SUBSAMPLED}
-
-
-def round_spec(
-    run_id: str,
-    r: int,
-    plan: dict[str, Any],
-    params: Any,
-    event: PrivacyEvent,
-    theta: np.ndarray,
-    analyzer_public_key: bytes = b"",
-) -> pb.RoundSpec:
-    """The RoundSpec the analyzer sends for round r of a planned run at model theta: the schedule's fields here, the
-    protocol's (randomizer, transport, trust model, per-user claim, key) from its plug-in."""
-    protocol = _protocol(plan)
-    return pb.RoundSpec(
-        run_id=run_id,
-        round=r,
-        schedule=_SCHEDULES[plan["kind"]],
-        model=_tensor(theta),
-        task=plan["task"],
-        num_classes=plan["num_classes"] if plan["task"] in ("logreg", "mlp") else 0,
-        hidden=plan.get("hidden", 0),
-        model_name=plan.get("model_name", ""),
-        model_digest=plan.get("model_digest", ""),
-        # fully interactive: every user; Poisson: as many as the shuffler's draw (RoundSpec.sampling_rate)
-        cohort_size=plan["cohort"] if plan["kind"] != "fully_interactive" and not plan.get("sampling_rate") else 0,
-        sampling_rate=plan.get("sampling_rate", 0.0),
-        min_contributors=plan["min_contributors"],
-        report_goal=plan.get("report_goal", 0),  # plans stored before over-selection have none
-        deadline_seconds=plan["deadline"],
-        local_batch=1,
-        l2=plan.get("l2", 0.0),
-        smoothing=plan.get("smoothing", 0.0),
-        **protocol.spec_fields(plan, params, event, analyzer_public_key),
-    )
-
-
 # ---------------------------------------------------------------------------------------------------- views
 @dataclass
 class RunView:
@@ -468,14 +192,6 @@ class RunView:
     accuracy: float = float("nan")
     excess_risk: float | None = None  # of `model`, when the population optimum is known
     metrics_from: int = 0  # `metrics` leaves out the first that many rounds' metrics
-
-
-class _EvalData(NamedTuple):
-    model: ModelPlugin
-    X: np.ndarray
-    y: np.ndarray
-    feature_bound: float | None
-    optimum_loss: float | None  # held-out loss of the population optimum (synthetic data): excess risk = loss - it
 
 
 class _Round(NamedTuple):
@@ -502,65 +218,6 @@ class _Live:
     probe: Any = None
     # users whose node refused the last round's spec as not the one this analyzer signed (spec_signing)
     forged: int = 0
-
-
-_NOISE_PREFIX = "noise."
-
-
-class _RunState(NamedTuple):
-    """A run between rounds: the optimizer's state, and the noise state of a protocol whose analyzer adds the
-    noise (DP-FTRL's tree) or None. Both go into every checkpoint, so a restart redraws no released noise."""
-
-    opt: Any
-    noise: Any = None
-
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        out = dict(self.opt.to_arrays())
-        if self.noise is not None:
-            out.update({_NOISE_PREFIX + k: v for k, v in self.noise.to_arrays().items()})
-        return out
-
-
-def _encode_state(state: Any) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **state.to_arrays())
-    return buf.getvalue()
-
-
-def _decode_state(blob: bytes, from_arrays: Callable[[dict[str, np.ndarray]], Any] = AveragingState.from_arrays) -> Any:
-    """The optimizer's state of a checkpoint."""
-    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-        return from_arrays({k: z[k] for k in z.files if not k.startswith(_NOISE_PREFIX)})
-
-
-def _decode_run_state(blob: bytes, opt: Optimizer, protocol: RoundProtocol, plan: dict[str, Any]) -> _RunState:
-    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-        noise = {k[len(_NOISE_PREFIX) :]: z[k] for k in z.files if k.startswith(_NOISE_PREFIX)}
-    restored = protocol.noise_from_arrays(plan, noise) if noise else protocol.noise_state(plan)
-    return _RunState(_decode_state(blob, opt.state_from_arrays), restored)
-
-
-def _protocol(plan: dict[str, Any]) -> RoundProtocol:
-    """The planned run's protocol plug-in."""
-    return planned_protocol(plan)
-
-
-def _optimizer(plan: dict[str, Any]) -> Optimizer:
-    """The planned run's optimizer (plans written before optimizers were plug-ins: PSGD / PGD, one phase)."""
-    hyper = plan.get("optimizer") or {
-        "name": "psgd" if plan["kind"] == "sequential" else "pgd",
-        "radius": plan["radius"],
-        "rounds": plan["rounds"],
-        "phases": 0,
-        "phase_rounds": [plan["rounds"]],
-        "learning_rates": [plan["learning_rate"]],
-    }
-    return optimizers.make_optimizer(hyper)
-
-
-def _tensor(x: np.ndarray) -> pb.Tensor:
-    x = np.ascontiguousarray(x, dtype="<f8")
-    return pb.Tensor(shape=list(x.shape), f64=x.tobytes())
 
 
 def refused_nodes_text(refused: Sequence[pb.RefusedNode], shown: int = 20) -> str:
@@ -601,9 +258,7 @@ class RunManager:
         )  # shuffledp/observability/metrics.py
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
-        # held-out splits by data source: a few, least recently used first (every CreateRun loads one, and
-        # configurations that differ elsewhere must not each keep a copy)
-        self._test_data: OrderedDict[str, _EvalData] = OrderedDict()
+        self._held_out = HeldOut()  # the public held-out splits the runs are evaluated on
 
     # -------------------------------------------------------------------------------------- lifecycle
     def create_run(self, config_toml: str) -> str:
@@ -710,8 +365,8 @@ class RunManager:
             ck = self.ledger.last_checkpoint(run_id)
             view.ledger_json = self.ledger.export_json(run_id)
         if ck is not None and plan and (run["state"] == "COMPLETED" or not hidden):
-            opt = _optimizer(plan)
-            view.model = opt.release(_decode_state(ck[1], opt.state_from_arrays), plan.get("output", "mean"))
+            opt = planned_optimizer(plan)
+            view.model = opt.release(decode_state(ck[1], opt.state_from_arrays), plan.get("output", "mean"))
             model, X, y, _, optimum_loss = self._evaluation_data(parse_config(run["config_toml"]))
             view.loss, view.accuracy = model.loss(view.model, X, y), model.accuracy(view.model, X, y)
             if optimum_loss is not None:
@@ -723,29 +378,8 @@ class RunManager:
         return self.ledger.totals(run_id) if run["limit"] else None
 
     # ------------------------------------------------------------------------------------------ helpers
-    def _evaluation_data(self, cfg: RunConfig) -> _EvalData:
-        """Model and the public held-out split (the analyzer never uses the training split), the data's public
-        bound on ||x|| and, for synthetic data, the population optimum (excess risk)."""
-        key = repr((cfg.data, cfg.model.task, cfg.model.l2, cfg.model.hidden, cfg.model.module, cfg.model.args))
-        with self._lock:
-            hit = self._test_data.get(key)
-            if hit is not None:
-                self._test_data.move_to_end(key)
-                return hit
-        try:
-            ds = load_dataset(cfg.data, cfg.model.task)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"data: {exc}") from exc
-        model = build_model(cfg.model, ds.num_features, ds.num_classes)
-        # the excess risk of the regularised objective would need its own optimum: reported for l2 = 0 only
-        known = ds.optimum is not None and cfg.model.l2 == 0
-        optimum_loss = model.loss(ds.optimum, ds.X_test, ds.y_test) if known else None
-        entry = _EvalData(model, ds.X_test, ds.y_test, ds.feature_norm_bound, optimum_loss)
-        with self._lock:
-            self._test_data[key] = entry
-            while len(self._test_data) > _TEST_DATA_CACHE:
-                self._test_data.popitem(last=False)
-        return entry
+    def _evaluation_data(self, cfg: RunConfig) -> EvalData:
+        return self._held_out.data(cfg)
 
     def _population(self, run_id: str, want_nodes: int, wait: float, cancel: threading.Event) -> pb.PopulationStatus:
         """Wait (at most `wait` s) until the configured client nodes are connected and the admitted count is stable."""
@@ -819,33 +453,14 @@ class RunManager:
 
     def _initial_state(self, cfg: RunConfig, plan: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
         """The checkpoint of round -1: the optimizer's and the protocol's initial state, and theta_0's metrics."""
-        opt = _optimizer(plan)
+        opt = planned_optimizer(plan)
         state = opt.init(self._evaluation_data(cfg).model.init_params())
-        noise = _protocol(plan).noise_state(plan)
-        return _encode_state(_RunState(state, noise)), self._evaluate(cfg, opt, state, -1)
+        noise = planned_protocol(plan).noise_state(plan)
+        return encode_state(RunState(state, noise)), self._evaluate(cfg, opt, state, -1)
 
     def _evaluate(self, cfg: RunConfig, opt: Optimizer, state: Any, r: int) -> dict[str, Any]:
-        """Held-out loss/accuracy of the model after round r (r = -1: the initial model theta_0).
-
-        The optimizer's monitor() says what to evaluate: for PSGD / PGD after k steps "last" is theta_k and "mean"
-        is mean(theta_0..theta_k), which includes the iterate round r produced, so round 0 already shows a trained
-        model (the released output stays the papers' mean(theta_0..theta_{T-1}), spec 000 sec 4); for AC-SA
-        "mean" is the aggregated iterate theta_ag (its output) and "last" the prox iterate. With a known optimum
-        (synthetic data) the excess risk of each is reported too.
-        """
-        model, X, y, _, optimum_loss = self._evaluation_data(cfg)
-        views = opt.monitor(state)
-        out: dict[str, Any] = {"round": r}
-        for which in ("mean", "last"):
-            out[f"loss_{which}"] = model.loss(views[which], X, y)
-            out[f"accuracy_{which}"] = model.accuracy(views[which], X, y)
-            if optimum_loss is not None:
-                out[f"excess_risk_{which}"] = out[f"loss_{which}"] - optimum_loss
-        if r == -1 and not math.isnan(out["accuracy_mean"]):
-            # the baseline a released accuracy is read against: always predicting the most frequent held-out label (the
-            # analyzer holds no training label: the users' data)
-            out["majority_accuracy"] = float(np.unique(y, return_counts=True)[1].max() / max(len(y), 1))
-        return out
+        """Held-out loss/accuracy of the model after round r (r = -1: theta_0): services/evaluation.py."""
+        return evaluate(self._evaluation_data(cfg), opt, state, r)
 
     # ------------------------------------------------------------------------------------------ the loop
     def _thread_main(self, run_id: str, live: _Live) -> None:
@@ -866,15 +481,15 @@ class RunManager:
     def _execute(self, run_id: str, live: _Live) -> None:
         cfg = parse_config(self._run(run_id)["config_toml"])
         plan = self._plan(run_id, cfg, live)
-        protocol = _protocol(plan)
-        opt = _optimizer(plan)
+        protocol = planned_protocol(plan)
+        opt = planned_optimizer(plan)
         rd = _Round(plan, protocol, protocol.params(plan), opt, cfg)
         ck = self.ledger.last_checkpoint(run_id)
         if ck is None:  # planned by a version that wrote the plan and theta_0 apart, and stopped between them
             blob, metrics = self._initial_state(cfg, plan)
             self.ledger.save_checkpoint(run_id, -1, blob, metrics)
             ck = (-1, blob)
-        state = _decode_run_state(ck[1], opt, protocol, plan)
+        state = decode_run_state(ck[1], opt, protocol, plan)
         live.rng = make_rng()
         if protocol.needs_keypair(plan):
             # a fresh key per analyzer process: a round in flight during a crash is charged anyway
@@ -1083,7 +698,7 @@ class RunManager:
         except BaseException:
             self.ledger.commit(run_id, r, dec.charged, ran)  # used: charged as it ran; the run stops
             raise
-        state = _RunState(opt_state, noise)
+        state = RunState(opt_state, noise)
         seconds = self._clock() - t0
         live.probe = self.shuffler.GetPopulation.future(pb.PopulationRequest(run_id=run_id), timeout=_PROBE_SECONDS)
         self._metrics(run_id, r, rd, state, True, dec.used, seconds, dec.rejected, rep, commit=commit)
@@ -1137,7 +752,7 @@ class RunManager:
                 )
                 if failure:
                     m["failure"] = failure
-                self.ledger.save_checkpoint(run_id, r, _encode_state(state), m)
+                self.ledger.save_checkpoint(run_id, r, encode_state(state), m)
         except BaseException:
             # the evaluation or the joint write failed, so the round is still only reserved; its batch was used,
             # so it is charged all the same (an error path never skips a ledger entry)

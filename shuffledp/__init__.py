@@ -16,7 +16,7 @@ or the ones below it (tests/test_layers.py reads every import and fails on one t
 10. `transport`: gRPC options, mutual TLS, signed round specs, health
 11. the parties: `services` (shuffler, analyzer) and `clients` (nodes, devices); neither imports the other
 12. `observability`: metrics, TensorBoard tracking, the live view
-13. `cli`: the `shuffledp` command
+13. `cli`, `api`: the `shuffledp` command and the Python API
 
 Old import paths of modules that moved (issue 47) still work for one release, with a DeprecationWarning
 (`shuffledp._moved`).

@@ -1,7 +1,7 @@
 """A planned run computed in one process with the services' own modules (test helper, fixed seeds).
 
-The same plan (run_manager.plan_run), the same RoundSpec (round_spec), the same protocol plug-in (randomize on the
-client side, decode on the analyzer side), the same optimizer (run_manager._optimizer): only the transport is
+The same plan (shuffledp.planning.plan_run), the same RoundSpec (round_spec), the same protocol plug-in (randomize on
+the client side, decode on the analyzer side), the same optimizer (planning.planned_optimizer): only the transport is
 replaced by summing the users' count vectors here, which is what the shuffler forwards in count mode. The cohort
 order stands in for the shuffler's secret selection. Randomness from make_rng(seed) (a fixed test seed).
 """
@@ -11,11 +11,12 @@ from __future__ import annotations
 import numpy as np
 from _intercept import count_total
 from shuffledp.services.ledger import PrivacyEvent
-from shuffledp.services.run_manager import _optimizer, plan_run, round_spec
 
 from shuffledp.config import parse_config
 from shuffledp.data import excess_risk, load_dataset, num_users
 from shuffledp.models import make_model
+from shuffledp.planning import plan_run, round_spec
+from shuffledp.planning import planned_optimizer as _optimizer
 from shuffledp.protocols.registry import round_protocol
 from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb

@@ -14,8 +14,9 @@ from _runs import wait_for_run
 from shuffledp.clients.node import start_node
 from shuffledp.clients.policy import PolicyTable, UserPolicy
 from shuffledp.services.analyzer import LEDGER_FILE, start_analyzer
+from shuffledp.services.checkpoints import decode_state as _decode_state
 from shuffledp.services.ledger import Ledger, PrivacyEvent
-from shuffledp.services.run_manager import PlanError, RunManager, _decode_state, plan_run, round_spec
+from shuffledp.services.run_manager import RunManager
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.cli.run import _progress_line
@@ -23,6 +24,7 @@ from shuffledp.config import DEFAULT_ROUNDS, parse_config
 from shuffledp.data import load_dataset
 from shuffledp.mechanisms.pvec import PvecParams
 from shuffledp.models import make_model
+from shuffledp.planning import PlanError, plan_run, round_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 

@@ -284,10 +284,11 @@ def test_print_default_users_accept_every_round_of_the_example(protocol):
     # (basic composition, clients/policy.py, sums rounded up); DP-mu2's 20 rounds each claimed delta = 1e-3, so
     # its users refused round 10 at policy.max_total_delta = 1e-2 and the run failed
     from shuffledp.clients.policy import sum_up
-    from shuffledp.services.run_manager import plan_run, round_event
+    from shuffledp.services.run_manager import round_event
 
     from shuffledp.data import load_dataset, num_users
     from shuffledp.models.plugin import build_model
+    from shuffledp.planning import plan_run
     from shuffledp.protocols.base import AnalyzerHooks
 
     cfg = parse_config(default_toml(protocol))
@@ -309,11 +310,11 @@ def test_print_default_pnsgd_example_learns_beyond_the_majority_class():
     # its data's own optimum reached only 0.69). The analyzer's plan and pass (PnsgdRound.add_noise) in-process over
     # the example's records, 5 fixed seeds; measured mean 0.81 against majority 0.57: tolerance 0.1 above majority
     import numpy as np
-    from shuffledp.services.run_manager import plan_run
 
     from shuffledp.data import load_dataset, num_users
     from shuffledp.models import make_model
     from shuffledp.models.plugin import build_model
+    from shuffledp.planning import plan_run
 
     cfg = parse_config(default_toml("pnsgd"))
     ds = load_dataset(cfg.data, cfg.model.task)

@@ -240,7 +240,7 @@ from shuffledp.data import load_dataset
 from shuffledp.models import make_model
 from shuffledp.protocols.registry import round_protocol
 from shuffledp.services.ledger import BudgetLimit, Ledger, PrivacyEvent
-from shuffledp.services.run_manager import plan_run
+from shuffledp.planning import plan_run
 cfg = parse_config(DEFAULT_TOML)
 ds = load_dataset(cfg.data, cfg.model.task)
 plan = plan_run(cfg, 1348, 1348, make_model("logreg", ds.num_features, ds.num_classes), ds.feature_norm_bound)

@@ -151,7 +151,7 @@ def test_digest_covers_definition_and_layout():
 
 
 def test_nonconvex_plugin_needs_a_learning_rate():
-    from shuffledp.services.run_manager import PlanError, plan_run
+    from shuffledp.planning import PlanError, plan_run
 
     cfg = parse_config(_plugin_toml(4).replace("learning_rate = 0.5", "rounds = 2"))
     model = build_model(cfg.model, 3, 2)

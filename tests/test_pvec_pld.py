@@ -321,7 +321,7 @@ def test_planner_refuses_eps_001_at_the_default_size_within_seconds():
         "from shuffledp.config import DEFAULT_TOML, parse_config\n"
         "from shuffledp.data import load_dataset\n"
         "from shuffledp.models import make_model\n"
-        "from shuffledp.services.run_manager import PlanError, plan_run\n"
+        "from shuffledp.planning import PlanError, plan_run\n"
         "cfg = parse_config(DEFAULT_TOML.replace('eps = 8.0', 'eps = 0.01'))\n"
         "ds = load_dataset(cfg.data, cfg.model.task)\n"
         "model = make_model('logreg', ds.num_features, ds.num_classes)\n"

@@ -14,9 +14,10 @@ import pytest
 from _intercept import user_messages
 from shuffledp.clients.node import NodeCore, UserShard
 from shuffledp.clients.policy import Refusal, UserPolicy
-from shuffledp.services import run_manager
+from shuffledp.services import checkpoints, run_manager
 from shuffledp.services.ledger import BudgetLimit, LedgerError, PrivacyEvent, compose_events
 
+from shuffledp import planning
 from shuffledp.config import parse_config
 from shuffledp.models import make_model
 from shuffledp.protocols.registry import PROTOCOL_NAMES, declared, round_protocol
@@ -177,10 +178,10 @@ def test_plan_stores_protocol_and_optimizer_and_the_optimizer_is_rebuilt_from_it
         '[data]\ndataset = "synthetic"\nn = 2000\ndim = 4\n[schedule]\nkind = "sequential"\noptimizer = "acsa"\n'
     )
     model = make_model("logreg", 4, 2)
-    plan = run_manager.plan_run(cfg, 2000, 2000, model, 1.0)
+    plan = planning.plan_run(cfg, 2000, 2000, model, 1.0)
     assert plan["protocol"] == "pvec" and plan["optimizer"]["name"] == "acsa"
-    opt = run_manager._optimizer(plan)
+    opt = planning.planned_optimizer(plan)
     state = opt.init(model.init_params())
-    blob = run_manager._encode_state(state)
-    again = run_manager._decode_state(blob, opt.state_from_arrays)
+    blob = checkpoints.encode_state(state)
+    again = checkpoints.decode_state(blob, opt.state_from_arrays)
     np.testing.assert_array_equal(opt.query(again), opt.query(state))

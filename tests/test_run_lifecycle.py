@@ -10,12 +10,13 @@ import pytest
 from shuffledp.clients.node import start_node
 from shuffledp.services.analyzer import MAX_LONG_POLLS, start_analyzer
 from shuffledp.services.ledger import BudgetLimit, Ledger
-from shuffledp.services.run_manager import RunManager, RunStateError, plan_run
+from shuffledp.services.run_manager import RunManager, RunStateError
 from shuffledp.services.shuffler import start_shuffler
 
 from shuffledp.config import parse_config
 from shuffledp.data import load_dataset
 from shuffledp.models import make_model
+from shuffledp.planning import plan_run
 from shuffledp.security.rng import make_rng
 from shuffledp.v1 import shuffledp_pb2 as pb
 from shuffledp.v1 import shuffledp_pb2_grpc as pbg

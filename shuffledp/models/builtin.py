@@ -77,7 +77,7 @@ class ModelPlugin(ABC):
     per_user_gradients at the broadcast iterate; the round's protocol then clips and randomizes. The analyzer calls
     init_params, loss and accuracy on the public held-out split, and, for the convex theory's step sizes,
     lipschitz_bound and smoothness. A non-convex model (convex = False) has no such constants: the defaults raise,
-    and a run must give schedule.learning_rate (services/run_manager.plan_run refuses it otherwise).
+    and a run must give schedule.learning_rate (shuffledp/planning/planner.plan_run refuses it otherwise).
 
     The built-in Model implements it; shuffledp.models.flax_adapter adapts a Flax module. A plug-in is selected by
     [model] module = "package.module:factory" (shuffledp.models.plugin): factory(num_features, num_classes, **args)

@@ -19,6 +19,8 @@ from shuffledp.settings import NoSettings, RunConfig
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = [
+    "tensor",
+    "tensor_to_array",
     "RoundProtocol",
     "PlanRequest",
     "RoundPlan",
@@ -290,3 +292,18 @@ class AnalyzerHooks:
         used: int,
     ) -> tuple[np.ndarray, float, None]:
         return total, float(used), None
+
+
+# ---- the wire's tensors (RoundSpec.model, the released model): float64 little-endian, row-major
+def tensor(x: np.ndarray) -> pb.Tensor:
+    x = np.ascontiguousarray(x, dtype="<f8")
+    return pb.Tensor(shape=list(x.shape), f64=x.tobytes())
+
+
+def tensor_to_array(t: pb.Tensor) -> np.ndarray:
+    """Decode a wire Tensor (float64 little-endian, row-major)."""
+    shape = tuple(int(s) for s in t.shape)
+    a = np.frombuffer(t.f64, dtype="<f8")
+    if a.size != int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(f"tensor has {a.size} values but shape {shape}")
+    return a.reshape(shape).astype(np.float64)

@@ -50,6 +50,7 @@ from shuffledp.protocols.base import (
     PlanRequest,
     RoundPlan,
     release_floor,
+    tensor_to_array,
 )
 from shuffledp.protocols.central import (
     CentralRound,
@@ -255,8 +256,6 @@ class Mu2Round(CentralRound):
 
     def local_vectors(self, spec: pb.RoundSpec, node: Any, idx: np.ndarray) -> np.ndarray:
         """q_t of each machine of idx (module docstring); its state advances here (the node's lock is held)."""
-        from shuffledp.clients.node import tensor_to_array
-
         xs = tensor_to_array(spec.model)
         d = int(spec.randomizer.dim)
         if xs.shape != (2, d):
