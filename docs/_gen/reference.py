@@ -233,9 +233,12 @@ def _rule(name: str) -> str:
     where = _where(name)
     if where is None or not where.is_dir():
         return ""
-    paragraphs = [" ".join(p.split()) for p in _docstring(where / "__init__.py").split("\n\n")]
-    for p in paragraphs[1:]:
-        if p.lower().startswith("may import") or " import" in p:
+    paragraphs = [" ".join(p.split()) for p in _docstring(where / "__init__.py").split("\n\n")][1:]
+    for p in paragraphs:
+        if "may import" in p.lower():
+            return p
+    for p in paragraphs:
+        if " import" in p and not p.startswith("- "):
             return p
     return ""
 
@@ -248,7 +251,7 @@ def floors_table() -> str:
             where = _where(n)
             rel = where.relative_to(ROOT).as_posix() + ("/" if where.is_dir() else "")
             folders.append(f"`{rel}`")
-        rules = " ".join(r for r in (_rule(n) for n in names) if r)
+        rules = " ".join(r for r in (_rule(n) for n in names) if r) or "its own floor and the ones below"
         what = text.replace("|", "\\|")
         api = f" ([API]({_page_name(number, names)}))" if names else ""
         rows.append(f"| {number} | {what}{api} | {', '.join(folders)} | {rules.replace('|', '/')} |")
