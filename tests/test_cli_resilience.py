@@ -283,7 +283,7 @@ def test_a_service_imports_only_its_own_subcommand():
         "print(sorted(build_parser()._subparsers._group_actions[0].choices))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out == ["[]", "['account', 'health', 'pki', 'run', 'serve']"]
+    assert out == ["[]", "['account', 'health', 'pki', 'run', 'serve', 'sweep']"]
 
 
 def test_create_run_waits_longer_for_a_large_synthetic_data_set():

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "account": "shuffledp.cli.account",
     "run": "shuffledp.cli.run",
     "serve": "shuffledp.cli.serve",
+    "sweep": "shuffledp.cli.sweep",
     "pki": "shuffledp.security.pki",
     "health": "shuffledp.transport.health",
 }

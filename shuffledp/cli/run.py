@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -484,6 +484,9 @@ class _Retrying:
             return response
 
 
+RunStep = tuple[pb.RunStatus, Sequence[pb.RoundMetrics], int]  # a status, its rounds not seen before, rounds seen
+
+
 def drive_run(
     analyzer: str,
     config_toml: str,
@@ -498,11 +501,54 @@ def drive_run(
 ) -> pb.RunResult:
     """Create and start a run on the analyzer, report progress until it ends, return its result. `on_status` sees
     every status as it arrives, with its rounds not seen before and the number of rounds seen in all (run tracking,
-    the live view).
+    the live view); Ctrl-C in it cancels the run as anywhere else.
 
     Transient failures are retried for up to `give_up_s` of continuous failure (each call waits `call_timeout_s`);
     then AnalyzerLost (with run_id and what was going on). Other RPC errors propagate; a dead process of a local
     `cluster` raises ServiceFailed."""
+    steps = drive_steps(
+        analyzer, config_toml, cluster, echo, pki, server_name, give_up_s=give_up_s, call_timeout_s=call_timeout_s
+    )
+    next(steps)  # the run started, no round yet
+    return follow_steps(steps, on_status)
+
+
+def follow_steps(
+    steps: Generator[RunStep, None, pb.RunResult],
+    on_status: Callable[[pb.RunStatus, Sequence[pb.RoundMetrics], int], object] | None = None,
+) -> pb.RunResult:
+    """Drive a drive_steps generator to its end, each step shown to `on_status`; its result. Ctrl-C while
+    `on_status` runs is thrown into the generator, which cancels the run and raises Interrupted."""
+    while True:
+        try:
+            step = next(steps)
+        except StopIteration as done:
+            return done.value
+        if on_status is None:
+            continue
+        try:
+            on_status(*step)
+        except KeyboardInterrupt:
+            steps.throw(KeyboardInterrupt())
+
+
+def drive_steps(
+    analyzer: str,
+    config_toml: str,
+    cluster: Cluster | None = None,
+    echo: Callable[[str], object] = print,
+    pki: Path | None = None,
+    server_name: str = "analyzer",
+    *,
+    give_up_s: float = GIVE_UP_S,
+    call_timeout_s: float = CALL_TIMEOUT_S,
+    on_created: Callable[[str], object] | None = None,
+) -> Generator[RunStep, None, pb.RunResult]:
+    """drive_run as a generator: create and start the run (`on_created` gets its id), yield (status, (), 0) once it
+    is started, then every status as it arrives with its rounds not seen before and the number of rounds seen in
+    all; return (StopIteration.value) the run's result. A KeyboardInterrupt raised in it, or thrown into it
+    (generator.throw) while it waits at a yield, cancels the run and raises Interrupted with what the analyzer had.
+    Errors as drive_run's."""
     run_id, status = "", None
     with operator_channel(analyzer, pki, server_name) as channel:
         stub = pbg.AnalyzerStub(channel)
@@ -525,6 +571,8 @@ def drive_run(
             ref = pb.RunRef(run_id=run_id)
             hint = f"  (fetch its results again with: {fetch_command(analyzer, run_id, pki, server_name)})"
             echo(f"run id: {run_id}" + (hint if cluster is None else ""))
+            if on_created is not None:
+                on_created(run_id)
             try:  # from here a Ctrl-C cancels the run and fetches what it has
                 try:
                     status = rpc.call(stub.StartRun, ref, call_timeout_s)
@@ -535,6 +583,7 @@ def drive_run(
                 shown, message = 0, status.message if status.state == pb.RUNNING else ""
                 if message:
                     echo(f"  [analyzer] {message}")
+                yield status, (), 0
                 while True:
                     # long poll: the analyzer answers when the run differs from what was shown, or after WAIT_MS
                     asked = time.monotonic()
@@ -547,8 +596,7 @@ def drive_run(
                     new = status.metrics[shown - status.metrics_from :]
                     for m in new:
                         echo(_progress_line(m, status.rounds_planned))
-                    if on_status is not None:
-                        on_status(status, new, have)
+                    yield status, new, have
                     shown = have
                     # what the analyzer is waiting for (population, an unreachable shuffler): only when it changes
                     if status.state == pb.RUNNING and status.message != message:
@@ -632,31 +680,33 @@ def fetch_result(
             raise
 
 
+def metrics_row(m: pb.RoundMetrics) -> dict:
+    """One round's figures as metrics.json holds them (metrics.csv: the same, `rejected` flattened)."""
+    return {
+        "round": m.round + 1,
+        "contributors": m.contributors,
+        "released": m.released,
+        "loss": m.loss,
+        "accuracy": m.accuracy,
+        "eps_spent": m.eps_spent,
+        "delta_spent": m.delta_spent,
+        **({"excess_risk": m.excess_risk} if m.HasField("excess_risk") else {}),
+        **({"eps_spent_local": m.eps_spent_local} if m.HasField("eps_spent_local") else {}),
+        "seconds": m.seconds,
+        "refused": m.refused,
+        "not_in_run": m.not_in_run,
+        "checked_in": m.checked_in,
+        "excluded_silent": m.excluded_silent,
+        "rejected": dict(sorted(m.rejected.items())),
+    }
+
+
 def write_results(out: Path, config_toml: str, result: pb.RunResult, *, interrupted: bool = False) -> None:
     """Write everything a run produced (a cancelled or interrupted run: what exists); never raises half-way silently
     (a missing plot is reported, not fatal)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(config_toml)
-    rows = [
-        {
-            "round": m.round + 1,
-            "contributors": m.contributors,
-            "released": m.released,
-            "loss": m.loss,
-            "accuracy": m.accuracy,
-            "eps_spent": m.eps_spent,
-            "delta_spent": m.delta_spent,
-            **({"excess_risk": m.excess_risk} if m.HasField("excess_risk") else {}),
-            **({"eps_spent_local": m.eps_spent_local} if m.HasField("eps_spent_local") else {}),
-            "seconds": m.seconds,
-            "refused": m.refused,
-            "not_in_run": m.not_in_run,
-            "checked_in": m.checked_in,
-            "excluded_silent": m.excluded_silent,
-            "rejected": dict(sorted(m.rejected.items())),
-        }
-        for m in result.status.metrics
-    ]
+    rows = [metrics_row(m) for m in result.status.metrics]
     (out / "metrics.json").write_text(json.dumps(rows, indent=2))
     with open(out / "metrics.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["round"])
@@ -1098,12 +1148,12 @@ def _create_timeout(config_toml: str) -> float:
     return base + SYNTHETIC_CREATE_S_PER_MILLION * synthetic / 1e6
 
 
-def check_before_start(config: RunConfig) -> None:
+def check_before_start(config: RunConfig) -> dict:
     """What a local run's configuration and data decide alone, checked in the CLI before any process starts (else
     the run fails at planning, after the services started): the data loads (every data.classes label occurs), and
     the analyzer's own planner (services/run_manager.plan_run) accepts the run with every user of the data admitted
     (privacy.protocol "rr" needs a one-number model, cohort_size <= n, an eps that the protocol can reach, ...).
-    Raises ConfigError naming the problem."""
+    Raises ConfigError naming the problem; returns the plan (plan_run's)."""
     from shuffledp.config import ConfigError
     from shuffledp.data import load_dataset, num_users
     from shuffledp.models.plugin import build_model
@@ -1136,6 +1186,7 @@ def check_before_start(config: RunConfig) -> None:
     refusal = policy_refusal(config, plan)
     if refusal:
         raise ConfigError(refusal)
+    return plan
 
 
 def _nothing_released(status: pb.RunStatus) -> list[str]:
@@ -1251,10 +1302,265 @@ def _watch(*watchers) -> Callable[[pb.RunStatus, Sequence[pb.RoundMetrics], int]
     return on_status
 
 
+def run_args(**options: object) -> argparse.Namespace:
+    """The options of `shuffledp run` as its own parser gives them (every default), then `options` set by name (the
+    argparse dest: out, reuse_out, quiet, analyzer, pki, server_name, tensorboard, metrics_port, ...): the Python
+    API's runs take exactly the command's options. TypeError for a name the command does not have."""
+    parser = argparse.ArgumentParser(prog="shuffledp")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["run"])
+    for name, value in options.items():
+        if name in ("command", "func") or not hasattr(args, name):
+            raise TypeError(f"`shuffledp run` has no option {name!r}")
+        setattr(args, name, value)
+    return args
+
+
+class RunRefused(Exception):
+    """A run that cannot start, decided before any process exists (usage, configuration, results directory, an
+    unreachable deployment): str() is the one line `shuffledp run` prints after "shuffledp run: ", `status` its exit
+    status (2, or EXIT_LOST for an analyzer that does not answer)."""
+
+    def __init__(self, line: str, status: int = 2):
+        super().__init__(line)
+        self.status = status
+
+
+@dataclass
+class RunSession:
+    """One run as `shuffledp run` performs it, in the phases the command and the Python API (shuffledp.api) share:
+    prepare_run (every check that needs no process, RunRefused), open (the results directory), start (the services of
+    a local run, or the deployment's analyzer), steps / drive (the run), then finish (results written, services
+    stopped) or interrupted (Ctrl-C: what the analyzer had written, the spend printed), and close (always: a local
+    run's services stopped, a deployment run's unused results directory left as it was)."""
+
+    args: argparse.Namespace
+    config_toml: str
+    config: RunConfig
+    label: str
+    out: Path
+    give_up_s: float = GIVE_UP_S
+    call_timeout_s: float = CALL_TIMEOUT_S
+    existed: bool = False
+    reused: bool = False
+    analyzer: str = ""  # the analyzer the run is driven on (start)
+    pki: Path | None = None
+    cluster: Cluster | None = None
+    tracker: object = None
+    live: object = None
+    echo: Callable[[str], object] = print
+    started: float = 0.0
+    result: pb.RunResult | None = None
+    # the local services were started by the caller (a sweep runs many runs on them): not started nor stopped here
+    shared: bool = False
+
+    @property
+    def local(self) -> bool:
+        return not self.args.analyzer
+
+    def open(self) -> None:
+        """Create the results directory (RunRefused when it cannot be), write config.toml, set up the progress lines
+        (a live status line on a terminal) and the run tracking."""
+        args, out = self.args, self.out
+        self.existed = out.exists()
+        self.reused = out.is_dir() and any(out.iterdir())
+        failed = _make_out(out)
+        if failed:
+            raise RunRefused(failed)
+        if self.reused:
+            kept = "" if args.analyzer else "; its state/ carries over (the users' recorded spends, the ledger)"
+            print(f"shuffledp run: --reuse-out: the results and logs in {out} are replaced{kept}")
+        (out / "config.toml").write_text(self.config_toml)
+        self.echo = (lambda *_: None) if args.quiet else print
+        if not args.quiet and sys.stdout.isatty():  # a terminal: the lines, and a live status line below them
+            from shuffledp.observability.live import LiveView
+
+            self.live = LiveView(sys.stdout)
+            self.echo = self.live.echo
+        self.started = time.monotonic()
+        self.tracker = _tracker(args, out, self.config_toml)
+
+    def start(self, hangup_signals: bool = False) -> None:
+        """Say where the run goes; a local run starts its services (ServiceFailed, the others stopped). With
+        `hangup_signals` (the command), SIGTERM and SIGHUP of this process act as Ctrl-C from now on."""
+        args, config = self.args, self.config
+        if args.analyzer:
+            print(f"shuffledp run: {self.label}: on the deployment at {args.analyzer}; results in {self.out}")
+            self.analyzer, self.pki = args.analyzer, args.pki
+            return
+        # insecure mode has no certificates, so no signed specs: the README's trust table holds only with mTLS
+        trust = "; insecure mode: unsigned specs, nothing holds against a dishonest shuffler"
+        trust = trust if config.deployment.insecure else ""
+        nodes = config.deployment.client_nodes
+        # [deployment] insecure = false: the local processes talk mTLS from pki_dir too (and so does the operator)
+        self.pki = None if config.deployment.insecure else Path(config.deployment.pki_dir)
+        if self.shared:
+            on = f"on the local services started at {self.analyzer} ({nodes} client node(s))"
+            print(f"shuffledp run: {self.label}: {on}; results in {self.out}{trust}")
+            return
+        print(f"shuffledp run: {self.label}: {nodes} client node(s); results in {self.out}{trust}")
+        # the run is created while the nodes still start: the analyzer plans once their population is known
+        fleets = min(FLEET_PROCESSES, nodes) if config.deployment.users_per_node == 1 else 0
+        self.cluster, _, self.analyzer = start_local_cluster(
+            self.out / "config.toml",
+            self.out,
+            nodes,
+            pki=self.pki,
+            wait_nodes=False,
+            metrics_port=args.metrics_port,
+            fleets=fleets,
+        )
+        if self.cluster.metrics_ports:
+            at = ", ".join(
+                f"{name} http://127.0.0.1:{port}/metrics" for name, port in self.cluster.metrics_ports.items()
+            )
+            print(f"shuffledp run: metrics (Prometheus): {at}")
+        # the services have a process group of their own (Cluster.spawn): a hang-up or SIGTERM of the CLI must
+        # stop them too, as Ctrl-C does
+        if hangup_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.default_int_handler)
+
+    def steps(self, on_created: Callable[[str], object] | None = None) -> Generator[RunStep, None, pb.RunResult]:
+        """The run as drive_steps yields it, on the started analyzer (the live status line closed at its end)."""
+        try:
+            return (
+                yield from drive_steps(
+                    self.analyzer,
+                    self.config_toml,
+                    self.cluster,
+                    self.echo,
+                    self.pki,
+                    self.args.server_name if not self.local else "analyzer",
+                    give_up_s=self.give_up_s,
+                    call_timeout_s=self.call_timeout_s,
+                    on_created=on_created,
+                )
+            )
+        finally:  # whatever follows (summary, error line) prints where the status line was
+            if self.live is not None:
+                self.live.close()
+
+    @property
+    def on_status(self) -> Callable[[pb.RunStatus, Sequence[pb.RoundMetrics], int], None] | None:
+        """What sees each status: the run tracking and the live view (None: neither)."""
+        return _watch(self.tracker, self.live)
+
+    def drive(self) -> pb.RunResult:
+        """The whole run (drive_run), its result kept in `result`."""
+        steps = self.steps()
+        next(steps)  # the run started, no round yet
+        self.result = follow_steps(steps, self.on_status)
+        return self.result
+
+    def finish(self, result: pb.RunResult) -> None:
+        """Write the results (and the tracking's), the services stopped meanwhile."""
+        self.result = result
+        if self.cluster is not None and not self.shared:
+            self.cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
+        try:
+            write_results(self.out, self.config_toml, result)
+            if self.tracker is not None:
+                self.tracker.finish(result)
+        finally:
+            self.close()
+
+    def interrupted(self, exc: KeyboardInterrupt) -> int:
+        """Ctrl-C: what the analyzer had (fetched before the services stop) written, the spend printed; 130."""
+        if self.cluster is not None and not self.shared:
+            self.cluster.terminate()  # what the analyzer had is fetched already: the services stop while it is written
+        self.result = getattr(exc, "result", None)
+        return _interrupted(self.out, self.config_toml, exc, self.tracker)
+
+    def close(self) -> None:
+        """A local run's services stopped (waited for); a deployment run that wrote nothing leaves --out as it was."""
+        if self.cluster is not None and not self.shared:
+            cluster, self.cluster = self.cluster, None
+            cluster.stop()
+        elif not self.local and self.result is None:
+            _clear_out(self.out, self.existed, self.reused)
+
+
+def prepare_run(
+    args: argparse.Namespace,
+    *,
+    config_toml: str | None = None,
+    label: str | None = None,
+    source: str | None = None,
+    give_up_s: float = GIVE_UP_S,
+    call_timeout_s: float = CALL_TIMEOUT_S,
+    services: tuple[Cluster, str] | None = None,
+    checked: bool = False,
+) -> RunSession:
+    """Everything `shuffledp run` checks before the results directory or any process exists: the configuration
+    (args.config, or `config_toml` given as text, named `source` in messages), a local run's PKI, the options, the
+    results directory, then a local run's data and plan (check_before_start) or the deployment's analyzer answering.
+    RunRefused (one line) for the first mistake. `label` names the run (default: the file's stem, or "default").
+    `services` (a Cluster and its analyzer's address, started by the caller for this configuration's [data],
+    [deployment] and [policy]) runs the run on them instead of its own; `checked`: the caller ran check_before_start on
+    this configuration already."""
+    from shuffledp.config import DEFAULT_TOML, ConfigError, parse_config, read_config_text
+
+    name = source or str(args.config or "default config")
+    if config_toml is None:
+        try:
+            config_toml = read_config_text(args.config) if args.config else DEFAULT_TOML
+        except ConfigError as exc:
+            raise RunRefused(str(exc)) from None
+    try:
+        config = parse_config(config_toml)
+    except ConfigError as exc:
+        raise RunRefused(f"{name}: {exc}") from None
+    if config.model.module:  # this file is the operator's own: it registers its model plug-in in this process and
+        # the services it starts (a deployment's analyzer imports only what its own installation registers)
+        from shuffledp.models.plugin import register_plugin
+
+        register_plugin(config.model.module)
+    if not args.analyzer and not config.deployment.insecure:  # before anything starts (issue 24 item 11)
+        from shuffledp.security.pki import check_local_run
+
+        try:
+            check_local_run(config.deployment.pki_dir, config.deployment.client_nodes)
+        except (OSError, ValueError) as exc:
+            raise RunRefused(f"{name}: deployment.pki_dir: {exc}") from None
+    label = label or (args.config.stem if args.config else "default")
+    out = args.out or Path("results") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # every mistake that the configuration, the data and the command line decide alone: one line, before the results
+    # directory or any process exists
+    usage = _plain_text_refused(args) or _out_refused(out, args.reuse_out, local=not args.analyzer)
+    usage = usage or _tracking_refused(args) or _metrics_refused(args, config.deployment.client_nodes)
+    if usage:
+        raise RunRefused(usage)
+    if not args.analyzer and os.environ.get(METRICS_PORT_ENV, "0") not in ("", "0"):
+        print(
+            f"shuffledp run: {METRICS_PORT_ENV} is one service's port (shuffledp serve): the local run's services do "
+            "not take it; --metrics-port BASE gives each its own",
+            file=sys.stderr,
+        )
+    if not args.analyzer:  # a deployment's analyzer checks its own data when the run is created
+        try:
+            if not checked:
+                check_before_start(config)
+        except ConfigError as exc:
+            raise RunRefused(f"{name}: {exc}") from None
+    else:  # before anything is written: nothing answering there is one line within seconds
+        try:
+            check_reachable(args.analyzer, args.pki, args.server_name, (lambda *_: None) if args.quiet else print)
+        except AnalyzerLost as lost:
+            raise RunRefused(lost.what(), EXIT_LOST) from None
+    session = RunSession(args, config_toml, config, label, out, give_up_s=give_up_s, call_timeout_s=call_timeout_s)
+    if services is not None:
+        if args.analyzer:
+            raise RunRefused("started local services take no --analyzer")
+        session.cluster, session.analyzer = services
+        session.shared = True
+    return session
+
+
 def _run_command(
     args: argparse.Namespace, *, give_up_s: float = GIVE_UP_S, call_timeout_s: float = CALL_TIMEOUT_S
 ) -> int:
-    from shuffledp.config import DEFAULT_TOML, ConfigError, default_toml, parse_config, read_config_text
+    from shuffledp.config import ConfigError, default_toml
 
     if args.protocol is not None and not args.print_default:
         print(
@@ -1272,92 +1578,32 @@ def _run_command(
     if args.fetch is not None or args.cancel is not None:
         return _fetch_command(args, give_up_s, call_timeout_s)
     try:
-        config_toml = read_config_text(args.config) if args.config else DEFAULT_TOML
-    except ConfigError as exc:
-        print(f"shuffledp run: {exc}", file=sys.stderr)
-        return 2
+        session = prepare_run(args, give_up_s=give_up_s, call_timeout_s=call_timeout_s)
+        session.open()
+    except RunRefused as refused:
+        print(f"shuffledp run: {refused}", file=sys.stderr)
+        return refused.status
     try:
-        config = parse_config(config_toml)
-    except ConfigError as exc:
-        print(f"shuffledp run: {args.config or 'default config'}: {exc}", file=sys.stderr)
-        return 2
-    if config.model.module:  # this file is the operator's own: it registers its model plug-in in this process and
-        # the services it starts (a deployment's analyzer imports only what its own installation registers)
-        from shuffledp.models.plugin import register_plugin
-
-        register_plugin(config.model.module)
-    if not args.analyzer and not config.deployment.insecure:  # before anything starts (issue 24 item 11)
-        from shuffledp.security.pki import check_local_run
-
         try:
-            check_local_run(config.deployment.pki_dir, config.deployment.client_nodes)
-        except (OSError, ValueError) as exc:
-            print(f"shuffledp run: {args.config or 'default config'}: deployment.pki_dir: {exc}", file=sys.stderr)
-            return 2
-    label = args.config.stem if args.config else "default"
-    out = args.out or Path("results") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # every mistake that the configuration, the data and the command line decide alone: one line, before the results
-    # directory or any process exists
-    usage = _plain_text_refused(args) or _out_refused(out, args.reuse_out, local=not args.analyzer)
-    usage = usage or _tracking_refused(args) or _metrics_refused(args, config.deployment.client_nodes)
-    if usage:
-        print(f"shuffledp run: {usage}", file=sys.stderr)
-        return 2
-    if not args.analyzer and os.environ.get(METRICS_PORT_ENV, "0") not in ("", "0"):
-        print(
-            f"shuffledp run: {METRICS_PORT_ENV} is one service's port (shuffledp serve): the local run's services do "
-            "not take it; --metrics-port BASE gives each its own",
-            file=sys.stderr,
-        )
-    if not args.analyzer:  # a deployment's analyzer checks its own data when the run is created
-        try:
-            check_before_start(config)
-        except ConfigError as exc:
-            print(f"shuffledp run: {args.config or 'default config'}: {exc}", file=sys.stderr)
-            return 2
-    else:  # before anything is written: nothing answering there is one line within seconds
-        try:
-            check_reachable(args.analyzer, args.pki, args.server_name, (lambda *_: None) if args.quiet else print)
-        except AnalyzerLost as lost:
-            print(f"shuffledp run: {lost.what()}", file=sys.stderr)
+            session.start(hangup_signals=True)
+        except ServiceFailed as exc:  # start_local_cluster stopped the others already
+            print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
             return EXIT_LOST
-    existed = out.exists()
-    reused = out.is_dir() and any(out.iterdir())
-    failed = _make_out(out)
-    if failed:
-        print(f"shuffledp run: {failed}", file=sys.stderr)
-        return 2
-    if reused:
-        kept = "" if args.analyzer else "; its state/ carries over (the users' recorded spends, the ledger)"
-        print(f"shuffledp run: --reuse-out: the results and logs in {out} are replaced{kept}")
-    config_path = out / "config.toml"
-    config_path.write_text(config_toml)
-    echo = (lambda *_: None) if args.quiet else print
-    live = None
-    if not args.quiet and sys.stdout.isatty():  # a terminal: the lines, and a live status line below them
-        from shuffledp.observability.live import LiveView
-
-        live = LiveView(sys.stdout)
-        echo = live.echo
-    started = time.monotonic()
-    cluster, result = None, None
-    tracker = _tracker(args, out, config_toml)
-    timing = {"give_up_s": give_up_s, "call_timeout_s": call_timeout_s, "on_status": _watch(tracker, live)}
-
-    def drive(*args_, **kwargs) -> pb.RunResult:
         try:
-            return drive_run(*args_, **kwargs)
-        finally:  # whatever follows (summary, error line) prints where the status line was
-            if live is not None:
-                live.close()
-
-    if args.analyzer:
-        print(f"shuffledp run: {label}: on the deployment at {args.analyzer}; results in {out}")
-        try:
-            result = drive(args.analyzer, config_toml, None, echo, args.pki, args.server_name, **timing)
+            with _hangup_interrupts() if session.local else contextlib.nullcontext():
+                result = session.drive()
         except KeyboardInterrupt as exc:
-            return _interrupted(out, config_toml, exc, tracker)
+            return session.interrupted(exc)
+        except ServiceFailed as exc:
+            print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
+            return EXIT_LOST
         except AnalyzerLost as lost:
+            if session.local:
+                print(
+                    f"shuffledp run: {lost.what()}; all services stopped; logs in {session.out / 'logs'}",
+                    file=sys.stderr,
+                )
+                return EXIT_LOST
             # the deployment keeps the run (its ledger): say how to pick it up again
             resume = ""
             if lost.run_id:
@@ -1366,60 +1612,16 @@ def _run_command(
             print(f"shuffledp run: {lost.what()}{resume}", file=sys.stderr)
             return EXIT_LOST
         except grpc.RpcError as exc:
-            return _rpc_failed(exc, args.analyzer, "the run")
-        finally:
-            if result is None:
-                _clear_out(out, existed, reused)
-    else:
-        # insecure mode has no certificates, so no signed specs: the README's trust table holds only with mTLS
-        trust = "; insecure mode: unsigned specs, nothing holds against a dishonest shuffler"
-        trust = trust if config.deployment.insecure else ""
-        print(f"shuffledp run: {label}: {config.deployment.client_nodes} client node(s); results in {out}{trust}")
-        # [deployment] insecure = false: the local processes talk mTLS from pki_dir too (and so does the operator)
-        pki = None if config.deployment.insecure else Path(config.deployment.pki_dir)
-        try:
-            # the run is created while the nodes still start: the analyzer plans once their population is known
-            nodes = config.deployment.client_nodes
-            fleets = min(FLEET_PROCESSES, nodes) if config.deployment.users_per_node == 1 else 0
-            cluster, _, analyzer = start_local_cluster(
-                config_path, out, nodes, pki=pki, wait_nodes=False, metrics_port=args.metrics_port, fleets=fleets
-            )
-        except ServiceFailed as exc:  # start_local_cluster stopped the others already
-            print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
-            return EXIT_LOST
-        if cluster.metrics_ports:
-            at = ", ".join(f"{name} http://127.0.0.1:{port}/metrics" for name, port in cluster.metrics_ports.items())
-            print(f"shuffledp run: metrics (Prometheus): {at}")
-        # the services have a process group of their own (Cluster.spawn): a hang-up or SIGTERM of the CLI must
-        # stop them too, as Ctrl-C does
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, signal.default_int_handler)
-        try:
-            with _hangup_interrupts():
-                result = drive(analyzer, config_toml, cluster, echo, pki=pki, **timing)
-            cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
-        except KeyboardInterrupt as exc:
-            cluster.terminate()  # what the analyzer had is fetched already: the services stop while it is written
-            return _interrupted(out, config_toml, exc, tracker)
-        except ServiceFailed as exc:
-            print(f"shuffledp run: {exc.summary}; all services stopped; its log: {exc.log}", file=sys.stderr)
-            return EXIT_LOST
-        except AnalyzerLost as lost:
-            print(f"shuffledp run: {lost.what()}; all services stopped; logs in {out / 'logs'}", file=sys.stderr)
-            return EXIT_LOST
-        except grpc.RpcError as exc:
-            return _rpc_failed(exc, analyzer, "the run")
-        finally:
-            if result is None:
-                cluster.stop()
-    try:
-        write_results(out, config_toml, result)
-        if tracker is not None:
-            tracker.finish(result)
+            return _rpc_failed(exc, session.analyzer, "the run")
+        session.finish(result)
     finally:
-        if cluster is not None:
-            cluster.stop()
+        session.close()
+    return print_summary(result, session.out, session.started)
+
+
+def print_summary(result: pb.RunResult, out: Path, started: float) -> int:
+    """The final summary `shuffledp run` prints (state, the released model's figures, the spend and its views, the
+    baseline, why nothing was released); its exit status."""
     status = result.status
     final = next((m for m in reversed(status.metrics) if m.released), None)
     budget = status.budget
