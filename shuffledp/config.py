@@ -34,9 +34,11 @@ from shuffledp.settings import (
     PrivacyConfig,
     RunConfig,
     ScheduleConfig,
+    TrackingConfig,
     TransportConfig,
     read_table,
     render_table,
+    table_keys,
     toml_value,
 )
 from shuffledp.settings import boolean as _bool
@@ -163,7 +165,8 @@ max_total_eps = 64.0        # over all rounds, basic composition (an upper bound
 max_total_delta = 1e-2
 # allowed_protocols = ["pvec", "privunit"]  # the randomizers a user runs (a round of another is refused);
                             # every protocol when unset
-"""
+
+{tracking}"""
 
 
 @cache
@@ -177,6 +180,7 @@ def default_toml(protocol: str = "pvec") -> str:
     text = _TEMPLATE.replace("{protocols}", listing).replace(
         "{table}", render_table(plugin.settings, f"privacy.{protocol}")
     )
+    text = text.replace("{tracking}", render_table(TrackingConfig, "tracking"))
     text = text.replace("{protocol}", protocol).replace("{pad}", " " * max(1, 28 - len(f'protocol = "{protocol}"')))
     for section, keys in plugin.example.items():
         for key, value in keys.items():
@@ -239,6 +243,7 @@ _SECTIONS: dict[str, type] = {
     "transport": TransportConfig,
     "deployment": DeploymentConfig,
     "policy": PolicyConfig,
+    "tracking": TrackingConfig,
 }
 
 
@@ -490,6 +495,13 @@ def _policy(t: dict[str, Any]) -> PolicyConfig:
     )
 
 
+def _tracking(t: dict[str, Any]) -> TrackingConfig:
+    """[tracking] (run tracking by `shuffledp run`, shuffledp/observability/): its declared keys (parse_config
+    reports unknown ones with the other sections')."""
+    keys = table_keys(TrackingConfig)
+    return read_table(TrackingConfig, {k: v for k, v in t.items() if k in keys}, "tracking")
+
+
 def _names(key: str, v: object, allowed: tuple[str, ...]) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise ConfigError(f"{key} must be a list of names, got {v!r}")
@@ -507,6 +519,7 @@ _READERS = {
     "transport": _transport,
     "deployment": _deployment,
     "policy": _policy,
+    "tracking": _tracking,
 }
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "TransportConfig",
     "DeploymentConfig",
     "PolicyConfig",
+    "TrackingConfig",
     "RunConfig",
 ]
 
@@ -297,6 +298,54 @@ class PolicyConfig:
     allowed_protocols: tuple[str, ...] = ()  # the randomizers the users run; () = every protocol
 
 
+def _mlflow_target(key: str, v: object) -> bool | str:
+    """[tracking] mlflow: true / false, or an MLflow tracking URI (a scheme, no credentials: the configuration is
+    handed to every party and written to the results)."""
+    if isinstance(v, bool):
+        return v
+    if not isinstance(v, str):
+        raise ConfigError(f"{key} must be true, false or an MLflow tracking URI, got {v!r}", key)
+    if v.strip().lower() in ("true", "false"):
+        raise ConfigError(f"{key} must be true or false without quotes (or a tracking URI), got {v!r}", key)
+    scheme = v.split(":", 1)[0] if ":" in v else ""
+    if v in ("databricks", "databricks-uc"):
+        return v
+    if not v or any(c.isspace() for c in v) or not scheme[:1].isalpha() or len(scheme) < 2:
+        raise ConfigError(
+            f'{key} must be true, false or an MLflow tracking URI ("sqlite:///PATH/mlflow.db", "http://HOST:5000"), '
+            f"got {v!r}",
+            key,
+        )
+    netloc = v.split("://", 1)[1].split("/", 1)[0] if "://" in v else ""
+    if "@" in netloc:
+        raise ConfigError(
+            f"{key}: no credentials in the URI (the configuration goes to every party and into the results); set "
+            "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN instead",
+            key,
+        )
+    return v
+
+
+def _nonempty(key: str, v: object) -> str:
+    if not string(key, v).strip():
+        raise ConfigError(f"{key} must not be empty", key)
+    return v  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """[tracking]: where `shuffledp run` also logs the run (shuffledp/observability/; the services ignore it)."""
+
+    mlflow: bool | str = setting(
+        False,
+        "MLflow tracking (pip install 'shuffledp[mlflow]'): true = a store of its own in the results directory "
+        '(mlflow/mlflow.db, offline), or a tracking URI ("sqlite:///PATH/mlflow.db", "http://HOST:5000"); false = '
+        "off. Params, per-round metrics, the results as artifacts",
+        read=_mlflow_target,
+    )
+    experiment: str = setting("shuffledp", "the MLflow experiment the run is logged in", read=_nonempty)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
@@ -306,4 +355,5 @@ class RunConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     toml_text: str = ""  # the exact text parsed (kept so every party can be given the same document)

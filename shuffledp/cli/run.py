@@ -119,6 +119,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "contributors and refusals, the configuration and the final spend (optional extra 'tracking')",
     )
     parser.add_argument(
+        "--mlflow",
+        nargs="?",
+        const=True,
+        metavar="URI",
+        help="also log the run in MLflow (as [tracking] mlflow, which this overrides): without URI a store in the "
+        "results directory (mlflow/mlflow.db), else a tracking URI (sqlite:///PATH/mlflow.db, http://HOST:5000); "
+        "params, per-round metrics, the results as artifacts (optional extra 'mlflow')",
+    )
+    parser.add_argument(
         "--fetch",
         metavar="RUN_ID",
         help="with --analyzer: write the results directory of an existing run (default --out: results/RUN_ID)",
@@ -1271,22 +1280,19 @@ def _fetch_command(args: argparse.Namespace, give_up_s: float, call_timeout_s: f
     return 0
 
 
-def _tracking_refused(args: argparse.Namespace) -> str | None:
-    """Why the run tracking asked for cannot be done (one line), or None."""
-    if getattr(args, "tensorboard", None) is None:
-        return None
-    from shuffledp.observability.tracking import check_tracking
+def _tracking_refused(args: argparse.Namespace, config=None) -> str | None:
+    """Why the run tracking asked for (flags, config's [tracking]) cannot be done (one line), or None."""
+    from shuffledp.observability.tracking import tracking_refused
 
-    return check_tracking()
+    return tracking_refused(getattr(args, "tensorboard", None), getattr(args, "mlflow", None), config)
 
 
 def _tracker(args: argparse.Namespace, out: Path, config_toml: str):
-    """The run's TensorBoard log (DIR/<results directory name>), or None without --tensorboard."""
-    if getattr(args, "tensorboard", None) is None:
-        return None
-    from shuffledp.observability.tracking import TensorBoardTracker
+    """The run's trackers (--tensorboard, --mlflow / [tracking] mlflow) as one, or None when none is asked for."""
+    from shuffledp.observability.tracking import open_trackers
 
-    return TensorBoardTracker(args.tensorboard, out.resolve().name, config_toml)
+    tensorboard, mlflow = getattr(args, "tensorboard", None), getattr(args, "mlflow", None)
+    return open_trackers(out, config_toml, tensorboard=tensorboard, mlflow=mlflow)
 
 
 def _watch(*watchers) -> Callable[[pb.RunStatus, Sequence[pb.RoundMetrics], int], None] | None:
@@ -1528,7 +1534,7 @@ def prepare_run(
     # every mistake that the configuration, the data and the command line decide alone: one line, before the results
     # directory or any process exists
     usage = _plain_text_refused(args) or _out_refused(out, args.reuse_out, local=not args.analyzer)
-    usage = usage or _tracking_refused(args) or _metrics_refused(args, config.deployment.client_nodes)
+    usage = usage or _tracking_refused(args, config) or _metrics_refused(args, config.deployment.client_nodes)
     if usage:
         raise RunRefused(usage)
     if not args.analyzer and os.environ.get(METRICS_PORT_ENV, "0") not in ("", "0"):
