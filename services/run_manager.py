@@ -55,11 +55,12 @@ from shuffledp.protocols.base import (  # noqa: F401 (the rejection reasons are 
     BatchError,
     PlanRequest,
     RoundProtocol,
+    canonical_order,
     tensor,
 )
 from shuffledp.protocols.registry import planned_protocol, round_protocol
 from shuffledp.security import sealing
-from shuffledp.security.rng import make_rng
+from shuffledp.security.rng import make_rng, simulation_seed
 from shuffledp.transport import grpc_options
 from shuffledp.transport.spec_signing import SIGNATURE_INVALID, SpecSigner
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -218,6 +219,14 @@ class _Live:
     probe: Any = None
     # users whose node refused the last round's spec as not the one this analyzer signed (spec_signing)
     forged: int = 0
+
+
+def _with_ciphertexts(batch: pb.ShuffledBatch, ciphertexts: list[bytes]) -> pb.ShuffledBatch:
+    out = pb.ShuffledBatch()
+    out.CopyFrom(batch)
+    del out.ciphertexts[:]
+    out.ciphertexts.extend(ciphertexts)
+    return out
 
 
 def refused_nodes_text(refused: Sequence[pb.RefusedNode], shown: int = 20) -> str:
@@ -667,6 +676,9 @@ class RunManager:
             # the threshold is what bounds the cost; a batch outside it is charged honestly and the run stops
             self.ledger.commit(run_id, r, max(n, 1), ran)
             raise RuntimeError(f"batch has {n} contributors, outside [{n_min}, {plan['cohort']}]")
+        if simulation_seed() is not None and batch.ciphertexts:  # a seeded simulation replays bit for bit
+            order = canonical_order(live.private_key, batch.ciphertexts, sealing.round_info(run_id, r), make_rng())
+            batch = _with_ciphertexts(batch, order)
         try:
             plan_r = {**plan, "min_contributors": n_min} if ran else plan  # this round's threshold
             dec = rd.protocol.decode(batch, n, plan_r, params, live.private_key, sealing.round_info(run_id, r))

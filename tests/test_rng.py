@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -47,3 +48,38 @@ def test_permutation_uniform_chi_square():
         counts[int(np.argmax(secure_permutation(10, rng) == 0))] += 1
     chi2 = ((counts - 2000) ** 2 / 2000).sum()
     assert chi2 < 33.7
+
+
+def _simulated_draws(seed: int, party: str, calls: int = 3) -> list[list[int]]:
+    """make_rng() draws of a fresh process running a seeded simulation (start_simulation is once per process)."""
+    code = (
+        "import json, sys\nfrom shuffledp.security import rng\n"
+        f"rng.start_simulation({seed}, {party!r})\n"
+        f"print(json.dumps([rng.make_rng().integers(0, 2**62, 4).tolist() for _ in range({calls})]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_a_seeded_simulation_replays_and_keeps_parties_and_calls_apart():
+    """Issue 46 item 3: the same (seed, party) gives the same generators in call order, in another process and
+    without the test switch; another party, another seed or another call gives another stream."""
+    a = _simulated_draws(7, "client:client-0")
+    assert a == _simulated_draws(7, "client:client-0")
+    assert len({tuple(x) for x in a}) == 3  # each call its own stream
+    for other in (_simulated_draws(7, "client:client-1"), _simulated_draws(8, "client:client-0")):
+        assert not {tuple(x) for x in a} & {tuple(x) for x in other}
+
+
+def test_a_simulation_seed_is_checked_and_set_once():
+    code = (
+        "from shuffledp.security import rng\n"
+        "for bad in (-1, 2**63, 1.5, True):\n"
+        "    try:\n        rng.start_simulation(bad, 'p')\n        print('accepted', bad)\n"
+        "    except ValueError:\n        pass\n"
+        "assert rng.simulation_seed() is None\n"
+        "rng.start_simulation(3, 'p')\nassert rng.simulation_seed() == 3\n"
+        "try:\n    rng.start_simulation(4, 'p')\nexcept RuntimeError:\n    print('refused again')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split("\n")[:-1] == ["refused again"], out.stdout

@@ -134,6 +134,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "network (README, Monitoring)",
     )
     parser.add_argument(
+        "--simulation-seed",
+        type=int,
+        metavar="N",
+        help="a replayable local simulation (`shuffledp run --seed N` passes it): every generator of this service is "
+        "keyed from N and the party, so the run replays bit for bit and its noise is known to anyone who holds N; "
+        "plain text on loopback only (--insecure), refused with --pki",
+    )
+    parser.add_argument(
         "--parent-fd",
         type=int,
         metavar="FD",
@@ -222,6 +230,30 @@ def _shuffler_address(args: argparse.Namespace) -> str:
     return f"127.0.0.1:{int(args.shuffler_port_file.read_text())}"
 
 
+def _simulate(args: argparse.Namespace, role: str) -> None:
+    """--simulation-seed: key this process's generators from it (shuffledp.security.rng.start_simulation), before
+    any is made. Only without a PKI: a deployment's noise must never be known to whoever knows a seed."""
+    if args.simulation_seed is None:
+        return
+    if not args.insecure:
+        raise SystemExit(
+            f"shuffledp serve {role}: --simulation-seed is for local simulations in plain text (--insecure): a seeded "
+            "service's noise is known to anyone who holds the seed"
+        )
+    from shuffledp.security import rng
+
+    party = f"fleet-{args.first_index}" if args.service == "fleet" else _party_name(args, role)
+    try:
+        rng.start_simulation(args.simulation_seed, f"{args.service}:{party}")
+    except ValueError as exc:
+        raise SystemExit(f"shuffledp serve {role}: --simulation-seed: {exc}") from exc
+    log.warning(
+        "serving %s as a seeded simulation (seed %d): its noise is known to anyone who holds it",
+        role,
+        args.simulation_seed,
+    )
+
+
 def _party_name(args: argparse.Namespace, role: str) -> str:
     """This party's name: its certificate's name with --pki (a client node's id at the shuffler is that name)."""
     return args.name or (f"client-{args.node_index}" if role == "client-node" else role)
@@ -233,6 +265,7 @@ def _start(
     """Start the service: (bound port, stop function, its metrics registry's maker, what to do before stopping when
     the --parent-fd parent is gone). Checks first what needs nothing started (the PKI files, the listen addresses),
     then waits for the shuffler's port file, then opens state and binds."""
+    _simulate(args, role)
     if args.service == "fleet":
         return _start_fleet(args)
     if args.service == "client" and (args.num_nodes < 1 or not 0 <= args.node_index < args.num_nodes):

@@ -27,6 +27,7 @@ __all__ = [
     "Decoded",
     "BatchError",
     "open_each",
+    "canonical_order",
     "release_floor",
     "UNDECRYPTABLE",
     "MALFORMED_PLAINTEXT",
@@ -75,6 +76,26 @@ def open_each(private_key: Any, ciphertexts: Sequence[bytes], info: bytes) -> tu
         except sealing.SealingError:
             pass
     return opened, len(ciphertexts) - len(opened)
+
+
+def canonical_order(
+    private_key: Any, ciphertexts: Sequence[bytes], info: bytes, rng: np.random.Generator
+) -> list[bytes]:
+    """A seeded simulation's order of a sealed batch (issue 46 item 3): the ciphertexts sorted by their plaintexts,
+    then permuted by `rng`; those that do not open last, in the order they came. The shuffler's order follows the
+    arrival of the nodes' messages and their sealing is keyed from OS entropy, so only an order the plaintexts decide
+    lets a run replay bit for bit (float sums, PNSGD's pass). Never used outside a seeded simulation: it holds every
+    plaintext at once, which pan-private decoding must not."""
+    from shuffledp.security import sealing
+
+    opened, bad = [], []
+    for c in ciphertexts:
+        try:
+            opened.append((sealing.open_sealed(private_key, c, info), c))
+        except sealing.SealingError:
+            bad.append(c)
+    opened.sort(key=lambda pair: pair[0])
+    return [opened[i][1] for i in rng.permutation(len(opened))] + bad
 
 
 def release_floor(spec: pb.RoundSpec) -> int:

@@ -8,13 +8,20 @@ ns per Bin(11635, 1/2) draw, 8.8 vs 23.7 ns per uniform); without it AES runs on
 can leak the key, so ChaCha20 stays. A key draws far fewer than the 2^64 blocks up to which AES-CTR output cannot
 be told from random. A fixed seed makes the stream
 reproducible and therefore breaks privacy: it is refused unless the explicit testing switch is on
-(environment variable SHUFFLEDP_ALLOW_TEST_SEED=1, set by the test suite and by `--insecure-test-seed`).
+(environment variable SHUFFLEDP_ALLOW_TEST_SEED=1, set by the test suite).
+
+A seeded simulation (issue 46 item 3: `shuffledp run --seed N`, local and without a PKI only) keys every generator
+a party's process makes from (N, the party, the order of make_rng() calls in it) instead: a run replays bit for bit,
+and its noise is known to anyone who holds N. start_simulation() turns it on for a process, once, before any draw.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import os
 import secrets
+from collections.abc import Iterator
 
 import numpy as np
 from randomgen import AESCounter, ChaCha
@@ -39,13 +46,41 @@ def _aes_ni() -> bool:
 
 AES_NI = _aes_ni()
 
+# (seed, party label, counter of make_rng() calls) of a seeded simulation in this process; None: OS entropy
+_simulation: tuple[int, int, Iterator[int]] | None = None
+
+
+def start_simulation(seed: int, party: str) -> None:
+    """Key every later make_rng() of this process from (seed, party, call order): a replayable local simulation,
+    whose noise anyone who holds `seed` knows. Refused a second time (two seeds in one process would be ambiguous)."""
+    global _simulation
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(f"a simulation seed must be an integer in [0, 2^63), got {seed!r}")
+    if _simulation is not None:
+        raise RuntimeError("this process already runs a seeded simulation")
+    # the party's label as a 64-bit word: SeedSequence mixes (seed, label, call) into independent streams
+    label = int.from_bytes(hashlib.blake2b(party.encode(), digest_size=8).digest(), "little")
+    _simulation = (seed, label, itertools.count())
+
+
+def simulation_seed() -> int | None:
+    """The seed of this process's simulation, or None (the normal case: every generator keyed from OS entropy)."""
+    return None if _simulation is None else _simulation[0]
+
 
 def make_rng(seed: int | None = None) -> np.random.Generator:
     """A numpy Generator over AES-128-CTR (with AES-NI) or ChaCha20 (20 rounds).
 
-    seed=None keys it from the OS CSPRNG (128 bits for AES, 256 for ChaCha20). An integer seed is accepted only in
-    testing mode.
+    seed=None keys it from the OS CSPRNG (128 bits for AES, 256 for ChaCha20), or in a seeded simulation
+    (start_simulation) from the simulation's seed, the party and this call's place among the process's calls. An
+    integer seed is accepted only in testing mode.
     """
+    if seed is None and _simulation is not None:
+        base, label, calls = _simulation
+        derived = np.random.SeedSequence(base, spawn_key=(label, next(calls)))
+        if AES_NI:
+            return np.random.Generator(AESCounter(seed=derived))
+        return np.random.Generator(ChaCha(seed=derived, rounds=20))
     if seed is None:
         if AES_NI:
             return np.random.Generator(AESCounter(key=secrets.randbits(128)))
