@@ -29,7 +29,8 @@ def _run(tmp_path: Path, config: str, *extra: str, timeout: float = 240) -> subp
     cfg = tmp_path / "run.toml"
     cfg.write_text(config)
     cmd = [sys.executable, "-m", "shuffledp.cli", "run", str(cfg), "--out", str(tmp_path / "exp1"), "--quiet", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    # cwd: a store's default locations (MLflow's ./mlruns) would be the test's, not the repository's
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +125,9 @@ def test_mlflow_flag_with_a_uri_logs_into_that_store_and_experiment_next_to_tens
     steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eps_spent"))
     assert steps == list(range(1, ROUNDS + 1))
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == RESULTS
+    # beside the database, not in the working directory's ./mlruns
+    assert run.info.artifact_uri.startswith((tmp_path / "artifacts").as_uri() + "/"), run.info.artifact_uri
+    assert not (tmp_path / "mlruns").exists()
 
 
 def test_a_store_that_fails_at_the_end_costs_one_line_and_not_the_results(tmp_path, migrated_store):

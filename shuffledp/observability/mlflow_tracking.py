@@ -19,7 +19,8 @@ experiment`:
 
 `mlflow = true` keeps a store of the run's own in its results directory, offline: OUT/mlflow/mlflow.db (SQLite) with
 the artifacts in OUT/mlflow/artifacts; `mlflow ui --backend-store-uri sqlite:///OUT/mlflow/mlflow.db` shows it. A
-URI is MLflow's own (sqlite:///PATH/mlflow.db for a project's store, http://HOST:5000 for a tracking server). SQLite,
+URI is MLflow's own (sqlite:///PATH/mlflow.db for a project's store, whose new experiments keep their artifacts in
+PATH/artifacts; http://HOST:5000 for a tracking server, which keeps them where it is configured to). SQLite,
 not MLflow's ./mlruns file store: MLflow 3 refuses that one (maintenance mode) unless MLFLOW_ALLOW_FILE_STORE=true.
 
 A tracker never costs the run its results: they are written before anything is logged at the end, and any MLflow
@@ -82,11 +83,17 @@ def check_mlflow(target: bool | str) -> str | None:
 
 
 def store_uri(target: bool | str, out: Path) -> tuple[str, str | None]:
-    """(tracking URI, artifact location of a new experiment or None = the store's default) of `target`."""
+    """(tracking URI, artifact location of a new experiment or None = the store's default) of `target`. A SQLite
+    store keeps a new experiment's artifacts beside its database (DIR/mlflow.db: DIR/artifacts), not in MLflow's
+    default ./mlruns of whichever directory the first run happened to start in."""
     if target is True:
         store = Path(out).resolve() / STORE_DIR
         return f"sqlite:///{store / 'mlflow.db'}", (store / "artifacts").as_uri()
-    return str(target), None
+    uri = str(target)
+    db = uri.removeprefix("sqlite:///").split("?", 1)[0]
+    if uri.startswith("sqlite:///") and db not in ("", ":memory:"):
+        return uri, (Path(db).resolve().parent / "artifacts").as_uri()
+    return uri, None
 
 
 def _text(v: Any) -> str:
