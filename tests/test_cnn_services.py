@@ -3,7 +3,7 @@ mnist5k,
 with shuffle-model PGD and with DP-FTRL, each run's ledger eps equal to `shuffledp account` for the run's own
 parameters. One local cluster (shuffler, analyzer, 2 client nodes as processes) serves both runs: every party
 imports JAX once. A small CNN (channels 4, 8; d = 6,938) and 300 users keep it to about a minute of rounds; the
-README's figures are the examples' CNN (d = 26,698) on all 3,750 users."""
+docs/benchmarks.md's figures are the examples' CNN (d = 26,698) on all 3,750 users."""
 
 from __future__ import annotations
 
@@ -111,4 +111,4 @@ def test_cnn_dp_ftrl_over_the_services_charges_what_shuffledp_account_says(runs)
     z = ledger["rounds"][0]["event"]["params"]["noise_multiplier"]
     answer = _account("tree", "--noise-multiplier", repr(z), "--leaves-per-tree", "4", "--delta", repr(plan["delta"]))
     assert abs(answer["eps"] - ledger["totals"]["eps_spent"]) <= 1e-9, (answer, ledger["totals"])
-    assert math.isfinite(runs["ftrl"].loss)  # 4 rounds at this size show no learning: the README's runs do
+    assert math.isfinite(runs["ftrl"].loss)  # 4 rounds at this size show no learning: docs/benchmarks.md's runs do

@@ -22,7 +22,7 @@ def test_minimal_config_takes_defaults():
 
 
 def test_builtin_defaults_differ_from_the_embedded_file_only_where_documented():
-    # config.py, README and DEFAULT_TOML's header say: model.radius and schedule.learning_rate, nothing else
+    # config.py, the docs and DEFAULT_TOML's header say: model.radius and schedule.learning_rate, nothing else
     import dataclasses
 
     embedded, builtin = load_config(None), parse_config("")

@@ -1,4 +1,4 @@
-"""Reported privacy figures are never below the exact value (issue 43 item 7; README: eps is never rounded down).
+"""Reported privacy figures are never below the exact value (issue 43 item 7; docs: eps is never rounded down).
 
 The exact continuous Gaussian's (eps, delta) curve (Balle & Wang 2018, Thm 8: delta(eps) = Phi(mu/2 - eps/mu) -
 e^eps Phi(-mu/2 - eps/mu) for sensitivity / std = mu) is computed here independently with mpmath at 50 digits and

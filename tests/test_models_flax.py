@@ -134,7 +134,7 @@ def test_export_roundtrip(tmp_path):
     assert model.export(theta, tmp_path) == ["model.msgpack"]
     tree = load_params(model, str(tmp_path / "model.msgpack"))
     np.testing.assert_array_equal(np.asarray(ravel_pytree(tree)[0]), theta)
-    # the README's one line: no template needed
+    # docs/how-to/own-model.md's one line: no template needed
     restored = serialization.msgpack_restore(open(tmp_path / "model.msgpack", "rb").read())
     np.testing.assert_array_equal(restored["Dense_0"]["kernel"], np.asarray(tree["Dense_0"]["kernel"]))
     X, _ = _data(6, 3, seed=1)

@@ -34,7 +34,7 @@ from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 pytestmark = pytest.mark.timeout(300)
 
 RPC_TIMEOUT = 10.0
-BULK = 2000  # certificates issued by the timed test; README "PKI" gives the 10^4 figure
+BULK = 2000  # certificates issued by the timed test; docs/how-to/services.md "Certificates" gives the 10^4 figure
 BULK_BOUND_S = 60.0  # generous: a loaded 2-core machine shared with other test runs; ~1 s when idle
 
 

@@ -415,11 +415,11 @@ def test_an_online_run_over_real_processes_charges_what_the_account_cli_says(tmp
 
 
 def test_the_readme_is_right_that_shuffled_pnsgd_releases_no_better_than_w0_at_radius_5():
-    """Issue 24 item 17: the README's synthetic PNSGD settings (logistic regression, dim 5, n = 1000, eps 1, delta
-    1e-5, radius 5) end worse than the starting model, which the README now says instead of suggesting them. The
+    """Issue 24 item 17: the docs' synthetic PNSGD settings (logistic regression, dim 5, n = 1000, eps 1, delta
+    1e-5, radius 5) end worse than the starting model, which the docs now say instead of suggesting them. The
     analyzer's own pass (PnsgdRound.add_noise) over records of a logistic model, 6 passes with fixed seeds: the
     released model's mean held-out loss is above w_0 = 0's (ln 2). If a change of defaults made the pass useful at
-    these settings, this fails and the README's warning must be revised."""
+    these settings, this fails and that page's warning must be revised."""
     from shuffledp.models import make_model
 
     f, n = 5, 1000

@@ -99,7 +99,7 @@ def test_summary_and_model_layout_of_a_completed_run(tmp_path: Path):
         assert layout["task"] == "logreg" and layout["class_labels"] == [8, 3, 5]
         W = npz["W"]
         assert W.shape == (3, 65) and np.array_equal(W.ravel(), npz["params"])
-    # the README's recipe: scores = W @ [x, 1], class index -> label; it reproduces the reported test accuracy
+    # the docs' recipe: scores = W @ [x, 1], class index -> label; it reproduces the reported test accuracy
     ds = load_dataset(parse_config(toml).data)
     pred = np.argmax(np.c_[ds.X_test, np.ones(len(ds.X_test))] @ W.T, axis=1)
     assert np.mean(pred == ds.y_test) == pytest.approx(model["accuracy"], abs=1e-12)
