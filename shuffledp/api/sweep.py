@@ -33,9 +33,10 @@ policy (64 in all) that is one or two runs; a sweep configuration with generous 
 the benchmarks and examples/sweep_*.toml) runs everything on one set. reuse_services=False starts fresh services
 for every run.
 
-Seeds: each run records its repetition and its seed. A run's seed is `seed + repetition` when a base `seed` is given,
-passed to the run as its `seed` option (issue 46 item 3, `shuffledp run --seed`); without it the seed column is
-empty: repetitions differ by the services' own CSPRNG draws.
+Seeds: each run records its repetition and its seed. A run's seed is `seed + repetition` when a base `seed` is given:
+the run gets local services of its own started with that seed (start_local_cluster(seed=): every service's
+generators keyed from it, issue 46 item 3), so seeded runs never share services. Without a base seed the seed
+column is empty: repetitions differ by the services' own CSPRNG draws.
 """
 
 from __future__ import annotations
@@ -271,11 +272,13 @@ def sweep(
             cfg, plan = checks[text]
             key = _services_key(tomllib.loads(text))
             charge = _worst_charge(cfg, plan)
-            if services is not None and not _fits(services, key, charge, cfg, reuse_services):
+            # a seeded run keys its services' generators (serve --simulation-seed): services of its own
+            reuse = reuse_services and p.seed is None
+            if services is not None and not _fits(services, key, charge, cfg, reuse):
                 services.cluster.stop()
                 services = None
             if services is None:
-                services = _start_services(out, text, cfg, started_sets)
+                services = _start_services(out, text, cfg, started_sets, p.seed)
                 started_sets += 1
             services.eps += charge[0]
             services.delta += charge[1]
@@ -376,7 +379,7 @@ def _fits(services: _Services, key: str, charge: tuple[float, float], cfg: Any, 
     return services.eps + charge[0] <= pol.max_total_eps and services.delta + charge[1] <= pol.max_total_delta
 
 
-def _start_services(out: Path, text: str, cfg: Any, index: int) -> _Services:
+def _start_services(out: Path, text: str, cfg: Any, index: int, seed: int | None = None) -> _Services:
     from shuffledp.cli.run import FLEET_PROCESSES, start_local_cluster
 
     work = out / "services" / str(index)
@@ -384,7 +387,15 @@ def _start_services(out: Path, text: str, cfg: Any, index: int) -> _Services:
     (work / "config.toml").write_text(text)  # the nodes read its [data], [policy], [model] and [deployment]
     nodes = cfg.deployment.client_nodes
     fleets = min(FLEET_PROCESSES, nodes) if cfg.deployment.users_per_node == 1 else 0
-    cluster, _, analyzer = start_local_cluster(work / "config.toml", work, nodes, wait_nodes=False, fleets=fleets)
+    seeded = {} if seed is None else {"seed": seed}
+    try:
+        cluster, _, analyzer = start_local_cluster(
+            work / "config.toml", work, nodes, wait_nodes=False, fleets=fleets, **seeded
+        )
+    except TypeError as exc:
+        if "seed" not in str(exc):
+            raise
+        raise SweepError("seeded runs need seeded local services (issue 46 item 3), not in this version") from None
     return _Services(_services_key(tomllib.loads(text)), cluster, analyzer, index=index)
 
 
@@ -396,30 +407,21 @@ def _run_point(
 
     what = ", ".join(f"{k}={_short(v)}" for k, v in p.settings.items())
     echo(f"[{number}/{total}] {p.variant + ': ' if p.variant else ''}{what}, rep {p.repetition} ...")
-    options: dict[str, Any] = {} if p.seed is None else {"seed": p.seed}
     run_dir.mkdir(parents=True, exist_ok=True)
     log = io.StringIO()
     t0 = time.monotonic()
     status, error = None, ""
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            try:
-                exp = start(
-                    config_toml=text,
-                    out=run_dir,
-                    reuse_out=True,
-                    services=(services.cluster, services.analyzer),
-                    checked=True,
-                    label=p.name,
-                    **options,
-                )
-                status = exp.result().exit_status
-            except TypeError as exc:
-                if "seed" in str(exc):
-                    raise SweepError(
-                        "seeds need `shuffledp run --seed` (issue 46 item 3), not in this version"
-                    ) from None
-                raise
+            exp = start(
+                config_toml=text,
+                out=run_dir,
+                reuse_out=True,
+                services=(services.cluster, services.analyzer),
+                checked=True,
+                label=p.name,
+            )
+            status = exp.result().exit_status
     except RunInterrupted:
         (run_dir / "output.log").write_text(log.getvalue())
         raise KeyboardInterrupt from None
@@ -599,12 +601,10 @@ def _line_name(row: Any, keys: list[str]) -> str:
 def plot_summary(summary: pd.DataFrame, spec: SweepSpec, metric: str, path: Path) -> None:
     """The metric against x (log scale when x is privacy.eps), error bars = std over the repetitions, one line per
     protocol / variant / other swept setting."""
-    import matplotlib
+    from matplotlib.figure import Figure  # without pyplot: a notebook's backend is left as it was
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig = Figure(figsize=(6, 4.2))
+    ax = fig.subplots()
     lines = _line_keys(list(summary.columns), spec)
     x = spec.x if spec.x in summary else None
     if summary.empty or x is None:
@@ -627,4 +627,3 @@ def plot_summary(summary: pd.DataFrame, spec: SweepSpec, metric: str, path: Path
     ax.set_ylabel(f"{metric}{best}, mean ± std over {spec.seeds} repetition(s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)

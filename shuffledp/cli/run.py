@@ -962,17 +962,16 @@ def _plot(path: Path, rows: list[dict], summary: dict) -> dict[str, list[str]]:
     the released model's figures as a dashed line (it is the mean of the iterates unless output = "last", so it
     differs from the last round's point). Hidden-iterate runs have no per-round figures: the plot says so.
     Returns what it drew: {"panels": [metric, ...], "notes": [text, ...]}."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure of its own, without pyplot: the caller's backend (a notebook's inline one) is left as it was
+    from matplotlib.figure import Figure
 
     model = summary.get("released_model") or {}
     panels = [("loss", "held-out loss"), ("excess_risk", "excess risk"), ("accuracy", "held-out accuracy")]
     per_round = any(_finite(rows, k)[0] for k, _ in panels)
     shown = [(k, label) for k, label in panels if _finite(rows, k)[0] or model.get(k) is not None]
     n = len(shown) + (0 if per_round else 1) + 1  # a line of text where no round has figures; eps at the bottom
-    fig, axes = plt.subplots(n, 1, figsize=(7, 2.4 * n), sharex=True, squeeze=False)
+    fig = Figure(figsize=(7, 2.4 * n))
+    axes = fig.subplots(n, 1, sharex=True, squeeze=False)
     axes = list(axes[:, 0])
     last = max((r["round"] for r in rows), default=1)
     drawn: dict[str, list[str]] = {"panels": [k for k, _ in shown] + ["eps_spent"], "notes": []}
@@ -1009,7 +1008,6 @@ def _plot(path: Path, rows: list[dict], summary: dict) -> dict[str, list[str]]:
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return drawn
 
 
