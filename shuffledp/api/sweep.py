@@ -264,6 +264,8 @@ def sweep(
     )
     checks = _check_all(todo, texts)  # every mistake before anything starts
     ran = failed = 0
+    # the progress line names what varies: the grid's keys and each variant's swept ones (its name says the rest)
+    varying = set(spec.grid) | {k for v in spec.variants.values() for k, val in v.items() if isinstance(val, list)}
     services: _Services | None = None
     started_sets = len(list((out / "services").glob("*"))) if (out / "services").exists() else 0
     try:
@@ -282,7 +284,7 @@ def sweep(
                 started_sets += 1
             services.eps += charge[0]
             services.delta += charge[1]
-            row = _run_point(p, text, runs_dir / p.name, services, i + 1 + len(done), len(points), echo)
+            row = _run_point(p, text, runs_dir / p.name, services, i + 1 + len(done), len(points), echo, varying)
             ran += 1
             failed += row["state"] != "COMPLETED"
             if on_run is not None:
@@ -400,12 +402,19 @@ def _start_services(out: Path, text: str, cfg: Any, index: int, seed: int | None
 
 
 def _run_point(
-    p: Point, text: str, run_dir: Path, services: _Services, number: int, total: int, echo: Callable[[str], object]
+    p: Point,
+    text: str,
+    run_dir: Path,
+    services: _Services,
+    number: int,
+    total: int,
+    echo: Callable[[str], object],
+    varying: set[str] | None = None,
 ) -> dict[str, Any]:
     """One run on the sweep's services, its printed lines in run_dir/output.log; its table row."""
     from shuffledp.api.experiment import RunInterrupted, start
 
-    what = ", ".join(f"{k}={_short(v)}" for k, v in p.settings.items())
+    what = ", ".join(f"{k}={_short(v)}" for k, v in p.settings.items() if varying is None or k in varying)
     echo(f"[{number}/{total}] {p.variant + ': ' if p.variant else ''}{what}, rep {p.repetition} ...")
     run_dir.mkdir(parents=True, exist_ok=True)
     log = io.StringIO()
