@@ -81,6 +81,23 @@ def _example_toml(example: dict) -> str:
     return "\n".join(lines)
 
 
+def _common_tables() -> list[tuple[str, type]]:
+    """The run configuration's sections that are declared as typed tables (shuffledp.settings.setting fields): their
+    keys' types, ranges and defaults come from the same declarations as the parser's."""
+    import dataclasses
+    import typing
+
+    from shuffledp import settings
+
+    hints = typing.get_type_hints(settings.RunConfig)
+    found = []
+    for f in dataclasses.fields(settings.RunConfig):
+        cls = hints.get(f.name)
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and settings.table_keys(cls):
+            found.append((f.name, cls))
+    return found
+
+
 def configuration_page() -> str:
     from shuffledp.config import default_toml
     from shuffledp.protocols.registry import PROTOCOL_NAMES, PROTOCOL_SUMMARIES, round_protocol
@@ -108,6 +125,11 @@ def configuration_page() -> str:
         "```toml",
         default_toml().rstrip("\n"),
         "```",
+    ]
+    for section, cls in _common_tables():
+        out += ["", f"## `[{section}]`", "", " ".join((cls.__doc__ or "").split()), ""]
+        out += _key_table(cls)
+    out += [
         "",
         "## The protocols",
         "",
