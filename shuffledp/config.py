@@ -7,7 +7,7 @@ never silently fall back to a default (a silently weaker privacy setting would b
 
 `load_config(None)` returns the embedded default (DEFAULT_TOML below): the digits data set shipped with
 scikit-learn, fully interactive PGD over PVEC in count mode, eps = 8, delta = 1/n, calibrated accounting.
-Defaults that depend on the run are resolved by the analyzer when it plans (services/run_manager.plan_run):
+Defaults that depend on the run are resolved by the analyzer when it plans (shuffledp/planning/planner.plan_run):
 privacy.delta (unset: min(1/n, policy.max_delta_per_round, policy.max_total_delta)) and schedule.rounds (unset:
 DEFAULT_ROUNDS when fully interactive, as many as the unused users allow when sequential).
 """

@@ -241,7 +241,7 @@ class PrivacyConfig:
 
     eps: float = 8.0
     # None = min(1/n, policy.max_delta_per_round, policy.max_total_delta), n = admitted users at StartRun: the
-    # default users then accept every round (services/run_manager.plan_run)
+    # default users then accept every round (shuffledp/planning/planner.plan_run)
     delta: float | None = None
     protocol: str = "pvec"
     clip_norm: float = 1.0
