@@ -632,7 +632,8 @@ def plot_summary(summary: pd.DataFrame, spec: SweepSpec, metric: str, path: Path
             ax.minorticks_off()
         ax.set_xlabel(x)
         ax.legend(fontsize=8)
-    best = f" (best {', '.join(spec.best_of)})" if spec.best_of else ""
-    ax.set_ylabel(f"{metric}{best}, mean ± std over {spec.seeds} repetition(s)")
+    best = f"; best of {', '.join(spec.best_of)}" if spec.best_of else ""
+    ax.set_ylabel(metric.replace("_", " "))
+    ax.set_title(f"mean ± std over {spec.seeds} repetition(s){best}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
