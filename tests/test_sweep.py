@@ -86,7 +86,10 @@ def test_sweep_runs_the_grid_writes_table_and_plot_and_resumes(tmp_path):
     assert sorted(table["repetition"].unique()) == [0, 1, 2]
     assert table["seed"].isna().all()  # no seed yet (issue 46 item 3): recorded empty
     assert table["excess_risk"].isna().all()  # digits has no known optimum
-    assert ((table["accuracy"] > 0.1) & (table["accuracy"] <= 1)).all()
+    assert ((table["accuracy"] > 0) & (table["accuracy"] <= 1)).all()
+    # 2 rounds of DP-FTRL stay near chance (0.1); PGD over PVEC's 16 rounds at eps 8 learn
+    pvec8 = table[(table["privacy.protocol"] == "pvec") & (table["privacy.eps"] == 8)]
+    assert pvec8["accuracy"].mean() > 0.5, pvec8
     assert (table["eps_spent"] <= table["privacy.eps"] + 1e-9).all() and (table["eps_spent"] > 0).all()
     assert (table["seconds"] > 0).all()
 
