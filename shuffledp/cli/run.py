@@ -252,6 +252,7 @@ def start_local_cluster(
     wait_nodes: bool = True,
     metrics_port: int = 0,
     fleets: int = 0,
+    seed: int | None = None,
 ) -> tuple[Cluster, str, str | None]:
     """Start shuffler, analyzer (unless with_analyzer=False: the caller plays it) and client nodes as processes;
     returns (cluster, shuffler address, analyzer address or None) once they serve (with wait_nodes=False, once the
@@ -261,12 +262,14 @@ def start_local_cluster(
     `pki` (a `shuffledp pki init` directory) every hop is mTLS with role checks, as in a deployment; without it,
     plain text on loopback. `metrics_port` BASE: the services serve their metrics on BASE, BASE + 1, ... (shuffler,
     analyzer, client-0, ...: Cluster.metrics_ports). With `fleets` > 0 the client nodes are device nodes, one user
-    each, run by that many `serve fleet` processes (fleet-0, ...: consecutive ranges of nodes; no metrics yet)."""
+    each, run by that many `serve fleet` processes (fleet-0, ...: consecutive ranges of nodes; no metrics yet). With
+    `seed` (no `pki`), a seeded simulation: every service's generators are keyed from it (serve --simulation-seed)."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     cluster = Cluster(workdir, metrics_port=metrics_port)
     analyzer = None
     try:
         sec = ["--insecure"] if pki is None else ["--pki", str(pki.resolve())]
+        sec += [] if seed is None else ["--simulation-seed", str(seed)]  # serve refuses it with --pki
         from shuffledp.transport import grpc_options
 
         # the configured nodes always fit: its default capacity (10^4) only grows with client_nodes here
@@ -1158,13 +1161,14 @@ def _create_timeout(config_toml: str) -> float:
 def check_before_start(config: RunConfig) -> dict:
     """What a local run's configuration and data decide alone, checked in the CLI before any process starts (else
     the run fails at planning, after the services started): the data loads (every data.classes label occurs), and
-    the analyzer's own planner (services/run_manager.plan_run) accepts the run with every user of the data admitted
-    (privacy.protocol "rr" needs a one-number model, cohort_size <= n, an eps that the protocol can reach, ...).
-    Raises ConfigError naming the problem; returns the plan (plan_run's)."""
+    the analyzer's own planner (shuffledp/planning/planner.plan_run) accepts the run with every user of the data
+    admitted (privacy.protocol "rr" needs a one-number model, cohort_size <= n, an eps that the protocol can reach,
+    ...). Raises ConfigError naming the problem; returns the plan (plan_run's)."""
     from shuffledp.config import ConfigError
     from shuffledp.data import load_dataset, num_users
     from shuffledp.models.plugin import build_model
-    from shuffledp.services.run_manager import plan_run, policy_refusal
+    from shuffledp.planning import plan_run
+    from shuffledp.services.run_manager import policy_refusal
 
     try:
         ds = load_dataset(config.data, config.model.task)
