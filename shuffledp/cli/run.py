@@ -92,6 +92,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="only the final summary")
     parser.add_argument(
+        "--seed",
+        type=int,
+        metavar="N",
+        help="a replayable local simulation: every service's randomness (sampling, noise, shuffles) is keyed from N, "
+        "so the same N replays the run bit for bit, and its noise is known to anyone who holds N (refused with "
+        "--analyzer or a PKI: research runs only)",
+    )
+    parser.add_argument(
         "--print-default",
         action="store_true",
         help="print the embedded default configuration (every key, commented) and exit: a start for your own",
@@ -713,7 +721,9 @@ def metrics_row(m: pb.RoundMetrics) -> dict:
     }
 
 
-def write_results(out: Path, config_toml: str, result: pb.RunResult, *, interrupted: bool = False) -> None:
+def write_results(
+    out: Path, config_toml: str, result: pb.RunResult, *, interrupted: bool = False, seed: int | None = None
+) -> None:
     """Write everything a run produced (a cancelled or interrupted run: what exists); never raises half-way silently
     (a missing plot is reported, not fatal)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -735,7 +745,7 @@ def write_results(out: Path, config_toml: str, result: pb.RunResult, *, interrup
         np.savez(out / "model.npz", params=released, layout=json.dumps(layout), **_named_arrays(released, layout))
         if "model_layout" in plan:
             _export_plugin(out, config_toml, plan, released)
-    summary = run_summary(result, plan, layout, interrupted=interrupted)
+    summary = run_summary(result, plan, layout, interrupted=interrupted, seed=seed)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
         _plot(out / "plot.png", rows, summary)
@@ -883,8 +893,11 @@ def accuracy_note(task: str, accuracy: float) -> str:
     return "not evaluated"
 
 
-def run_summary(result: pb.RunResult, plan: dict, layout: dict | None, *, interrupted: bool = False) -> dict:
-    """summary.json: the released model's held-out figures, the planner's choices and the final spend."""
+def run_summary(
+    result: pb.RunResult, plan: dict, layout: dict | None, *, interrupted: bool = False, seed: int | None = None
+) -> dict:
+    """summary.json: the released model's held-out figures, the planner's choices and the final spend (and a seeded
+    simulation's seed, with what it means)."""
     s, b = result.status, result.status.budget
     task = plan.get("task", "")
     model = None
@@ -915,6 +928,7 @@ def run_summary(result: pb.RunResult, plan: dict, layout: dict | None, *, interr
         "state": pb.RunState.Name(s.state),
         "message": s.message,
         "interrupted": interrupted,
+        **({"seed": seed, "seed_note": SEED_NOTE} if seed is not None else {}),
         "rounds_done": s.rounds_done,
         "rounds_planned": s.rounds_planned,
         "released_model": model,
@@ -1029,7 +1043,7 @@ def _hangup_interrupts():
             signal.signal(sig, handler)
 
 
-def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt, tracker=None) -> int:
+def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt, tracker=None, seed: int | None = None) -> int:
     """Ctrl-C during a run: write what the analyzer had (drive_run fetched it before the services stopped), print
     the spend; exit status 130."""
     result, run_id = getattr(exc, "result", None), getattr(exc, "run_id", "")
@@ -1038,7 +1052,7 @@ def _interrupted(out: Path, config_toml: str, exc: KeyboardInterrupt, tracker=No
             what = f"run {run_id} cancelled, but the analyzer gave no results" if run_id else "no run was started"
             print(f"stopped by Ctrl-C: {what}; logs in {out / 'logs'}", file=sys.stderr)
             return 130
-        write_results(out, config_toml, result, interrupted=True)
+        write_results(out, config_toml, result, interrupted=True, seed=seed)
         if tracker is not None:
             tracker.finish(result)
         s, b = result.status, result.status.budget
@@ -1106,6 +1120,30 @@ def _out_refused(out: Path, reuse: bool, local: bool, run_id: str = "") -> str |
         f"--out {out} is not empty: choose a new directory, or pass --reuse-out to replace the results and logs "
         f"there{kept}"
     )
+
+
+# what a seeded run's start line and summary.json say (issue 46 item 3)
+SEED_NOTE = "a seeded simulation: its sampling, noise and shuffles are known to anyone who holds the seed"
+
+
+def _seed_refused(args: argparse.Namespace, config: RunConfig, shared: bool = False) -> str | None:
+    """Why --seed cannot be used (None: it can, or it is not given): a seed makes the noise known to whoever holds
+    it, so it is taken only by a local run in plain text (no PKI: a deployment), on services started with it."""
+    seed = args.seed
+    if seed is None:
+        return None
+    if not 0 <= seed < 2**63:
+        return f"--seed must be in [0, 2^63), got {seed}"
+    if args.analyzer:
+        return "--seed is for local simulations: a deployment's (--analyzer) noise must stay unknown to anyone"
+    if not config.deployment.insecure:
+        return (
+            "--seed is for local simulations in plain text: this run has a PKI ([deployment] insecure = false), "
+            "whose noise must stay unknown to anyone"
+        )
+    if shared:
+        return "--seed needs local services of its own, started with the seed (not services shared between runs)"
+    return None
 
 
 def _metrics_refused(args: argparse.Namespace, client_nodes: int) -> str | None:
@@ -1406,7 +1444,8 @@ class RunSession:
             on = f"on the local services started at {self.analyzer} ({nodes} client node(s))"
             print(f"shuffledp run: {self.label}: {on}; results in {self.out}{trust}")
             return
-        print(f"shuffledp run: {self.label}: {nodes} client node(s); results in {self.out}{trust}")
+        seeded = "" if args.seed is None else f"; seed {args.seed}: {SEED_NOTE}"
+        print(f"shuffledp run: {self.label}: {nodes} client node(s); results in {self.out}{trust}{seeded}")
         # the run is created while the nodes still start: the analyzer plans once their population is known
         fleets = min(FLEET_PROCESSES, nodes) if config.deployment.users_per_node == 1 else 0
         self.cluster, _, self.analyzer = start_local_cluster(
@@ -1417,6 +1456,7 @@ class RunSession:
             wait_nodes=False,
             metrics_port=args.metrics_port,
             fleets=fleets,
+            seed=args.seed,
         )
         if self.cluster.metrics_ports:
             at = ", ".join(
@@ -1467,7 +1507,7 @@ class RunSession:
         if self.cluster is not None and not self.shared:
             self.cluster.terminate()  # the services shut down while the results are written; stopped (waited) below
         try:
-            write_results(self.out, self.config_toml, result)
+            write_results(self.out, self.config_toml, result, seed=self.args.seed)
             if self.tracker is not None:
                 self.tracker.finish(result)
         finally:
@@ -1478,7 +1518,7 @@ class RunSession:
         if self.cluster is not None and not self.shared:
             self.cluster.terminate()  # what the analyzer had is fetched already: the services stop while it is written
         self.result = getattr(exc, "result", None)
-        return _interrupted(self.out, self.config_toml, exc, self.tracker)
+        return _interrupted(self.out, self.config_toml, exc, self.tracker, self.args.seed)
 
     def close(self) -> None:
         """A local run's services stopped (waited for); a deployment run that wrote nothing leaves --out as it was."""
@@ -1524,6 +1564,9 @@ def prepare_run(
         from shuffledp.models.plugin import register_plugin
 
         register_plugin(config.model.module)
+    seed_refused = _seed_refused(args, config, shared=services is not None)  # before a PKI is asked for
+    if seed_refused:
+        raise RunRefused(seed_refused)
     if not args.analyzer and not config.deployment.insecure:  # before anything starts (issue 24 item 11)
         from shuffledp.security.pki import check_local_run
 
