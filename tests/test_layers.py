@@ -184,3 +184,16 @@ def test_an_old_import_path_still_works_with_a_deprecation_warning():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert "warned: shuffledp.pki moved to shuffledp.security.pki" in out
     assert "True shuffledp.security.pki shuffledp.transport.tls" in out
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages (package-dir maps services/ and clients/): a subpackage missing there works
+    in the editable install and is absent from the wheel the images install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages == listed, {
+        "not listed": sorted(packages - listed),
+        "listed, not packages": sorted(listed - packages),
+    }

@@ -5,7 +5,8 @@ listed in SUBCOMMANDS. Bad arguments exit with status 2 and one clear line (argp
 Ctrl-C exits with status 130 and one line; a server that cannot listen on its address says why in one line (status 1).
 
 The faces: `run` (a local run, or one against a deployment), `serve` (one party as a service), `account` (the
-ledger's and a user's accounts). This package is the top floor: it may import anything, and nothing imports it.
+ledger's and a user's accounts), `sweep` (a grid of runs). This package and `shuffledp.api` are the top floor: they may
+import anything, and nothing below them imports either (the API drives runs through `run`'s machinery).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -162,8 +162,11 @@ class MlflowTracker:
         config_toml: str,
         experiment: str = "shuffledp",
         warn: Callable[[str], None] | None = None,
+        tags: Mapping[str, Callable[[pb.RoundMetrics], float]] | None = None,
     ) -> None:
         self.out = Path(out)
+        # each round's scalars, by TensorBoard's tag (tracking.TAGS: the two trackers log the same figures)
+        self._tags = dict(tags or {})
         self.uri, self._artifacts = store_uri(target, self.out)
         self.run_id: str | None = None  # MLflow's
         self._warn = warn or (lambda line: print(line, file=sys.stderr))
@@ -284,15 +287,13 @@ class MlflowTracker:
     def _log_rounds(self, rounds: Sequence[pb.RoundMetrics]) -> None:
         from mlflow.entities import Metric
 
-        from shuffledp.observability.tracking import TAGS
-
         metrics, now = [], _now_ms()
         for m in rounds:
             step = m.round + 1  # metrics.json's numbering: 0 is the initial model
             if step in self._steps:
                 continue
             self._steps.add(step)
-            values = {tag.rsplit("/", 1)[-1]: float(get(m)) for tag, get in TAGS.items()}
+            values = {tag.rsplit("/", 1)[-1]: float(get(m)) for tag, get in self._tags.items()}
             for name in ("excess_risk", "eps_spent_local"):
                 if m.HasField(name):
                     values[name] = float(getattr(m, name))

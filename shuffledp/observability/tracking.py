@@ -179,5 +179,5 @@ def open_trackers(
         if why:
             print(f"MLflow tracking {why}; the run is not tracked in MLflow", file=sys.stderr)
         else:
-            trackers.append(MlflowTracker(target, out, config_toml, tracking.experiment))
+            trackers.append(MlflowTracker(target, out, config_toml, tracking.experiment, tags=TAGS))
     return Trackers(trackers) if trackers else None
