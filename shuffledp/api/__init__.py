@@ -11,8 +11,9 @@ command's start-up time), so the API lives in this subpackage rather than at the
 - `load_result(DIR) -> Result`: any results directory (shuffledp.api.result)
 - `sweep(config, grid, seeds=...) -> SweepResult`: a grid of runs, one table and one plot (shuffledp.api.sweep)
 
-Floor: the top one, beside shuffledp.cli (shuffledp/__init__.py's layer order); it drives runs with
-shuffledp.cli.run's engine and `shuffledp sweep` (shuffledp.cli.sweep) is this package's sweep behind a command line.
+Floor: the top one, beside shuffledp.cli (shuffledp/__init__.py's layer order). May import: anything; it drives runs
+with shuffledp.cli.run's engine, and only `shuffledp sweep` (shuffledp.cli.sweep, this package's sweep behind a command
+line) imports it.
 """
 
 from shuffledp.api.experiment import Experiment, RunInterrupted, RunRefused, run, start
