@@ -245,7 +245,7 @@ def test_gradients_respect_the_stated_constants(task):
 
 def test_the_inputs_with_their_bias_coordinate_act_as_the_concatenated_matrix():
     """models._Biased (Z = [X, 1] read from X, no copy: issue 30) gives what the explicit matrix gives, to rounding."""
-    from shuffledp.models import _Biased
+    from shuffledp.models.builtin import _Biased
 
     rng = make_rng(12)
     X = rng.normal(size=(50, 7))
