@@ -29,7 +29,7 @@ def repo(tmp_path: Path) -> Path:
         os.utime(tmp_path / name, (1_000_000, 1_000_000))  # older than the .venv's marker
     bin_ = tmp_path / ".venv" / "bin"
     bin_.mkdir(parents=True)
-    for tool in ("shuffledp", "python", "ruff"):
+    for tool in ("shuffledp", "python", "ruff", "mkdocs"):  # what the scripts call in .venv/bin
         (bin_ / tool).write_text(f'#!/bin/sh\necho "{tool} $*"\n')
         (bin_ / tool).chmod(0o755)
     (tmp_path / ".venv" / ".installed").write_text("")
@@ -61,7 +61,7 @@ def test_scripts_test_installs_the_dev_and_jax_extras_the_first_time(repo):
 
 def test_a_venv_made_by_run_default_is_upgraded_by_scripts_test_and_ci(repo):
     assert _run(repo, "scripts/test", "") == ["would install: pip install -e '.[dev,jax]'", "python -m pytest -q"]
-    # .ci/run sources _venv.sh itself (then ruff), and calls scripts/test
+    # .ci/run sources _venv.sh itself (then ruff, the site's build), and calls scripts/test
     assert _run(repo, ".ci/run", "")[0] == "would install: pip install -e '.[dev,jax]'"
 
 
