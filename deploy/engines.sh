@@ -15,7 +15,7 @@
 #   down           remove the engines, their volumes, the network and /tmp/NAME
 # Options (or environment): --prefix NAME (SHUFFLEDP_ENGINES, default sdpeng): names of everything it creates.
 # Needs root on the host engine (capabilities for dockerd, a cgroup per engine) and a kernel with overlayfs and
-# vxlan. Docker's encrypted overlays also need ESP between the engines (see README "Many machines").
+# vxlan. Docker's encrypted overlays also need ESP between the engines (see docs/how-to/swarm.md).
 set -euo pipefail
 
 DEPLOY="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

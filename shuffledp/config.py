@@ -98,7 +98,7 @@ radius = 10.0               # iterates are projected onto the l2 ball of this ra
                             # number, or "paper" (Thm 4.7's beta for acsa, Thm 4.9's for pgd); unset (0) = off
 # smoothness = 65.0         # acsa: beta of the loss for its step rule; unset (0) = from the data's public bound
                             # on ||x|| (digits, synthetic); required for dataset = "path" with a smooth task
-# module = "shuffledp.models:builtin"  # your own model (README "Bring your own model"): an installed
+# module = "shuffledp.models:builtin"  # your own model (docs/how-to/own-model.md): an installed
                             # "package.module:factory" that every party loads itself; task and hidden are then
                             # ignored; unset = the built-in task
 # args = { task = "mlp", hidden = 16 }  # model.module's keyword arguments (or a [model.args] table)

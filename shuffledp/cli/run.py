@@ -1434,7 +1434,7 @@ class RunSession:
             print(f"shuffledp run: {self.label}: on the deployment at {args.analyzer}; results in {self.out}")
             self.analyzer, self.pki = args.analyzer, args.pki
             return
-        # insecure mode has no certificates, so no signed specs: the README's trust table holds only with mTLS
+        # insecure mode has no certificates, so no signed specs: the trust model's table holds only with mTLS
         trust = "; insecure mode: unsigned specs, nothing holds against a dishonest shuffler"
         trust = trust if config.deployment.insecure else ""
         nodes = config.deployment.client_nodes

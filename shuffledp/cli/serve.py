@@ -131,7 +131,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=os.environ.get("SHUFFLEDP_METRICS_PORT", "0"),  # a string default goes through type=int too
         help="serve Prometheus metrics (plain HTTP, /metrics) on this port of the --listen host; 0 = off (default; "
         "env SHUFFLEDP_METRICS_PORT). Scrapable by anyone who reaches that address: bind to loopback or a private "
-        "network (README, Monitoring)",
+        "network (docs/how-to/monitoring.md)",
     )
     parser.add_argument(
         "--simulation-seed",

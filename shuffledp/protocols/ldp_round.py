@@ -150,7 +150,7 @@ class LdpRound(AnalyzerHooks):
     schedules = ("subsampled",)
     transports = ("sealed",)
     optimizers = ("sgd",)
-    # digits (d = 650) as in the README's CLDP-SGD figures; "rr" sends one number, so it runs mean estimation
+    # digits (d = 650) as in docs/benchmarks.md's CLDP-SGD; "rr" sends one number, so it runs mean estimation
     example = {
         "schedule": {"kind": "subsampled", "cohort_size": 1000, "rounds": 20, "learning_rate": 4.0},
         "transport": {"mode": "sealed"},
@@ -162,7 +162,7 @@ class LdpRound(AnalyzerHooks):
         self.order = LDP_PROTOCOLS[name]
         if name in ("r_inf", "r_one"):
             # their variance grows with d (R_inf as d^2, R_1 as d; spec 001 sec 3): 10-class digits (d = 650) stayed
-            # at 0.13-0.2 accuracy at eps 8; two classes (d = 130) learn (issue 43 item 13, README's figures)
+            # at 0.13-0.2 accuracy at eps 8; two classes (d = 130) learn (issue 43 item 13, docs/benchmarks.md)
             self.example = {
                 **self.example,
                 "data": {"classes": [0, 1]},
