@@ -1132,7 +1132,9 @@ def _seed_refused(args: argparse.Namespace, config: RunConfig, shared: bool = Fa
     seed = args.seed
     if seed is None:
         return None
-    if not 0 <= seed < 2**63:
+    from shuffledp.security.rng import SIMULATION_SEED_LIMIT
+
+    if not 0 <= seed < SIMULATION_SEED_LIMIT:  # the range rng.start_simulation takes, as the option's own line
         return f"--seed must be in [0, 2^63), got {seed}"
     if args.analyzer:
         return "--seed is for local simulations: a deployment's (--analyzer) noise must stay unknown to anyone"

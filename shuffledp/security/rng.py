@@ -50,11 +50,14 @@ AES_NI = _aes_ni()
 _simulation: tuple[int, int, Iterator[int]] | None = None
 
 
+SIMULATION_SEED_LIMIT = 2**63  # a simulation seed lies in [0, 2^63): what the CLI and the services accept
+
+
 def start_simulation(seed: int, party: str) -> None:
     """Key every later make_rng() of this process from (seed, party, call order): a replayable local simulation,
     whose noise anyone who holds `seed` knows. Refused a second time (two seeds in one process would be ambiguous)."""
     global _simulation
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SIMULATION_SEED_LIMIT:
         raise ValueError(f"a simulation seed must be an integer in [0, 2^63), got {seed!r}")
     if _simulation is not None:
         raise RuntimeError("this process already runs a seeded simulation")
@@ -75,26 +78,25 @@ def make_rng(seed: int | None = None) -> np.random.Generator:
     (start_simulation) from the simulation's seed, the party and this call's place among the process's calls. An
     integer seed is accepted only in testing mode.
     """
-    if seed is None and _simulation is not None:
-        base, label, calls = _simulation
-        derived = np.random.SeedSequence(base, spawn_key=(label, next(calls)))
-        if AES_NI:
-            return np.random.Generator(AESCounter(seed=derived))
-        return np.random.Generator(ChaCha(seed=derived, rounds=20))
-    if seed is None:
+    if seed is None and _simulation is None:
         if AES_NI:
             return np.random.Generator(AESCounter(key=secrets.randbits(128)))
         return np.random.Generator(ChaCha(key=secrets.randbits(256), rounds=20))
-    if not seeds_allowed_for_testing():
-        raise InsecureSeedError(
-            f"a fixed random seed makes privacy noise predictable; set {TEST_SEED_ENV}=1 "
-            "(tests and debugging only) to allow it"
-        )
-    if not isinstance(seed, int | np.integer) or seed < 0:
-        raise ValueError(f"test seed must be a non-negative integer, got {seed!r}")
+    if seed is None:
+        base, label, calls = _simulation
+        material: int | np.random.SeedSequence = np.random.SeedSequence(base, spawn_key=(label, next(calls)))
+    else:
+        if not seeds_allowed_for_testing():
+            raise InsecureSeedError(
+                f"a fixed random seed makes privacy noise predictable; set {TEST_SEED_ENV}=1 "
+                "(tests and debugging only) to allow it"
+            )
+        if not isinstance(seed, int | np.integer) or seed < 0:
+            raise ValueError(f"test seed must be a non-negative integer, got {seed!r}")
+        material = int(seed)
     if AES_NI:
-        return np.random.Generator(AESCounter(seed=int(seed)))
-    return np.random.Generator(ChaCha(seed=int(seed), rounds=20))
+        return np.random.Generator(AESCounter(seed=material))
+    return np.random.Generator(ChaCha(seed=material, rounds=20))
 
 
 def secure_permutation(n: int, rng: np.random.Generator | None = None) -> np.ndarray:
