@@ -9,7 +9,7 @@ forward the totals; BITS / SEALED: permute fixed-length ciphertexts and forward 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -64,17 +64,21 @@ class Nonces(Sequence[bytes]):
         return self.blob[i * self.width : (i + 1) * self.width]
 
 
+def _opened(private_key: Any, ciphertexts: Sequence[bytes], info: bytes) -> Iterator[tuple[bytes, bytes | None]]:
+    """(ciphertext, its plaintext or None when it does not open), in order."""
+    from shuffledp.security import sealing
+
+    for c in ciphertexts:
+        try:
+            yield c, sealing.open_sealed(private_key, c, info)
+        except sealing.SealingError:
+            yield c, None
+
+
 def open_each(private_key: Any, ciphertexts: Sequence[bytes], info: bytes) -> tuple[list[bytes], int]:
     """(plaintexts of the ciphertexts that open, in order; how many did not, each an UNDECRYPTABLE message). A
     message that does not open is skipped, so one bad message cannot void the others; nothing of it is kept."""
-    from shuffledp.security import sealing
-
-    opened: list[bytes] = []
-    for c in ciphertexts:
-        try:
-            opened.append(sealing.open_sealed(private_key, c, info))
-        except sealing.SealingError:
-            pass
+    opened = [p for _, p in _opened(private_key, ciphertexts, info) if p is not None]
     return opened, len(ciphertexts) - len(opened)
 
 
@@ -86,16 +90,9 @@ def canonical_order(
     arrival of the nodes' messages and their sealing is keyed from OS entropy, so only an order the plaintexts decide
     lets a run replay bit for bit (float sums, PNSGD's pass). Never used outside a seeded simulation: it holds every
     plaintext at once, which pan-private decoding must not."""
-    from shuffledp.security import sealing
-
-    opened, bad = [], []
-    for c in ciphertexts:
-        try:
-            opened.append((sealing.open_sealed(private_key, c, info), c))
-        except sealing.SealingError:
-            bad.append(c)
-    opened.sort(key=lambda pair: pair[0])
-    return [opened[i][1] for i in rng.permutation(len(opened))] + bad
+    pairs = list(_opened(private_key, ciphertexts, info))
+    opened = sorted((p, c) for c, p in pairs if p is not None)
+    return [opened[i][1] for i in rng.permutation(len(opened))] + [c for c, p in pairs if p is None]
 
 
 def release_floor(spec: pb.RoundSpec) -> int:
