@@ -28,6 +28,7 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COUNTS: _ClassVar[Transport]
     BITS: _ClassVar[Transport]
     SEALED: _ClassVar[Transport]
+    PRIO3: _ClassVar[Transport]
 
 class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -51,6 +52,7 @@ TRANSPORT_UNSPECIFIED: Transport
 COUNTS: Transport
 BITS: Transport
 SEALED: Transport
+PRIO3: Transport
 RUN_STATE_UNSPECIFIED: RunState
 CREATED: RunState
 RUNNING: RunState
@@ -113,7 +115,7 @@ class PrivacyCost(_message.Message):
     def __init__(self, eps: _Optional[float] = ..., delta: _Optional[float] = ..., accountant: _Optional[str] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in", "sampling_rate", "population", "model_name", "model_digest", "signed", "report_goal")
+    __slots__ = ("run_id", "round", "schedule", "trust_model", "transport", "randomizer", "model", "task", "num_classes", "cohort_size", "min_contributors", "deadline_seconds", "per_user_cost", "analyzer_public_key", "local_batch", "l2", "smoothing", "participation", "hidden", "check_in", "sampling_rate", "population", "model_name", "model_digest", "signed", "report_goal", "prio3", "verify_key")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,8 @@ class RoundSpec(_message.Message):
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SIGNED_FIELD_NUMBER: _ClassVar[int]
     REPORT_GOAL_FIELD_NUMBER: _ClassVar[int]
+    PRIO3_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_KEY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     schedule: Schedule
@@ -166,7 +170,15 @@ class RoundSpec(_message.Message):
     model_digest: str
     signed: SignedSpec
     report_goal: int
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ..., sampling_rate: _Optional[float] = ..., population: _Optional[int] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., signed: _Optional[_Union[SignedSpec, _Mapping]] = ..., report_goal: _Optional[int] = ...) -> None: ...
+    prio3: Prio3Spec
+    verify_key: bytes
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, str]] = ..., trust_model: _Optional[_Union[TrustModel, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., randomizer: _Optional[_Union[RandomizerSpec, _Mapping]] = ..., model: _Optional[_Union[Tensor, _Mapping]] = ..., task: _Optional[str] = ..., num_classes: _Optional[int] = ..., cohort_size: _Optional[int] = ..., min_contributors: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., per_user_cost: _Optional[_Union[PrivacyCost, _Mapping]] = ..., analyzer_public_key: _Optional[bytes] = ..., local_batch: _Optional[int] = ..., l2: _Optional[float] = ..., smoothing: _Optional[float] = ..., participation: _Optional[_Union[ParticipationLimit, _Mapping]] = ..., hidden: _Optional[int] = ..., check_in: _Optional[_Union[CheckIn, _Mapping]] = ..., sampling_rate: _Optional[float] = ..., population: _Optional[int] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., signed: _Optional[_Union[SignedSpec, _Mapping]] = ..., report_goal: _Optional[int] = ..., prio3: _Optional[_Union[Prio3Spec, _Mapping]] = ..., verify_key: _Optional[bytes] = ...) -> None: ...
+
+class Prio3Spec(_message.Message):
+    __slots__ = ("vdaf",)
+    VDAF_FIELD_NUMBER: _ClassVar[int]
+    vdaf: str
+    def __init__(self, vdaf: _Optional[str] = ...) -> None: ...
 
 class SignedSpec(_message.Message):
     __slots__ = ("spec", "signature", "certificate")
@@ -247,20 +259,87 @@ class Refusal(_message.Message):
     def __init__(self, user_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class UserColumns(_message.Message):
-    __slots__ = ("user_ids", "nonces", "nonce_bytes", "counts", "sums", "sum_users")
+    __slots__ = ("user_ids", "nonces", "nonce_bytes", "counts", "sums", "sum_users", "reports")
     USER_IDS_FIELD_NUMBER: _ClassVar[int]
     NONCES_FIELD_NUMBER: _ClassVar[int]
     NONCE_BYTES_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     SUMS_FIELD_NUMBER: _ClassVar[int]
     SUM_USERS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
     user_ids: _containers.RepeatedScalarFieldContainer[str]
     nonces: bytes
     nonce_bytes: int
     counts: bytes
     sums: bytes
     sum_users: int
-    def __init__(self, user_ids: _Optional[_Iterable[str]] = ..., nonces: _Optional[bytes] = ..., nonce_bytes: _Optional[int] = ..., counts: _Optional[bytes] = ..., sums: _Optional[bytes] = ..., sum_users: _Optional[int] = ...) -> None: ...
+    reports: _containers.RepeatedCompositeFieldContainer[Prio3Report]
+    def __init__(self, user_ids: _Optional[_Iterable[str]] = ..., nonces: _Optional[bytes] = ..., nonce_bytes: _Optional[int] = ..., counts: _Optional[bytes] = ..., sums: _Optional[bytes] = ..., sum_users: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[Prio3Report, _Mapping]]] = ...) -> None: ...
+
+class Prio3Report(_message.Message):
+    __slots__ = ("report_id", "public_share", "leader_share", "helper_share")
+    REPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_SHARE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_SHARE_FIELD_NUMBER: _ClassVar[int]
+    HELPER_SHARE_FIELD_NUMBER: _ClassVar[int]
+    report_id: bytes
+    public_share: bytes
+    leader_share: bytes
+    helper_share: bytes
+    def __init__(self, report_id: _Optional[bytes] = ..., public_share: _Optional[bytes] = ..., leader_share: _Optional[bytes] = ..., helper_share: _Optional[bytes] = ...) -> None: ...
+
+class HelperReport(_message.Message):
+    __slots__ = ("report_id", "public_share", "helper_share", "leader_prep_share", "users")
+    REPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_SHARE_FIELD_NUMBER: _ClassVar[int]
+    HELPER_SHARE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PREP_SHARE_FIELD_NUMBER: _ClassVar[int]
+    USERS_FIELD_NUMBER: _ClassVar[int]
+    report_id: bytes
+    public_share: bytes
+    helper_share: bytes
+    leader_prep_share: bytes
+    users: int
+    def __init__(self, report_id: _Optional[bytes] = ..., public_share: _Optional[bytes] = ..., helper_share: _Optional[bytes] = ..., leader_prep_share: _Optional[bytes] = ..., users: _Optional[int] = ...) -> None: ...
+
+class AggregationRequest(_message.Message):
+    __slots__ = ("run_id", "round", "preps")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PREPS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    preps: _containers.RepeatedCompositeFieldContainer[HelperPrep]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., preps: _Optional[_Iterable[_Union[HelperPrep, _Mapping]]] = ...) -> None: ...
+
+class HelperPrep(_message.Message):
+    __slots__ = ("report_id", "prep_share")
+    REPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    PREP_SHARE_FIELD_NUMBER: _ClassVar[int]
+    report_id: bytes
+    prep_share: bytes
+    def __init__(self, report_id: _Optional[bytes] = ..., prep_share: _Optional[bytes] = ...) -> None: ...
+
+class LeaderAggregate(_message.Message):
+    __slots__ = ("released", "aggregate_share", "reports", "contributors", "rejected")
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    aggregate_share: bytes
+    reports: int
+    contributors: int
+    rejected: _containers.ScalarMap[str, int]
+    def __init__(self, released: _Optional[bool] = ..., aggregate_share: _Optional[bytes] = ..., reports: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Contribution(_message.Message):
     __slots__ = ("run_id", "round", "node_id", "messages", "refusals", "columns")
@@ -332,20 +411,22 @@ class BatchReport(_message.Message):
     def __init__(self, invited: _Optional[int] = ..., contributors: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., refused: _Optional[int] = ..., below_threshold: _Optional[bool] = ..., refused_reasons: _Optional[_Mapping[str, int]] = ..., not_in_run: _Optional[int] = ..., checked_in: _Optional[int] = ..., eligible: _Optional[int] = ..., excluded_silent: _Optional[int] = ...) -> None: ...
 
 class ShuffledBatch(_message.Message):
-    __slots__ = ("run_id", "round", "released", "label_totals", "ciphertexts", "report")
+    __slots__ = ("run_id", "round", "released", "label_totals", "ciphertexts", "report", "reports")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     LABEL_TOTALS_FIELD_NUMBER: _ClassVar[int]
     CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     released: bool
     label_totals: _containers.RepeatedScalarFieldContainer[int]
     ciphertexts: _containers.RepeatedScalarFieldContainer[bytes]
     report: BatchReport
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., released: _Optional[bool] = ..., label_totals: _Optional[_Iterable[int]] = ..., ciphertexts: _Optional[_Iterable[bytes]] = ..., report: _Optional[_Union[BatchReport, _Mapping]] = ...) -> None: ...
+    reports: _containers.RepeatedCompositeFieldContainer[HelperReport]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., released: _Optional[bool] = ..., label_totals: _Optional[_Iterable[int]] = ..., ciphertexts: _Optional[_Iterable[bytes]] = ..., report: _Optional[_Union[BatchReport, _Mapping]] = ..., reports: _Optional[_Iterable[_Union[HelperReport, _Mapping]]] = ...) -> None: ...
 
 class RegisterUsersRequest(_message.Message):
     __slots__ = ("node_id", "user_ids")

@@ -5,7 +5,7 @@ import warnings
 
 from shuffledp.v1 import shuffledp_pb2 as shuffledp_dot_v1_dot_shuffledp__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -332,6 +332,11 @@ class ShufflerStub:
                 request_serializer=shuffledp_dot_v1_dot_shuffledp__pb2.PopulationRequest.SerializeToString,
                 response_deserializer=shuffledp_dot_v1_dot_shuffledp__pb2.PopulationStatus.FromString,
                 _registered_method=True)
+        self.FinishAggregation = channel.unary_unary(
+                '/shuffledp.v1.Shuffler/FinishAggregation',
+                request_serializer=shuffledp_dot_v1_dot_shuffledp__pb2.AggregationRequest.SerializeToString,
+                response_deserializer=shuffledp_dot_v1_dot_shuffledp__pb2.LeaderAggregate.FromString,
+                _registered_method=True)
         self.RegisterUsers = channel.unary_unary(
                 '/shuffledp.v1.Shuffler/RegisterUsers',
                 request_serializer=shuffledp_dot_v1_dot_shuffledp__pb2.RegisterUsersRequest.SerializeToString,
@@ -367,6 +372,13 @@ class ShufflerServicer:
 
     def GetPopulation(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishAggregation(self, request, context):
+        """PRIO3: the Helper's verification of a released round's reports -> the Leader's aggregate share (issue 45).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -410,6 +422,11 @@ def add_ShufflerServicer_to_server(servicer, server):
                     servicer.GetPopulation,
                     request_deserializer=shuffledp_dot_v1_dot_shuffledp__pb2.PopulationRequest.FromString,
                     response_serializer=shuffledp_dot_v1_dot_shuffledp__pb2.PopulationStatus.SerializeToString,
+            ),
+            'FinishAggregation': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishAggregation,
+                    request_deserializer=shuffledp_dot_v1_dot_shuffledp__pb2.AggregationRequest.FromString,
+                    response_serializer=shuffledp_dot_v1_dot_shuffledp__pb2.LeaderAggregate.SerializeToString,
             ),
             'RegisterUsers': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterUsers,
@@ -486,6 +503,33 @@ class Shuffler:
             '/shuffledp.v1.Shuffler/GetPopulation',
             shuffledp_dot_v1_dot_shuffledp__pb2.PopulationRequest.SerializeToString,
             shuffledp_dot_v1_dot_shuffledp__pb2.PopulationStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishAggregation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shuffledp.v1.Shuffler/FinishAggregation',
+            shuffledp_dot_v1_dot_shuffledp__pb2.AggregationRequest.SerializeToString,
+            shuffledp_dot_v1_dot_shuffledp__pb2.LeaderAggregate.FromString,
             options,
             channel_credentials,
             insecure,
