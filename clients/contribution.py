@@ -29,16 +29,19 @@ def split_contribution(c: pb.Contribution, max_bytes: int = grpc_options.SUBMIT_
 
 
 def _split_columns(c: pb.Contribution, max_bytes: int) -> list[pb.Contribution]:
-    """By consecutive users; with sums (UserColumns.sums), at group boundaries, each part with its groups' sums."""
+    """By consecutive users; with sums (UserColumns.sums) or Prio3 reports (UserColumns.reports), at group boundaries,
+    each part with its groups' sums or reports."""
     cols = c.columns
     n = len(cols.user_ids)
     row = len(cols.counts) // n  # bytes of one user's counts (0 in a check-in or with sums)
     per_user = cols.nonce_bytes + row + max(len(u) for u in cols.user_ids) + 3  # + tag and length of its id
     k = max(1, max_bytes // per_user)
-    group = cols.sum_users if cols.sums else 0
+    group = cols.sum_users if cols.sums or cols.reports else 0
     if group:
-        sum_bytes = len(cols.sums) // -(-n // group)
-        k = group * max(1, max_bytes // (group * per_user + sum_bytes))  # whole groups only
+        groups = -(-n // group)
+        sum_bytes = len(cols.sums) // groups
+        report_bytes = max((r.ByteSize() + 8 for r in cols.reports), default=0)  # + tag and length prefix
+        k = group * max(1, max_bytes // (group * per_user + sum_bytes + report_bytes))  # whole groups only
     parts = []
     for a in range(0, n, k):
         b = min(n, a + k)
@@ -49,6 +52,7 @@ def _split_columns(c: pb.Contribution, max_bytes: int) -> list[pb.Contribution]:
         part.columns.counts = cols.counts[a * row : b * row]
         if group:
             part.columns.sums = cols.sums[a // group * sum_bytes : -(-b // group) * sum_bytes]
+            part.columns.reports.extend(cols.reports[a // group : -(-b // group)])
             part.columns.sum_users = group
         parts.append(part)
     parts[0].refusals.extend(c.refusals)

@@ -2,7 +2,7 @@
 
 Every logical user decides for itself whether to join a round, from the RoundSpec alone:
 - the trust model and transport must be ones the user accepts (COUNTS shows the user's noisy counts to the
-  shuffler, design 5.2, so a user may refuse it);
+  shuffler, design 5.2, so a user may refuse it: require_split_trust refuses it with its own reason, PRIO3 passes);
 - the round's claimed per-user cost (PrivacyCost) must be within the user's per-round limits;
 - the randomizer itself must be no weaker than the user's per-round eps: for PVEC the user recomputes the
   round's eps from (g, m, p) with the numerical accountant at n' = min_contributors, the fewest contributors
@@ -59,7 +59,9 @@ __all__ = [
 ]
 
 TRUST_NAMES = {pb.SHUFFLE: "shuffle", pb.LOCAL: "local", pb.CENTRAL: "central"}
-TRANSPORT_NAMES = {pb.COUNTS: "counts", pb.BITS: "bits", pb.SEALED: "sealed"}
+TRANSPORT_NAMES = {pb.COUNTS: "counts", pb.BITS: "bits", pb.SEALED: "sealed", pb.PRIO3: "prio3"}
+# transports whose messages the shuffler reads (design 5.2): what require_split_trust refuses
+SHUFFLER_VISIBLE = frozenset({pb.COUNTS})
 
 
 class Refusal:
@@ -68,6 +70,8 @@ class Refusal:
 
     TRUST_MODEL = "trust_model_not_allowed"
     TRANSPORT = "transport_not_allowed"
+    # [policy] require_split_trust: the round's transport shows the shuffler the user's counts (COUNTS)
+    SPLIT_TRUST = "transport_visible_to_shuffler_require_split_trust"
     PROTOCOL = "protocol_not_supported"
     PROTOCOL_NOT_ALLOWED = "protocol_not_in_allowed_protocols"
     INVALID_SPEC = "invalid_round_spec"
@@ -104,7 +108,8 @@ class UserPolicy:
     max_total_eps: float = PolicyConfig.max_total_eps  # basic composition of per-round costs (an upper bound)
     max_total_delta: float = PolicyConfig.max_total_delta
     allowed_trust_models: frozenset[str] = frozenset({"shuffle", "local", "central"})
-    allowed_transports: frozenset[str] = frozenset({"counts", "bits", "sealed"})  # drop "counts" to refuse it
+    allowed_transports: frozenset[str] = frozenset({"counts", "bits", "sealed", "prio3"})  # drop "counts" to refuse it
+    require_split_trust: bool = PolicyConfig.require_split_trust  # refuse SHUFFLER_VISIBLE transports (issue 45)
     # the round protocols (randomizers) this user runs; empty = every protocol its node knows (design 6)
     allowed_protocols: frozenset[str] = frozenset()
     verify_randomizer: bool = True  # recompute the randomizer's eps rather than trust PrivacyCost
@@ -325,6 +330,7 @@ class PolicyTable:
         self.transport_ok = {
             t: column(lambda p, n=name: n in p.allowed_transports, bool) for t, name in TRANSPORT_NAMES.items()
         }
+        self.split_trust = column(lambda p: p.require_split_trust, bool)
         self.protocol_ok = {
             name: column(lambda p, n=name: not p.allowed_protocols or n in p.allowed_protocols, bool)
             for name in PROTOCOL_NAMES
@@ -358,6 +364,8 @@ class PolicyTable:
         nobody = np.zeros(self.verify.size, dtype=bool)  # an unknown trust model or transport: no user allows it
         refuse(~self.trust_ok.get(spec.trust_model, nobody)[idx], Refusal.TRUST_MODEL)
         refuse(~self.transport_ok.get(spec.transport, nobody)[idx], Refusal.TRANSPORT)
+        if spec.transport in SHUFFLER_VISIBLE:
+            refuse(self.split_trust[idx], Refusal.SPLIT_TRUST)
         if not supported:
             refuse(~none, Refusal.PROTOCOL)
         refuse(~self.protocol_ok.get(spec.randomizer.protocol, nobody)[idx], Refusal.PROTOCOL_NOT_ALLOWED)

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
+from shuffledp.services import aggregation
 from shuffledp.services.checkpoints import RunState, decode_run_state, decode_state, encode_state
 from shuffledp.services.evaluation import EvalData, HeldOut, evaluate
 from shuffledp.services.ledger import (
@@ -219,6 +220,7 @@ class _Live:
     probe: Any = None
     # users whose node refused the last round's spec as not the one this analyzer signed (spec_signing)
     forged: int = 0
+    report_ids: set[bytes] = field(default_factory=set)  # PRIO3: the run's report ids (the Helper refuses replays)
 
 
 def _with_ciphertexts(batch: pb.ShuffledBatch, ciphertexts: list[bytes]) -> pb.ShuffledBatch:
@@ -616,6 +618,7 @@ class RunManager:
         theta = rd.opt.query(state.opt)  # where the users take their gradients this round
         spec = round_spec(run_id, r, plan, rd.params, event, theta, live.public_key)
         wire = spec if self.signer is None else pb.RoundSpec(signed=self.signer.sign(spec))
+        verify_key = aggregation.attach_key(spec, wire)  # PRIO3: beside the signed spec, never in it
         t0 = self._clock()
         try:
             batch = self.shuffler.ExecuteRound(wire, timeout=plan["deadline"] + _RPC_GRACE_SECONDS)
@@ -644,7 +647,7 @@ class RunManager:
         # users whose node refused the spec as unsigned or altered: the round is booked as usual, then the run stops
         live.forged = int(rep.refused_reasons.get(SIGNATURE_INVALID, 0))
         if not batch.released:
-            if batch.label_totals or batch.ciphertexts:
+            if batch.label_totals or batch.ciphertexts or batch.reports:
                 raise RuntimeError("the shuffler sent data in a batch marked not released")
             self.ledger.release(run_id, r, f"below threshold: {rep.contributors} contributors")
             seconds = self._clock() - t0
@@ -663,6 +666,19 @@ class RunManager:
             )
         if batch.run_id != run_id or batch.round != r:
             raise RuntimeError(f"batch for run {batch.run_id!r} round {batch.round} answered round {r}")
+        if spec.transport == pb.PRIO3:
+            try:
+                batch = aggregation.finish(
+                    self.shuffler, spec, batch, verify_key, live.private_key, live.report_ids, _RPC_GRACE_SECONDS
+                )
+            except aggregation.AggregationFailed as exc:
+                # the reports' shares left the shuffler: booked as spent at the reservation, nothing released
+                why = f"{exc}; counted as spent"
+                self.ledger.mark_spent(run_id, r, why)
+                log.warning("run %s round %d: %s", run_id, r, why)
+                self._metrics(run_id, r, rd, state, False, 0, self._clock() - t0, dict(rep.rejected), rep, failure=why)
+                return "error", state
+            rep, n = batch.report, int(batch.report.contributors)
         if sealing.repeated_encapsulation(batch.ciphertexts):
             # every sealed message has an encapsulated key of its own (sealing.ENC_BYTES): copies of one message
             # would count one user as several contributors, in the sum and in the amplification (design 5.3)

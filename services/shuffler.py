@@ -148,7 +148,12 @@ def _request(wire: pb.RoundSpec) -> RoundRequest:
     """The round the analyzer asks for. A signed spec (RoundSpec.signed) is planned from its signed bytes, the very
     spec the nodes will act on, and forwarded as it came (shuffledp.transport.spec_signing)."""
     signed = wire.signed if wire.HasField("signed") else None
+    verify_key = bytes(wire.verify_key)
     spec = wire
+    if signed is None and verify_key:  # the spec itself is relayed: without the key
+        spec = pb.RoundSpec()
+        spec.CopyFrom(wire)
+        spec.ClearField("verify_key")
     if signed is not None:
         try:
             spec = pb.RoundSpec.FromString(signed.spec)
@@ -156,6 +161,9 @@ def _request(wire: pb.RoundSpec) -> RoundRequest:
             raise ValueError(f"the signed spec is not a RoundSpec: {exc}") from None
         if spec.HasField("signed"):
             raise ValueError("the signed spec carries another signed spec")
+    if spec.verify_key:
+        # PRIO3's key travels beside the signed spec, never in what the nodes get (draft-18 sec 9.1)
+        raise ValueError("verify_key belongs in ExecuteRound's request, outside the spec the nodes act on")
     r = spec.randomizer
     try:
         schedule, transport = Schedule(spec.schedule), Transport(spec.transport)
@@ -187,6 +195,8 @@ def _request(wire: pb.RoundSpec) -> RoundRequest:
         sampling_rate=spec.sampling_rate,
         population=spec.population,
         report_goal=spec.report_goal,
+        verify_key=verify_key,
+        prio3_vdaf=spec.prio3.vdaf,
         relay=_Relay(None if signed is not None else spec, signed),
         second_relay=second,
     )
@@ -214,7 +224,8 @@ def _submission(c: pb.Contribution, node_id: str) -> Submission:
     if c.HasField("columns"):
         k = c.columns
         # the ids as the message holds them (a str is made per id when read, not a list of them all)
-        cols = UserColumns(k.user_ids, k.nonces, k.nonce_bytes, k.counts, k.sums, k.sum_users)
+        reports = [(r.report_id, r.public_share, r.leader_share, r.helper_share) for r in k.reports]
+        cols = UserColumns(k.user_ids, k.nonces, k.nonce_bytes, k.counts, k.sums, k.sum_users, reports)
     return Submission(
         run_id=c.run_id,
         round=c.round,
@@ -254,6 +265,16 @@ def _batch(b: BatchResult) -> pb.ShuffledBatch:
         if b.label_totals is not None:
             out.label_totals.extend(b.label_totals.tolist())
         out.ciphertexts.extend(b.ciphertexts)
+        out.reports.extend(
+            pb.HelperReport(
+                report_id=p.report_id,
+                public_share=p.public_share,
+                helper_share=p.helper_share,
+                leader_prep_share=p.prep_share,
+                users=p.users,
+            )
+            for p in b.reports
+        )
     return out
 
 
@@ -381,6 +402,24 @@ class ShufflerServicer:
     def _execute(self, raw: bytes, gone: threading.Event) -> bytes:
         request = _request(_decode(pb.RoundSpec, raw, "ExecuteRound"))
         return _batch(self.state.execute_round(request, is_active=lambda: not gone.is_set())).SerializeToString()
+
+    async def FinishAggregation(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            request = _decode(pb.AggregationRequest, raw, "FinishAggregation")
+            return await self._on(self._analyzer, self._finish_aggregation, request)
+        except (ValueError, RoundRejected) as exc:
+            await _abort(context, exc)
+
+    def _finish_aggregation(self, request: pb.AggregationRequest) -> bytes:
+        preps = [(p.report_id, p.prep_share) for p in request.preps]
+        a = self.state.finish_aggregation(request.run_id, request.round, preps)
+        return pb.LeaderAggregate(
+            released=a.released,
+            aggregate_share=a.aggregate_share,
+            reports=a.reports,
+            contributors=a.contributors,
+            rejected=a.rejected,
+        ).SerializeToString()
 
     async def GetPopulation(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
@@ -559,6 +598,7 @@ def _handlers(servicer: ShufflerServicer) -> grpc.GenericRpcHandler:
         {
             "ExecuteRound": grpc.unary_unary_rpc_method_handler(servicer.ExecuteRound, **raw),
             "GetPopulation": grpc.unary_unary_rpc_method_handler(servicer.GetPopulation, **raw),
+            "FinishAggregation": grpc.unary_unary_rpc_method_handler(servicer.FinishAggregation, **raw),
             "RegisterUsers": grpc.unary_unary_rpc_method_handler(servicer.RegisterUsers, **raw),
             "Submit": grpc.unary_unary_rpc_method_handler(servicer.Submit, **raw),
             "Subscribe": grpc.unary_stream_rpc_method_handler(

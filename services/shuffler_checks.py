@@ -28,6 +28,7 @@ from shuffledp.services.shuffler_types import (
 )
 
 from shuffledp.durable import INTEGER_LIMIT
+from shuffledp.protocols import prio3
 from shuffledp.security.sealing import BIT_MESSAGE_BYTES, ENC_BYTES, PUBLIC_KEY_BYTES, sealed_length
 
 __all__ = ["validate_request", "check_batch_size", "refusal_reason", "Checks", "CHECK_IN"]
@@ -47,8 +48,8 @@ def validate_request(
         raise NotImplementedError("schedule STREAM is not implemented by this shuffler yet")
     if req.schedule not in (Schedule.SEQUENTIAL, Schedule.FULLY_INTERACTIVE, Schedule.SUBSAMPLED):
         raise ValueError(f"schedule must be SEQUENTIAL, FULLY_INTERACTIVE or SUBSAMPLED, got {req.schedule}")
-    if req.transport not in (Transport.COUNTS, Transport.BITS, Transport.SEALED):
-        raise ValueError(f"transport must be COUNTS, BITS or SEALED, got {req.transport}")
+    if req.transport not in (Transport.COUNTS, Transport.BITS, Transport.SEALED, Transport.PRIO3):
+        raise ValueError(f"transport must be COUNTS, BITS, SEALED or PRIO3, got {req.transport}")
     if not (0.0 < req.deadline_seconds <= max_deadline) or not math.isfinite(req.deadline_seconds):
         raise ValueError(f"deadline_seconds must lie in (0, {max_deadline}], got {req.deadline_seconds}")
     if req.min_contributors < 0:
@@ -84,8 +85,8 @@ def validate_request(
     if req.check_in_trials:
         # the second invitation's m = ceil(trials / c_min) <= m (c_min >= min_contributors): the checks of this
         # request's m below hold for it too
-        if req.transport not in (Transport.COUNTS, Transport.BITS):
-            raise ValueError(f"check_in applies to COUNTS and BITS rounds, not {req.transport.name}")
+        if req.transport not in (Transport.COUNTS, Transport.BITS, Transport.PRIO3):
+            raise ValueError(f"check_in applies to COUNTS and BITS rounds (and PRIO3), not {req.transport.name}")
         if not (math.isfinite(req.check_in_fraction) and 0.0 < req.check_in_fraction <= 1.0):
             raise ValueError(f"check_in.report_fraction must lie in (0, 1], got {req.check_in_fraction}")
         if req.min_contributors < 1 or req.check_in_trials > int(req.m) * req.min_contributors:
@@ -96,7 +97,7 @@ def validate_request(
     bound = int(req.g) + int(req.m)
     if bound >= U64:  # no count of any transport can reach it; refused here, before any state changes
         raise ValueError(f"g + m must be < 2^64, got g={req.g}, m={req.m}")
-    if req.transport in (Transport.COUNTS, Transport.BITS):
+    if req.transport in (Transport.COUNTS, Transport.BITS, Transport.PRIO3):
         if req.dim < 1:
             raise ValueError(f"randomizer.dim must be >= 1 for {req.transport.name}, got {req.dim}")
         if req.g < 1 or req.m < 0:
@@ -117,6 +118,9 @@ def validate_request(
             f"analyzer_public_key must be a raw {PUBLIC_KEY_BYTES}-byte X25519 key for {req.transport.name}, "
             f"got {len(req.analyzer_public_key)} bytes"
         )
+    if req.transport == Transport.PRIO3:
+        _validate_prio3(req, bound, admitted_users)
+        return req.dim, 0, bound
     if req.transport == Transport.BITS:
         per_user = req.dim * bound  # Alg 2 of paper 000: d (g+m) labelled bits per user
         if per_user > MAX_BIT_MESSAGES_PER_USER:
@@ -132,12 +136,29 @@ def validate_request(
     return per_user, sealed_length(req.message_bytes), bound
 
 
+def _validate_prio3(req: RoundRequest, bound: int, admitted_users: int) -> None:
+    """A PRIO3 round's own checks (the public key's are the caller's): a verification key, a VDAF this shuffler
+    runs, and totals that cannot wrap around the VDAF's field."""
+    if len(req.verify_key) != prio3.VERIFY_KEY_BYTES:
+        raise ValueError(
+            f"a PRIO3 round needs the {prio3.VERIFY_KEY_BYTES}-byte verify_key in ExecuteRound, got "
+            f"{len(req.verify_key)} bytes"
+        )
+    if not prio3.available():
+        raise NotImplementedError(f"this shuffler cannot run PRIO3 rounds: {prio3.MISSING}")
+    vdaf = prio3.Vdaf(req.prio3_vdaf, req.dim, bound, req.run_id, int(req.round))  # ValueError: unknown VDAF
+    if max(req.cohort_size, admitted_users, 1) > vdaf.max_users():
+        raise ValueError(f"g+m = {bound} is too large: the totals of {admitted_users} users would wrap in the field")
+
+
 def check_batch_size(req: RoundRequest, invited: int, per_user: int, ct_len: int, max_batch_bytes: int) -> None:
     """A released SEALED / BITS batch holds up to invited * per_user ciphertexts: it must fit one gRPC message
     the analyzer can receive (grpc_options.BATCH_MESSAGE_BYTES), or it could never be delivered. COUNTS: the
     invitees' totals must fit uint64 (_validate checked it for the users admitted then, outside the lock; users
     admitted since could make a cohort larger)."""
-    if req.transport == Transport.COUNTS:
+    if req.transport in (Transport.COUNTS, Transport.PRIO3):
+        # PRIO3: a batch holds at most one report per user, each ~3-15 kB to the analyzer (d <= 10^4), so a 1 GiB
+        # message holds >= 65,000 reports; a larger one fails in delivery, which the analyzer charges as spent
         bound = int(req.g) + int(req.m)
         if invited * bound >= U64:
             raise ValueError(f"g+m = {bound} is too large: the totals of {invited} users would overflow uint64")
@@ -252,11 +273,19 @@ class Checks:
             return 0, []
         row_bytes = rnd.req.dim * rnd.wire_dtype.itemsize if rnd.wire_dtype is not None else 0
         if rnd.checking_in:  # a check-in carries no payload (CheckIn)
-            if cols.counts or cols.sums:
+            if cols.counts or cols.sums or cols.reports:
                 self.reject(rnd, Reason.WRONG_PAYLOAD, rejected, len(good))
                 return 0, []
             rnd.checked_in.setdefault(node_id, []).extend(keys if isinstance(good, range) else (keys[i] for i in good))
             return len(good), []
+        if rnd.req.transport == Transport.PRIO3:
+            if cols.counts or cols.sums or not cols.reports:
+                self.reject(rnd, Reason.WRONG_PAYLOAD, rejected, len(good))
+                return 0, []
+            return self.add_reports(rnd, cols, good, rejected), []
+        if cols.reports:
+            self.reject(rnd, Reason.WRONG_PAYLOAD, rejected, len(good))
+            return 0, []
         # exactly one COUNTS form: both set would leave open which one is the users' answer
         if rnd.req.transport != Transport.COUNTS or bool(cols.counts) == bool(cols.sums):
             self.reject(rnd, Reason.WRONG_PAYLOAD, rejected, len(good))
@@ -267,6 +296,49 @@ class Checks:
             self.reject(rnd, Reason.WRONG_COUNT_LENGTH, rejected, len(good))
             return 0, []
         return 0, good
+
+    def _whole_groups(
+        self, rnd: OpenRound, n: int, size: int, good: list[int] | range, rejected: Counter
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The groups of `size` consecutive users (the last may be shorter) all of whose users passed the sender
+        checks (`good`): (whether each group is whole, each group's size). A group with a refused user cannot be
+        split: its other users are rejected (PARTIAL_SUM)."""
+        starts = np.arange(0, n, size)
+        sizes = np.minimum(starts + size, n) - starts
+        ok = np.zeros(n, dtype=np.int64)
+        ok[np.asarray(good, dtype=np.int64)] = 1
+        good_in = np.add.reduceat(ok, starts)  # users of each group that passed the sender checks
+        whole = good_in == sizes
+        partial = int(good_in[~whole].sum())  # a group none of whose users passed has no one left to reject
+        if partial:
+            self.reject(rnd, Reason.PARTIAL_SUM, rejected, partial)
+        return whole, sizes
+
+    def add_reports(self, rnd: OpenRound, cols: UserColumns, good: list[int] | range, rejected: Counter) -> int:
+        """Keep the Prio3 reports of cols (UserColumns.reports, one per group of sum_users users) whose users all
+        passed the sender checks, unread: their ids are checked here (length, never seen in the run: `rnd.report_ids`
+        holds the run's), their shares by the joint verification after the round closes (protocols/prio3.py).
+        Returns the users kept. Caller holds the lock."""
+        n, size = len(cols.user_ids), int(cols.sum_users)
+        groups = -(-n // size) if size > 0 else 0
+        if not groups or len(cols.reports) != groups:  # the reports cannot be matched to their users
+            self.reject(rnd, Reason.MALFORMED_REPORT, rejected, len(good))
+            return 0
+        whole, sizes = self._whole_groups(rnd, n, size, good, rejected)
+        added = 0
+        for j in np.flatnonzero(whole).tolist():
+            rid, public, leader, helper = cols.reports[j]
+            users = int(sizes[j])
+            if len(rid) != prio3.REPORT_ID_BYTES or max(len(public), len(helper)) > prio3.MAX_SHARE_BYTES:
+                self.reject(rnd, Reason.MALFORMED_REPORT, rejected, users)
+            elif rid in rnd.report_ids:
+                self.reject(rnd, Reason.REPLAYED_REPORT, rejected, users)
+            else:
+                rnd.report_ids.add(rid)
+                rnd.reports.append((rid, public, leader, helper, users))
+                added += users
+        rnd.contributors += added
+        return added
 
     def add_sums(self, rnd: OpenRound, cols: UserColumns, good: list[int] | range, rejected: Counter) -> int:
         """Range-check the group sums of cols (UserColumns.sums) whose users all passed the sender checks (`good`)
@@ -279,15 +351,7 @@ class Checks:
         if not groups or len(cols.sums) != groups * d * 8:  # the sums cannot be told apart
             self.reject(rnd, Reason.WRONG_COUNT_LENGTH, rejected, len(good))
             return 0
-        starts = np.arange(0, n, size)
-        sizes = np.minimum(starts + size, n) - starts
-        ok = np.zeros(n, dtype=np.int64)
-        ok[np.asarray(good, dtype=np.int64)] = 1
-        good_in = np.add.reduceat(ok, starts)  # users of each group that passed the sender checks
-        whole = good_in == sizes
-        partial = int(good_in[~whole].sum())  # a group none of whose users passed has no one left to reject
-        if partial:
-            self.reject(rnd, Reason.PARTIAL_SUM, rejected, partial)
+        whole, sizes = self._whole_groups(rnd, n, size, good, rejected)
         sums, sizes = np.frombuffer(cols.sums, dtype="<u8").reshape(groups, d)[whole], sizes[whole]
         if not len(sums):
             return 0
@@ -309,6 +373,8 @@ class Checks:
         if rnd.checking_in:  # a check-in carries no payload (CheckIn)
             empty = msg.counts is None and msg.counts_packed is None and msg.ciphertexts is None
             return CHECK_IN if empty else Reason.WRONG_PAYLOAD
+        if rnd.req.transport == Transport.PRIO3:  # reports come in columns (UserColumns.reports) only
+            return Reason.WRONG_PAYLOAD
         if rnd.req.transport == Transport.COUNTS:
             # exactly one COUNTS encoding: both set would leave open which one is the user's answer
             if msg.ciphertexts is not None or (msg.counts is None) == (msg.counts_packed is None):

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,7 @@ from shuffledp.services.shuffler_types import (
     PAYLOAD_REASONS,
     RECENT_CLOSED_ROUNDS,
     Ack,
+    Aggregate,
     BatchResult,
     CallerGone,
     CohortUnavailable,
@@ -74,6 +75,7 @@ from shuffledp.services.shuffler_types import (
 
 from shuffledp.mechanisms import check_in
 from shuffledp.mechanisms.pvec import count_wire_dtype
+from shuffledp.protocols import prio3
 from shuffledp.security.rng import make_rng
 from shuffledp.security.sealing import ENC_BYTES
 from shuffledp.transport.grpc_options import BATCH_MESSAGE_BYTES
@@ -106,10 +108,24 @@ __all__ = [
     "MemoryParticipationStore",
     "SqliteParticipationStore",
     "ShufflerState",
+    "Aggregate",
     "user_key",
     "user_keys",
     "split_user_key",
 ]
+
+
+RECENT_RUNS = 64  # PRIO3: runs whose report ids are kept (a replay into an older run fails its proofs anyway)
+RECENT_PENDING = 16  # PRIO3: released rounds awaiting FinishAggregation (the oldest is dropped: never aggregated)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A released PRIO3 round the Leader prepared, until the Helper's prep shares come (FinishAggregation)."""
+
+    vdaf: prio3.Vdaf
+    reports: dict[bytes, prio3.LeaderReport]
+    min_contributors: int
 
 
 class ShufflerState:
@@ -142,6 +158,10 @@ class ShufflerState:
         self._counters: Counter = Counter()
         self._checks = Checks(self._admitted, self._counters)
         self._open: dict[tuple[str, int], OpenRound] = {}
+        # PRIO3: per run (the latest RECENT_RUNS), the report ids seen (a replayed id is refused in any later round)
+        self._report_ids: OrderedDict[str, set[bytes]] = OrderedDict()
+        # PRIO3: released rounds awaiting the Helper's prep shares (FinishAggregation), oldest first
+        self._pending: OrderedDict[tuple[str, int], _Pending] = OrderedDict()
         # recently closed rounds, to tell a late message (expired) from a wrong one; bounded, so that the shuffler's
         # memory does not grow with the rounds it ran (a round is never executed twice: the durable record says so)
         self._closed: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -233,6 +253,11 @@ class ShufflerState:
             )
             if req.transport == Transport.COUNTS:
                 rnd.totals = np.zeros(req.dim, dtype=np.uint64)
+            if req.transport == Transport.PRIO3:
+                rnd.report_ids = self._report_ids.setdefault(req.run_id, set())
+                self._report_ids.move_to_end(req.run_id)
+                while len(self._report_ids) > RECENT_RUNS:
+                    self._report_ids.popitem(last=False)
             rnd.checking_in = req.check_in_trials > 0
             rnd.is_active = is_active
             self._open[key] = rnd
@@ -262,6 +287,8 @@ class ShufflerState:
                     self._selection.mark_silent(req.run_id, silent)
             t2 = self._clock()
             batch = self._finish(rnd, released_ok=is_active(), invited=len(invited))
+        if rnd.req.transport == Transport.PRIO3:
+            batch = self._leader_init(rnd, batch, is_active)
         if self.on_round is not None:
             self.on_round(batch, {"select": t1 - t0, "collect": t2 - t1, "release": self._clock() - t2})
         return batch
@@ -358,6 +385,58 @@ class ShufflerState:
             eligible=rnd.drawn_from,
             excluded_silent=rnd.excluded_silent,
         )
+
+    # ----- PRIO3: the Leader (protocols/prio3.py) ------------------------------------------------------------------
+    def _leader_init(self, rnd: OpenRound, batch: BatchResult, is_active: Callable[[], bool]) -> BatchResult:
+        """A closed PRIO3 round: prepare every report as the Leader (outside the lock: ~2 ms per report at d = 650,
+        on every core), drop those that do not decode, threshold again, and hand the Helper its part of each in a
+        CSPRNG-permuted order; the prepared reports wait for FinishAggregation."""
+        req, reports = rnd.req, rnd.reports
+        rnd.reports = []
+        if not batch.released:
+            return batch
+        vdaf = prio3.Vdaf(req.prio3_vdaf, req.dim, rnd.bound, req.run_id, int(req.round))
+        prepared, rejected = prio3.leader_init(vdaf, req.verify_key, reports)
+        users = sum(p.users for p in prepared)
+        below = users < max(1, req.min_contributors)
+        with self._lock:
+            for reason, k in rejected.items():
+                self._counters[reason] += k
+            rejected.update(batch.rejected)
+            released = not below and is_active()
+            if released:
+                perm = self._rng.permutation(len(prepared))  # CSPRNG shuffle (design 1), as for ciphertexts
+                prepared = [prepared[i] for i in perm]
+                key = (req.run_id, int(req.round))
+                self._pending[key] = _Pending(vdaf, {p.report_id: p for p in prepared}, req.min_contributors)
+                while len(self._pending) > RECENT_PENDING:
+                    self._pending.popitem(last=False)
+        return replace(
+            batch,
+            released=released,
+            below_threshold=below,
+            contributors=users,
+            rejected=dict(rejected),
+            reports=prepared if released else (),
+        )
+
+    def finish_aggregation(self, run_id: str, round_index: int, preps: Sequence[tuple[bytes, bytes]]) -> Aggregate:
+        """The Helper's prep shares of a released PRIO3 round -> the Leader's aggregate share over the reports both
+        servers verified, only over at least the round's threshold of users (the check that protects the users is
+        the Leader's own: it combines the prep shares itself). Answered once per round: a second request (another
+        subset of reports, whose difference would isolate one) finds nothing (RoundRejected, wrong_round)."""
+        with self._lock:
+            pending = self._pending.pop((run_id, int(round_index)), None)
+        if pending is None:
+            raise RoundRejected(
+                Reason.WRONG_ROUND, f"no PRIO3 round {round_index} of run {run_id!r} awaits its aggregation"
+            )
+        share, reports, users, rejected = prio3.leader_finish(pending.vdaf, pending.reports, preps)
+        with self._lock:
+            for reason, k in rejected.items():
+                self._counters[reason] += k
+        released = share is not None and users >= max(1, pending.min_contributors)
+        return Aggregate(released, share if released else b"", reports, users, dict(rejected))
 
     # ----- collection -------------------------------------------------------------------------------------------
     def submit(self, sub: Submission) -> Ack:

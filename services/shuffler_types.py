@@ -31,6 +31,7 @@ class Transport(IntEnum):
     COUNTS = 1
     BITS = 2
     SEALED = 3
+    PRIO3 = 4
 
 
 class Reason(StrEnum):
@@ -54,6 +55,11 @@ class Reason(StrEnum):
     # several users' by the analyzer's amplification and sums)
     REPLAYED_MESSAGE = "replayed_message"
     PARTIAL_SUM = "partial_sum"  # COUNTS sums: the user's group sum also holds a user refused by a check above
+    # PRIO3 (protocols/prio3.py), counted per user of the report: an id seen before in the run, a report that does not
+    # decode as the round's VDAF, one the joint verification rejected (out of range, forged proof, mismatched share)
+    REPLAYED_REPORT = "replayed_report"
+    MALFORMED_REPORT = "malformed_report"
+    INVALID_PROOF = "invalid_proof"
 
 
 PAYLOAD_REASONS = frozenset(
@@ -64,6 +70,8 @@ PAYLOAD_REASONS = frozenset(
         Reason.WRONG_MESSAGE_COUNT,
         Reason.WRONG_CIPHERTEXT_LENGTH,
         Reason.REPLAYED_MESSAGE,
+        Reason.REPLAYED_REPORT,
+        Reason.MALFORMED_REPORT,
     }
 )
 
@@ -133,6 +141,8 @@ class RoundRequest:
     # RoundSpec.report_goal: the round closes once this many users' reports were accepted (over-selection); 0 = it
     # waits for every invitee until the deadline. >= min_contributors; a check-in's second phase uses max(it, c_min)
     report_goal: int = 0
+    verify_key: bytes = b""  # PRIO3: the VDAF verification key (RoundSpec.verify_key; never relayed)
+    prio3_vdaf: str = ""  # PRIO3: RoundSpec.prio3.vdaf
     relay: Any = None
     second_relay: Callable[[int, int, int], Any] | None = None  # check-in: (c, c_min, m) -> the second spec
 
@@ -160,6 +170,9 @@ class UserColumns:
     counts: bytes = b""
     sums: bytes = b""
     sum_users: int = 0
+    # PRIO3, instead of sums: per group of sum_users users, (report_id, public_share, leader_share, sealed helper
+    # share) of its Prio3SumVec report
+    reports: Sequence[tuple[bytes, bytes, bytes, bytes]] = ()
 
 
 @dataclass(frozen=True)
@@ -197,6 +210,20 @@ class BatchResult:
     checked_in: int = 0  # check-in rounds: users who checked in
     eligible: int = 0  # SUBSAMPLED: the users the cohort was drawn from
     excluded_silent: int = 0  # check-in rounds: users left out for having checked in and then sent nothing
+    # PRIO3, released only: the Helper's part of each report the Leader prepared (protocols.prio3.LeaderReport),
+    # CSPRNG-permuted
+    reports: Sequence[Any] = ()
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """PRIO3: the Leader's answer to the Helper (FinishAggregation): its aggregate share when released."""
+
+    released: bool
+    aggregate_share: bytes
+    reports: int
+    contributors: int
+    rejected: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -309,6 +336,9 @@ class OpenRound:
     nonces: NonceSet = field(default_factory=lambda: NonceSet())  # replay protection; dropped with the round (5.3)
     totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
     ciphertexts: list[bytes] = field(default_factory=list)
+    # PRIO3: the accepted reports (report_id, public_share, leader_share, sealed helper share, users), unread
+    reports: list[tuple[bytes, bytes, bytes, bytes, int]] = field(default_factory=list)
+    report_ids: set[bytes] = field(default_factory=set)  # PRIO3: the run's report ids so far (replays, design 5.3)
     encapsulations: set[bytes] = field(default_factory=set)  # SEALED/BITS: of the ciphertexts accepted (replays)
     contributors: int = 0
     refused: int = 0

@@ -165,6 +165,8 @@ max_total_eps = 64.0        # over all rounds, basic composition (an upper bound
 max_total_delta = 1e-2
 # allowed_protocols = ["pvec", "privunit"]  # the randomizers a user runs (a round of another is refused);
                             # every protocol when unset
+require_split_trust = false # true: refuse rounds that show the shuffler the user's counts (PVEC count mode);
+                            # privacy.pvec.aggregation = "prio3" rounds pass
 
 {tracking}"""
 
@@ -492,6 +494,7 @@ def _policy(t: dict[str, Any]) -> PolicyConfig:
         max_total_eps=_float("policy.max_total_eps", t.get("max_total_eps", p.max_total_eps), 0.0, 1e6),
         max_total_delta=_float("policy.max_total_delta", t.get("max_total_delta", p.max_total_delta), 0.0, 1.0),
         allowed_protocols=_names("policy.allowed_protocols", t.get("allowed_protocols", []), _PROTOCOLS),
+        require_split_trust=_bool("policy.require_split_trust", t.get("require_split_trust", p.require_split_trust)),
     )
 
 

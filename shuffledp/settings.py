@@ -296,6 +296,8 @@ class PolicyConfig:
     max_total_eps: float = 64.0
     max_total_delta: float = 1e-2
     allowed_protocols: tuple[str, ...] = ()  # the randomizers the users run; () = every protocol
+    # refuse rounds whose transport shows the shuffler a user's counts (COUNTS): PRIO3, BITS and SEALED only (issue 45)
+    require_split_trust: bool = False
 
 
 def _mlflow_target(key: str, v: object) -> bool | str:

@@ -46,6 +46,7 @@ __all__ = [
     "MALFORMED_REPORT",
     "INVALID_PROOF",
     "UNDECRYPTABLE",
+    "HELPER_REJECTED",
     "available",
     "new_verify_key",
     "Vdaf",
@@ -74,6 +75,7 @@ MALFORMED_REPORT = "malformed_report"  # a share or id that does not decode as t
 INVALID_PROOF = "invalid_proof"  # the joint verification rejected it: an entry out of range, a forged proof, a
 # share of another report
 UNDECRYPTABLE = "undecryptable"  # the sealed Helper share does not open (protocols.base.UNDECRYPTABLE)
+HELPER_REJECTED = "rejected_by_helper"  # the Leader's count of reports the Helper left out (the Helper says why)
 
 MISSING = (
     'transport PRIO3 (privacy.pvec.aggregation = "prio3") needs the Prio3 binding shuffledp_prio (native/, Rust): '
@@ -218,8 +220,8 @@ def leader_finish(
     """The Leader's part once the Helper answered with its prep shares (report_id, prep_share): it combines both prep
     shares itself (the FLP decision is its own, not the Helper's word) and finishes the valid reports. Returns (its
     aggregate share or None when no report is valid, valid reports, their users, users rejected by reason). A report
-    the Helper left out is rejected as the Helper's (INVALID_PROOF: the Helper found it invalid or could not open it);
-    an id the Leader does not hold, or given twice, is ignored and so cannot count twice."""
+    the Helper left out is counted as HELPER_REJECTED (the Helper's own counts say why); an id the Leader does not
+    hold, or given twice, is ignored and so cannot count twice."""
     given: dict[bytes, bytes] = {}
     for rid, share in preps:
         given.setdefault(bytes(rid), bytes(share))
@@ -227,7 +229,7 @@ def leader_finish(
     rejected: Counter = Counter()
     missing = sum(p.users for rid, p in prepared.items() if rid not in given)
     if missing:
-        rejected[INVALID_PROOF] += missing
+        rejected[HELPER_REJECTED] += missing
 
     def one(item: tuple[LeaderReport, bytes]) -> bytes | str:
         p, helper_share = item

@@ -5,11 +5,14 @@ Each party calls the plug-in through shuffledp.protocols.registry.round_protocol
     analyzer  plan(request) -> RoundPlan           sizing from the budget and the population (once per run)
               spec_fields(plan, params, event, key) the RoundSpec's randomizer, transport, trust model and claim
               decode(batch, n, plan, params, key, info) -> Decoded   the estimate of the sum of the users' vectors
-    client    randomize(spec, G, user_ids, nonces, rng, out)   the users' messages (clipped here; COUNTS: group sums)
+    client    randomize(spec, G, user_ids, nonces, rng, out)   the users' messages (clipped here; COUNTS: group sums;
+              PRIO3: each group sum as a Prio3SumVec report, protocols/prio3.py)
               verify_epsilon(spec), noise_key(spec)  what the round costs a user, recomputed from the spec
     config    settings ([privacy.pvec]), check_config(cfg, optimizer)   the protocol's own keys and their checks
-    shuffler  nothing protocol-specific: it sums counts (COUNTS) or permutes and forwards ciphertexts (BITS,
-              SEALED) by RoundSpec.transport, the only thing it needs to know (design 5).
+    shuffler  nothing protocol-specific: it sums counts (COUNTS), runs the Leader's part of PRIO3 (the analyzer the
+              Helper's: services/aggregation.py turns the reports into the same totals before decode), or permutes
+              and forwards ciphertexts (BITS, SEALED) by RoundSpec.transport, the only thing it needs to know
+              (design 5).
 
 Sizing (spec 000 sec 4/5): sequential rounds are sized for one round at (eps, delta) (disjoint cohorts compose in
 parallel); fully interactive rounds per round from calibrate_pvec(eps, delta, ..., rounds=T) (calibrated, RDP
@@ -31,6 +34,7 @@ import numpy as np
 
 from shuffledp.mechanisms import check_in, pvec
 from shuffledp.mechanisms.pvec import PvecParams
+from shuffledp.protocols import prio3
 from shuffledp.protocols.base import (
     MALFORMED_PLAINTEXT,
     UNDECRYPTABLE,
@@ -132,13 +136,15 @@ def _put_sums(
     xhat: np.ndarray,
     params: PvecParams,
     rng: np.random.Generator,
+    spec: pb.RoundSpec,
 ) -> None:
     """UserColumns with the users' ids and nonces and, per group of SUM_GROUP_USERS users, the sum of their counts
     (UserColumns.sums): their xhat summed plus Bin(group m, p) per coordinate (pvec.summed_noise), which has the
     law of the sum of their xhat + Bin(m, p) (Alg 1 of paper 000). The shuffler adds up counts and forwards only
     their totals (design 5.2), so the analyzer's view is the same; the shuffler sees sums of many users instead
     of each user's counts, and checks each against [0, users (g + m)]: every sum a node's users could make with
-    counts in [0, g + m] each, and no other."""
+    counts in [0, g + m] each, and no other. PRIO3: each sum goes as a Prio3SumVec report instead (protocols/prio3.py)
+    proving that same range, its Helper share sealed to the analyzer's key in the signed spec."""
     out.columns.user_ids.extend(user_ids)
     if isinstance(nonces, Nonces):
         out.columns.nonce_bytes, out.columns.nonces = nonces.width, nonces.blob
@@ -151,7 +157,14 @@ def _put_sums(
         group = xhat[a : a + SUM_GROUP_USERS]
         sums[j] = group.sum(axis=0, dtype=np.uint64)
         sums[j] += pvec.summed_noise(params.m, group.shape[0], params.p, params.d, rng)
-    out.columns.sums, out.columns.sum_users = sums.tobytes(), SUM_GROUP_USERS
+    out.columns.sum_users = SUM_GROUP_USERS
+    if spec.transport != pb.PRIO3:
+        out.columns.sums = sums.tobytes()
+        return
+    vdaf = prio3.Vdaf(spec.prio3.vdaf, params.d, params.g + params.m, spec.run_id, int(spec.round))
+    sizes = np.minimum(np.arange(0, k, SUM_GROUP_USERS) + SUM_GROUP_USERS, k) - np.arange(0, k, SUM_GROUP_USERS)
+    for rid, public, leader, helper in prio3.shard(vdaf, sums, sizes.tolist(), spec.analyzer_public_key):
+        out.columns.reports.add(report_id=rid, public_share=public, leader_share=leader, helper_share=helper)
 
 
 def open_bit_messages(
@@ -212,6 +225,18 @@ def _accountant(events: Sequence[Any]) -> str:
 class PvecSettings:
     """[privacy.pvec]"""
 
+    aggregation: str = setting(
+        "counts",
+        '"counts" (the shuffler adds the users\' counts: it sees each node\'s sums) or "prio3" (Prio3SumVec reports: '
+        "the shuffler and the analyzer verify and add them without seeing one; needs the native/ binding, issue 45)",
+        choices=("counts", "prio3"),
+    )
+    prio3_vdaf: str = setting(
+        prio3.DEFAULT_VDAF,
+        'aggregation = "prio3": "prio3sumvec" (Field128, one proof) or "prio3sumvec-field64x3" (Field64, three '
+        "proofs: about half the upload)",
+        choices=tuple(prio3.VDAFS),
+    )
     calibration: str = setting(
         "calibrated",
         '"calibrated" (exact numerical accountant) or "paper" (Lemma 3.1/3.3 constants)',
@@ -264,10 +289,21 @@ class PvecRound(AnalyzerHooks):
             )
         if own.report_fraction != PvecSettings.report_fraction and not own.check_in_on:
             raise ConfigError("privacy.pvec.report_fraction applies to check-in rounds; privacy.pvec.check_in is off")
+        if own.aggregation == "prio3":
+            if cfg.transport.mode != "counts":
+                raise ConfigError(
+                    'privacy.pvec.aggregation = "prio3" aggregates count vectors: it needs transport.mode = "counts", '
+                    f'got "{cfg.transport.mode}"'
+                )
+            if not prio3.available():
+                raise ConfigError(prio3.MISSING)
+        elif own.prio3_vdaf != PvecSettings.prio3_vdaf:
+            raise ConfigError('privacy.pvec.prio3_vdaf applies to privacy.pvec.aggregation = "prio3"')
 
     def needs_keypair(self, plan: dict[str, Any]) -> bool:
-        """BITS: the analyzer opens the ciphertexts with a key of its own (design 5.1)."""
-        return plan["transport"] == "bits"
+        """BITS: the analyzer opens the ciphertexts with a key of its own (design 5.1); PRIO3: the Helper's input
+        shares are sealed to it."""
+        return plan["transport"] == "bits" or plan.get("aggregation") == "prio3"
 
     # ------------------------------------------------------------------------------------------ analyzer
     def plan(self, req: PlanRequest) -> RoundPlan:
@@ -306,9 +342,11 @@ class PvecRound(AnalyzerHooks):
         if fraction is not None and params.method != "calibrated":
             raise ValueError('check-in needs privacy.pvec.calibration = "calibrated"')
         # check-in: the noise the worst case (n_min users of m trials each) holds, shared by who checks in
-        extra = (
+        extra: dict[str, Any] = (
             {} if fraction is None else {"check_in": {"noise_trials": params.m * n_min, "report_fraction": fraction}}
         )
+        if own.aggregation == "prio3" and req.transport == "counts":
+            extra.update(aggregation="prio3", prio3_vdaf=own.prio3_vdaf)
         return RoundPlan(asdict(params), composition, slack, noise_sq, plan_extra=extra)
 
     def released(
@@ -354,9 +392,10 @@ class PvecRound(AnalyzerHooks):
         """The RoundSpec fields this protocol owns."""
         eps_r, delta_r = self.per_user_claim(plan, params, event)
         bits = plan["transport"] == "bits"
+        split = plan.get("aggregation") == "prio3"
         return {
             "trust_model": self.trust_model,
-            "transport": pb.BITS if bits else pb.COUNTS,
+            "transport": pb.BITS if bits else pb.PRIO3 if split else pb.COUNTS,
             "randomizer": pb.RandomizerSpec(
                 protocol=self.name,
                 clip_norm=params.delta2,
@@ -371,8 +410,9 @@ class PvecRound(AnalyzerHooks):
             "per_user_cost": pb.PrivacyCost(
                 eps=eps_r, delta=delta_r, accountant=f"pvec-{params.method}", trust_model=self.trust_model
             ),
-            "analyzer_public_key": analyzer_public_key if bits else b"",
+            "analyzer_public_key": analyzer_public_key if bits or split else b"",
             "check_in": pb.CheckIn(**plan["check_in"]) if plan.get("check_in") else None,
+            "prio3": pb.Prio3Spec(vdaf=plan["prio3_vdaf"]) if split else None,
         }
 
     def decode(
@@ -480,7 +520,7 @@ class PvecRound(AnalyzerHooks):
 
     # -------------------------------------------------------------------------------------------- client
     def supports(self, spec: pb.RoundSpec) -> bool:
-        return spec.transport in (pb.COUNTS, pb.BITS)
+        return spec.transport in (pb.COUNTS, pb.BITS, pb.PRIO3)
 
     def randomize(
         self,
@@ -494,8 +534,8 @@ class PvecRound(AnalyzerHooks):
         """The users' messages (G: their gradients, in user_ids order): COUNTS as out.columns with the sums of
         groups of users (_put_sums), BITS as one UserMessage per user in out.messages."""
         params = pvec_params_from_spec(spec)
-        if spec.transport == pb.COUNTS:
-            _put_sums(out, user_ids, nonces, _round_wire([G], params, rng), params, rng)
+        if spec.transport in (pb.COUNTS, pb.PRIO3):
+            _put_sums(out, user_ids, nonces, _round_wire([G], params, rng), params, rng, spec)
             return
         G = pvec.clip_rows(G, params.delta2)  # ||g||_2 <= clip_norm before the shift (spec 000 sec 7 item 7)
         if spec.randomizer.message_bytes not in (0, sealing.BIT_MESSAGE_BYTES):
@@ -517,7 +557,7 @@ class PvecRound(AnalyzerHooks):
         a second invitation). blocks: their vectors, consecutive rows at a time (only their xhat are held at once,
         not their floats)."""
         ci = spec.check_in
-        if spec.transport != pb.COUNTS or not ci.noise_trials or ci.checked_in:
+        if spec.transport not in (pb.COUNTS, pb.PRIO3) or not ci.noise_trials or ci.checked_in:
             return None
         params = pvec_params_from_spec(spec)
         return PreparedCounts(_first_form(spec), _round_wire(blocks, params, rng))
@@ -536,10 +576,10 @@ class PvecRound(AnalyzerHooks):
         users' sums with the noise of this spec's m, exactly as randomize makes them. False, with nothing drawn or
         written, when the rounding does not fit this spec: another round, model or parameters."""
         ci = spec.check_in
-        if spec.transport != pb.COUNTS or not ci.checked_in or _first_form(spec) != prepared.first:
+        if spec.transport not in (pb.COUNTS, pb.PRIO3) or not ci.checked_in or _first_form(spec) != prepared.first:
             return False
         xhat = prepared.xhat if np.array_equal(rows, np.arange(prepared.xhat.shape[0])) else prepared.xhat[rows]
-        _put_sums(out, user_ids, nonces, xhat, pvec_params_from_spec(spec), rng)
+        _put_sums(out, user_ids, nonces, xhat, pvec_params_from_spec(spec), rng, spec)
         return True
 
     def verify_epsilon(self, spec: pb.RoundSpec) -> float:

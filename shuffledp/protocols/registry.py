@@ -29,7 +29,12 @@ __all__ = [
 
 # name -> (module in shuffledp.protocols, class, constructor arguments, what a user reads in --print-default)
 _PLUGINS: dict[str, tuple[str, str, tuple[Any, ...], str]] = {
-    "pvec": ("pvec_round", "PvecRound", (), "multi-message vector sum over the shuffler (seed 000), counts or bits"),
+    "pvec": (
+        "pvec_round",
+        "PvecRound",
+        (),
+        "multi-message vector sum over the shuffler (seed 000), counts, prio3 or bits",
+    ),
     "r_inf": ("ldp_round", "LdpRound", ("r_inf",), "eps0-LDP report, l_inf clip, subsampled shuffle (CLDP-SGD, 001)"),
     "r_one": ("ldp_round", "LdpRound", ("r_one",), "eps0-LDP report, l_1 clip, subsampled shuffle (CLDP-SGD, 001)"),
     "privunit": ("ldp_round", "LdpRound", ("privunit",), "eps0-LDP report, l_2 (PrivUnit), subsampled shuffle (001)"),
@@ -58,7 +63,9 @@ _NOISE = frozenset({"noise", "noise_multiplier"})
 _FTRL = frozenset({"max_participations", "min_separation"}) | _NOISE
 _DECLARED: dict[str, Declared] = {
     "pvec": Declared(
-        frozenset({"calibration", "check_in", "report_fraction", "round_eps"}), ("psgd", "acsa", "pgd"), False
+        frozenset({"aggregation", "prio3_vdaf", "calibration", "check_in", "report_fraction", "round_eps"}),
+        ("psgd", "acsa", "pgd"),
+        False,
     ),
     "r_inf": _LDP,
     "r_one": _LDP,

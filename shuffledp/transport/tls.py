@@ -49,6 +49,7 @@ DEFAULT_POLICY: dict[str, frozenset[str]] = {
     "/shuffledp.v1.Analyzer/": frozenset({pki.ROLE_OPERATOR}),
     "/shuffledp.v1.Shuffler/ExecuteRound": frozenset({pki.ROLE_ANALYZER}),
     "/shuffledp.v1.Shuffler/GetPopulation": frozenset({pki.ROLE_ANALYZER}),
+    "/shuffledp.v1.Shuffler/FinishAggregation": frozenset({pki.ROLE_ANALYZER}),
     "/shuffledp.v1.Shuffler/RegisterUsers": frozenset({pki.ROLE_CLIENT_NODE}),
     "/shuffledp.v1.Shuffler/Subscribe": frozenset({pki.ROLE_CLIENT_NODE}),
     "/shuffledp.v1.Shuffler/Submit": frozenset({pki.ROLE_CLIENT_NODE}),
