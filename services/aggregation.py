@@ -11,6 +11,7 @@ the round as spent (never as refused), though nothing about the totals was learn
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
@@ -19,6 +20,8 @@ from shuffledp.transport.spec_signing import second_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = ["AggregationFailed", "attach_key", "finish"]
+
+log = logging.getLogger(__name__)
 
 
 class AggregationFailed(RuntimeError):
@@ -83,6 +86,14 @@ def finish(
             f"analyzer {len(helper.valid)} ({helper.users} users)"
         )
     totals = prio3.unshard(vdaf, leader.aggregate_share, helper.aggregate_share, len(helper.valid))
+    log.info(
+        "run %s round %d: %d Prio3 reports (%d users) verified by both servers; rejected: %s",
+        spec.run_id,
+        spec.round,
+        len(helper.valid),
+        helper.users,
+        dict(helper.rejected),
+    )
     own = Counter(dict(leader.rejected))
     own.pop(prio3.HELPER_REJECTED, None)  # the reports the Helper left out: its own reasons are counted here
     rejected = Counter(dict(batch.report.rejected)) + helper.rejected + own
