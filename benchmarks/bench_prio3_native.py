@@ -78,22 +78,31 @@ def bench(kind, d: int, repeats: int) -> dict:
     }
 
 
-def crate_alone(d: int, repeats: int) -> dict[str, dict[str, float]]:
-    """native/examples/bench_crate.rs at the same size: {field: {step: ms}}."""
+def crate_alone(d: int, repeats: int, max_measurement: int = MAX_MEASUREMENT) -> dict[str, dict[str, float]]:
+    """native/examples/bench_crate.rs at the same size: {field: {step: ms}}, each the best of `repeats`. Steps: this
+    script's STEPS ("finish" = the message once, then both Aggregators' verify_next) and each part on its own:
+    "combine" (verifier_shares_to_message), "next L", "next H", "aggregate" (one output share into an aggregate
+    share) and "unshard" (both aggregate shares, once per batch)."""
     proc = subprocess.run(
-        ["cargo", "run", "--quiet", "--release", "--example", "bench_crate", "--", str(d), str(MAX_MEASUREMENT),
+        ["cargo", "run", "--quiet", "--release", "--example", "bench_crate", "--", str(d), str(max_measurement),
          str(repeats)],
         cwd=NATIVE, capture_output=True, text=True, check=True,
     )  # fmt: skip
     out = {}
     for line in proc.stdout.splitlines():
-        field, shard, init_l, init_h, combine, next_l, next_h = line.split()
+        field, *cells = line.split()
+        shard, init_l, init_h, combine, next_l, next_h, aggregate, unshard = map(float, cells)
         out[field] = {
-            "shard": float(shard),
-            "init L": float(init_l),
-            "init H": float(init_h),
+            "shard": shard,
+            "init L": init_l,
+            "init H": init_h,
             # the same work as the binding's "finish": the message once, then both Aggregators' verify_next
-            "finish": float(combine) + float(next_l) + float(next_h),
+            "finish": combine + next_l + next_h,
+            "combine": combine,
+            "next L": next_l,
+            "next H": next_h,
+            "aggregate": aggregate,
+            "unshard": unshard,
         }
     return out
 

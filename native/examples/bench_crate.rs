@@ -3,7 +3,10 @@
 //!
 //! Run: cargo run --release --example bench_crate -- LENGTH MAX_MEASUREMENT REPEATS
 //! Prints one line per field: `field shard_ms init_leader_ms init_helper_ms combine_ms next_leader_ms
-//! next_helper_ms`, each the best of REPEATS (the least disturbed by other processes), like the Python script.
+//! next_helper_ms aggregate_ms unshard_ms`, each the best of REPEATS (the least disturbed by other processes), like the
+//! Python scripts. aggregate_ms: one output share into a fresh aggregate share (an Aggregator's per-report part of
+//! aggregation); unshard_ms: the Collector's unshard of both aggregate shares (once per batch). The first seven
+//! columns are benchmarks/bench_prio3_native.py's; benchmarks/bench_split_trust.py reads all nine.
 
 use std::time::Instant;
 
@@ -12,7 +15,7 @@ use prio::flp::gadgets::{Mul, ParallelSum};
 use prio::flp::types::SumVec;
 use prio::vdaf::prio3::{optimal_chunk_length, Prio3};
 use prio::vdaf::xof::XofTurboShake128;
-use prio::vdaf::{Aggregator, Client, VerifyTransition};
+use prio::vdaf::{Aggregatable, Aggregator, Client, Collector, VerifyTransition};
 use rand::RngExt;
 
 const CTX: &[u8] = b"shuffledp/prio3sumvec";
@@ -64,17 +67,41 @@ macro_rules! bench {
                 .unwrap()
         });
         let mut t_next = [0.0; 2];
+        let mut out_shares = vec![];
         for (agg_id, state) in states.iter().enumerate() {
             let (t, transition) = best($reps, || {
                 vdaf.verify_next(CTX, state.clone(), message.clone())
                     .unwrap()
             });
-            assert!(matches!(transition, VerifyTransition::Finish(_)));
+            let VerifyTransition::Finish(out_share) = transition else {
+                panic!("Prio3 has one round")
+            };
             t_next[agg_id] = t;
+            out_shares.push(out_share);
         }
+        let (t_aggregate, agg_leader) = best($reps, || {
+            let mut acc = vdaf.aggregate_init(&());
+            acc.accumulate(&out_shares[0]).unwrap();
+            acc
+        });
+        let mut agg_helper = vdaf.aggregate_init(&());
+        agg_helper.accumulate(&out_shares[1]).unwrap();
+        let (t_unshard, result) = best($reps, || {
+            vdaf.unshard(&(), vec![agg_leader.clone(), agg_helper.clone()], 1)
+                .unwrap()
+        });
+        assert_eq!(result, measurement, "the round trip lost the measurement");
         println!(
-            "{} {:.4} {:.4} {:.4} {:.4} {:.4} {:.4}",
-            $name, t_shard, t_init[0], t_init[1], t_combine, t_next[0], t_next[1]
+            "{} {:.4} {:.4} {:.4} {:.4} {:.4} {:.4} {:.4} {:.4}",
+            $name,
+            t_shard,
+            t_init[0],
+            t_init[1],
+            t_combine,
+            t_next[0],
+            t_next[1],
+            t_aggregate,
+            t_unshard
         );
     }};
 }
