@@ -10,6 +10,7 @@ of the run. A node with `require_split_trust` refuses a count-mode round with it
 from __future__ import annotations
 
 import secrets
+import sys
 import threading
 
 import numpy as np
@@ -192,3 +193,17 @@ def test_require_split_trust_refuses_rounds_the_shuffler_can_read(transport, ref
     assert (set(reasons) == {Refusal.SPLIT_TRUST}) is refused
     assert Refusal.SPLIT_TRUST not in set(PolicyTable(UserPolicy(verify_randomizer=False), 3)._static(
         spec, np.arange(3), True)[0])  # fmt: skip
+
+
+def test_prio3_without_the_binding_is_refused_in_one_line_before_anything_starts(monkeypatch) -> None:
+    from shuffledp.config import default_toml, parse_config
+    from shuffledp.settings import ConfigError
+
+    toml = default_toml().replace('aggregation = "counts"', 'aggregation = "prio3"')
+    parse_config(toml)  # here the binding is installed
+    monkeypatch.setitem(sys.modules, "shuffledp_prio", None)  # as on a machine where native/ was not built
+    with pytest.raises(ConfigError, match="needs the Prio3 binding shuffledp_prio") as err:
+        parse_config(toml)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match='needs transport.mode = "counts"'):
+        parse_config(toml.replace('mode = "counts"', 'mode = "bits"'))
