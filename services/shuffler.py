@@ -265,16 +265,7 @@ def _batch(b: BatchResult) -> pb.ShuffledBatch:
         if b.label_totals is not None:
             out.label_totals.extend(b.label_totals.tolist())
         out.ciphertexts.extend(b.ciphertexts)
-        out.reports.extend(
-            pb.HelperReport(
-                report_id=p.report_id,
-                public_share=p.public_share,
-                helper_share=p.helper_share,
-                leader_prep_share=p.prep_share,
-                users=p.users,
-            )
-            for p in b.reports
-        )
+        out.reports.extend(p.for_helper() for p in b.reports)
     return out
 
 

@@ -158,17 +158,7 @@ def test_output_shares_of_reports_of_different_sizes_add_up_in_one_aggregate() -
     sums = np.stack([rng.integers(0, s * (G + M) + 1, D) for s in sizes]).astype(np.uint64)
     reports = prio3.shard(vdaf, sums, sizes, public)
     leader, rejected = prio3.leader_init(vdaf, key, [(*r, s) for r, s in zip(reports, sizes, strict=True)])
-    views = [
-        pb.HelperReport(
-            report_id=p.report_id,
-            public_share=p.public_share,
-            helper_share=p.helper_share,
-            leader_prep_share=p.prep_share,
-            users=p.users,
-        )  # fmt: skip
-        for p in leader
-    ]
-    helper = prio3.helper_prepare(vdaf, key, private, views)
+    helper = prio3.helper_prepare(vdaf, key, private, [p.for_helper() for p in leader])
     share, n, users, _ = prio3.leader_finish(vdaf, {p.report_id: p for p in leader}, helper.preps)
     assert not rejected and n == 3 and users == sum(sizes) == helper.users
     assert np.array_equal(prio3.unshard(vdaf, share, helper.aggregate_share, n), sums.sum(axis=0).astype(np.int64))

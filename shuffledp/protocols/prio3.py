@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from shuffledp.security import sealing
+from shuffledp.v1 import shuffledp_pb2 as pb
 
 __all__ = [
     "VDAFS",
@@ -188,6 +189,16 @@ class LeaderReport:
     users: int
     state: bytes
     prep_share: bytes
+
+    def for_helper(self) -> pb.HelperReport:
+        """What the Helper receives of this report (ShuffledBatch.reports): never the Leader's share or state."""
+        return pb.HelperReport(
+            report_id=self.report_id,
+            public_share=self.public_share,
+            helper_share=self.helper_share,
+            leader_prep_share=self.prep_share,
+            users=self.users,
+        )
 
 
 def leader_init(
