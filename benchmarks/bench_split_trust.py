@@ -351,9 +351,9 @@ def fmt(x: float | None, spec: str) -> str:
 def print_bytes(rows: list[dict], rng: dict) -> None:
     print(
         f"\n(a) bytes per user (one user per report), counts in [0, g + m = {rng['bound']}]: count mode's d counts of "
-        f"{rows[0]['bytes']['count width']} B (pvec.count_wire_dtype) and UserColumns.sums for one user (d uint64, what a node "
-        "sends today); PRIO3's report id + public + Leader + sealed Helper share, raw and as a Prio3Report in "
-        "UserColumns"
+        f"{rows[0]['bytes']['count width']} B (pvec.count_wire_dtype) and UserColumns.sums for one user (d uint64, "
+        "what a node sends today); PRIO3's report id + public + Leader + sealed Helper share, raw and as a "
+        "Prio3Report in UserColumns"
     )
     print(
         f"{'d':>6} {'vdaf':>22} {'count B':>8} {'sums B':>8} {'public':>6} {'leader':>9} {'sealed':>6} "
@@ -431,12 +431,12 @@ def print_rounds(rows: list[dict], users: int, rounds: int, mtls: bool) -> None:
         )
         if "error" in r:
             print(f"{'':>26}  FAILED: {r['error'][:300]}")
-    done = {r["label"].split()[0]: r for r in rows if r.get("seconds_per_round")}
+    done = {r["label"]: r for r in rows if r.get("seconds_per_round")}
     if "count" in done:
         for label, r in done.items():
             if label != "count":
                 ratio = r["seconds_per_round"] / done["count"]["seconds_per_round"]
-                print(f"PRIO3 / count mode, s/round: {ratio:.2f}x")
+                print(f"{label} / count mode, s/round: {ratio:.2f}x")
     print(
         "s/round: median RoundMetrics.seconds after the first round; cycle: median time between rounds' progress "
         "lines; run s: the whole `shuffledp run` (start-up included); CPU s: every process of the run"
