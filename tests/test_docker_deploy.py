@@ -4,6 +4,7 @@ One deployment (unique compose project name, its own PKI and host port) is broug
 whole module and torn down with its volumes at the end, also when a test fails. What is checked is what the
 containers can actually do and what the analyzer actually stored, not what the code intends:
 
+- the image has the Prio3 binding (shuffledp_prio, built on the host where cargo exists) and runs it;
 - the analyzer container cannot open a connection to any client node (by name or by address), the shuffler can;
 - no certificate, a self-signed one, one from another CA, or a CA-signed one of the wrong role is refused by every
   service (from the host for the published analyzer port, from a helper container on the internal networks for
@@ -67,6 +68,36 @@ def image() -> dict[str, int]:
     """shuffledp:latest built from scratch from the working tree (new base, no cache, host-built wheels, offline),
     with the mf extra (jax_privacy) so that this one deployment runs every protocol."""
     return common.build_image(from_scratch=True, extras="mf")
+
+
+# the Prio3 binding's round trip in the image's Python: two reports sharded, verified by both Aggregators, summed
+PRIO3_ROUND_TRIP = """
+import os
+import shuffledp_prio as prio
+v = prio.Prio3SumVec(length=3, max_measurement=5)
+key, outs = os.urandom(32), [[], []]
+for m in ([1, 2, 3], [5, 0, 4]):
+    nonce = os.urandom(16)
+    public, *shares = v.shard(m, nonce)
+    states, ps = zip(*(v.prepare_init(key, i, nonce, public, s) for i, s in enumerate(shares)))
+    msg = v.prep_shares_to_prep(list(ps))
+    for i, st in enumerate(states):
+        outs[i].append(v.prepare_next(st, msg))
+print(*v.unshard([v.aggregate(o) for o in outs], 2))
+"""
+
+
+def test_the_image_has_the_prio3_binding_where_the_host_builds_it(image: dict[str, int]):
+    """deploy/build_image.sh builds native/'s wheel on the host where cargo exists (issue 45) and the image installs
+    it offline: `import shuffledp_prio` works in the image's own Python (the base's CPython and glibc, not the host's)
+    and the crate verifies and sums two reports there. Without cargo the image is built without it (one line)."""
+    if shutil.which("cargo") is None:
+        pytest.skip("no Rust toolchain (cargo) on this host: build_image.sh builds the image without shuffledp_prio")
+    if image:  # built by this module (not an image reused with SHUFFLEDP_TEST_REUSE_IMAGE=1)
+        assert image["prio3_binding"] == 1
+    run = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "python", IMAGE, "-c"]
+    assert run_cmd([*run, "import shuffledp_prio"], timeout=60).returncode == 0
+    assert run_cmd([*run, PRIO3_ROUND_TRIP], timeout=60).stdout.split() == ["6", "2", "7"]
 
 
 @dataclass
