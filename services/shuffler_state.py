@@ -264,6 +264,9 @@ class ShufflerState:
             rnd.by_node = sel.cohort.by_node if sel.cohort is not None else by_node(invited)
             self._invite(rnd, req.relay, rnd.by_node)
             t1 = self._clock()
+            if req.transport == Transport.PRIO3:  # ends once the round is closed (below)
+                rnd.preparer = threading.Thread(target=self._prepare_arrivals, args=(rnd,), daemon=True)
+                rnd.preparer.start()
             try:
                 # check-in: the first half of the window for the check-ins, the rest for the messages. The last
                 # check-in sends the second invitation itself (submit); if the window closes first, it goes from here
@@ -273,6 +276,7 @@ class ShufflerState:
                     self._collect(rnd, is_active)
             finally:
                 rnd.closed = True
+                self._lock.notify_all()  # a PRIO3 round's preparer drains what is left and ends
                 del self._open[key]
                 self._closed[key] = None
                 while len(self._closed) > RECENT_CLOSED_ROUNDS:
@@ -387,16 +391,35 @@ class ShufflerState:
         )
 
     # ----- PRIO3: the Leader (protocols/prio3.py) ------------------------------------------------------------------
+    def _prepare_arrivals(self, rnd: OpenRound) -> None:
+        """A PRIO3 round's preparer: the Leader's prepare_init of each report as it arrives (outside the lock, ~1.4 ms
+        per report at d = 650, on every core), so that collection and preparation overlap and the round holds each
+        report's preparation state (10 kB at d = 650) instead of its share (162 kB; 2.6 MB at d = 10^4, where 10^4
+        devices' shares would not fit in memory). Ends once the round closed and nothing is left."""
+        while True:
+            with self._lock:
+                while not rnd.reports and not rnd.closed:
+                    self._lock.wait()  # every submission and the round's close notify
+                todo, rnd.reports = rnd.reports, []
+                if not todo:
+                    return
+                req, bound = rnd.req, rnd.bound  # reports arrive only after a check-in's second invitation set them
+            vdaf = prio3.Vdaf(req.prio3_vdaf, req.dim, bound, req.run_id, int(req.round))
+            prepared, rejected = prio3.leader_init(vdaf, req.verify_key, todo)
+            with self._lock:
+                rnd.prepared.extend(prepared)
+                rnd.prep_rejected.update(rejected)
+
     def _leader_init(self, rnd: OpenRound, batch: BatchResult, is_active: Callable[[], bool]) -> BatchResult:
-        """A closed PRIO3 round: prepare every report as the Leader (outside the lock: ~2 ms per report at d = 650,
-        on every core), drop those that do not decode, threshold again, and hand the Helper its part of each in a
-        CSPRNG-permuted order; the prepared reports wait for FinishAggregation."""
-        req, reports = rnd.req, rnd.reports
-        rnd.reports = []
+        """A closed PRIO3 round, once its preparer prepared every report (_prepare_arrivals): drop those that did not
+        decode, threshold again, and hand the Helper its part of each in a CSPRNG-permuted order; the prepared
+        reports wait for FinishAggregation."""
+        rnd.preparer.join()
+        req, prepared, rejected = rnd.req, rnd.prepared, Counter(rnd.prep_rejected)
+        rnd.prepared = []
         if not batch.released:
             return batch
         vdaf = prio3.Vdaf(req.prio3_vdaf, req.dim, rnd.bound, req.run_id, int(req.round))
-        prepared, rejected = prio3.leader_init(vdaf, req.verify_key, reports)
         users = sum(p.users for p in prepared)
         below = users < max(1, req.min_contributors)
         with self._lock:

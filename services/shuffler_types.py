@@ -336,8 +336,13 @@ class OpenRound:
     nonces: NonceSet = field(default_factory=lambda: NonceSet())  # replay protection; dropped with the round (5.3)
     totals: np.ndarray | None = None  # COUNTS running per-label total (uint64); per-user counts never kept
     ciphertexts: list[bytes] = field(default_factory=list)
-    # PRIO3: the accepted reports (report_id, public_share, leader_share, sealed helper share, users), unread
+    # PRIO3: the accepted reports (report_id, public_share, leader_share, sealed helper share, users), unread, until
+    # the round's preparer takes them (ShufflerState._prepare_arrivals); what it made of them (LeaderReports), and
+    # the users of those that did not decode, by reason
     reports: list[tuple[bytes, bytes, bytes, bytes, int]] = field(default_factory=list)
+    prepared: list[Any] = field(default_factory=list)
+    prep_rejected: Counter = field(default_factory=Counter)
+    preparer: Any = None  # PRIO3: the round's preparer thread
     report_ids: set[bytes] = field(default_factory=set)  # PRIO3: the run's report ids so far (replays, design 5.3)
     encapsulations: set[bytes] = field(default_factory=set)  # SEALED/BITS: of the ciphertexts accepted (replays)
     contributors: int = 0

@@ -80,8 +80,8 @@ HELPER_REJECTED = "rejected_by_helper"  # the Leader's count of reports the Help
 
 MISSING = (
     'transport PRIO3 (privacy.pvec.aggregation = "prio3") needs the Prio3 binding shuffledp_prio (native/, Rust): '
-    "install a Rust toolchain (cargo) and run `SHUFFLEDP_EXTRAS=dev,prio3 bash scripts/_venv.sh`, or `pip install "
-    "./native`"
+    "install a Rust toolchain (cargo) and run `SHUFFLEDP_EXTRAS=prio3 bash scripts/_venv.sh` (the extra prio3), or "
+    "`pip install ./native`"
 )
 
 
