@@ -98,6 +98,23 @@ def test_the_default_run_over_prio3_with_mtls_ends_where_count_mode_ends(tmp_pat
     assert min(acc_counts, acc_split) >= 0.85 and abs(acc_counts - acc_split) <= 0.03, (acc_counts, acc_split)
 
 
+def test_users_who_require_split_trust_refuse_count_mode_by_name_and_join_prio3(tmp_path: Path) -> None:
+    """[policy] require_split_trust: every user refuses a count-mode round with the reason named in the run's output,
+    and joins the same run over PRIO3 (plain text here: the nodes decide from the spec's transport)."""
+    toml = default_toml().replace("require_split_trust = false", "require_split_trust = true")
+    toml = toml.replace("# rounds = 16", "rounds = 2 #")
+    assert "require_split_trust = true" in toml and "rounds = 2" in toml
+    (tmp_path / "counts.toml").write_text(toml)
+    cmd = [sys.executable, "-m", "shuffledp.cli", "run", str(tmp_path / "counts.toml"), "--out", str(tmp_path / "c")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    said = res.stdout + res.stderr
+    assert "no round released" in said and "eps = 0.0000" in said, said[-3000:]
+    assert "1348 users refused: transport_visible_to_shuffler_require_split_trust=1348" in said, said[-3000:]
+    (tmp_path / "prio3.toml").write_text(toml.replace('aggregation = "counts"', 'aggregation = "prio3"'))
+    said = _shuffledp_run(tmp_path / "prio3.toml", tmp_path / "p")
+    assert "state: COMPLETED" in said and said.count("contributors   1348") == 2, said[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------- the curious shuffler
 def _device_toml(aggregation: str) -> str:
     return f"""
