@@ -50,6 +50,8 @@ def finish(
 ) -> pb.ShuffledBatch:
     """The released PRIO3 batch as count mode's: its totals over the reports both servers verified, contributors
     their users, rejections by reason (the Leader's and the Helper's). `seen`: the run's report ids (replays)."""
+    if batch.label_totals or batch.ciphertexts:  # a PRIO3 batch carries reports only: totals come from both shares
+        raise AggregationFailed("the shuffler sent totals or ciphertexts in a PRIO3 batch")
     acting = spec
     if spec.check_in.noise_trials:  # the round ran at the m the nodes derived from the users who checked in
         try:
