@@ -221,3 +221,20 @@ def test_reports_are_prepared_as_they_arrive_and_their_shares_not_kept() -> None
     assert all(len(p.state) < len(r[2]) / 4 for p, r in zip(open_round.prepared, rnd.reports, strict=False))
     rnd.thread.join(10)
     assert rnd.out[0].released and len(rnd.out[0].reports) == USERS - 1
+
+
+def test_the_analyzer_takes_totals_only_from_both_aggregate_shares() -> None:
+    """A PRIO3 batch with totals or ciphertexts of the shuffler's making is refused before any aggregation: the
+    analyzer's totals come only from unsharding the Leader's and its own aggregate shares."""
+    from shuffledp.services import aggregation
+
+    spec = pb.RoundSpec(run_id="run", round=0, transport=pb.PRIO3, min_contributors=1)
+    spec.randomizer.dim, spec.randomizer.g, spec.randomizer.m = D, G, M
+    spec.prio3.vdaf = prio3.DEFAULT_VDAF
+    private, _ = sealing.generate_keypair()
+    for forged in (
+        pb.ShuffledBatch(released=True, label_totals=[1] * D),
+        pb.ShuffledBatch(released=True, ciphertexts=[b"x"]),
+    ):
+        with pytest.raises(aggregation.AggregationFailed, match="totals or ciphertexts"):
+            aggregation.finish(None, spec, forged, prio3.new_verify_key(), private, set(), 1.0)
