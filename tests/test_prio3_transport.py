@@ -115,6 +115,31 @@ def test_users_who_require_split_trust_refuse_count_mode_by_name_and_join_prio3(
     assert "state: COMPLETED" in said and said.count("contributors   1348") == 2, said[-3000:]
 
 
+def test_a_seeded_prio3_run_replays_bit_for_bit(tmp_path: Path) -> None:
+    """The reports' shares are fresh OS randomness, but what they add up to is exact: two runs with one seed give the
+    same metrics, the same released model and the same spend as each other."""
+    toml = (
+        default_toml()
+        .replace('aggregation = "counts"', 'aggregation = "prio3"')
+        .replace("# rounds = 16", "rounds = 3 #")
+    )
+    (tmp_path / "prio3.toml").write_text(toml)
+    runs = []
+    for name in ("a", "b"):
+        said = _shuffledp_run(tmp_path / "prio3.toml", tmp_path / name, "--seed", "7")
+        assert "state: COMPLETED" in said, said[-3000:]
+        metrics = [
+            {k: v for k, v in m.items() if k != "seconds"}
+            for m in json.loads((tmp_path / name / "metrics.json").read_text())
+        ]
+        with np.load(tmp_path / name / "model.npz") as z:
+            model = {k: z[k] for k in z.files}
+        runs.append((metrics, model, json.loads((tmp_path / name / "summary.json").read_text())["spend"]))
+    (m_a, model_a, spend_a), (m_b, model_b, spend_b) = runs
+    assert m_a == m_b and len(m_a) == 3 and spend_a == spend_b
+    assert model_a.keys() == model_b.keys() and all(np.array_equal(model_a[k], model_b[k]) for k in model_a)
+
+
 # ---------------------------------------------------------------------------------------------- the curious shuffler
 def _device_toml(aggregation: str) -> str:
     return f"""
