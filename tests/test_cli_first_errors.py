@@ -172,7 +172,8 @@ def test_every_mistake_of_a_configuration_is_reported_at_once(tmp_path):
         "  data.test_fraction must lie in (0.0, 0.9], got 2.0",
         "  data.examples_per_user must lie in [1, 10000], got 0",
         "  privacy.eps must lie in (0.0, 64.0], got 100.0",
-        "  unknown key privacy.pvec.foo; allowed: aggregation, calibration, check_in, prio3_vdaf, report_fraction, round_eps",
+        "  unknown key privacy.pvec.foo; allowed: aggregation, calibration, check_in, prio3_vdaf, report_fraction, "
+        "round_eps",
         "  schedule.kind must be one of 'sequential', 'fully_interactive', 'subsampled', got 'fully_interactiv'",
         "  deployment.client_nodes must be an integer, got '2'",
     ]
