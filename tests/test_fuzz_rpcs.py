@@ -113,6 +113,7 @@ def _rpcs() -> list[Rpc]:
         "/shuffledp.v1.Analyzer/": "operator",
         "/shuffledp.v1.Shuffler/ExecuteRound": "analyzer",
         "/shuffledp.v1.Shuffler/GetPopulation": "analyzer",
+        "/shuffledp.v1.Shuffler/FinishAggregation": "analyzer",
         "/shuffledp.v1.Shuffler/": "client-1",  # RegisterUsers, Subscribe, Submit: client nodes
         "/shuffledp.v1.ClientNode/": "operator",
     }
