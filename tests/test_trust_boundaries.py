@@ -650,8 +650,10 @@ def test_concurrent_large_requests_of_one_node_are_bounded(tmp_path: Path, pki_d
                     codes.append((exc.code(), "in flight" in exc.details()))
         assert all(c[0] == grpc.StatusCode.RESOURCE_EXHAUSTED for c in codes), codes  # the cap, or in flight
         grown_mib = (_vm_hwm_kib(proc.pid) - base) / 1024
-        # one decoded request is ~400 MiB here; 8 at once went past 2.5 GiB before the limit
-        assert grown_mib < 1200, f"shuffler peak grew by {grown_mib:.0f} MiB"
+        # one decoded request is ~400 MiB here; 8 at once went past 2.5 GiB (2.8 GiB) before the limit. With it: two
+        # decoded at once plus the others' raw bytes until refused, 1019-1134 MiB on a quiet machine and 1203 MiB in
+        # one loaded CI run (session 29), so the bound sits halfway between that and the unbounded case
+        assert grown_mib < 1600, f"shuffler peak grew by {grown_mib:.0f} MiB"
         assert sum(1 for c in codes if c[1]) >= 1, codes
         c0.close()
         c1.close()
