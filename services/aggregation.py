@@ -15,6 +15,8 @@ import logging
 from collections import Counter
 from typing import Any
 
+import grpc
+
 from shuffledp.protocols import prio3
 from shuffledp.transport.spec_signing import second_spec
 from shuffledp.v1 import shuffledp_pb2 as pb
@@ -74,25 +76,24 @@ def finish(
     )
     try:
         leader = shuffler.FinishAggregation(request, timeout=timeout)
-    except Exception as exc:  # grpc.RpcError: no aggregate share, whatever the reason
-        code = getattr(exc, "code", lambda: None)()
-        raise AggregationFailed(f"FinishAggregation failed ({getattr(code, 'name', exc)})") from None
+    except grpc.RpcError as exc:  # no aggregate share, whatever the reason
+        raise AggregationFailed(f"FinishAggregation failed ({exc.code().name}: {exc.details()})") from None
     if not leader.released:
         raise AggregationFailed(
             f"the shuffler withheld its aggregate share: {leader.contributors} users in reports it verified"
         )
-    if leader.reports != len(helper.valid) or leader.contributors != helper.users:
+    if leader.reports != helper.reports or leader.contributors != helper.users:
         # the two aggregate shares would cover different reports: their sum is no total
         raise AggregationFailed(
             f"the servers disagree on the valid reports: shuffler {leader.reports} ({leader.contributors} users), "
-            f"analyzer {len(helper.valid)} ({helper.users} users)"
+            f"analyzer {helper.reports} ({helper.users} users)"
         )
-    totals = prio3.unshard(vdaf, leader.aggregate_share, helper.aggregate_share, len(helper.valid))
+    totals = prio3.unshard(vdaf, leader.aggregate_share, helper.aggregate_share, helper.reports)
     log.info(
         "run %s round %d: %d Prio3 reports (%d users) verified by both servers; rejected: %s",
         spec.run_id,
         spec.round,
-        len(helper.valid),
+        helper.reports,
         helper.users,
         dict(helper.rejected),
     )

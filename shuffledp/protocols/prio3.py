@@ -269,14 +269,18 @@ def leader_finish(
 # ---------------------------------------------------------------------------------------------------------- helper
 @dataclass
 class HelperResult:
-    """The Helper's part of a round: its prep shares for the Leader, its aggregate share over the reports it found
-    valid, those reports' ids and users, and the users it rejected by reason."""
+    """The Helper's part of a round: its prep shares for the Leader (one per report it found valid), its aggregate
+    share over those reports, their users, and the users it rejected by reason."""
 
     preps: list[tuple[bytes, bytes]]
     aggregate_share: bytes | None
-    valid: set[bytes]
     users: int
     rejected: Counter
+
+    @property
+    def reports(self) -> int:
+        """The reports the Helper found valid."""
+        return len(self.preps)
 
 
 def helper_prepare(
@@ -316,7 +320,6 @@ def helper_prepare(
 
     preps: list[tuple[bytes, bytes]] = []
     outs: list[bytes] = []
-    valid: set[bytes] = set()
     users = 0
     for rep, done in zip(todo, _map(one, todo), strict=True):
         if isinstance(done, str):
@@ -325,10 +328,9 @@ def helper_prepare(
         rid, share, out = done
         preps.append((rid, share))
         outs.append(out)
-        valid.add(rid)
         users += int(rep.users)
     agg = bytes(vdaf.of(1).aggregate(outs)) if outs else None
-    return HelperResult(preps, agg, valid, users, rejected)
+    return HelperResult(preps, agg, users, rejected)
 
 
 def unshard(vdaf: Vdaf, leader_share: bytes, helper_share: bytes, reports: int) -> np.ndarray:

@@ -153,8 +153,10 @@ def _put_sums(
         out.columns.nonces = b"".join(nonces)
     k = xhat.shape[0]
     sums = np.empty((-(-k // SUM_GROUP_USERS), params.d), dtype="<u8")
+    sizes = []  # users per group (the last may be fewer)
     for j, a in enumerate(range(0, k, SUM_GROUP_USERS)):
         group = xhat[a : a + SUM_GROUP_USERS]
+        sizes.append(group.shape[0])
         sums[j] = group.sum(axis=0, dtype=np.uint64)
         sums[j] += pvec.summed_noise(params.m, group.shape[0], params.p, params.d, rng)
     out.columns.sum_users = SUM_GROUP_USERS
@@ -162,8 +164,7 @@ def _put_sums(
         out.columns.sums = sums.tobytes()
         return
     vdaf = prio3.Vdaf(spec.prio3.vdaf, params.d, params.g + params.m, spec.run_id, int(spec.round))
-    sizes = np.minimum(np.arange(0, k, SUM_GROUP_USERS) + SUM_GROUP_USERS, k) - np.arange(0, k, SUM_GROUP_USERS)
-    for rid, public, leader, helper in prio3.shard(vdaf, sums, sizes.tolist(), spec.analyzer_public_key):
+    for rid, public, leader, helper in prio3.shard(vdaf, sums, sizes, spec.analyzer_public_key):
         out.columns.reports.add(report_id=rid, public_share=public, leader_share=leader, helper_share=helper)
 
 
