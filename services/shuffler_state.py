@@ -292,7 +292,7 @@ class ShufflerState:
             t2 = self._clock()
             batch = self._finish(rnd, released_ok=is_active(), invited=len(invited))
         if rnd.req.transport == Transport.PRIO3:
-            batch = self._leader_init(rnd, batch, is_active)
+            batch = self._release_prepared(rnd, batch, is_active)
         if self.on_round is not None:
             self.on_round(batch, {"select": t1 - t0, "collect": t2 - t1, "release": self._clock() - t2})
         return batch
@@ -410,7 +410,7 @@ class ShufflerState:
                 rnd.prepared.extend(prepared)
                 rnd.prep_rejected.update(rejected)
 
-    def _leader_init(self, rnd: OpenRound, batch: BatchResult, is_active: Callable[[], bool]) -> BatchResult:
+    def _release_prepared(self, rnd: OpenRound, batch: BatchResult, is_active: Callable[[], bool]) -> BatchResult:
         """A closed PRIO3 round, once its preparer prepared every report (_prepare_arrivals): drop those that did not
         decode, threshold again, and hand the Helper its part of each in a CSPRNG-permuted order; the prepared
         reports wait for FinishAggregation."""
