@@ -21,13 +21,16 @@ from shuffledp.v1 import shuffledp_pb2_grpc as pbg
 STARTUP_S = 60.0
 
 
-def serve(workdir: Path, name: str, argv: list[str]) -> tuple[subprocess.Popen, int]:
+def serve(workdir: Path, name: str, argv: list[str], program: list[str] | None = None) -> tuple[subprocess.Popen, int]:
     """`shuffledp serve ARGV --port-file ...` (give --insecure or --pki in argv); returns (process, bound port).
-    The log is workdir/<name>.log (appended, so a restarted service keeps one log)."""
+    `program` instead of `python -m shuffledp.cli serve`: a test's own wrapper of a service (e.g. a dishonest
+    shuffler script taking `serve shuffler`'s arguments). The log is workdir/<name>.log (appended, so a restarted
+    service keeps one log)."""
     port_file = workdir / f"{name}.port"
     port_file.unlink(missing_ok=True)
     log = open(workdir / f"{name}.log", "ab")  # noqa: SIM115 (the process owns it)
-    cmd = [sys.executable, "-m", "shuffledp.cli", "serve", *argv, "--port-file", str(port_file)]
+    program = program or [sys.executable, "-m", "shuffledp.cli", "serve"]
+    cmd = [*program, *argv, "--port-file", str(port_file)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     end = time.monotonic() + STARTUP_S
     while not port_file.exists():

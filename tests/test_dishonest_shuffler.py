@@ -17,11 +17,10 @@ import json
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from _procs import log_text, serve, stop
+from _procs import serve, stop
 from _runs import wait_for_run
 
 from shuffledp.security import pki
@@ -103,18 +102,10 @@ class _Deployment:
             raise
 
     def _start_shuffler(self, secure: list[str]) -> None:
-        port_file = self.workdir / "shuffler.port"
-        log = open(self.workdir / "shuffler.log", "ab")  # noqa: SIM115 (the process owns it)
-        cmd = [sys.executable, str(HERE / "_dishonest_shuffler.py"), str(self.mode_file), str(self.report_file)]
-        cmd += ["--state-dir", str(self.workdir / "shuffler"), "--port-file", str(port_file), *secure]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE)
+        program = [sys.executable, str(HERE / "_dishonest_shuffler.py"), str(self.mode_file), str(self.report_file)]
+        proc, port = serve(self.workdir, "shuffler", ["--state-dir", str(self.workdir / "shuffler"), *secure], program)
         self.procs.append(proc)
-        end = time.monotonic() + 60
-        while not port_file.exists():
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"the shuffler did not start:\n{log_text(self.workdir, 'shuffler')[-3000:]}")
-            time.sleep(0.05)
-        self.shuffler = f"127.0.0.1:{int(port_file.read_text())}"
+        self.shuffler = f"127.0.0.1:{port}"
 
     def run(self, toml: str, mode: str) -> pb.RunStatus:
         self.mode_file.write_text(mode)

@@ -20,14 +20,13 @@ import secrets
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from _procs import log_text, serve, stop
+from _procs import serve, stop
 from shuffledp.clients.spend_store import SqliteSpendStore
 
 from shuffledp.accountants.pvec_pld import epsilon_of_rounds
@@ -171,16 +170,10 @@ class _Deployment:
         self.procs: list[subprocess.Popen] = []
         secure = ["--pki", str(self.pki_dir), "--listen", "127.0.0.1:0"]
         try:
-            port_file = workdir / "shuffler.port"
-            log = open(workdir / "shuffler.log", "ab")  # noqa: SIM115 (the process owns it)
-            cmd = [sys.executable, str(HERE / "_curious_shuffler.py"), str(self.dump), "--port-file", str(port_file)]
-            cmd += ["--state-dir", str(workdir / "shuffler"), *secure]
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE))
-            end = time.monotonic() + 60
-            while not port_file.exists():
-                assert self.procs[0].poll() is None and time.monotonic() < end, log_text(workdir, "shuffler")[-3000:]
-                time.sleep(0.05)
-            self.shuffler = f"127.0.0.1:{int(port_file.read_text())}"
+            program = [sys.executable, str(HERE / "_curious_shuffler.py"), str(self.dump)]
+            proc, port = serve(workdir, "shuffler", ["--state-dir", str(workdir / "shuffler"), *secure], program)
+            self.procs.append(proc)
+            self.shuffler = f"127.0.0.1:{port}"
             config = workdir / "devices.toml"
             config.write_text(_device_toml("counts"))
             argv = ["analyzer", "--shuffler", self.shuffler, "--state-dir", str(workdir / "analyzer"), *secure]
